@@ -1,0 +1,43 @@
+"""automap: automatic partitioning of JAX programs."""
+
+from automap._src.api import Budget as Budget
+from automap._src.api import Hints as Hints
+from automap._src.api import MemoryLimitError as MemoryLimitError
+from automap._src.api import Partitioned as Partitioned
+from automap._src.api import evaluate as evaluate
+from automap._src.api import partition as partition
+from automap._src.api import search as search
+from automap._src.api import verify as verify
+from automap._src.cost import Cost as Cost
+from automap._src.graph import UnknownPrimitiveWarning as UnknownPrimitiveWarning
+from automap._src.hardware import CATALOGUE as HARDWARE
+from automap._src.hardware import Hardware as Hardware
+from automap._src.hardware import HardwareError as HardwareError
+from automap._src.plan import Plan as Plan
+from automap._src.plan import PlanError as PlanError
+from automap._src.sharding import MeshError as MeshError
+from automap._src.trace import ArgumentError as ArgumentError
+from automap._src.verify import Report as Report
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "ArgumentError",
+    "Budget",
+    "Cost",
+    "HARDWARE",
+    "Hardware",
+    "HardwareError",
+    "Hints",
+    "MemoryLimitError",
+    "MeshError",
+    "Partitioned",
+    "Plan",
+    "PlanError",
+    "Report",
+    "UnknownPrimitiveWarning",
+    "evaluate",
+    "partition",
+    "search",
+    "verify",
+)

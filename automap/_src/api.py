@@ -1,0 +1,296 @@
+"""The public entry points: partition, search, evaluate, verify."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from automap._src import apply as apply_lib
+from automap._src import trace as trace_lib
+from automap._src import verify as verify_lib
+from automap._src.cost import Cost, Tracker
+from automap._src.hardware import Hardware, get_hardware
+from automap._src.plan import Plan, PlanError
+from automap._src.program import Program
+from automap._src.search import greedy
+from automap._src.sharding import MeshError, MeshSpec, empty_state, set_spec
+
+
+class MemoryLimitError(ValueError):
+  """No plan can fit the requested memory limit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Hints:
+  """What the user knows.
+
+  groups: name-scope patterns (fnmatch, e.g. "block_*") of repeated layers
+    that should share one decision.
+  fixed: argument-path pattern (fnmatch, e.g. "*/embed/*") -> PartitionSpec
+    the plan must keep.
+  """
+
+  groups: tuple[str, ...] = ()
+  fixed: Mapping[str, PartitionSpec] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    if isinstance(self.groups, str):
+      object.__setattr__(self, "groups", (self.groups,))
+    object.__setattr__(self, "groups", tuple(self.groups))
+    for g in self.groups:
+      if not isinstance(g, str) or not g:
+        raise TypeError(f"Hints.groups must be non-empty strings, got {g!r}.")
+    for k, v in dict(self.fixed).items():
+      if not isinstance(k, str) or not isinstance(v, PartitionSpec):
+        raise TypeError(
+            f"Hints.fixed maps argument-path patterns (str) to PartitionSpec, "
+            f"got {k!r}: {v!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  """How much search to spend: evaluations ("episodes") and wall seconds."""
+
+  episodes: int = 200
+  seconds: float = 60.0
+
+  def __post_init__(self):
+    if not isinstance(self.episodes, (int, np.integer)) or self.episodes <= 0:
+      raise ValueError(
+          f"Budget.episodes must be a positive integer, got {self.episodes!r}.")
+    if not isinstance(self.seconds, (int, float)) or not self.seconds > 0:
+      raise ValueError(
+          f"Budget.seconds must be a positive number, got {self.seconds!r}.")
+
+
+# Greedy search spends one evaluation per trial action; an "episode" of MCTS
+# is worth a round of trials, so the budget converts at this rate.
+_EVALUATIONS_PER_EPISODE = 50
+
+
+def _check_mesh(mesh) -> MeshSpec:
+  return MeshSpec.of(mesh)
+
+
+def _program(fn, args, mesh, hardware, hints: Hints | None) -> Program:
+  traced = trace_lib.trace(fn, args)
+  return Program.build(traced, _check_mesh(mesh), get_hardware(hardware),
+                       (hints or Hints()).fixed)
+
+
+def _search_program(program: Program, budget: Budget | None,
+                    memory_limit: float | None, seed: int) -> Plan:
+  budget = budget or Budget()
+  if memory_limit is not None:
+    if not memory_limit > 0:
+      raise MemoryLimitError(
+          f"memory_limit must be a positive number of bytes, got {memory_limit!r}.")
+    bound = program.memory_lower_bound()
+    if memory_limit < bound:
+      raise MemoryLimitError(
+          f"memory_limit={memory_limit:,.0f} bytes per device is below the "
+          f"lower bound of {bound:,.0f} bytes (arguments and results spread "
+          f"evenly over {program.mesh.num_devices} devices). Raise the limit "
+          "or use more devices.")
+  del seed  # Greedy descent is deterministic; MCTS will consume the seed.
+  result = greedy.search(program, memory_limit, budget.seconds,
+                         budget.episodes * _EVALUATIONS_PER_EPISODE)
+  if result.score[0] > 0:
+    raise MemoryLimitError(
+        f"no plan found within memory_limit={memory_limit:,.0f} bytes per "
+        f"device: the best found needs "
+        f"{memory_limit + result.score[0]:,.0f} bytes (lower bound "
+        f"{program.memory_lower_bound():,.0f}). Raise the limit, use more "
+        "devices, or give a larger search budget.")
+  stats = {"strategy": "greedy", "start": result.start,
+           "evaluations": result.evaluations, "rounds": result.rounds,
+           "seconds": round(result.seconds, 4),
+           "graph_values": program.graph.num_values,
+           "graph_ops": program.graph.num_ops}
+  return program.make_plan(result.state, stats)
+
+
+def search(fn: Callable, *args, mesh, hints: Hints | None = None,
+           hardware: str | Hardware = "tpu-v4", budget: Budget | None = None,
+           memory_limit: float | None = None, seed: int = 0) -> Plan:
+  """Plans `fn(*args)` on `mesh` without running it.
+
+  Argument leaves may be `jax.ShapeDtypeStruct`s.
+  """
+  program = _program(fn, args, mesh, hardware, hints)
+  return _search_program(program, budget, memory_limit, seed)
+
+
+def _is_spec_leaf(x) -> bool:
+  return x is None or isinstance(x, (PartitionSpec, NamedSharding))
+
+
+def flat_specs(in_shardings, args: tuple, what: str = "in_shardings") -> list:
+  """Flat PartitionSpecs for `args` from a (prefix) pytree of specs."""
+  try:
+    full = jax.tree_util.tree_map(
+        lambda s, sub: jax.tree.map(lambda _: s, sub), in_shardings, args,
+        is_leaf=_is_spec_leaf)
+  except (ValueError, TypeError) as e:
+    raise MeshError(
+        f"{what} must be a pytree of PartitionSpecs matching the arguments "
+        f"(or a prefix of them): {e}") from None
+  leaves = jax.tree.leaves(full, is_leaf=_is_spec_leaf)
+  return [s.spec if isinstance(s, NamedSharding) else
+          (PartitionSpec() if s is None else s) for s in leaves]
+
+
+def evaluate(fn: Callable, *args, mesh, in_shardings,
+             hardware: str | Hardware = "tpu-v4") -> Cost:
+  """Cost of a hand-written strategy under the same cost model.
+
+  `in_shardings` is a pytree of PartitionSpecs (a prefix of the arguments
+  works); intermediates follow by propagation, as XLA's would.
+  """
+  program = _program(fn, args, mesh, hardware, None)
+  return Tracker(program.model, state_from_specs(program, in_shardings, args)).cost()
+
+
+def state_from_specs(program: Program, in_shardings, args):
+  g, mesh = program.graph, program.mesh
+  specs = flat_specs(in_shardings, args)
+  state = empty_state(g, mesh)
+  for v, spec, path in zip(g.inputs, specs, program.traced.in_paths):
+    set_spec(state, mesh, v, g.shapes[v], spec, f"in_shardings for {path!r}")
+  prop = program.propagator()
+  prop.fixed[list(g.inputs)] = True
+  prop.seed_all(state)
+  return state
+
+
+def verify(plan: Plan, fn: Callable, *args, mesh=None,
+           check_numerics: bool = True) -> verify_lib.Report:
+  """Compiles `plan` for `fn(*args)`; compares collectives, memory, numerics."""
+  traced = trace_lib.trace(fn, args)
+  if traced.fingerprint() != plan.fingerprint:
+    raise PlanError(
+        "the plan was made for a different program (fingerprint "
+        f"{plan.fingerprint}, this one {traced.fingerprint()}); search again.")
+  mesh = mesh if mesh is not None else jax.make_mesh(
+      plan.mesh.axis_sizes, plan.mesh.axis_names)
+  if MeshSpec.of(mesh) != plan.mesh:
+    raise MeshError(f"mesh {MeshSpec.of(mesh)} differs from the plan's {plan.mesh}.")
+  jitted = apply_lib.jit_with_plan(traced, mesh, plan.in_specs, plan.out_specs,
+                                   plan.constraints)
+  compiled = jitted.lower(*args).compile()
+  found = verify_lib.collectives(compiled.as_text(), mesh)
+  memory, stats = verify_lib.compiled_memory(compiled)
+  max_abs = max_rel = None
+  concrete = all(isinstance(x, (jax.Array, np.ndarray, int, float, bool))
+                 for x in jax.tree.leaves(args))
+  if check_numerics and concrete:
+    expected = jax.jit(fn)(*args)
+    actual = jitted(*_place(args, jitted_in_shardings(traced, mesh, plan)))
+    max_abs, max_rel = verify_lib.compare_numerics(expected, actual)
+  return verify_lib.Report(
+      predicted=plan.cost, compiled_comm_bytes=verify_lib.summarize(found),
+      collectives=tuple(found), compiled_memory=memory, memory_stats=stats,
+      max_abs_error=max_abs, max_rel_error=max_rel)
+
+
+def jitted_in_shardings(traced, mesh, plan: Plan):
+  mesh = apply_lib.auto_mesh(mesh)
+  return jax.tree.unflatten(
+      traced.in_tree, [NamedSharding(mesh, s) for s in plan.in_specs])
+
+
+def _place(args, shardings):
+  return jax.device_put(args, shardings)
+
+
+@dataclasses.dataclass
+class _Entry:
+  plan: Plan
+  jitted: Any
+  in_shardings: Any
+
+
+class Partitioned:
+  """A function partitioned by automap; behaves like a jitted function.
+
+  The first call with a new argument signature traces, searches and
+  compiles; later calls with that signature reuse the plan.
+  """
+
+  def __init__(self, fn: Callable, *, mesh, hints: Hints | None = None,
+               hardware: str | Hardware = "tpu-v4", budget: Budget | None = None,
+               memory_limit: float | None = None, seed: int = 0,
+               cache: bool = True):
+    self._mesh_spec = _check_mesh(mesh)
+    self.fn, self.mesh = fn, mesh
+    self.hints = hints if hints is not None else Hints()
+    if not isinstance(self.hints, Hints):
+      raise TypeError(f"hints must be an automap.Hints, got {hints!r}.")
+    for pattern, spec in self.hints.fixed.items():
+      for entry in spec:
+        for name in entry if isinstance(entry, tuple) else (entry,):
+          if name is not None:
+            self._mesh_spec.axis_index(name, f"Hints.fixed[{pattern!r}]")
+    self.hardware = get_hardware(hardware)
+    self.budget = budget if budget is not None else Budget()
+    if not isinstance(self.budget, Budget):
+      raise TypeError(f"budget must be an automap.Budget, got {budget!r}.")
+    self.memory_limit, self.seed, self.cache = memory_limit, seed, cache
+    self._entries: dict[tuple, _Entry] = {}
+    self._last: _Entry | None = None
+    functools.update_wrapper(self, fn)
+
+  def _entry(self, args: tuple) -> _Entry:
+    _, tree, _, avals = trace_lib.flatten_args(args)
+    key = trace_lib.signature_of(tree, avals)
+    entry = self._entries.get(key)
+    if entry is None:
+      t0 = time.perf_counter()
+      program = _program(self.fn, args, self.mesh, self.hardware, self.hints)
+      plan = _search_program(program, self.budget, self.memory_limit, self.seed)
+      plan.stats["plan_seconds"] = round(time.perf_counter() - t0, 4)
+      jitted = apply_lib.jit_with_plan(program.traced, self.mesh, plan.in_specs,
+                                       plan.out_specs, plan.constraints)
+      entry = _Entry(plan, jitted,
+                     jitted_in_shardings(program.traced, self.mesh, plan))
+      self._entries[key] = entry
+    self._last = entry
+    return entry
+
+  def __call__(self, *args):
+    entry = self._entry(args)
+    return entry.jitted(*_place(args, entry.in_shardings))
+
+  def lower(self, *args):
+    """The partitioned program lowered for these arguments."""
+    return self._entry(args).jitted.lower(*args)
+
+  @property
+  def plan(self) -> Plan | None:
+    """The plan of the most recent call's signature."""
+    return None if self._last is None else self._last.plan
+
+
+def partition(fn: Callable | None = None, *, mesh, hints: Hints | None = None,
+              hardware: str | Hardware = "tpu-v4", budget: Budget | None = None,
+              memory_limit: float | None = None, seed: int = 0,
+              cache: bool = True):
+  """Partitions `fn` automatically over `mesh`.
+
+  Use as `@automap.partition(mesh=mesh)` or `automap.partition(fn, mesh=mesh)`.
+  """
+  make = functools.partial(Partitioned, mesh=mesh, hints=hints, hardware=hardware,
+                           budget=budget, memory_limit=memory_limit, seed=seed,
+                           cache=cache)
+  if fn is None:
+    return make
+  if not callable(fn):
+    raise TypeError(f"partition expects a callable, got {type(fn).__name__}.")
+  return make(fn)

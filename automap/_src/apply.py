@@ -1,0 +1,84 @@
+"""Apply: a plan becomes a jitted function with shardings and constraints.
+
+The traced jaxpr is re-interpreted equation by equation (the same walk that
+built the graph, so value ids agree) and every value the plan constrains is
+wrapped in `with_sharding_constraint`. Arguments and results get the plan's
+`NamedSharding`s through `jax.jit(in_shardings=, out_shardings=)`.
+
+`with_sharding_constraint` accepts only Auto mesh axes, and flax layers reject
+sharded contractions under Explicit axes, so the program runs on an Auto view
+of the user's mesh (same devices, same names); behaviour is identical for
+meshes made either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from automap._src.graph import Step, Walk
+from automap._src.trace import Traced
+
+
+def auto_mesh(mesh: Mesh) -> Mesh:
+  """The same devices and axis names with every axis of type Auto."""
+  types = getattr(mesh, "axis_types", None)
+  if types is not None and all(t == AxisType.Auto for t in types):
+    return mesh
+  return Mesh(mesh.devices, mesh.axis_names,
+              axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def interpreter(traced: Traced, constraints: Mapping[int, PartitionSpec],
+                mesh: Mesh) -> Callable[..., Any]:
+  """`fn` re-expressed from its jaxpr with the plan's constraints inserted."""
+  shardings = {v: NamedSharding(mesh, s) for v, s in constraints.items()}
+  closed = traced.jaxpr
+
+  def visit(step: Step, ins: list) -> list:
+    eqn = step.eqn
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns = ()
+    if isinstance(params, tuple):  # Older JAX returns (subfuns, params).
+      subfuns, params = params
+    with jax.named_scope(step.scope) if step.scope else contextlib.nullcontext():
+      outs = eqn.primitive.bind(*subfuns, *ins, **params)
+    outs = list(outs) if eqn.primitive.multiple_results else [outs]
+    for i, v in enumerate(step.out_ids):
+      sharding = shardings.get(v)
+      if sharding is not None:
+        outs[i] = jax.lax.with_sharding_constraint(outs[i], sharding)
+    return outs
+
+  def run(*args):
+    flat, tree = jax.tree.flatten(args)
+    if tree != traced.in_tree:
+      raise TypeError(
+          f"arguments have structure {tree}, but the plan was made for "
+          f"{traced.in_tree}.")
+    walk = Walk(visit, lambda i, c: c, lambda atom: atom.val, open_sealed=False)
+    ids = walk.fresh(len(flat))
+    # Arguments carry their layout from in_shardings; nothing to insert.
+    del ids
+    outs = walk.closed(closed, flat)
+    return jax.tree.unflatten(traced.out_tree, outs)
+
+  return run
+
+
+def jit_with_plan(traced: Traced, mesh: Mesh, in_specs, out_specs,
+                  constraints: Mapping[int, PartitionSpec],
+                  donate_argnums=()) -> Callable[..., Any]:
+  """`jax.jit` of the rewritten program with the plan's shardings."""
+  mesh = auto_mesh(mesh)
+  to_sharding = lambda s: NamedSharding(mesh, s)  # noqa: E731
+  in_shardings = jax.tree.unflatten(traced.in_tree, [to_sharding(s) for s in in_specs])
+  out_shardings = jax.tree.unflatten(traced.out_tree,
+                                     [to_sharding(s) for s in out_specs])
+  run = interpreter(traced, constraints, mesh)
+  return jax.jit(run, in_shardings=tuple(in_shardings),
+                 out_shardings=out_shardings, donate_argnums=donate_argnums)

@@ -1,0 +1,389 @@
+"""Cost model: per-device FLOPs, collectives, peak memory and step time.
+
+For each op the model derives, per mesh axis, which factor of its rule the
+axis tiles (the result's layout wins; otherwise a reduction factor tiled on
+the operands; otherwise none), then charges what the SPMD partitioner emits
+to make the operands fit (all-gather, all-to-all; slicing is free) and to
+finish the result (all-reduce of partial sums, or reduce-scatter when the
+result is itself tiled on that axis). Collective sizes are per-device result
+bytes, the figure compiled HLO shows; time applies each algorithm's wire
+factor and a per-step latency on the link the axis maps to.
+
+Peak memory is counted as XLA's `memory_analysis` counts it: arguments and
+results for the whole program, plus the peak over program order of the
+temporaries alive (producer to last reader) that fusion leaves in memory. The evaluation is incremental: an action re-costs only the ops
+around the values it changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+import numpy as np
+
+from automap._src import graph as graph_lib
+from automap._src import rules
+from automap._src.graph import Graph
+from automap._src.hardware import Hardware
+from automap._src.sharding import UNSHARDED, MeshSpec, State
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = range(4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+  """Predicted cost of one sharded step, per device.
+
+  step_time: compute_time + comm_time, seconds (no overlap assumed).
+  compute_time: roofline time of every op, seconds.
+  comm_time: collective time, seconds.
+  flops: FLOPs executed per device.
+  comm_bytes: {(kind, axes): bytes} collective result bytes per device.
+  comm_count: {(kind, axes): number of collectives}.
+  peak_memory: bytes live at the peak, per device.
+  argument_memory: bytes of arguments per device (part of peak_memory).
+  """
+
+  step_time: float
+  compute_time: float
+  comm_time: float
+  flops: float
+  comm_bytes: dict[tuple[str, tuple[str, ...]], float]
+  comm_count: dict[tuple[str, tuple[str, ...]], int]
+  peak_memory: float
+  argument_memory: float
+
+  @property
+  def total_comm_bytes(self) -> float:
+    return float(sum(self.comm_bytes.values()))
+
+  def to_json(self) -> dict:
+    return {
+        "step_time": self.step_time, "compute_time": self.compute_time,
+        "comm_time": self.comm_time, "flops": self.flops,
+        "comm_bytes": [[k, list(a), b] for (k, a), b in self.comm_bytes.items()],
+        "comm_count": [[k, list(a), n] for (k, a), n in self.comm_count.items()],
+        "peak_memory": self.peak_memory,
+        "argument_memory": self.argument_memory,
+    }
+
+  @classmethod
+  def from_json(cls, d: dict) -> Cost:
+    return cls(
+        step_time=d["step_time"], compute_time=d["compute_time"],
+        comm_time=d["comm_time"], flops=d["flops"],
+        comm_bytes={(k, tuple(a)): b for k, a, b in d["comm_bytes"]},
+        comm_count={(k, tuple(a)): n for k, a, n in d["comm_count"]},
+        peak_memory=d["peak_memory"], argument_memory=d["argument_memory"])
+
+
+class OpCost:
+  """Cost of one op under one state: compute seconds, FLOPs, collectives."""
+
+  __slots__ = ("time", "flops", "comms")
+
+  def __init__(self, time: float, flops: float,
+               comms: list[tuple[int, int, float, float]]):
+    self.time, self.flops = time, flops
+    self.comms = comms  # (kind, axes bitmask, bytes, seconds)
+
+
+# Ops XLA fuses into their consumers (loop fusion) and reductions that
+# absorb such producers (input fusion): their intermediates need no buffer.
+_FUSIBLE = rules.ELEMENTWISE | {
+    "broadcast_in_dim", "reshape", "squeeze", "select_n", "clamp", "iota",
+    "transpose", "slice", "pad", "concatenate", "convert_element_type"}
+_ABSORBING = _FUSIBLE | {"reduce_sum", "reduce_max", "reduce_min",
+                         "reduce_and", "reduce_or", "argmax", "argmin"}
+
+
+def materialized(graph: Graph) -> np.ndarray:
+  """[V] bool: values that occupy a buffer of their own once XLA fuses.
+
+  A value made by a fusible op whose every reader also fuses it is computed
+  inside its readers' loops and never stored.
+  """
+  out = np.ones(graph.num_values, bool)
+  for v in range(graph.num_values):
+    p = graph.producer[v]
+    if p < 0 or graph.prims[p] not in _FUSIBLE or not graph.uses[v]:
+      continue
+    out[v] = not all(graph.prims[o] in _ABSORBING for o, _ in graph.uses[v])
+  out[[v for v in graph.outputs if v >= 0]] = True
+  return out
+
+
+class CostModel:
+  """Evaluates states of one graph on one mesh and hardware.
+
+  `evaluate(state)` costs a state from scratch; `Tracker` keeps a running
+  total that `update` refreshes after an action.
+  """
+
+  def __init__(self, graph: Graph, mesh: MeshSpec, hardware: Hardware):
+    self.graph, self.mesh, self.hw = graph, mesh, hardware
+    self.sizes = np.array(mesh.axis_sizes, np.int64)
+    n = mesh.num_axes
+    self.masks = 1 << n
+    # Devices in a group over a set of axes, and whether it crosses nodes.
+    self.group_size = np.array(
+        [math.prod(s for a, s in enumerate(mesh.axis_sizes) if m >> a & 1)
+         for m in range(self.masks)], np.int64)
+    strides = [math.prod(mesh.axis_sizes[a + 1:]) for a in range(n)]
+    # Axes of size one take part in no collective.
+    self.nontrivial = sum(1 << a for a, s in enumerate(mesh.axis_sizes) if s > 1)
+    self.cross_node = [
+        max((strides[a] * mesh.axis_sizes[a] for a in range(n) if m >> a & 1),
+            default=1) > hardware.devices_per_node for m in range(self.masks)]
+    self.itemsize = np.array([graph_lib._itemsize(d) for d in graph.dtypes])
+    self.program_end = graph.num_ops
+    # Liveness interval of each value over op indices.
+    self.start = np.where(graph.producer >= 0, graph.producer, 0).astype(np.int64)
+    end = np.maximum(graph.last_use.astype(np.int64), self.start)
+    outs = [v for v in graph.outputs if v >= 0]
+    end[outs] = self.program_end
+    is_input = graph.kind != graph_lib.INTERMEDIATE
+    end[is_input] = self.program_end
+    self.end = end
+    # XLA's accounting (memory_analysis): arguments and results are
+    # resident for the whole program; temporaries live by liveness.
+    self.is_input = is_input
+    self.resident = is_input.copy()
+    self.resident[outs] = True
+    self.temporary = materialized(graph) & ~self.resident
+
+  # -- collectives ---------------------------------------------------------
+
+  def emit(self, comms: list, kind: int, mask: int, nbytes: float) -> None:
+    mask &= self.nontrivial
+    if mask:
+      comms.append((kind, mask, nbytes, self.comm_time(kind, mask, nbytes)))
+
+  def comm_time(self, kind: int, mask: int, nbytes: float) -> float:
+    n = int(self.group_size[mask])
+    if n <= 1:
+      return 0.0
+    cross = self.cross_node[mask]
+    bw = self.hw.network_bandwidth if cross else self.hw.link_bandwidth
+    lat = self.hw.network_latency if cross else self.hw.link_latency
+    if kind == ALL_REDUCE:  # ring: reduce-scatter then all-gather
+      return 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw
+    if kind == REDUCE_SCATTER:  # nbytes is the scattered result
+      return (n - 1) * lat + (n - 1) * nbytes / bw
+    return (n - 1) * lat + (n - 1) / n * nbytes / bw  # gather, all-to-all
+
+  # -- one op --------------------------------------------------------------
+
+  def local_bytes(self, state: State, v: int) -> float:
+    row = state[v]
+    div = 1
+    for a in range(len(row)):
+      if row[a] >= 0:
+        div *= self.mesh.axis_sizes[a]
+    return float(self.graph.nbytes[v]) / div
+
+  def op_cost(self, state: State, o: int) -> OpCost:
+    g, sizes = self.graph, self.mesh.axis_sizes
+    rule = g.rules[o]
+    operands, results = g.operands[o], g.results[o]
+    num_axes = len(sizes)
+    comms: list[tuple[int, int, float, float]] = []
+    factor_of_axis = [UNSHARDED] * num_axes
+    scatter = [False] * num_axes
+    factor_tiles = [1] * len(rule.sizes)
+    for a in range(num_axes):
+      res_f = UNSHARDED
+      for r, v in enumerate(results):
+        d = state[v, a] if v >= 0 else -1
+        if d >= 0 and rule.results[r][d] >= 0:
+          res_f = rule.results[r][d]
+          break
+      op_fs = []
+      for p, v in enumerate(operands):
+        if v >= 0 and rule.operands[p] is not None:
+          d = state[v, a]
+          if d >= 0 and rule.operands[p][d] >= 0:
+            op_fs.append(rule.operands[p][d])
+      reductions = [f for f in op_fs if rule.reduction[f]]
+      f = UNSHARDED
+      if res_f >= 0:
+        f = res_f
+        if res_f not in op_fs and reductions:
+          f, scatter[a] = reductions[0], True
+      elif reductions:
+        f = max(set(reductions), key=reductions.count)
+      if f >= 0 and rule.sizes[f] % (factor_tiles[f] * sizes[a]) == 0:
+        factor_of_axis[a] = f
+        factor_tiles[f] *= sizes[a]
+      else:
+        scatter[a] = False
+    # Operands: gather or exchange what the factor layout does not match.
+    hbm = 0.0
+    for p, v in enumerate(operands):
+      if v < 0 or rule.operands[p] is None:
+        continue
+      dims = rule.operands[p]
+      local = self.local_bytes(state, v)
+      gather_mask, a2a_mask, after = 0, 0, local
+      for a in range(num_axes):
+        f = factor_of_axis[a]
+        want = dims.index(f) if f >= 0 and f in dims else UNSHARDED
+        have = state[v, a]
+        if have == want:
+          continue
+        if have >= 0 and want < 0:
+          gather_mask |= 1 << a
+          after *= sizes[a]
+        elif have >= 0:
+          a2a_mask |= 1 << a
+        else:
+          after /= sizes[a]  # sliced locally
+      if gather_mask:
+        size = local * self.group_size[gather_mask]
+        self.emit(comms, ALL_GATHER, gather_mask, size)
+      if a2a_mask:
+        self.emit(comms, ALL_TO_ALL, a2a_mask, local)
+      hbm += after
+    # Results: combine partial sums, then match the result's own layout.
+    for r, v in enumerate(results):
+      if v < 0:
+        continue
+      dims = rule.results[r]
+      local = self.local_bytes(state, v)
+      hbm += local
+      reduce_mask = scatter_mask = gather_mask = a2a_mask = 0
+      for a in range(num_axes):
+        f = factor_of_axis[a]
+        have = state[v, a]
+        if f >= 0 and rule.reduction[f]:
+          if have >= 0:
+            scatter_mask |= 1 << a
+          else:
+            reduce_mask |= 1 << a
+          continue
+        want = dims.index(f) if f >= 0 and f in dims else UNSHARDED
+        if have == want or (have >= 0 and want < 0):
+          continue  # equal, or sliced locally
+        if have < 0:
+          gather_mask |= 1 << a
+        else:
+          a2a_mask |= 1 << a
+      if reduce_mask:
+        size = local
+        self.emit(comms, ALL_REDUCE, reduce_mask, size)
+      if scatter_mask:
+        self.emit(comms, REDUCE_SCATTER, scatter_mask, local)
+      if gather_mask:
+        self.emit(comms, ALL_GATHER, gather_mask, local)
+      if a2a_mask:
+        self.emit(comms, ALL_TO_ALL, a2a_mask, local)
+    tiles = 1
+    for a in range(num_axes):
+      if factor_of_axis[a] >= 0:
+        tiles *= sizes[a]
+    flops = float(g.flops[o]) / tiles
+    if g.prims[o] == "dot_general":
+      peak = self.hw.matmul_flops(int(self.itemsize[operands[0]])
+                                  if operands[0] >= 0 else 4)
+    else:  # vector units: an order of magnitude below the matrix units
+      peak = self.hw.fp32_flops / 16
+    time = max(flops / peak, hbm / self.hw.hbm_bandwidth)
+    return OpCost(time, flops, comms)
+
+  # -- whole state ---------------------------------------------------------
+
+  def value_bytes(self, state: State) -> np.ndarray:
+    """[V] bytes per device of every value."""
+    tiles = np.where(state >= 0, self.sizes[None, :], 1).prod(axis=1)
+    return self.graph.nbytes / tiles
+
+  def tracker(self, state: State) -> Tracker:
+    return Tracker(self, state)
+
+  def evaluate(self, state: State) -> Cost:
+    return self.tracker(state).cost()
+
+
+class Tracker:
+  """A running cost of a state, refreshed incrementally after actions."""
+
+  def __init__(self, model: CostModel, state: State):
+    self.model = model
+    self.state = state
+    g = model.graph
+    self.ops = [model.op_cost(state, o) for o in range(g.num_ops)]
+    self.compute = sum(c.time for c in self.ops)
+    self.flops = sum(c.flops for c in self.ops)
+    self.bytes = np.zeros((len(KINDS), model.masks))
+    self.count = np.zeros((len(KINDS), model.masks), np.int64)
+    self.seconds = np.zeros((len(KINDS), model.masks))
+    for c in self.ops:
+      self._add(c, 1)
+    self.vbytes = model.value_bytes(state)
+    # Live intermediate bytes at each op; arguments are a constant floor.
+    live = np.zeros(g.num_ops + 2)
+    inter = model.temporary
+    np.add.at(live, model.start[inter], self.vbytes[inter])
+    np.add.at(live, model.end[inter] + 1, -self.vbytes[inter])
+    self.live = np.cumsum(live)[:-1]
+    self.resident = float(self.vbytes[model.resident].sum())
+    self.args = float(self.vbytes[model.is_input].sum())
+
+  def _add(self, c: OpCost, sign: int) -> None:
+    for kind, mask, nbytes, seconds in c.comms:
+      self.bytes[kind, mask] += sign * nbytes
+      self.count[kind, mask] += sign
+      self.seconds[kind, mask] += sign * seconds
+
+  def update(self, changed: Iterable[int]) -> None:
+    """Re-costs the ops around `changed` values of `self.state`."""
+    g, model, state = self.model.graph, self.model, self.state
+    changed = list(changed)
+    ops = set()
+    for v in changed:
+      ops.update(g.ops_of(v))
+    for o in ops:
+      old, new = self.ops[o], model.op_cost(state, o)
+      self.compute += new.time - old.time
+      self.flops += new.flops - old.flops
+      self._add(old, -1)
+      self._add(new, 1)
+      self.ops[o] = new
+    for v in changed:
+      new = float(g.nbytes[v]) / np.where(state[v] >= 0, model.sizes, 1).prod()
+      delta = new - self.vbytes[v]
+      if delta:
+        self.vbytes[v] = new
+        if model.resident[v]:
+          self.resident += delta
+          self.args += delta if model.is_input[v] else 0.0
+        elif model.temporary[v]:
+          self.live[model.start[v]:model.end[v] + 1] += delta
+
+  @property
+  def comm_time(self) -> float:
+    return float(self.seconds.sum())
+
+  @property
+  def step_time(self) -> float:
+    return self.compute + self.comm_time
+
+  @property
+  def peak_memory(self) -> float:
+    return self.resident + float(self.live.max(initial=0.0))
+
+  def cost(self) -> Cost:
+    names = self.model.mesh.axis_names
+    comm_bytes, comm_count = {}, {}
+    for kind, mask in zip(*np.nonzero(self.count > 0)):
+      key = (KINDS[kind], tuple(n for a, n in enumerate(names) if mask >> a & 1))
+      comm_bytes[key] = float(self.bytes[kind, mask])
+      comm_count[key] = int(self.count[kind, mask])
+    return Cost(
+        step_time=self.step_time, compute_time=float(self.compute),
+        comm_time=self.comm_time, flops=float(self.flops),
+        comm_bytes=comm_bytes, comm_count=comm_count,
+        peak_memory=self.peak_memory, argument_memory=self.args)

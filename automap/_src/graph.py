@@ -1,0 +1,321 @@
+"""Partitioning IR: the traced program as flat, numpy-backed tables.
+
+One *op* per primitive equation, in program order; one *value* per array the
+program reads or writes. Calls (`jit`, `closed_call`) are inlined. Calls with
+semantics of their own (custom derivatives, rematerialisation) are *sealed*:
+their bodies join the graph so decisions propagate through them, but the
+rewritten program binds them whole, so their inner values take no
+constraints. Loops and branches (`scan`, `while`, `cond`) stay single opaque
+ops whose operands and results are kept whole: conservative and always
+correct.
+
+Shape letters: V values, O ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+from jax.extend import core as jex
+
+from automap._src import rules
+from automap._src.trace import Traced
+
+ARG, CONST, INTERMEDIATE = 0, 1, 2
+
+# Plain calls: inlined everywhere.
+INLINE = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
+          "core_call": "call_jaxpr"}
+# Calls with their own semantics: inlined in the graph, bound whole in apply.
+SEALED = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+          "custom_vjp_call_jaxpr": "fun_jaxpr", "remat2": "jaxpr",
+          "checkpoint": "jaxpr", "custom_lin": None}
+# Ops kept whole on purpose: their results must not depend on the layout.
+DELIBERATELY_REPLICATED = frozenset({
+    "scan", "while", "cond", "random_bits", "random_seed", "random_wrap",
+    "random_unwrap", "random_fold_in", "random_split", "threefry2x32",
+    "rng_bit_generator", "rng_uniform", "debug_callback", "pure_callback",
+    "io_callback", "sharding_constraint", "mesh_cast", "reshard",
+    "device_put", "shard_map", "custom_call", "platform_index"})
+
+
+class UnknownPrimitiveWarning(UserWarning):
+  """A primitive without a sharding rule: its arrays are kept whole."""
+
+
+class Literal(NamedTuple):
+  shape: tuple[int, ...]
+  value: Any
+
+
+class Step(NamedTuple):
+  """One equation as the walk meets it."""
+
+  eqn: Any  # jex.JaxprEqn
+  scope: str  # joined name stack
+  sealed: bool  # inside a call bound whole by apply
+  out_ids: tuple[int, ...]  # value ids of the results (-1: not a value)
+
+
+def _sub_jaxpr(eqn):
+  key = INLINE.get(eqn.primitive.name) or SEALED.get(eqn.primitive.name)
+  return eqn.params.get(key) if key else None
+
+
+def _join(scope: str, inner: str) -> str:
+  return f"{scope}/{inner}" if scope and inner else scope or inner
+
+
+class Walk:
+  """Linearises a jaxpr: one `visit` per primitive equation, calls inlined.
+
+  Both the graph builder and the rewriting interpreter walk with this class,
+  so value ids agree between the IR and the program apply rewrites. With
+  `open_sealed=False` a sealed call is visited whole; its result ids are those
+  the graph gave its body's results.
+  """
+
+  def __init__(self, visit: Callable[[Step, list], list],
+               const: Callable[[int, Any], Any],
+               literal: Callable[[Any], Any], open_sealed: bool):
+    self.visit, self.const, self.literal = visit, const, literal
+    self.open_sealed = open_sealed
+    self.next_id = 0
+
+  def fresh(self, n: int) -> tuple[int, ...]:
+    ids = tuple(range(self.next_id, self.next_id + n))
+    self.next_id += n
+    return ids
+
+  def closed(self, closed, inputs: list, scope: str = "",
+             sealed: bool = False) -> list:
+    if isinstance(closed, jex.ClosedJaxpr):
+      consts = [self.const(i, c) for i, c in
+                zip(self.fresh(len(closed.consts)), closed.consts)]
+      return self.run(closed.jaxpr, consts, inputs, scope, sealed)
+    return self.run(closed, [], inputs, scope, sealed)
+
+  def run(self, jaxpr, consts, inputs, scope, sealed) -> list:
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, inputs))
+
+    def read(atom):
+      return self.literal(atom) if isinstance(atom, jex.Literal) else env[atom]
+
+    for eqn in jaxpr.eqns:
+      name = eqn.primitive.name
+      inner_scope = _join(scope, str(eqn.source_info.name_stack))
+      ins = [read(a) for a in eqn.invars]
+      sub = _sub_jaxpr(eqn)
+      if sub is not None and (name in INLINE or self.open_sealed):
+        outs = self.closed(sub, ins, inner_scope, sealed or name in SEALED)
+      else:
+        if sub is not None:  # A sealed call visited whole.
+          dry = Walk(lambda s, i: list(s.out_ids), lambda i, c: i,
+                     lambda a: -1, open_sealed=True)
+          dry.next_id = self.next_id
+          out_ids = tuple(x if isinstance(x, int) else -1 for x in
+                          dry.closed(sub, [-1] * len(ins)))
+          self.next_id = dry.next_id
+        else:
+          out_ids = self.fresh(len(eqn.outvars))
+        outs = self.visit(Step(eqn, inner_scope, sealed, out_ids), ins)
+      for var, x in zip(eqn.outvars, outs):
+        if not isinstance(var, jex.DropVar):
+          env[var] = x
+    return [read(a) for a in jaxpr.outvars]
+
+
+def _itemsize(dtype) -> int:
+  try:
+    return int(np.dtype(dtype).itemsize)
+  except TypeError:  # Extended dtypes (PRNG keys): two uint32 words.
+    return 8
+
+
+def body_flops(jaxpr) -> float:
+  """FLOPs of a (closed) jaxpr, loop bodies counted once per trip."""
+  if isinstance(jaxpr, jex.ClosedJaxpr):
+    jaxpr = jaxpr.jaxpr
+  total = 0.0
+  for eqn in jaxpr.eqns:
+    total += eqn_flops(eqn)
+  return total
+
+
+def eqn_flops(eqn) -> float:
+  name, params = eqn.primitive.name, eqn.params
+  if name == "scan":
+    return params["length"] * body_flops(params["jaxpr"])
+  if name == "while":
+    return body_flops(params["body_jaxpr"]) + body_flops(params["cond_jaxpr"])
+  if name == "cond":
+    return max(body_flops(b) for b in params["branches"])
+  sub = _sub_jaxpr(eqn) if name in INLINE or name in SEALED else None
+  if sub is not None:
+    return body_flops(sub)
+  ins = [tuple(getattr(a.aval, "shape", ())) for a in eqn.invars]
+  outs = [tuple(v.aval.shape) for v in eqn.outvars]
+  return rules.flops(name, ins, outs, params)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Graph:
+  """The partitioning IR of one traced program.
+
+  Values [V]: shapes, dtypes, nbytes (whole array, bytes), kind (ARG, CONST,
+  INTERMEDIATE), producer (op index, -1 for args and consts), sealed (no
+  constraint may be placed on it), names (argument path or name scope),
+  uses (per value, its (op, operand position) pairs), last_use (op index of
+  the last reader, -1 if none).
+  Ops [O]: prims, operands (value ids, -1 for literals), operand_shapes,
+  results (value ids), rules, flops (whole op), scopes.
+  inputs: value ids of the flat arguments; outputs: value ids of the flat
+  outputs (-1 for a literal output); fingerprint: digest of the program.
+  """
+
+  shapes: tuple[tuple[int, ...], ...]
+  dtypes: tuple[Any, ...]
+  nbytes: np.ndarray  # [V] int64
+  kind: np.ndarray  # [V] int8
+  producer: np.ndarray  # [V] int32
+  sealed: np.ndarray  # [V] bool
+  names: tuple[str, ...]  # [V]
+  uses: tuple[tuple[tuple[int, int], ...], ...]  # [V]
+  last_use: np.ndarray  # [V] int32
+  prims: tuple[str, ...]  # [O]
+  operands: tuple[tuple[int, ...], ...]  # [O]
+  operand_shapes: tuple[tuple[tuple[int, ...], ...], ...]  # [O]
+  results: tuple[tuple[int, ...], ...]  # [O]
+  rules: tuple[rules.Rule, ...]  # [O]
+  flops: np.ndarray  # [O] float64
+  scopes: tuple[str, ...]  # [O]
+  inputs: tuple[int, ...]
+  outputs: tuple[int, ...]
+  fingerprint: str
+  unknown: tuple[str, ...]  # primitives replicated for want of a rule
+
+  @property
+  def num_values(self) -> int:
+    return len(self.shapes)
+
+  @property
+  def num_ops(self) -> int:
+    return len(self.prims)
+
+  def rank(self, v: int) -> int:
+    return len(self.shapes[v])
+
+  def ops_of(self, v: int) -> list[int]:
+    """The ops that read or write value v."""
+    ops = [o for o, _ in self.uses[v]]
+    if self.producer[v] >= 0:
+      ops.append(int(self.producer[v]))
+    return ops
+
+
+class _Builder:
+  """Visitor that records values and ops while `Walk` linearises."""
+
+  def __init__(self):
+    self.shapes, self.dtypes, self.kind, self.producer = [], [], [], []
+    self.sealed, self.names = [], []
+    self.prims, self.operands, self.operand_shapes = [], [], []
+    self.results, self.rules, self.flops, self.scopes = [], [], [], []
+    self.unknown: dict[str, int] = {}
+
+  def value(self, vid: int, aval, kind: int, producer: int, sealed: bool,
+            name: str) -> int:
+    assert vid == len(self.shapes), "value ids must be dense"
+    self.shapes.append(tuple(int(d) for d in aval.shape))
+    self.dtypes.append(aval.dtype)
+    self.kind.append(kind)
+    self.producer.append(producer)
+    self.sealed.append(sealed)
+    self.names.append(name)
+    return vid
+
+  def const(self, vid: int, c) -> int:
+    aval = jex.ShapedArray(np.shape(c), getattr(c, "dtype", np.float32))
+    return self.value(vid, aval, CONST, -1, False, "const")
+
+  def literal(self, atom) -> Literal:
+    return Literal(tuple(np.shape(atom.val)), atom.val)
+
+  def visit(self, step: Step, ins: list) -> list:
+    eqn = step.eqn
+    name = eqn.primitive.name
+    op = len(self.prims)
+    in_shapes = [x.shape if isinstance(x, Literal) else self.shapes[x]
+                 for x in ins]
+    out_shapes = [tuple(int(d) for d in v.aval.shape) for v in eqn.outvars]
+    for vid, var in zip(step.out_ids, eqn.outvars):
+      self.value(vid, var.aval, INTERMEDIATE, op, step.sealed, step.scope)
+    # PRNG keys and other extended dtypes hide dims we cannot tile.
+    exotic = not all(_is_numpy(self.dtypes[x]) for x in ins
+                     if not isinstance(x, Literal)) or not all(
+                         _is_numpy(v.aval.dtype) for v in eqn.outvars)
+    if name in DELIBERATELY_REPLICATED or exotic:
+      rule = rules.replicated_rule(in_shapes, out_shapes)
+    else:
+      if not rules.has_rule(name):
+        self.unknown[name] = self.unknown.get(name, 0) + 1
+      rule = rules.rule_for(name, in_shapes, out_shapes, eqn.params)
+    self.prims.append(name)
+    self.operands.append(tuple(-1 if isinstance(x, Literal) else x for x in ins))
+    self.operand_shapes.append(tuple(in_shapes))
+    self.results.append(step.out_ids)
+    self.rules.append(rule)
+    self.flops.append(eqn_flops(eqn))
+    self.scopes.append(step.scope)
+    return list(step.out_ids)
+
+
+def _is_numpy(dtype) -> bool:
+  try:
+    np.dtype(dtype)
+    return True
+  except TypeError:
+    return False
+
+
+def build(traced: Traced) -> Graph:
+  """Builds the partitioning IR of a traced program (one pass, linear)."""
+  b = _Builder()
+  walk = Walk(b.visit, b.const, b.literal, open_sealed=True)
+  arg_ids = walk.fresh(len(traced.in_avals))
+  for vid, aval, path in zip(arg_ids, traced.in_avals, traced.in_paths):
+    b.value(vid, aval, ARG, -1, False, path)
+  outs = walk.closed(traced.jaxpr, list(arg_ids))
+  if b.unknown:
+    listed = ", ".join(f"{k} (x{n})" for k, n in sorted(b.unknown.items()))
+    warnings.warn(
+        f"automap has no sharding rule for: {listed}. Their operands and "
+        "results are kept whole (replicated); numerics are unaffected.",
+        UnknownPrimitiveWarning, stacklevel=3)
+  num_values = len(b.shapes)
+  uses: list[list[tuple[int, int]]] = [[] for _ in range(num_values)]
+  last_use = np.full(num_values, -1, np.int32)
+  for op, operands in enumerate(b.operands):
+    for pos, v in enumerate(operands):
+      if v >= 0:
+        uses[v].append((op, pos))
+        last_use[v] = op
+  nbytes = np.array([int(np.prod(s, dtype=np.int64)) * _itemsize(d)
+                     for s, d in zip(b.shapes, b.dtypes)], np.int64)
+  return Graph(
+      shapes=tuple(b.shapes), dtypes=tuple(b.dtypes), nbytes=nbytes,
+      kind=np.array(b.kind, np.int8), producer=np.array(b.producer, np.int32),
+      sealed=np.array(b.sealed, bool), names=tuple(b.names),
+      uses=tuple(tuple(u) for u in uses), last_use=last_use,
+      prims=tuple(b.prims), operands=tuple(b.operands),
+      operand_shapes=tuple(b.operand_shapes), results=tuple(b.results),
+      rules=tuple(b.rules), flops=np.array(b.flops, np.float64),
+      scopes=tuple(b.scopes), inputs=tuple(arg_ids),
+      outputs=tuple(x if isinstance(x, int) else -1 for x in outs),
+      fingerprint=traced.fingerprint(), unknown=tuple(sorted(b.unknown)))
+

@@ -1,0 +1,109 @@
+"""A GPT-style flax transformer and its optax training step.
+
+Used by the demo, the tests and the benchmarks as the reference program whose
+expert sharding (Megatron) is known. Shape letters: B batch, S sequence,
+H hidden, N heads, D head dim (H = N * D), F MLP width (4H), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+  vocab: int = 256
+  seq: int = 32
+  hidden: int = 64
+  heads: int = 4
+  layers: int = 2
+  mlp_ratio: int = 4
+  dtype: Any = jnp.float32
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden // self.heads
+
+
+class Attention(nn.Module):
+  config: GPTConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:  # [B, S, H] -> [B, S, H]
+    c = self.config
+    proj = lambda name: nn.DenseGeneral(  # noqa: E731
+        (c.heads, c.head_dim), use_bias=False, dtype=c.dtype, name=name)
+    q, k, v = proj("query")(x), proj("key")(x), proj("value")(x)  # [B, S, N, D]
+    logits = jnp.einsum("bqnd,bknd->bnqk", q, k) / jnp.sqrt(c.head_dim)
+    causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), dtype=bool))
+    logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bnqk,bknd->bqnd", probs, v)  # [B, S, N, D]
+    return nn.DenseGeneral(c.hidden, axis=(-2, -1), use_bias=False,
+                           dtype=c.dtype, name="out")(out)
+
+
+class MLP(nn.Module):
+  config: GPTConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    c = self.config
+    h = nn.Dense(c.mlp_ratio * c.hidden, dtype=c.dtype, name="wi")(x)  # [B, S, F]
+    return nn.Dense(c.hidden, dtype=c.dtype, name="wo")(nn.gelu(h))
+
+
+class Block(nn.Module):
+  config: GPTConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x + Attention(self.config, name="attn")(nn.LayerNorm(name="ln1")(x))
+    return x + MLP(self.config, name="mlp")(nn.LayerNorm(name="ln2")(x))
+
+
+class GPT(nn.Module):
+  config: GPTConfig
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:  # [B, S] -> [B, S, V]
+    c = self.config
+    embed = nn.Embed(c.vocab, c.hidden, name="embed")
+    pos = self.param("pos", nn.initializers.normal(0.02), (c.seq, c.hidden))
+    x = embed(tokens) + pos[None, : tokens.shape[1]]
+    for i in range(c.layers):
+      x = Block(c, name=f"block_{i}")(x)
+    x = nn.LayerNorm(name="ln_f")(x)
+    return embed.attend(x)
+
+
+def make_train_step(
+    config: GPTConfig, batch: int, learning_rate: float = 1e-3
+) -> tuple[Callable, tuple]:
+  """Returns `(train_step, (params, opt_state, batch))` with real arrays."""
+  model = GPT(config)
+  optimizer = optax.adam(learning_rate)
+  tokens = jax.random.randint(
+      jax.random.key(1), (batch, config.seq + 1), 0, config.vocab)
+  params = model.init(jax.random.key(0), tokens[:, :-1])["params"]
+  opt_state = optimizer.init(params)
+
+  def loss_fn(params, batch):
+    logits = model.apply({"params": params}, batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch["targets"]).mean()
+
+  def train_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  return train_step, (params, opt_state, data)

@@ -1,0 +1,147 @@
+"""Plan: the chosen shardings of one program on one mesh, and their cost.
+
+A plan is plain data: flat PartitionSpecs of the arguments and results, the
+constraints on intermediates (by value id in the program's linearisation),
+the predicted cost and the search statistics. It round-trips through JSON
+and is tied to its program by a fingerprint, so a stale plan is never applied
+to a changed program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from automap._src.cost import Cost
+from automap._src.sharding import MeshSpec
+
+SCHEMA = "automap.plan/1"
+
+
+class PlanError(ValueError):
+  """A plan file that cannot be read or does not fit the program."""
+
+
+def spec_to_json(spec: PartitionSpec) -> list:
+  return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def spec_from_json(entries: list) -> PartitionSpec:
+  return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in entries])
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Shardings for one program signature on one mesh.
+
+  mesh: axis names and sizes the plan is for.
+  hardware: the hardware spec name the cost was predicted on.
+  fingerprint: digest of the program the plan belongs to.
+  in_paths / out_paths: per flat argument / output, its pytree path.
+  in_shapes: per flat argument, its shape.
+  in_specs / out_specs: per flat argument / output, its PartitionSpec.
+  constraints: value id -> PartitionSpec for intermediates.
+  cost: predicted cost under the cost model.
+  collectives: predicted (scope, kind, axes, bytes, count) per op scope.
+  stats: search statistics (strategy, evaluations, seconds, ...).
+  """
+
+  mesh: MeshSpec
+  hardware: str
+  fingerprint: str
+  in_paths: tuple[str, ...]
+  out_paths: tuple[str, ...]
+  in_shapes: tuple[tuple[int, ...], ...]
+  in_specs: tuple[PartitionSpec, ...]
+  out_specs: tuple[PartitionSpec, ...]
+  constraints: dict[int, PartitionSpec]
+  cost: Cost
+  collectives: tuple[tuple[str, str, tuple[str, ...], float, int], ...]
+  stats: dict[str, Any]
+  in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
+  out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+  @property
+  def in_shardings(self):
+    """PartitionSpecs in the structure of the arguments."""
+    return _tree(self.in_tree, self.in_paths, self.in_specs)
+
+  @property
+  def out_shardings(self):
+    """PartitionSpecs in the structure of the results."""
+    return _tree(self.out_tree, self.out_paths, self.out_specs)
+
+  def to_json(self) -> dict:
+    return {
+        "schema": SCHEMA,
+        "mesh": {"axis_names": list(self.mesh.axis_names),
+                 "axis_sizes": list(self.mesh.axis_sizes)},
+        "hardware": self.hardware,
+        "fingerprint": self.fingerprint,
+        "in": [[p, list(shape), spec_to_json(s)] for p, shape, s in
+               zip(self.in_paths, self.in_shapes, self.in_specs)],
+        "out": [[p, spec_to_json(s)] for p, s in zip(self.out_paths, self.out_specs)],
+        "constraints": [[v, spec_to_json(s)]
+                        for v, s in sorted(self.constraints.items())],
+        "cost": self.cost.to_json(),
+        "collectives": [[s, k, list(a), b, n] for s, k, a, b, n in self.collectives],
+        "stats": self.stats,
+    }
+
+  @classmethod
+  def from_json(cls, d: dict) -> Plan:
+    if not isinstance(d, dict) or d.get("schema") != SCHEMA:
+      raise PlanError(
+          f"not an automap plan of schema {SCHEMA!r} (found "
+          f"{d.get('schema') if isinstance(d, dict) else type(d).__name__!r}). "
+          "Re-create it with this version of automap.")
+    try:
+      return cls(
+          mesh=MeshSpec(tuple(d["mesh"]["axis_names"]),
+                        tuple(d["mesh"]["axis_sizes"])),
+          hardware=d["hardware"], fingerprint=d["fingerprint"],
+          in_paths=tuple(p for p, _, _ in d["in"]),
+          out_paths=tuple(p for p, _ in d["out"]),
+          in_shapes=tuple(tuple(shape) for _, shape, _ in d["in"]),
+          in_specs=tuple(spec_from_json(s) for _, _, s in d["in"]),
+          out_specs=tuple(spec_from_json(s) for _, s in d["out"]),
+          constraints={int(v): spec_from_json(s) for v, s in d["constraints"]},
+          cost=Cost.from_json(d["cost"]),
+          collectives=tuple((s, k, tuple(a), b, n)
+                            for s, k, a, b, n in d["collectives"]),
+          stats=dict(d["stats"]))
+    except (KeyError, TypeError, ValueError) as e:
+      raise PlanError(f"malformed plan: {e!r}") from e
+
+  def save(self, path: str | os.PathLike) -> None:
+    """Writes the plan as JSON, atomically (no half-written file)."""
+    path = os.fspath(path)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+      json.dump(self.to_json(), f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+  @classmethod
+  def load(cls, path: str | os.PathLike) -> Plan:
+    try:
+      with open(path) as f:
+        d = json.load(f)
+    except json.JSONDecodeError as e:
+      raise PlanError(f"{os.fspath(path)!r} is not valid JSON: {e}") from e
+    return cls.from_json(d)
+
+  def explain(self) -> str:
+    """A readable account: parameter layouts, collectives and cost."""
+    from automap._src import explain
+    return explain.explain(self)
+
+
+def _tree(tree, paths, specs):
+  if tree is not None:
+    return jax.tree.unflatten(tree, list(specs))
+  return dict(zip(paths, specs))  # A loaded plan: keyed by leaf path.

@@ -1,0 +1,112 @@
+"""Program: one traced signature with its graph, mesh, cost model and pins.
+
+Built once per (function, argument signature, mesh, hardware) and shared by
+search, evaluation and plan making.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Mapping
+
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from automap._src import graph as graph_lib
+from automap._src.cost import KINDS, CostModel, Tracker
+from automap._src.explain import layer_of
+from automap._src.graph import Graph
+from automap._src.hardware import Hardware
+from automap._src.plan import Plan
+from automap._src.sharding import (
+  MeshError,
+  MeshSpec,
+  Propagator,
+  State,
+  empty_state,
+  set_spec,
+  spec_of,
+)
+from automap._src.trace import Traced
+
+
+@dataclasses.dataclass
+class Program:
+  traced: Traced
+  graph: Graph
+  mesh: MeshSpec
+  hardware: Hardware
+  model: CostModel
+  pinned: State  # [V, A] user-fixed layouts (rows of unfixed values unused)
+  fixed: np.ndarray  # [V] bool
+
+  @classmethod
+  def build(cls, traced: Traced, mesh: MeshSpec, hardware: Hardware,
+            fixed_specs: Mapping[str, PartitionSpec] | None = None) -> Program:
+    graph = graph_lib.build(traced)
+    pinned = empty_state(graph, mesh)
+    fixed = np.zeros(graph.num_values, bool)
+    for pattern, spec in (fixed_specs or {}).items():
+      hits = [v for v, p in zip(graph.inputs, traced.in_paths)
+              if fnmatch.fnmatchcase(p, pattern)]
+      if not hits:
+        raise MeshError(
+            f"Hints.fixed pattern {pattern!r} matches no argument. Argument "
+            f"paths look like {list(traced.in_paths[:3])}.")
+      for v in hits:
+        if fixed[v] and spec_of(pinned, mesh, v, graph.rank(v)) != spec:
+          raise MeshError(
+              f"Hints.fixed gives argument {graph.names[v]!r} two different "
+              f"specs ({spec_of(pinned, mesh, v, graph.rank(v))} and {spec}); "
+              "make the patterns disjoint.")
+        set_spec(pinned, mesh, v, graph.shapes[v], spec,
+                 f"Hints.fixed[{pattern!r}] for argument {graph.names[v]!r}")
+        fixed[v] = True
+    return cls(traced, graph, mesh, hardware,
+               CostModel(graph, mesh, hardware), pinned, fixed)
+
+  def propagator(self) -> Propagator:
+    return Propagator(self.graph, self.mesh, self.fixed)
+
+  def initial_state(self) -> State:
+    """The pinned layouts, propagated."""
+    state = self.pinned.copy()
+    self.propagator().seed_all(state)
+    return state
+
+  def memory_lower_bound(self) -> float:
+    """No plan needs fewer bytes per device: arguments and results must be
+    resident, spread at best evenly over every device."""
+    g = self.graph
+    outs = [v for v in g.outputs if v >= 0 and g.kind[v] == graph_lib.INTERMEDIATE]
+    total = float(g.nbytes[list(g.inputs)].sum() + g.nbytes[outs].sum())
+    return total / self.mesh.num_devices
+
+  def make_plan(self, state: State, stats: dict) -> Plan:
+    g, mesh = self.graph, self.mesh
+    tracker = Tracker(self.model, state)
+    spec = lambda v: spec_of(state, mesh, v, g.rank(v)) if v >= 0 else PartitionSpec()  # noqa: E731
+    # Every intermediate the rewritten program can name is pinned, so XLA
+    # partitions exactly the state the cost model priced.
+    constraints = {v: spec(v) for v in range(g.num_values)
+                   if g.kind[v] == graph_lib.INTERMEDIATE and not g.sealed[v]
+                   and g.rank(v) > 0}
+    collectives: dict[tuple, list] = {}
+    for o, c in enumerate(tracker.ops):
+      for kind, mask, nbytes, _ in c.comms:
+        axes = tuple(n for a, n in enumerate(mesh.axis_names) if mask >> a & 1)
+        key = (layer_of(g.scopes[o], depth=8), kind, axes)
+        acc = collectives.setdefault(key, [0.0, 0])
+        acc[0] += nbytes
+        acc[1] += 1
+    return Plan(
+        mesh=mesh, hardware=self.hardware.name, fingerprint=g.fingerprint,
+        in_paths=self.traced.in_paths, out_paths=self.traced.out_paths,
+        in_shapes=tuple(tuple(a.shape) for a in self.traced.in_avals),
+        in_specs=tuple(spec(v) for v in g.inputs),
+        out_specs=tuple(spec(v) for v in g.outputs),
+        constraints=constraints, cost=tracker.cost(),
+        collectives=tuple((s, KINDS[k], a, b, n)
+                          for (s, k, a), (b, n) in collectives.items()),
+        stats=stats, in_tree=self.traced.in_tree, out_tree=self.traced.out_tree)

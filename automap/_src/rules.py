@@ -1,0 +1,445 @@
+"""Sharding propagation rules: one einsum-like factor rule per primitive.
+
+A rule names the independent loop dimensions ("factors") of an operation and
+says, for every dimension of every operand and result, which factor it
+indexes. Tiling a factor over a mesh axis tiles every dimension it indexes,
+which is how a decision travels across an operation. A factor that indexes
+no result dimension is a *reduction* factor: tiling it leaves each device with
+a partial result that a collective must combine. A dimension marked
+`UNSHARDABLE` must be whole on every device (a sorted axis, a concatenated
+axis, a gathered table's rows), so the operation gathers it first.
+
+The factor notation follows Shardy's `OpShardingRule`; merged and split
+dimensions of a reshape share their *major* factor, the only one whose tiles
+are contiguous in both layouts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+UNSHARDABLE = -1
+
+Shape = tuple[int, ...]
+
+
+class Rule(NamedTuple):
+  """Factor rule of one operation.
+
+  operands: per operand (None for a literal), per dimension, a factor id or
+    `UNSHARDABLE`.
+  results: the same for every result.
+  sizes: per factor, the largest tile count it admits (its extent).
+  reduction: per factor, whether it indexes no result (partial results).
+  replicated: the operation has no rule; everything it touches is whole.
+  """
+
+  operands: tuple[tuple[int, ...] | None, ...]
+  results: tuple[tuple[int, ...], ...]
+  sizes: tuple[int, ...]
+  reduction: tuple[bool, ...]
+  replicated: bool = False
+
+
+class _Builder:
+  """Accumulates factors; `new(size)` returns a fresh factor id."""
+
+  def __init__(self):
+    self.sizes: list[int] = []
+
+  def new(self, size: int) -> int:
+    if size <= 1:
+      return UNSHARDABLE  # A unit dimension has nothing to tile.
+    self.sizes.append(int(size))
+    return len(self.sizes) - 1
+
+  def rule(self, operands, results) -> Rule:
+    operands = tuple(None if o is None else tuple(o) for o in operands)
+    results = tuple(tuple(r) for r in results)
+    in_result = {f for r in results for f in r if f != UNSHARDABLE}
+    reduction = tuple(f not in in_result for f in range(len(self.sizes)))
+    return Rule(operands, results, tuple(self.sizes), reduction)
+
+
+def replicated_rule(in_shapes: Sequence[Shape | None],
+                    out_shapes: Sequence[Shape]) -> Rule:
+  """Every dimension whole: the safe rule for anything we cannot reason about."""
+  return Rule(
+      tuple(None if s is None else (UNSHARDABLE,) * len(s) for s in in_shapes),
+      tuple((UNSHARDABLE,) * len(s) for s in out_shapes), (), (), True)
+
+
+def _elementwise(ins, outs, params) -> Rule:
+  b = _Builder()
+  shape = outs[0]
+  factors = [b.new(n) for n in shape]
+  operands = []
+  for s in ins:
+    if s is None:
+      operands.append(None)
+    elif len(s) == 0:
+      operands.append(())
+    elif len(s) == len(shape) and all(a in (b, 1) for a, b in zip(s, shape)):
+      # Unit dims broadcast implicitly; they have nothing to tile.
+      operands.append([f if a == b else UNSHARDABLE
+                       for f, a, b in zip(factors, s, shape)])
+    else:
+      return replicated_rule(ins, outs)
+  return b.rule(operands, [factors if tuple(o) == tuple(shape) else
+                           [UNSHARDABLE] * len(o) for o in outs])
+
+
+def _broadcast_in_dim(ins, outs, params) -> Rule:
+  b = _Builder()
+  out = outs[0]
+  factors = [b.new(n) for n in out]
+  operand = []
+  for i, d in enumerate(params["broadcast_dimensions"]):
+    operand.append(factors[d] if ins[0][i] == out[d] else UNSHARDABLE)
+  return b.rule([operand] + [None] * (len(ins) - 1), [factors])
+
+
+def _reshape_groups(a: Shape, b: Shape) -> list[tuple[list[int], list[int]]]:
+  """Splits two shapes of equal size into runs of dims with equal products."""
+  groups, i, j = [], 0, 0
+  while i < len(a) or j < len(b):
+    gi, gj, pa, pb = [], [], 1, 1
+    # Unit dims form groups of their own, so they never steal a factor.
+    if i < len(a) and a[i] == 1:
+      groups.append(([i], []))
+      i += 1
+      continue
+    if j < len(b) and b[j] == 1:
+      groups.append(([], [j]))
+      j += 1
+      continue
+    while True:
+      if pa <= pb and i < len(a):
+        pa *= a[i]
+        gi.append(i)
+        i += 1
+      elif j < len(b):
+        pb *= b[j]
+        gj.append(j)
+        j += 1
+      else:
+        break
+      if pa == pb:
+        break
+    groups.append((gi, gj))
+  return groups
+
+
+def _reshape(ins, outs, params) -> Rule:
+  if params.get("dimensions") is not None:
+    return replicated_rule(ins, outs)
+  a, o = ins[0], outs[0]
+  b = _Builder()
+  operand = [UNSHARDABLE] * len(a)
+  result = [UNSHARDABLE] * len(o)
+  for gi, gj in _reshape_groups(a, o):
+    if not gi or not gj:
+      continue
+    # Only the major dims tile contiguously on both sides.
+    f = b.new(math.gcd(a[gi[0]], o[gj[0]]))
+    operand[gi[0]] = f
+    result[gj[0]] = f
+  return b.rule([operand] + [None] * (len(ins) - 1), [result])
+
+
+def _squeeze(ins, outs, params) -> Rule:
+  b = _Builder()
+  dims = set(d % len(ins[0]) for d in params["dimensions"])
+  operand, result = [], []
+  for i, n in enumerate(ins[0]):
+    if i in dims:
+      operand.append(UNSHARDABLE)
+    else:
+      f = b.new(n)
+      operand.append(f)
+      result.append(f)
+  return b.rule([operand], [result])
+
+
+def _transpose(ins, outs, params) -> Rule:
+  b = _Builder()
+  operand = [b.new(n) for n in ins[0]]
+  return b.rule([operand], [[operand[p] for p in params["permutation"]]])
+
+
+def _dot_general(ins, outs, params) -> Rule:
+  (lc, rc), (lb, rb) = params["dimension_numbers"]
+  lhs, rhs = ins
+  b = _Builder()
+  lf = [UNSHARDABLE] * len(lhs)
+  rf = [UNSHARDABLE] * len(rhs)
+  result = []
+  for i, j in zip(lb, rb):
+    f = b.new(lhs[i])
+    lf[i] = rf[j] = f
+    result.append(f)
+  for i, j in zip(lc, rc):
+    lf[i] = rf[j] = b.new(lhs[i])
+  for i in range(len(lhs)):
+    if i not in lb and i not in lc:
+      lf[i] = b.new(lhs[i])
+      result.append(lf[i])
+  for j in range(len(rhs)):
+    if j not in rb and j not in rc:
+      rf[j] = b.new(rhs[j])
+      result.append(rf[j])
+  return b.rule([lf, rf], [result])
+
+
+def _reduce(combinable: bool):
+  """reduce_sum/max/min/...: reduced dims are reduction factors if combinable."""
+
+  def rule(ins, outs, params) -> Rule:
+    b = _Builder()
+    axes = set(params["axes"])
+    operand, result = [], []
+    for i, n in enumerate(ins[0]):
+      if i in axes:
+        operand.append(b.new(n) if combinable else UNSHARDABLE)
+      else:
+        f = b.new(n)
+        operand.append(f)
+        result.append(f)
+    return b.rule([operand], [result] * len(outs))
+
+  return rule
+
+
+def _along_axis(key: str):
+  """Ops that need one whole axis (cumulative ops, sort, split...)."""
+
+  def rule(ins, outs, params) -> Rule:
+    b = _Builder()
+    rank = len(outs[0]) if outs[0] else len(ins[0])
+    axis = params[key] % rank if rank else 0
+    factors = [UNSHARDABLE if i == axis else b.new(n)
+               for i, n in enumerate(ins[0])]
+    return b.rule([factors if s is not None and len(s) == len(factors) else
+                   None if s is None else [UNSHARDABLE] * len(s) for s in ins],
+                  [[factors[i] if i != axis else UNSHARDABLE
+                    for i in range(len(o))] for o in outs])
+
+  return rule
+
+
+def _sort(ins, outs, params) -> Rule:
+  return _along_axis("dimension")(ins, outs, params)
+
+
+def _top_k(ins, outs, params) -> Rule:
+  return _along_axis("axis")(ins, outs, {"axis": len(ins[0]) - 1})
+
+
+def _same_where_equal(ins, outs, params) -> Rule:
+  """slice / pad / rev / dynamic_slice: a dim is tileable where it is untouched."""
+  b = _Builder()
+  a, o = ins[0], outs[0]
+  touched = set(params.get("dimensions", ()))
+  factors = [b.new(n) if n == o[i] and i not in touched else UNSHARDABLE
+             for i, n in enumerate(a)]
+  operands = [factors]
+  for s in ins[1:]:
+    # dynamic_update_slice's update tiles like the operand; indices are scalars.
+    operands.append(None if s is None else factors if len(s) == len(a)
+                    and all(s[i] == a[i] for i in range(len(a)) if factors[i] >= 0)
+                    else [UNSHARDABLE] * len(s))
+  return b.rule(operands, [factors])
+
+
+def _pad(ins, outs, params) -> Rule:
+  b = _Builder()
+  config = params["padding_config"]
+  factors = [b.new(n) if cfg == (0, 0, 0) else UNSHARDABLE
+             for n, cfg in zip(ins[0], config)]
+  return b.rule([factors, ()], [factors])
+
+
+def _concatenate(ins, outs, params) -> Rule:
+  b = _Builder()
+  d = params["dimension"]
+  factors = [UNSHARDABLE if i == d else b.new(n) for i, n in enumerate(outs[0])]
+  return b.rule([factors] * len(ins), [factors])
+
+
+def _iota(ins, outs, params) -> Rule:
+  b = _Builder()
+  return b.rule([], [[b.new(n) for n in outs[0]]])
+
+
+def _gather(ins, outs, params) -> Rule:
+  """Row lookups (embeddings, take_along_axis).
+
+  Whole slices of the operand and the batch dims of the indices tile; an
+  operand batching dim shares the factor of its indices batching dim.
+  """
+  dn = params["dimension_numbers"]
+  operand, indices = ins
+  out = outs[0]
+  b = _Builder()
+  of = [UNSHARDABLE] * len(operand)
+  inf = [UNSHARDABLE] * len(indices)
+  result = [UNSHARDABLE] * len(out)
+  sliced = [i for i in range(len(operand))
+            if i not in dn.collapsed_slice_dims and i not in dn.operand_batching_dims]
+  for i, d in zip(sliced, dn.offset_dims):
+    if params["slice_sizes"][i] == operand[i] and i not in dn.start_index_map:
+      of[i] = result[d] = b.new(operand[i])
+  batch_out = [d for d in range(len(out)) if d not in dn.offset_dims]
+  batch_in = [d for d in range(len(indices)) if d != len(indices) - 1]
+  if len(batch_in) == len(batch_out):
+    for i, d in zip(batch_in, batch_out):
+      inf[i] = result[d] = b.new(indices[i])
+  for i, j in zip(dn.operand_batching_dims, dn.start_indices_batching_dims):
+    if operand[i] == indices[j]:
+      of[i] = inf[j]
+    else:
+      inf[j] = UNSHARDABLE
+  return b.rule([of, inf], [result])
+
+
+def _scatter_add(ins, outs, params) -> Rule:
+  """Scatter-add: rows scattered from tiles of the updates add up (a
+  reduction), except along batching dims, which index the result too."""
+  dn = params["dimension_numbers"]
+  operand, indices, updates = ins
+  b = _Builder()
+  of = [UNSHARDABLE] * len(operand)
+  inf = [UNSHARDABLE] * len(indices)
+  uf = [UNSHARDABLE] * len(updates)
+  windows = [i for i in range(len(operand))
+             if i not in dn.inserted_window_dims and i not in dn.operand_batching_dims]
+  for i, d in zip(windows, dn.update_window_dims):
+    if updates[d] == operand[i] and i not in dn.scatter_dims_to_operand_dims:
+      of[i] = uf[d] = b.new(operand[i])
+  scatter_u = [d for d in range(len(updates)) if d not in dn.update_window_dims]
+  scatter_i = [d for d in range(len(indices)) if d != len(indices) - 1]
+  if len(scatter_u) == len(scatter_i):
+    batching = dict(zip(dn.scatter_indices_batching_dims, dn.operand_batching_dims))
+    for i, d in zip(scatter_i, scatter_u):
+      f = b.new(indices[i])
+      inf[i] = uf[d] = f
+      if i in batching:
+        if operand[batching[i]] == indices[i]:
+          of[batching[i]] = f
+        else:
+          inf[i] = uf[d] = UNSHARDABLE
+  return b.rule([of, inf, uf], [of])
+
+
+def _select_n(ins, outs, params) -> Rule:
+  if ins[0] is not None and len(ins[0]) == 0:  # A scalar predicate.
+    rule = _elementwise(ins[1:], outs, params)
+    return rule._replace(operands=((),) + rule.operands)
+  return _elementwise(ins, outs, params)
+
+
+def _clamp(ins, outs, params) -> Rule:
+  return _elementwise(ins, outs, params)
+
+
+ELEMENTWISE = frozenset("""
+abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clz
+conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc
+exp exp2 expm1 floor ge gt igamma imag integer_pow is_finite le lgamma log
+log1p logistic lt max min mul ne neg nextafter not or polygamma population_count
+pow real reduce_precision rem round rsqrt shift_left shift_right_arithmetic
+shift_right_logical sign sin sinh sqrt square stop_gradient sub tan tanh
+xor square bessel_i0e bessel_i1e regularized_incomplete_beta igammac
+random_gamma_grad zeta optimization_barrier
+""".split())
+
+_RULES: dict[str, Callable[[Any, Any, dict], Rule]] = {
+    "broadcast_in_dim": _broadcast_in_dim,
+    "reshape": _reshape,
+    "squeeze": _squeeze,
+    "transpose": _transpose,
+    "dot_general": _dot_general,
+    "reduce_sum": _reduce(True),
+    "reduce_max": _reduce(True),
+    "reduce_min": _reduce(True),
+    "reduce_and": _reduce(True),
+    "reduce_or": _reduce(True),
+    "reduce_prod": _reduce(True),
+    "argmax": _reduce(False),
+    "argmin": _reduce(False),
+    "cumsum": _along_axis("axis"),
+    "cumprod": _along_axis("axis"),
+    "cummax": _along_axis("axis"),
+    "cummin": _along_axis("axis"),
+    "cumlogsumexp": _along_axis("axis"),
+    "split": _along_axis("axis"),
+    "sort": _sort,
+    "top_k": _top_k,
+    "slice": _same_where_equal,
+    "dynamic_slice": _same_where_equal,
+    "dynamic_update_slice": _same_where_equal,
+    "rev": _same_where_equal,
+    "pad": _pad,
+    "concatenate": _concatenate,
+    "iota": _iota,
+    "gather": _gather,
+    "scatter-add": _scatter_add,
+    "scatter_add": _scatter_add,
+    "select_n": _select_n,
+    "clamp": _clamp,
+}
+
+# Reduction factors of these ops combine with an all-reduce of this kind.
+REDUCTION_OP = {"reduce_max": "max", "reduce_min": "min", "reduce_and": "and",
+                "reduce_or": "or", "reduce_prod": "mul"}
+
+
+def has_rule(primitive: str) -> bool:
+  return primitive in _RULES or primitive in ELEMENTWISE
+
+
+def rule_for(primitive: str, in_shapes: Sequence[Shape | None],
+             out_shapes: Sequence[Shape], params: dict) -> Rule:
+  """The factor rule of one equation; `replicated_rule` if we have none."""
+  fn = _RULES.get(primitive)
+  if fn is None and primitive in ELEMENTWISE:
+    fn = _elementwise
+  if fn is None or not out_shapes:
+    return replicated_rule(in_shapes, out_shapes)
+  try:
+    rule = fn(list(in_shapes), list(out_shapes), params)
+  except (KeyError, IndexError, TypeError, AttributeError, ValueError):
+    # Parameters of an unfamiliar form: whole arrays are always correct.
+    return replicated_rule(in_shapes, out_shapes)
+  _check(rule, in_shapes, out_shapes)
+  return rule
+
+
+def _check(rule: Rule, in_shapes, out_shapes) -> None:
+  for dims, shape in zip(rule.operands + rule.results,
+                         list(in_shapes) + list(out_shapes)):
+    if dims is not None and shape is not None and len(dims) != len(shape):
+      raise AssertionError(f"rule rank {len(dims)} != shape {shape}")
+
+
+def flops(primitive: str, in_shapes: Sequence[Shape | None],
+          out_shapes: Sequence[Shape], params: dict) -> float:
+  """Floating point operations of one equation (multiply-add = 2)."""
+  out = sum(int(np.prod(s)) for s in out_shapes)
+  if primitive == "dot_general":
+    (lc, _), _ = params["dimension_numbers"]
+    k = int(np.prod([in_shapes[0][i] for i in lc])) if lc else 1
+    return 2.0 * out * k
+  if primitive.startswith("reduce_") or primitive in ("argmax", "argmin"):
+    return float(int(np.prod(in_shapes[0])))
+  if primitive in ("scatter-add", "scatter_add"):
+    return float(int(np.prod(in_shapes[2])))
+  if primitive in _RULES and primitive not in ("cumsum", "cumlogsumexp",
+                                              "cumprod", "cummax", "cummin",
+                                              "sort", "top_k"):
+    return 0.0  # Data movement, counted as bytes not FLOPs.
+  return float(out)

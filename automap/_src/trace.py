@@ -1,0 +1,110 @@
+"""Trace: from a function and example arguments to its jaxpr and StableHLO.
+
+Arguments may be arrays, numpy arrays, Python scalars or
+`jax.ShapeDtypeStruct`s, so a model too large for this machine can be planned
+without materialising it. Each flat argument keeps the path of its leaf in the
+argument pytree (`params/block_0/mlp/wi/kernel`): flax nnx attribute names and
+raw pytrees never reach the jaxpr's name stacks, their paths always exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jex
+
+
+class ArgumentError(TypeError):
+  """An argument leaf that is not an array-like value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+  """A traced program.
+
+  jaxpr: the closed jaxpr of `fn(*args)`.
+  in_tree / out_tree: pytree structures of the arguments and outputs.
+  in_paths: per flat argument, its path in the argument pytree.
+  in_avals: per flat argument, its abstract value (shape, dtype).
+  out_paths / out_avals: per flat output, its path and abstract value.
+  """
+
+  fn: Callable
+  jaxpr: jex.ClosedJaxpr
+  in_tree: Any
+  out_tree: Any
+  in_paths: tuple[str, ...]
+  in_avals: tuple[Any, ...]
+  out_paths: tuple[str, ...]
+  out_avals: tuple[Any, ...]
+
+  @property
+  def signature(self) -> tuple:
+    """Hashable identity of the argument structure, shapes and dtypes."""
+    return signature_of(self.in_tree, self.in_avals)
+
+  def fingerprint(self) -> str:
+    """Stable digest of the program: equations, shapes, dtypes, structure."""
+    h = hashlib.sha256()
+    h.update(str(self.in_tree).encode())
+    h.update(str(self.jaxpr.jaxpr).encode())
+    return h.hexdigest()[:16]
+
+
+def signature_of(in_tree, avals) -> tuple:
+  return (str(in_tree),) + tuple((tuple(a.shape), str(a.dtype)) for a in avals)
+
+
+def path_str(path) -> str:
+  return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def _aval_of(path, leaf):
+  if isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
+    return jax.core.ShapedArray(leaf.shape, leaf.dtype)
+  if isinstance(leaf, (bool, int, float, complex)):
+    return jax.core.ShapedArray((), jax.numpy.asarray(leaf).dtype)
+  raise ArgumentError(
+      f"argument leaf {path_str(path) or '<root>'!r} is a "
+      f"{type(leaf).__name__}, expected a jax.Array, numpy array, Python "
+      "number or jax.ShapeDtypeStruct. Mark non-array configuration as static "
+      "(close over it, e.g. with functools.partial) instead of passing it.")
+
+
+def flatten_args(args: tuple) -> tuple[list, Any, tuple[str, ...], tuple]:
+  """Flat leaves, tree, leaf paths and avals; errors name a bad leaf's path."""
+  with_paths, tree = jax.tree_util.tree_flatten_with_path(args)
+  leaves = [leaf for _, leaf in with_paths]
+  avals = tuple(_aval_of(p, leaf) for p, leaf in with_paths)
+  paths = tuple(path_str(p) for p, _ in with_paths)
+  return leaves, tree, paths, avals
+
+
+def trace(fn: Callable, args: tuple) -> Traced:
+  """Traces `fn(*args)`. Errors raised by `fn` itself surface unchanged."""
+  _, in_tree, paths, avals = flatten_args(args)
+  specs = jax.tree.unflatten(
+      in_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*specs)
+  out_with_paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
+  out_leaves = [leaf for _, leaf in out_with_paths]
+  return Traced(
+      fn=fn,
+      jaxpr=closed,
+      in_tree=in_tree,
+      out_tree=out_tree,
+      in_paths=paths,
+      in_avals=avals,
+      out_paths=tuple(path_str(p) for p, _ in out_with_paths),
+      out_avals=tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in out_leaves),
+  )
+
+
+def lower(fn: Callable, args: tuple, **jit_kwargs):
+  """The StableHLO lowering of `fn(*args)` (the program handed to XLA)."""
+  return jax.jit(fn, **jit_kwargs).lower(*args)
