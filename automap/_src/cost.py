@@ -11,8 +11,10 @@ factor and a per-step latency on the link the axis maps to.
 
 Peak memory is counted as XLA's `memory_analysis` counts it: arguments and
 results for the whole program, plus the peak over program order of the
-temporaries alive (producer to last reader) that fusion leaves in memory. The evaluation is incremental: an action re-costs only the ops
-around the values it changed.
+temporaries alive (producer to last reader) that fusion leaves in memory.
+
+The evaluation is incremental: an action re-costs only the ops around the
+values it changed.
 """
 
 from __future__ import annotations
