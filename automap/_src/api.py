@@ -182,8 +182,7 @@ def verify(plan: Plan, fn: Callable, *args, mesh=None,
       plan.mesh.axis_sizes, plan.mesh.axis_names)
   if MeshSpec.of(mesh) != plan.mesh:
     raise MeshError(f"mesh {MeshSpec.of(mesh)} differs from the plan's {plan.mesh}.")
-  jitted = apply_lib.jit_with_plan(traced, mesh, plan.in_specs, plan.out_specs,
-                                   plan.constraints)
+  jitted = apply_lib.jit_with_plan(traced, mesh, plan)
   compiled = jitted.lower(*args).compile()
   found = verify_lib.collectives(compiled.as_text(), mesh)
   memory, stats = verify_lib.compiled_memory(compiled)
@@ -256,8 +255,7 @@ class Partitioned:
       program = _program(self.fn, args, self.mesh, self.hardware, self.hints)
       plan = _search_program(program, self.budget, self.memory_limit, self.seed)
       plan.stats["plan_seconds"] = round(time.perf_counter() - t0, 4)
-      jitted = apply_lib.jit_with_plan(program.traced, self.mesh, plan.in_specs,
-                                       plan.out_specs, plan.constraints)
+      jitted = apply_lib.jit_with_plan(program.traced, self.mesh, plan)
       entry = _Entry(plan, jitted,
                      jitted_in_shardings(program.traced, self.mesh, plan))
       self._entries[key] = entry

@@ -34,13 +34,23 @@ def auto_mesh(mesh: Mesh) -> Mesh:
 
 
 def interpreter(traced: Traced, constraints: Mapping[int, PartitionSpec],
-                mesh: Mesh) -> Callable[..., Any]:
-  """`fn` re-expressed from its jaxpr with the plan's constraints inserted."""
+                mesh: Mesh,
+                reshards: Mapping[tuple[int, int], PartitionSpec] | None = None
+                ) -> Callable[..., Any]:
+  """`fn` re-expressed from its jaxpr with the plan's constraints inserted:
+  on the results the plan names, and on operands it reshards on entry."""
   shardings = {v: NamedSharding(mesh, s) for v, s in constraints.items()}
+  entry: dict[int, dict[int, NamedSharding]] = {}
+  for (v, p), s in (reshards or {}).items():
+    entry.setdefault(v, {})[p] = NamedSharding(mesh, s)
   closed = traced.jaxpr
 
   def visit(step: Step, ins: list) -> list:
     eqn = step.eqn
+    if step.out_ids and step.out_ids[0] in entry:
+      ins = list(ins)
+      for p, sharding in entry[step.out_ids[0]].items():
+        ins[p] = jax.lax.with_sharding_constraint(ins[p], sharding)
     params = eqn.primitive.get_bind_params(eqn.params)
     subfuns = ()
     if isinstance(params, tuple):  # Older JAX returns (subfuns, params).
@@ -70,15 +80,15 @@ def interpreter(traced: Traced, constraints: Mapping[int, PartitionSpec],
   return run
 
 
-def jit_with_plan(traced: Traced, mesh: Mesh, in_specs, out_specs,
-                  constraints: Mapping[int, PartitionSpec],
+def jit_with_plan(traced: Traced, mesh: Mesh, plan,
                   donate_argnums=()) -> Callable[..., Any]:
   """`jax.jit` of the rewritten program with the plan's shardings."""
   mesh = auto_mesh(mesh)
   to_sharding = lambda s: NamedSharding(mesh, s)  # noqa: E731
-  in_shardings = jax.tree.unflatten(traced.in_tree, [to_sharding(s) for s in in_specs])
+  in_shardings = jax.tree.unflatten(traced.in_tree,
+                                    [to_sharding(s) for s in plan.in_specs])
   out_shardings = jax.tree.unflatten(traced.out_tree,
-                                     [to_sharding(s) for s in out_specs])
-  run = interpreter(traced, constraints, mesh)
+                                     [to_sharding(s) for s in plan.out_specs])
+  run = interpreter(traced, plan.constraints, mesh, plan.reshards)
   return jax.jit(run, in_shardings=tuple(in_shardings),
                  out_shardings=out_shardings, donate_argnums=donate_argnums)

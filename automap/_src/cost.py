@@ -31,8 +31,9 @@ from automap._src.graph import Graph
 from automap._src.hardware import Hardware
 from automap._src.sharding import UNSHARDED, MeshSpec, State
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
-ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = range(4)
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+         "collective-permute")
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, PERMUTE = range(5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,14 +84,23 @@ class Cost:
 
 
 class OpCost:
-  """Cost of one op under one state: compute seconds, FLOPs, collectives."""
+  """Cost of one op under one state.
 
-  __slots__ = ("time", "flops", "comms")
+  time: compute seconds; flops: per device; comms: (kind, axes bitmask,
+  bytes, seconds, resharded operand or -1) per collective; footprint: per
+  result, the bytes its buffer holds (more than its tile when the op makes
+  the whole array and slices it, e.g. an all-reduce standing in for a
+  reduce-scatter).
+  """
+
+  __slots__ = ("time", "flops", "comms", "footprint")
 
   def __init__(self, time: float, flops: float,
-               comms: list[tuple[int, int, float, float]]):
+               comms: list[tuple[int, int, float, float, int]],
+               footprint: tuple[float, ...]):
     self.time, self.flops = time, flops
-    self.comms = comms  # (kind, axes bitmask, bytes, seconds)
+    self.comms = comms
+    self.footprint = footprint
 
 
 # Ops XLA fuses into their consumers (loop fusion) and reductions that
@@ -159,10 +169,13 @@ class CostModel:
 
   # -- collectives ---------------------------------------------------------
 
-  def emit(self, comms: list, kind: int, mask: int, nbytes: float) -> None:
+  def emit(self, comms: list, kind: int, mask: int, nbytes: float,
+           value: int = -1) -> None:
+    """Records a collective; `value` >= 0 marks a reshard of that operand,
+    which XLA performs once however many ops read the resharded copy."""
     mask &= self.nontrivial
     if mask:
-      comms.append((kind, mask, nbytes, self.comm_time(kind, mask, nbytes)))
+      comms.append((kind, mask, nbytes, self.comm_time(kind, mask, nbytes), value))
 
   def comm_time(self, kind: int, mask: int, nbytes: float) -> float:
     n = int(self.group_size[mask])
@@ -187,12 +200,17 @@ class CostModel:
         div *= self.mesh.axis_sizes[a]
     return float(self.graph.nbytes[v]) / div
 
-  def op_cost(self, state: State, o: int) -> OpCost:
+  def layout(self, state: State, o: int) -> tuple[list[int], list[bool], list]:
+    """How op o computes under `state`.
+
+    Returns, per mesh axis, the factor it tiles (or UNSHARDED) and whether the
+    op's partial result is scattered over it; and per operand (None for a
+    literal) the dim each axis must tile on entry.
+    """
     g, sizes = self.graph, self.mesh.axis_sizes
     rule = g.rules[o]
     operands, results = g.operands[o], g.results[o]
     num_axes = len(sizes)
-    comms: list[tuple[int, int, float, float]] = []
     factor_of_axis = [UNSHARDED] * num_axes
     scatter = [False] * num_axes
     factor_tiles = [1] * len(rule.sizes)
@@ -222,66 +240,125 @@ class CostModel:
         factor_tiles[f] *= sizes[a]
       else:
         scatter[a] = False
+    # Scattering a partial sum over axis a into a result dim already tiled by
+    # a more minor axis b would need the tiles reordered; the partitioner
+    # computes that dim without b instead (b's operands are gathered).
+    for a in range(num_axes):
+      if not scatter[a]:
+        continue
+      for r, v in enumerate(results):
+        d = state[v, a] if v >= 0 else -1
+        if d < 0:
+          continue
+        for b in range(a + 1, num_axes):
+          if state[v, b] == d and factor_of_axis[b] == rule.results[r][d]:
+            factor_of_axis[b] = UNSHARDED
+    wants = []
+    for p, v in enumerate(operands):
+      dims = rule.operands[p]
+      if v < 0 or dims is None:
+        wants.append(None)
+        continue
+      wants.append([dims.index(f) if f >= 0 and f in dims else UNSHARDED
+                    for f in factor_of_axis])
+    return factor_of_axis, scatter, wants
+
+  def reshards(self, state: State, o: int) -> dict[int, list[int]]:
+    """Operand position -> the per-axis dims it must be resharded to."""
+    _, _, wants = self.layout(state, o)
+    out = {}
+    for p, (v, want) in enumerate(zip(self.graph.operands[o], wants)):
+      if want is not None and any(int(state[v, a]) != w for a, w in enumerate(want)):
+        out[p] = want
+    return out
+
+  def transition(self, comms: list, have, want, local: float, value: int) -> float:
+    """Collectives that move an array from layout `have` to `want` (per-axis
+    tiled dims); returns its bytes per device after.
+
+    Axes leaving the array are all-gathered, axes moving between dims
+    exchanged all-to-all, axes arriving sliced for free. Tiles of one dim nest
+    major to minor in mesh order, so keeping a minor axis while dropping a
+    major one, or adding a major axis under a kept minor one, reorders tiles:
+    a collective-permute first.
+    """
+    sizes = self.mesh.axis_sizes
+    gather_mask = a2a_mask = permute_mask = 0
+    after = local
+    for a in range(len(sizes)):
+      h, w = have[a], want[a]
+      if h == w:
+        continue
+      if h >= 0 and w < 0:
+        gather_mask |= 1 << a
+        after *= sizes[a]
+      elif h >= 0:
+        a2a_mask |= 1 << a
+      else:
+        after /= sizes[a]
+    for d in {int(x) for x in have if x >= 0}:
+      on_h = [a for a in range(len(sizes)) if have[a] == d]
+      kept = [a for a in on_h if want[a] == d]
+      on_w = [a for a in range(len(sizes)) if want[a] == d]
+      if kept != on_h[:len(kept)] or on_w[:len(kept)] != kept:
+        for a in on_h + on_w:
+          permute_mask |= 1 << a
+    if permute_mask:
+      self.emit(comms, PERMUTE, permute_mask, local, value)
+    if gather_mask:
+      self.emit(comms, ALL_GATHER, gather_mask, local * self.group_size[gather_mask],
+                value)
+    if a2a_mask:
+      self.emit(comms, ALL_TO_ALL, a2a_mask, local, value)
+    return after
+
+  def op_cost(self, state: State, o: int) -> OpCost:
+    g, sizes = self.graph, self.mesh.axis_sizes
+    rule = g.rules[o]
+    operands, results = g.operands[o], g.results[o]
+    num_axes = len(sizes)
+    comms: list[tuple[int, int, float, float, int]] = []
+    factor_of_axis, _, wants = self.layout(state, o)
     # Operands: gather or exchange what the factor layout does not match.
     hbm = 0.0
-    for p, v in enumerate(operands):
-      if v < 0 or rule.operands[p] is None:
-        continue
-      dims = rule.operands[p]
-      local = self.local_bytes(state, v)
-      gather_mask, a2a_mask, after = 0, 0, local
-      for a in range(num_axes):
-        f = factor_of_axis[a]
-        want = dims.index(f) if f >= 0 and f in dims else UNSHARDED
-        have = state[v, a]
-        if have == want:
-          continue
-        if have >= 0 and want < 0:
-          gather_mask |= 1 << a
-          after *= sizes[a]
-        elif have >= 0:
-          a2a_mask |= 1 << a
-        else:
-          after /= sizes[a]  # sliced locally
-      if gather_mask:
-        size = local * self.group_size[gather_mask]
-        self.emit(comms, ALL_GATHER, gather_mask, size)
-      if a2a_mask:
-        self.emit(comms, ALL_TO_ALL, a2a_mask, local)
-      hbm += after
+    for v, want_row in zip(operands, wants):
+      if want_row is not None:
+        hbm += self.transition(comms, state[v], want_row, self.local_bytes(state, v), v)
     # Results: combine partial sums, then match the result's own layout.
+    footprint = []
     for r, v in enumerate(results):
       if v < 0:
+        footprint.append(0.0)
         continue
       dims = rule.results[r]
-      local = self.local_bytes(state, v)
-      hbm += local
-      reduce_mask = scatter_mask = gather_mask = a2a_mask = 0
+      hbm += self.local_bytes(state, v)
+      reduce_mask = scatter_mask = 0
+      natural = [UNSHARDED] * num_axes
       for a in range(num_axes):
         f = factor_of_axis[a]
-        have = state[v, a]
         if f >= 0 and rule.reduction[f]:
-          if have >= 0:
+          if state[v, a] >= 0:
             scatter_mask |= 1 << a
           else:
             reduce_mask |= 1 << a
-          continue
-        want = dims.index(f) if f >= 0 and f in dims else UNSHARDED
-        if have == want or (have >= 0 and want < 0):
-          continue  # equal, or sliced locally
-        if have < 0:
-          gather_mask |= 1 << a
-        else:
-          a2a_mask |= 1 << a
+        elif f >= 0 and f in dims:
+          natural[a] = dims.index(f)
+      if scatter_mask and not self.hw.reduce_scatter:
+        # All-reduce the whole partial result, then keep this device's tile.
+        reduce_mask |= scatter_mask
+        scatter_mask = 0
+      natural_bytes = float(g.nbytes[v]) / math.prod(
+          sizes[a] for a in range(num_axes) if natural[a] >= 0)
       if reduce_mask:
-        size = local
-        self.emit(comms, ALL_REDUCE, reduce_mask, size)
+        self.emit(comms, ALL_REDUCE, reduce_mask, natural_bytes)
       if scatter_mask:
-        self.emit(comms, REDUCE_SCATTER, scatter_mask, local)
-      if gather_mask:
-        self.emit(comms, ALL_GATHER, gather_mask, local)
-      if a2a_mask:
-        self.emit(comms, ALL_TO_ALL, a2a_mask, local)
+        for a in range(num_axes):
+          if scatter_mask >> a & 1:
+            natural[a] = state[v, a]
+        natural_bytes /= self.group_size[scatter_mask]
+        self.emit(comms, REDUCE_SCATTER, scatter_mask, natural_bytes)
+      self.transition(comms, natural, state[v], natural_bytes, -1)
+      footprint.append(max(natural_bytes, self.local_bytes(state, v)))
     tiles = 1
     for a in range(num_axes):
       if factor_of_axis[a] >= 0:
@@ -293,7 +370,7 @@ class CostModel:
     else:  # vector units: an order of magnitude below the matrix units
       peak = self.hw.fp32_flops / 16
     time = max(flops / peak, hbm / self.hw.hbm_bandwidth)
-    return OpCost(time, flops, comms)
+    return OpCost(time, flops, comms, tuple(footprint))
 
   # -- whole state ---------------------------------------------------------
 
@@ -310,35 +387,63 @@ class CostModel:
 
 
 class Tracker:
-  """A running cost of a state, refreshed incrementally after actions."""
+  """A running cost of a state, refreshed incrementally after actions.
+
+  Memory is a timeline over op indices of the temporaries alive: each
+  intermediate's buffer from producer to last reader, and each resharded
+  copy of an operand from its first to its last reader (XLA computes one
+  copy per value and layout and reuses it, forward and backward).
+  """
 
   def __init__(self, model: CostModel, state: State):
     self.model = model
     self.state = state
     g = model.graph
-    self.ops = [model.op_cost(state, o) for o in range(g.num_ops)]
-    self.compute = sum(c.time for c in self.ops)
-    self.flops = sum(c.flops for c in self.ops)
     self.bytes = np.zeros((len(KINDS), model.masks))
     self.count = np.zeros((len(KINDS), model.masks), np.int64)
     self.seconds = np.zeros((len(KINDS), model.masks))
-    for c in self.ops:
-      self._add(c, 1)
-    self.vbytes = model.value_bytes(state)
-    # Live intermediate bytes at each op; arguments are a constant floor.
-    live = np.zeros(g.num_ops + 2)
-    inter = model.temporary
-    np.add.at(live, model.start[inter], self.vbytes[inter])
-    np.add.at(live, model.end[inter] + 1, -self.vbytes[inter])
-    self.live = np.cumsum(live)[:-1]
-    self.resident = float(self.vbytes[model.resident].sum())
-    self.args = float(self.vbytes[model.is_input].sum())
+    self.live = np.zeros(g.num_ops + 1)
+    # (value, kind, axes, bytes) -> reader ops of that resharded copy.
+    self.reshards: dict[tuple, list[int]] = {}
+    local = model.value_bytes(state)
+    self.resident = float(local[model.resident].sum())
+    self.args = float(local[model.is_input].sum())
+    self.held = np.where(model.resident, local, 0.0)  # [V] resident bytes
+    self.ops = [model.op_cost(state, o) for o in range(g.num_ops)]
+    self.compute = sum(c.time for c in self.ops)
+    self.flops = sum(c.flops for c in self.ops)
+    for o, c in enumerate(self.ops):
+      self._add(o, c, 1)
 
-  def _add(self, c: OpCost, sign: int) -> None:
-    for kind, mask, nbytes, seconds in c.comms:
+  def _span(self, ops: list[int], nbytes: float) -> None:
+    self.live[min(ops):max(ops) + 1] += nbytes
+
+  def _add(self, o: int, c: OpCost, sign: int) -> None:
+    model = self.model
+    for kind, mask, nbytes, seconds, value in c.comms:
+      if value >= 0:  # A reshard of an operand: one copy for all its readers.
+        key = (value, kind, mask, nbytes)
+        readers = self.reshards.get(key)
+        if readers:
+          self._span(readers, -nbytes)
+        if sign > 0:
+          readers = readers or []
+          readers.append(o)
+          self.reshards[key] = readers
+        else:
+          readers.remove(o)
+          if not readers:
+            del self.reshards[key]
+        if readers:
+          self._span(readers, nbytes)
+        if not (sign > 0 and len(readers) == 1 or sign < 0 and not readers):
+          continue
       self.bytes[kind, mask] += sign * nbytes
       self.count[kind, mask] += sign
       self.seconds[kind, mask] += sign * seconds
+    for v, foot in zip(model.graph.results[o], c.footprint):
+      if v >= 0 and model.temporary[v]:
+        self.live[model.start[v]:model.end[v] + 1] += sign * foot
 
   def update(self, changed: Iterable[int]) -> None:
     """Re-costs the ops around `changed` values of `self.state`."""
@@ -351,19 +456,16 @@ class Tracker:
       old, new = self.ops[o], model.op_cost(state, o)
       self.compute += new.time - old.time
       self.flops += new.flops - old.flops
-      self._add(old, -1)
-      self._add(new, 1)
+      self._add(o, old, -1)
+      self._add(o, new, 1)
       self.ops[o] = new
     for v in changed:
-      new = float(g.nbytes[v]) / np.where(state[v] >= 0, model.sizes, 1).prod()
-      delta = new - self.vbytes[v]
-      if delta:
-        self.vbytes[v] = new
-        if model.resident[v]:
-          self.resident += delta
-          self.args += delta if model.is_input[v] else 0.0
-        elif model.temporary[v]:
-          self.live[model.start[v]:model.end[v] + 1] += delta
+      if model.resident[v]:
+        delta = float(g.nbytes[v]) / np.where(state[v] >= 0, model.sizes, 1).prod()
+        delta -= self.held[v]
+        self.held[v] += delta
+        self.resident += delta
+        self.args += delta if model.is_input[v] else 0.0
 
   @property
   def comm_time(self) -> float:

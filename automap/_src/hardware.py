@@ -30,6 +30,8 @@ class Hardware:
     seconds per collective step.
   network_bandwidth / network_latency: across nodes, likewise.
   devices_per_node: devices that share the fast fabric.
+  reduce_scatter: whether the compiler turns an all-reduce whose result is
+    then tiled into a reduce-scatter (XLA does on TPU and GPU, not on CPU).
   """
 
   name: str
@@ -42,9 +44,10 @@ class Hardware:
   network_bandwidth: float
   network_latency: float
   devices_per_node: int
+  reduce_scatter: bool = True
 
   def __post_init__(self):
-    for field in dataclasses.fields(self)[1:]:
+    for field in dataclasses.fields(self)[1:-1]:
       value = getattr(self, field.name)
       # Latencies may be zero (an ideal fabric); nothing else may.
       least_ok = 0.0 if field.name.endswith("latency") else math.ulp(0.0)
@@ -88,7 +91,7 @@ CATALOGUE: dict[str, Hardware] = {
     # memory): ~100 GFLOP/s of AVX2 per core pair, ~20 GB/s DRAM, copies
     # between simulated devices at memory speed.
     "cpu": Hardware("cpu", 100 * _G, 100 * _G, 20 * _G, 16 * _GiB,
-                    10 * _G, 1e-5, 10 * _G, 1e-5, 8),
+                    10 * _G, 1e-5, 10 * _G, 1e-5, 8, reduce_scatter=False),
 }
 
 

@@ -46,6 +46,8 @@ class Plan:
   in_shapes: per flat argument, its shape.
   in_specs / out_specs: per flat argument / output, its PartitionSpec.
   constraints: value id -> PartitionSpec for intermediates.
+  reshards: (op's first result id, operand position) -> the layout that
+    operand takes on entry to the op, where it differs from its own.
   cost: predicted cost under the cost model.
   collectives: predicted (scope, kind, axes, bytes, count) per op scope.
   stats: search statistics (strategy, evaluations, seconds, ...).
@@ -60,6 +62,7 @@ class Plan:
   in_specs: tuple[PartitionSpec, ...]
   out_specs: tuple[PartitionSpec, ...]
   constraints: dict[int, PartitionSpec]
+  reshards: dict[tuple[int, int], PartitionSpec]
   cost: Cost
   collectives: tuple[tuple[str, str, tuple[str, ...], float, int], ...]
   stats: dict[str, Any]
@@ -88,6 +91,8 @@ class Plan:
         "out": [[p, spec_to_json(s)] for p, s in zip(self.out_paths, self.out_specs)],
         "constraints": [[v, spec_to_json(s)]
                         for v, s in sorted(self.constraints.items())],
+        "reshards": [[v, p, spec_to_json(s)]
+                     for (v, p), s in sorted(self.reshards.items())],
         "cost": self.cost.to_json(),
         "collectives": [[s, k, list(a), b, n] for s, k, a, b, n in self.collectives],
         "stats": self.stats,
@@ -111,6 +116,8 @@ class Plan:
           in_specs=tuple(spec_from_json(s) for _, _, s in d["in"]),
           out_specs=tuple(spec_from_json(s) for _, s in d["out"]),
           constraints={int(v): spec_from_json(s) for v, s in d["constraints"]},
+          reshards={(int(v), int(p)): spec_from_json(s)
+                    for v, p, s in d["reshards"]},
           cost=Cost.from_json(d["cost"]),
           collectives=tuple((s, k, tuple(a), b, n)
                             for s, k, a, b, n in d["collectives"]),

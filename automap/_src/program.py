@@ -26,6 +26,7 @@ from automap._src.sharding import (
   State,
   empty_state,
   set_spec,
+  spec_from_row,
   spec_of,
 )
 from automap._src.trace import Traced
@@ -92,9 +93,19 @@ class Program:
     constraints = {v: spec(v) for v in range(g.num_values)
                    if g.kind[v] == graph_lib.INTERMEDIATE and not g.sealed[v]
                    and g.rank(v) > 0}
+    # Operands entering an op in another layout are resharded explicitly, so
+    # XLA moves data the way the cost model priced (not a strategy of its own).
+    reshards = {}
+    for o in range(g.num_ops):
+      results = g.results[o]
+      if not results or g.sealed[results[0]]:
+        continue
+      for p, row in self.model.reshards(state, o).items():
+        v = g.operands[o][p]
+        reshards[(results[0], p)] = spec_from_row(row, mesh, g.rank(v))
     collectives: dict[tuple, list] = {}
     for o, c in enumerate(tracker.ops):
-      for kind, mask, nbytes, _ in c.comms:
+      for kind, mask, nbytes, *_ in c.comms:
         axes = tuple(n for a, n in enumerate(mesh.axis_names) if mask >> a & 1)
         key = (layer_of(g.scopes[o], depth=8), kind, axes)
         acc = collectives.setdefault(key, [0.0, 0])
@@ -106,7 +117,7 @@ class Program:
         in_shapes=tuple(tuple(a.shape) for a in self.traced.in_avals),
         in_specs=tuple(spec(v) for v in g.inputs),
         out_specs=tuple(spec(v) for v in g.outputs),
-        constraints=constraints, cost=tracker.cost(),
+        constraints=constraints, reshards=reshards, cost=tracker.cost(),
         collectives=tuple((s, KINDS[k], a, b, n)
                           for (s, k, a), (b, n) in collectives.items()),
         stats=stats, in_tree=self.traced.in_tree, out_tree=self.traced.out_tree)

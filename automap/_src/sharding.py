@@ -88,8 +88,13 @@ def local_shape(state: State, mesh: MeshSpec, shape: Sequence[int],
 
 def spec_of(state: State, mesh: MeshSpec, v: int, rank: int) -> PartitionSpec:
   """The PartitionSpec of value v (axes of a dim in mesh order)."""
+  return spec_from_row(state[v], mesh, rank)
+
+
+def spec_from_row(row: Sequence[int], mesh: MeshSpec, rank: int) -> PartitionSpec:
+  """The PartitionSpec of a per-axis row of tiled dims."""
   entries: list = [None] * rank
-  for a, d in enumerate(state[v]):
+  for a, d in enumerate(row):
     if d >= 0:
       name = mesh.axis_names[a]
       entries[d] = name if entries[d] is None else (

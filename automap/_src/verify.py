@@ -25,8 +25,8 @@ _GROUPS_IOTA = re.compile(
     r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 # Shardy's form: replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'b'}
 _GROUPS_MESH = re.compile(
-    r"replica_groups=mesh\[([^\]]*)\],\s*device_ids=\((?:\[([0-9,]+)\]"
-    r"(?:T\(([0-9,]+)\))?|([0-9,]+))\)\s*\{([^}]*)\}")
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((?:\[([0-9,]+)\]"
+    r"(?:T\(([0-9,]+)\))?|([0-9,]+))\))?\s*\{([^}]*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
                 "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
@@ -69,8 +69,10 @@ def _groups(line: str) -> list[list[int]]:
     names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
     if m.group(2):
       ids = _iota(m.group(2), m.group(3))
-    else:
+    elif m.group(4):
       ids = np.array([int(x) for x in m.group(4).split(",")])
+    else:  # Devices in mesh order.
+      ids = np.arange(int(np.prod(sizes)))
     ids = ids.reshape(sizes)
     grouped = [names.index(n) for n in re.findall(r"'([^']*)'", m.group(5))]
     rest = [i for i in range(len(names)) if i not in grouped]
