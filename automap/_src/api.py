@@ -16,6 +16,7 @@ from automap._src import apply as apply_lib
 from automap._src import trace as trace_lib
 from automap._src import verify as verify_lib
 from automap._src.cost import Cost, Tracker
+from automap._src.hardware import CATALOGUE as HARDWARE
 from automap._src.hardware import Hardware, get_hardware
 from automap._src.plan import Plan, PlanError
 from automap._src.program import Program
@@ -172,7 +173,11 @@ def state_from_specs(program: Program, in_shardings, args):
 
 def verify(plan: Plan, fn: Callable, *args, mesh=None,
            check_numerics: bool = True) -> verify_lib.Report:
-  """Compiles `plan` for `fn(*args)`; compares collectives, memory, numerics."""
+  """Compiles `plan` for `fn(*args)`; compares collectives, memory, numerics.
+
+  The prediction is re-priced for the platform compiled on (XLA:CPU, for one,
+  never forms reduce-scatters), so it is comparable with what XLA emitted.
+  """
   traced = trace_lib.trace(fn, args)
   if traced.fingerprint() != plan.fingerprint:
     raise PlanError(
@@ -182,6 +187,11 @@ def verify(plan: Plan, fn: Callable, *args, mesh=None,
       plan.mesh.axis_sizes, plan.mesh.axis_names)
   if MeshSpec.of(mesh) != plan.mesh:
     raise MeshError(f"mesh {MeshSpec.of(mesh)} differs from the plan's {plan.mesh}.")
+  platform = mesh.devices.flat[0].platform
+  hw = get_hardware(plan.hardware) if plan.hardware in HARDWARE else get_hardware("cpu")
+  hw = dataclasses.replace(hw, reduce_scatter=platform != "cpu")
+  program = Program.build(traced, plan.mesh, hw)
+  predicted = Tracker(program.model, program.state_from_plan(plan)).cost()
   jitted = apply_lib.jit_with_plan(traced, mesh, plan)
   compiled = jitted.lower(*args).compile()
   found = verify_lib.collectives(compiled.as_text(), mesh)
@@ -194,7 +204,7 @@ def verify(plan: Plan, fn: Callable, *args, mesh=None,
     actual = jitted(*_place(args, jitted_in_shardings(traced, mesh, plan)))
     max_abs, max_rel = verify_lib.compare_numerics(expected, actual)
   return verify_lib.Report(
-      predicted=plan.cost, compiled_comm_bytes=verify_lib.summarize(found),
+      predicted=predicted, compiled_comm_bytes=verify_lib.summarize(found),
       collectives=tuple(found), compiled_memory=memory, memory_stats=stats,
       max_abs_error=max_abs, max_rel_error=max_rel)
 

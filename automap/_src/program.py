@@ -76,6 +76,22 @@ class Program:
     self.propagator().seed_all(state)
     return state
 
+  def state_from_plan(self, plan: Plan) -> State:
+    """The state a plan pins: its argument, result and intermediate layouts;
+    values inside sealed calls follow by propagation."""
+    g, mesh = self.graph, self.mesh
+    state = empty_state(g, mesh)
+    pinned = list(zip(g.inputs, plan.in_specs)) + list(plan.constraints.items())
+    pinned += [(v, s) for v, s in zip(g.outputs, plan.out_specs) if v >= 0]
+    fixed = np.zeros(g.num_values, bool)
+    for v, spec in pinned:
+      set_spec(state, mesh, v, g.shapes[v], spec, f"plan layout of {g.names[v]!r}")
+      fixed[v] = True
+    prop = self.propagator()
+    prop.fixed = fixed
+    prop.seed_all(state)
+    return state
+
   def memory_lower_bound(self) -> float:
     """No plan needs fewer bytes per device: arguments and results must be
     resident, spread at best evenly over every device."""

@@ -107,3 +107,39 @@ def make_train_step(
 
   data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
   return train_step, (params, opt_state, data)
+
+
+def megatron_specs(args, data: str | None = "data", model: str | None = "model"):
+  """The expert layout of `make_train_step`'s arguments (a prefix pytree).
+
+  Megatron tensor parallelism over `model`: query/key/value and the MLP's
+  first layer split by columns (heads, hidden units), attention output and
+  the MLP's second layer by rows; the batch over `data`. Adam's moments follow
+  their parameters. `model=None` gives pure data parallelism, `data=None`
+  pure Megatron.
+  """
+  from jax.sharding import PartitionSpec as P
+
+  def param_spec(path: str, ndim: int):
+    if model is None:
+      return P()
+    leaf = path.split("/")
+    if leaf[-1] == "kernel" and leaf[-2] in ("query", "key", "value"):
+      return P(None, model, None)
+    if leaf[-1] == "kernel" and leaf[-2] == "out":
+      return P(model, None, None)
+    if leaf[-2:] == ["wi", "kernel"]:
+      return P(None, model)
+    if leaf[-2:] == ["wi", "bias"]:
+      return P(model)
+    if leaf[-2:] == ["wo", "kernel"]:
+      return P(model, None)
+    return P()
+
+  def spec(path, x):
+    p = jax.tree_util.keystr(path, simple=True, separator="/")
+    if p.startswith("2/"):  # the batch
+      return P(data)
+    return param_spec(p, x.ndim) if x.ndim else P()
+
+  return jax.tree_util.tree_map_with_path(spec, args)

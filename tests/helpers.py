@@ -1,0 +1,51 @@
+"""Programs shared by the tests: small enough to compile in seconds."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from automap._src.models.gpt import GPTConfig, make_train_step, megatron_specs
+
+MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
+
+SMALL = GPTConfig(vocab=128, seq=16, hidden=128, heads=4, layers=2)
+
+
+@functools.cache
+def gpt_step(config: GPTConfig = SMALL, batch: int = 8):
+  return make_train_step(config, batch=batch)
+
+
+def mesh(shape, names=("data", "model")):
+  return jax.make_mesh(shape, names)
+
+
+def loss_and_grads(step_args, config: GPTConfig = SMALL):
+  """A (loss, grads) function of the same model, for gradient numerics."""
+  import optax
+
+  from automap._src.models.gpt import GPT
+
+  model = GPT(config)
+
+  def fn(params, batch):
+    def loss(p):
+      logits = model.apply({"params": p}, batch["inputs"])
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits, batch["targets"]).mean()
+    return jax.value_and_grad(loss)(params)
+
+  params, _, batch = step_args
+  return fn, (params, batch)
+
+
+def mlp(x, w1, w2):
+  """Two matmuls: the smallest program with a Megatron pattern."""
+  return jnp.tanh(x @ w1) @ w2
+
+
+__all__ = ["MESHES", "SMALL", "gpt_step", "loss_and_grads", "megatron_specs",
+           "mesh", "mlp"]

@@ -1,0 +1,83 @@
+"""The cost model against arithmetic and against compiled HLO."""
+
+import jax
+import numpy as np
+import pytest
+from helpers import SMALL, gpt_step, megatron_specs, mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import automap
+from automap._src import cost, hardware, program, sharding, trace, verify
+
+
+def test_megatron_dp_prediction_matches_the_formula_and_xla():
+  step, args = gpt_step()
+  m = mesh((4, 2))
+  specs = megatron_specs(args)
+  c = automap.evaluate(step, *args, mesh=m, in_shardings=specs, hardware="tpu-v4")
+  b, s, h, beta, d = 8, SMALL.seq, SMALL.hidden, 4, 4
+  activation = b // d * s * h * beta
+  # Forward: one all-reduce after attention and one after the MLP per layer;
+  # backward: one after the MLP's first layer and one per q/k/v projection.
+  assert c.comm_count[("all-reduce", ("model",))] == SMALL.layers * (2 + 4)
+  assert c.comm_bytes[("all-reduce", ("model",))] == SMALL.layers * 6 * activation
+  # XLA, given only the argument layouts, partitions the same way.
+  shardings = jax.tree.map(lambda p: NamedSharding(m, p), specs,
+                           is_leaf=lambda x: isinstance(x, P))
+  compiled = jax.jit(step, in_shardings=shardings).lower(*args).compile()
+  found = verify.summarize(verify.collectives(compiled.as_text(), m))
+  for key, predicted in c.comm_bytes.items():
+    assert found.get(key, 0) == pytest.approx(predicted, rel=0.05), key
+  assert set(found) == set(c.comm_bytes)
+  params = sum(x.size for x in jax.tree.leaves(args[0]))
+  model_split = sum(
+      x.size // 2 if spec != P() else x.size
+      for x, spec in zip(jax.tree.leaves(args[0]),
+                         jax.tree.leaves(specs[0], is_leaf=lambda x: isinstance(x, P))))
+  # The gradient all-reduce over 'data' carries this device's parameter share.
+  assert c.comm_bytes[("all-reduce", ("data",))] >= model_split * beta
+  assert model_split < params
+
+
+def test_incremental_tracker_equals_a_fresh_evaluation():
+  step, args = gpt_step()
+  prog = program.Program.build(trace.trace(step, args),
+                               sharding.MeshSpec(("data", "model"), (4, 2)),
+                               hardware.get_hardware("cpu"))
+  state = prog.initial_state()
+  tracker = cost.Tracker(prog.model, state)
+  prop = prog.propagator()
+  rng = np.random.default_rng(0)
+  g = prog.graph
+  for _ in range(25):
+    v = int(rng.choice(g.inputs))
+    if g.rank(v) == 0:
+      continue
+    tracker.update(prop.tile(state, v, int(rng.integers(g.rank(v))),
+                             int(rng.integers(2))))
+  fresh = cost.Tracker(prog.model, state.copy())
+  assert tracker.step_time == pytest.approx(fresh.step_time, rel=1e-9)
+  assert tracker.peak_memory == pytest.approx(fresh.peak_memory, rel=1e-9)
+  np.testing.assert_allclose(tracker.bytes, fresh.bytes, rtol=1e-9, atol=1e-6)
+
+
+def test_sharding_reduces_flops_and_memory():
+  step, args = gpt_step()
+  m = mesh((8, 1))
+  replicated = automap.evaluate(step, *args, mesh=m, in_shardings=P())
+  dp = automap.evaluate(step, *args, mesh=m,
+                        in_shardings=megatron_specs(args, model=None))
+  assert dp.flops < replicated.flops / 4
+  assert dp.peak_memory < replicated.peak_memory
+  assert replicated.comm_bytes == {}
+
+
+def test_hardware_catalogue_and_validation():
+  for name in ("tpu-v3", "tpu-v4", "tpu-v5e", "tpu-v5p", "a100", "h100", "h200", "cpu"):
+    hw = hardware.get_hardware(name)
+    assert hw.flops > 0 and hw.link_bandwidth > hw.network_bandwidth * 0.5
+  with pytest.raises(automap.HardwareError, match="hbm_bandwidth"):
+    automap.Hardware("bad", 1e12, 1e12, -1.0, 1e9, 1e9, 0, 1e9, 0, 8)
+  with pytest.raises(automap.HardwareError, match="one of"):
+    hardware.get_hardware("tpu-v9")

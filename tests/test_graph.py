@@ -1,0 +1,75 @@
+"""The partitioning IR built from real traced programs."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import gpt_step
+
+from automap._src import graph, trace
+
+
+def build(fn, *args):
+  return graph.build(trace.trace(fn, args))
+
+
+def test_gpt_step_graph_keeps_names_and_inlines_calls():
+  step, args = gpt_step()
+  g = build(step, *args)
+  assert "jit" not in g.prims and "pjit" not in g.prims
+  assert g.num_values == len(g.shapes) == len(g.names)
+  names = [g.names[v] for v in g.inputs]
+  assert "0/block_0/mlp/wi/kernel" in names
+  assert "1/0/mu/block_1/attn/query/kernel" in names
+  scopes = {s for s in g.scopes if "block_1/mlp/wi" in s}
+  assert any(s.startswith("jvp(") for s in scopes)
+  assert any(s.startswith("transpose(") for s in scopes)
+  assert not g.unknown
+
+
+def test_every_operand_is_defined_before_use():
+  step, args = gpt_step()
+  g = build(step, *args)
+  for o, operands in enumerate(g.operands):
+    for v in operands:
+      assert v < 0 or g.producer[v] < o
+
+
+def test_custom_derivative_bodies_are_sealed():
+  g = build(lambda x: jax.nn.relu(x) * 2, jnp.ones((8, 4)))
+  assert g.sealed.any() and not g.sealed[list(g.inputs)].any()
+
+
+def test_loops_are_opaque_and_kept_whole():
+  def f(x):
+    return jax.lax.scan(lambda c, y: (c + y, c * y), x[0], x)[1]
+  g = build(f, jnp.ones((4, 8)))
+  (o,) = [i for i, p in enumerate(g.prims) if p == "scan"]
+  assert g.rules[o].replicated
+  assert g.flops[o] >= 4 * 8 * 2  # the body counted once per trip
+
+
+def test_nn_scan_stack_traces():
+  class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return nn.Dense(16)(x), None
+
+  stack = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                  length=3)()
+  x = jnp.ones((8, 16))
+  params = stack.init(jax.random.key(0), x, None)
+  g = build(lambda p, x: stack.apply(p, x, None)[0].sum(), params, x)
+  assert "scan" in g.prims
+
+
+def test_unknown_primitive_warns_once_with_its_name():
+  with pytest.warns(graph.UnknownPrimitiveWarning, match="fft"):
+    g = build(lambda x: jnp.fft.fft(x).real, jnp.ones((8, 16)))
+  assert "fft" in g.unknown
+
+
+def test_bad_argument_leaf_names_its_path():
+  with pytest.raises(trace.ArgumentError, match="'0/cfg/name'"):
+    trace.trace(lambda a: a["x"], ({"x": np.ones(3), "cfg": {"name": "adam"}},))

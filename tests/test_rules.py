@@ -1,0 +1,82 @@
+"""Factor rules: which dims of an op tile together."""
+
+import numpy as np
+from jax import lax
+
+from automap._src import rules
+from automap._src.rules import UNSHARDABLE
+
+
+def test_dot_general_names_batch_contracting_and_free_factors():
+  # [b, s, h] x [h, f] -> [b, s, f]
+  dn = (((2,), (0,)), ((), ()))
+  r = rules.rule_for("dot_general", [(8, 16, 32), (32, 64)], [(8, 16, 64)],
+                     {"dimension_numbers": dn})
+  lhs, rhs = r.operands
+  (out,) = r.results
+  assert lhs[2] == rhs[0] and r.reduction[lhs[2]]  # h is contracted
+  assert out == (lhs[0], lhs[1], rhs[1])
+  assert not any(r.reduction[f] for f in out)
+
+
+def test_dot_general_batch_dims_are_shared_by_all_three():
+  dn = (((3,), (3,)), ((0, 2), (0, 2)))  # bqnd,bknd->bnqk
+  r = rules.rule_for("dot_general", [(2, 8, 4, 16), (2, 8, 4, 16)],
+                     [(2, 4, 8, 8)], {"dimension_numbers": dn})
+  lhs, rhs = r.operands
+  assert r.results[0][:2] == (lhs[0], lhs[2]) == (rhs[0], rhs[2])
+
+
+def test_reshape_merge_and_split_share_only_the_major_factor():
+  merge = rules.rule_for("reshape", [(8, 32, 64)], [(256, 64)],
+                         {"new_sizes": (256, 64), "dimensions": None})
+  assert merge.operands[0][0] == merge.results[0][0] >= 0
+  assert merge.operands[0][1] == UNSHARDABLE  # minor part of a merged dim
+  assert merge.operands[0][2] == merge.results[0][1]
+  split = rules.rule_for("reshape", [(8, 32, 64)], [(8, 32, 4, 16)],
+                         {"new_sizes": (8, 32, 4, 16), "dimensions": None})
+  assert split.operands[0][2] == split.results[0][2]  # hidden -> heads
+  assert split.results[0][3] == UNSHARDABLE
+  assert split.sizes[split.results[0][2]] == 4
+
+
+def test_broadcast_in_dim_never_tiles_a_broadcast_unit_dim():
+  r = rules.rule_for("broadcast_in_dim", [(1, 64)], [(8, 64)],
+                     {"shape": (8, 64), "broadcast_dimensions": (0, 1),
+                      "sharding": None})
+  assert r.operands[0] == (UNSHARDABLE, r.results[0][1])
+
+
+def test_implicit_unit_broadcast_in_elementwise_ops():
+  r = rules.rule_for("add", [(8, 32, 64), (1, 32, 64)], [(8, 32, 64)], {})
+  assert r.operands[1][0] == UNSHARDABLE
+  assert r.operands[1][1:] == r.operands[0][1:] == r.results[0][1:]
+
+
+def test_reductions_mark_partial_factors_but_argmax_does_not():
+  s = rules.rule_for("reduce_sum", [(8, 64)], [(8,)], {"axes": (1,)})
+  assert s.reduction[s.operands[0][1]]
+  a = rules.rule_for("argmax", [(8, 64)], [(8,)], {"axes": (1,),
+                                                   "index_dtype": np.int32})
+  assert a.operands[0][1] == UNSHARDABLE
+
+
+def test_embedding_gather_keeps_vocabulary_rows_whole():
+  dn = lax.GatherDimensionNumbers(offset_dims=(2,), collapsed_slice_dims=(0,),
+                                  start_index_map=(0,))
+  r = rules.rule_for("gather", [(256, 64), (8, 32, 1)], [(8, 32, 64)],
+                     {"dimension_numbers": dn, "slice_sizes": (1, 64)})
+  table, idx = r.operands
+  assert table[0] == UNSHARDABLE
+  assert r.results[0] == (idx[0], idx[1], table[1])
+
+
+def test_unknown_primitive_is_replicated():
+  r = rules.rule_for("mystery", [(8, 4)], [(8, 4)], {})
+  assert r.replicated and r.operands == ((UNSHARDABLE, UNSHARDABLE),)
+
+
+def test_flops_of_a_matmul():
+  dn = (((1,), (0,)), ((), ()))
+  assert rules.flops("dot_general", [(8, 32), (32, 4)], [(8, 4)],
+                     {"dimension_numbers": dn}) == 2 * 8 * 32 * 4

@@ -1,0 +1,81 @@
+"""Actions and propagation on the sharding state."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import mlp
+from jax.sharding import PartitionSpec as P
+
+from automap._src import graph, sharding, trace
+
+MESH = sharding.MeshSpec(("data", "model"), (4, 2))
+
+
+def mlp_graph():
+  args = (jnp.ones((8, 16)), jnp.ones((16, 32)), jnp.ones((32, 16)))
+  return graph.build(trace.trace(mlp, args))
+
+
+def test_one_column_split_propagates_a_megatron_mlp():
+  g = mlp_graph()
+  x, w1, w2 = g.inputs
+  state = sharding.empty_state(g, MESH)
+  prop = sharding.Propagator(g, MESH)
+  changed = prop.tile(state, w1, 1, 1)  # w1 columns over 'model'
+  spec = lambda v: sharding.spec_of(state, MESH, v, g.rank(v))  # noqa: E731
+  assert spec(w1) == P(None, "model")
+  assert spec(w2) == P("model")  # rows: contracted with the split hidden
+  assert spec(x) == P()  # the input is not touched
+  (out,) = g.outputs
+  assert spec(out) == P()  # a partial sum: the result stays whole
+  assert set(changed) == {v for v in range(g.num_values) if (state[v] >= 0).any()}
+
+
+def test_propagation_is_incremental():
+  g = mlp_graph()
+  x, w1, _ = g.inputs
+  state = sharding.empty_state(g, MESH)
+  prop = sharding.Propagator(g, MESH)
+  prop.tile(state, x, 0, 0)
+  before = state.copy()
+  changed = prop.tile(state, w1, 1, 1)
+  moved = np.nonzero((state != before).any(axis=1))[0]
+  assert sorted(changed) == sorted(moved.tolist())
+
+
+def test_an_axis_never_tiles_an_indivisible_dim():
+  args = (jnp.ones((6, 16)), jnp.ones((16, 32)), jnp.ones((32, 16)))
+  g = graph.build(trace.trace(mlp, args))
+  state = sharding.empty_state(g, MESH)
+  prop = sharding.Propagator(g, MESH)
+  assert not prop.can_tile(state, g.inputs[0], 0, 0)  # 6 rows over 4
+  assert prop.tile(state, g.inputs[0], 0, 0) == []
+  prop.tile(state, g.inputs[1], 1, 0)
+  for v in range(g.num_values):
+    for a, d in enumerate(state[v]):
+      if d >= 0:
+        assert g.shapes[v][d] % MESH.axis_sizes[a] == 0
+
+
+def test_fixed_values_are_never_changed_by_propagation():
+  g = mlp_graph()
+  x, w1, w2 = g.inputs
+  fixed = np.zeros(g.num_values, bool)
+  fixed[w2] = True
+  state = sharding.empty_state(g, MESH)
+  sharding.Propagator(g, MESH, fixed).tile(state, w1, 1, 1)
+  assert (state[w2] < 0).all()
+
+
+def test_set_spec_validates_rank_axes_and_divisibility():
+  g = mlp_graph()
+  state = sharding.empty_state(g, MESH)
+  x = g.inputs[0]
+  with pytest.raises(sharding.MeshError, match="rank 2"):
+    sharding.set_spec(state, MESH, x, (8, 16), P("data", None, None), "x")
+  with pytest.raises(sharding.MeshError, match="'batch'"):
+    sharding.set_spec(state, MESH, x, (8, 16), P("batch"), "x")
+  with pytest.raises(sharding.MeshError, match="not divisible"):
+    sharding.set_spec(state, MESH, x, (6, 16), P("data"), "x")
+  sharding.set_spec(state, MESH, x, (8, 16), P(("data", "model")), "x")
+  assert sharding.spec_of(state, MESH, x, 2) == P(("data", "model"))

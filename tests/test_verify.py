@@ -1,0 +1,48 @@
+"""Reading collectives back from compiled HLO text."""
+
+import jax
+from helpers import mesh
+
+from automap._src import verify
+
+M = mesh((4, 2))
+
+
+def parse(line):
+  (c,) = verify.collectives(line, M)
+  return c
+
+
+def test_explicit_replica_groups():
+  c = parse("%ar = f32[2,32,64]{2,1,0} all-reduce(%x), channel_id=1, "
+            "replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add")
+  assert (c.kind, c.nbytes, c.axes) == ("all-reduce", 2 * 32 * 64 * 4, ("model",))
+
+
+def test_iota_replica_groups():
+  c = parse("%ag = bf16[128,64]{1,0} all-gather(%x), replica_groups=[2,4]<=[4,2]T(1,0), "
+            "dimensions={0}")
+  assert (c.kind, c.nbytes, c.axes) == ("all-gather", 128 * 64 * 2, ("data",))
+
+
+def test_mesh_form_replica_groups_with_and_without_device_ids():
+  c = parse("%ar = f32[8]{0} all-reduce(%x), replica_groups=mesh['axis_0'=4,'axis_1'=2] "
+            "{'axis_0'}, to_apply=%add")
+  assert c.axes == ("data",)
+  c = parse("%ar = f32[8]{0} all-reduce(%x), replica_groups=mesh['axis_0'=1,'axis_1'=1,"
+            "'axis_2'=2,'axis_3'=4], device_ids=([4,2]T(1,0)) {'axis_2'}, to_apply=%add")
+  assert c.axes == ("model",)
+
+
+def test_tuple_results_add_up():
+  c = parse("%ar = (f32[4,64]{1,0}, f32[64]{0}, /*index=2*/f32[2]{0}) all-reduce(%a, %b, %c), "
+            "replica_groups={{0,2,4,6},{1,3,5,7}}, to_apply=%add")
+  assert c.nbytes == (4 * 64 + 64 + 2) * 4 and c.axes == ("data",)
+
+
+def test_compiled_program_round_trip():
+  f = jax.jit(lambda x: x.sum(0), in_shardings=jax.sharding.NamedSharding(
+      M, jax.sharding.PartitionSpec("data")))
+  text = f.lower(jax.numpy.ones((8, 4))).compile().as_text()
+  found = verify.collectives(text, M)
+  assert [c.axes for c in found] == [("data",)]
