@@ -166,13 +166,29 @@ class CostModel:
     self.resident = is_input.copy()
     self.resident[outs] = True
     self.temporary = materialized(graph) & ~self.resident
+    # Ops that cost the same in the same layouts share a class.
+    classes: dict[tuple, int] = {}
+    self.op_class = np.empty(graph.num_ops, np.int64)
+    self.members = []
+    for o in range(graph.num_ops):
+      values = [v for v in graph.operands[o] + graph.results[o] if v >= 0]
+      signature = (graph.prims[o], graph.rules[o], graph.operand_shapes[o],
+                   tuple(graph.operands[o].index(v) if v in graph.operands[o]
+                         else -1 for v in graph.operands[o]),
+                   tuple(str(graph.dtypes[v]) for v in values),
+                   tuple(graph.shapes[v] for v in graph.results[o] if v >= 0),
+                   float(graph.flops[o]))
+      self.op_class[o] = classes.setdefault(signature, len(classes))
+      self.members.append(np.array(values, np.int64))
+    self.memo: dict[tuple, OpCost] = {}
 
   # -- collectives ---------------------------------------------------------
 
   def emit(self, comms: list, kind: int, mask: int, nbytes: float,
            value: int = -1) -> None:
-    """Records a collective; `value` >= 0 marks a reshard of that operand,
-    which XLA performs once however many ops read the resharded copy."""
+    """Records a collective; `value` >= 0 marks a reshard of the operand in
+    that position, which XLA performs once however many ops read the
+    resharded copy."""
     mask &= self.nontrivial
     if mask:
       comms.append((kind, mask, nbytes, self.comm_time(kind, mask, nbytes), value))
@@ -313,6 +329,18 @@ class CostModel:
     return after
 
   def op_cost(self, state: State, o: int) -> OpCost:
+    """Cost of op o, shared by every op of its class in the same layouts
+    (the repeated layers of a model cost one evaluation)."""
+    members = self.members[o]
+    key = (self.op_class[o], state[members].tobytes()) if len(members) else None
+    cached = self.memo.get(key)
+    if cached is None:
+      cached = self._op_cost(state, o)
+      if key is not None:
+        self.memo[key] = cached
+    return cached
+
+  def _op_cost(self, state: State, o: int) -> OpCost:
     g, sizes = self.graph, self.mesh.axis_sizes
     rule = g.rules[o]
     operands, results = g.operands[o], g.results[o]
@@ -321,9 +349,9 @@ class CostModel:
     factor_of_axis, _, wants = self.layout(state, o)
     # Operands: gather or exchange what the factor layout does not match.
     hbm = 0.0
-    for v, want_row in zip(operands, wants):
+    for p, (v, want_row) in enumerate(zip(operands, wants)):
       if want_row is not None:
-        hbm += self.transition(comms, state[v], want_row, self.local_bytes(state, v), v)
+        hbm += self.transition(comms, state[v], want_row, self.local_bytes(state, v), p)
     # Results: combine partial sums, then match the result's own layout.
     footprint = []
     for r, v in enumerate(results):
@@ -420,9 +448,10 @@ class Tracker:
 
   def _add(self, o: int, c: OpCost, sign: int) -> None:
     model = self.model
-    for kind, mask, nbytes, seconds, value in c.comms:
-      if value >= 0:  # A reshard of an operand: one copy for all its readers.
-        key = (value, kind, mask, nbytes)
+    operands = model.graph.operands[o]
+    for kind, mask, nbytes, seconds, position in c.comms:
+      if position >= 0:  # A reshard of an operand: one copy for all its readers.
+        key = (operands[position], kind, mask, nbytes)
         readers = self.reshards.get(key)
         if readers:
           self._span(readers, -nbytes)

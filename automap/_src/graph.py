@@ -198,6 +198,7 @@ class Graph:
   outputs: tuple[int, ...]
   fingerprint: str
   unknown: tuple[str, ...]  # primitives replicated for want of a rule
+  touching: tuple[tuple[int, ...], ...]  # [V] ops that read or write it
 
   @property
   def num_values(self) -> int:
@@ -210,12 +211,9 @@ class Graph:
   def rank(self, v: int) -> int:
     return len(self.shapes[v])
 
-  def ops_of(self, v: int) -> list[int]:
+  def ops_of(self, v: int) -> tuple[int, ...]:
     """The ops that read or write value v."""
-    ops = [o for o, _ in self.uses[v]]
-    if self.producer[v] >= 0:
-      ops.append(int(self.producer[v]))
-    return ops
+    return self.touching[v]
 
 
 class _Builder:
@@ -317,5 +315,7 @@ def build(traced: Traced) -> Graph:
       rules=tuple(b.rules), flops=np.array(b.flops, np.float64),
       scopes=tuple(b.scopes), inputs=tuple(arg_ids),
       outputs=tuple(x if isinstance(x, int) else -1 for x in outs),
-      fingerprint=traced.fingerprint(), unknown=tuple(sorted(b.unknown)))
+      fingerprint=traced.fingerprint(), unknown=tuple(sorted(b.unknown)),
+      touching=tuple(tuple(sorted({o for o, _ in u} | ({p} if p >= 0 else set())))
+                     for u, p in zip(uses, b.producer)))
 
