@@ -51,10 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     if "xla_force_host_platform_device_count" not in flags:
       os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}"
     from automap._src import demo
-    result = demo.run(demo.DemoConfig(
-        layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
-        batch=args.batch, mesh=args.mesh, hardware=args.hardware,
-        seconds=args.seconds))
+    from automap._src.models.gpt import GPTConfig
+    model = GPTConfig(vocab=512, seq=args.seq, hidden=args.hidden, heads=args.heads,
+                      layers=args.layers)
+    result = demo.run(demo.DemoConfig(model=model, batch=args.batch, mesh=args.mesh,
+                                      hardware=args.hardware, seconds=args.seconds))
     return 0 if result["ok"] else 1
   if args.command == "explain":
     import automap

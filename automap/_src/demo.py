@@ -24,12 +24,8 @@ from automap._src.models.gpt import GPTConfig, make_train_step, megatron_specs
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
-  layers: int = 4
-  hidden: int = 512
-  heads: int = 8
-  seq: int = 128
+  model: GPTConfig = GPTConfig(vocab=512, seq=128, hidden=512, heads=8, layers=4)
   batch: int = 32
-  vocab: int = 512
   mesh: tuple[int, int] = (4, 2)
   hardware: str = "tpu-v4"
   seconds: float = 60.0
@@ -55,12 +51,11 @@ def run(cfg: DemoConfig, console: Console | None = None) -> dict:
         f"the demo needs {n} devices, found {len(jax.devices())}; set "
         f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting "
         "Python (the `automap` command does this for you).")
-  model = GPTConfig(vocab=cfg.vocab, seq=cfg.seq, hidden=cfg.hidden,
-                    heads=cfg.heads, layers=cfg.layers)
+  model = cfg.model
   console.rule("[bold]automap demo")
-  console.print(f"GPT train step (adam): {cfg.layers} layers, hidden {cfg.hidden}, "
-                f"{cfg.heads} heads, batch {cfg.batch} x seq {cfg.seq}, vocab "
-                f"{cfg.vocab}; mesh {cfg.mesh} ('data', 'model') of simulated CPU "
+  console.print(f"GPT train step (adam): {model.layers} layers, hidden {model.hidden}, "
+                f"{model.heads} heads, batch {cfg.batch} x seq {model.seq}, vocab "
+                f"{model.vocab}; mesh {cfg.mesh} ('data', 'model') of simulated CPU "
                 f"devices; costs for {cfg.hardware}.")
   step, args = make_train_step(model, batch=cfg.batch)
   mesh = jax.make_mesh(cfg.mesh, ("data", "model"))
