@@ -146,3 +146,22 @@ def test_nn_scan_over_layers_partitions_correctly():
   report = automap.verify(plan, step, *args, mesh=m)
   assert report.max_rel_error < 1e-5
   assert report.comm_error < 0.05, report.table()
+
+
+def test_rematerialised_and_custom_derivative_code_partitions_correctly():
+  def loss(params, x):
+    @jax.checkpoint
+    def layer(h, w):
+      return jax.nn.relu(h @ w)  # relu carries a custom JVP
+    h = layer(x, params["w1"])
+    return (layer(h, params["w2"]) ** 2).mean()
+
+  params = {"w1": jax.random.normal(jax.random.key(0), (64, 128)) / 8,
+            "w2": jax.random.normal(jax.random.key(1), (128, 64)) / 8}
+  x = jax.random.normal(jax.random.key(2), (32, 64))
+  fn = jax.value_and_grad(loss)
+  m = mesh((4, 2))
+  plan = automap.search(fn, params, x, mesh=m, hardware="cpu")
+  report = automap.verify(plan, fn, params, x, mesh=m)
+  assert report.max_rel_error < 1e-5
+  assert report.comm_error < 0.05, report.table()
