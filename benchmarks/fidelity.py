@@ -29,7 +29,8 @@ MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 def expert_plan(fn, args, mesh, specs, hw):
   prog = program.Program.build(trace.trace(fn, args), api.MeshSpec.of(mesh),
                                hardware.get_hardware(hw))
-  return prog.make_plan(api.state_from_specs(prog, specs, args), {"strategy": "expert"})
+  state = prog.state_from_specs(api.flat_specs(specs, args))
+  return prog.make_plan(state, {"strategy": "expert"})
 
 
 def main():

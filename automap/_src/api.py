@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import time
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,12 +18,11 @@ from automap._src import apply as apply_lib
 from automap._src import trace as trace_lib
 from automap._src import verify as verify_lib
 from automap._src.cost import Cost, Tracker
-from automap._src.hardware import CATALOGUE as HARDWARE
 from automap._src.hardware import Hardware, get_hardware
 from automap._src.plan import Plan, PlanError
 from automap._src.program import Program
 from automap._src.search import greedy
-from automap._src.sharding import MeshError, MeshSpec, empty_state, set_spec
+from automap._src.sharding import MeshError, MeshSpec
 
 
 class MemoryLimitError(ValueError):
@@ -42,17 +43,23 @@ class Hints:
   fixed: Mapping[str, PartitionSpec] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
-    if isinstance(self.groups, str):
-      object.__setattr__(self, "groups", (self.groups,))
-    object.__setattr__(self, "groups", tuple(self.groups))
-    for g in self.groups:
+    groups = (self.groups,) if isinstance(self.groups, str) else tuple(self.groups)
+    for g in groups:
       if not isinstance(g, str) or not g:
         raise TypeError(f"Hints.groups must be non-empty strings, got {g!r}.")
-    for k, v in dict(self.fixed).items():
+    if not isinstance(self.fixed, Mapping):
+      raise TypeError(f"Hints.fixed must be a mapping, got {self.fixed!r}.")
+    for k, v in self.fixed.items():
       if not isinstance(k, str) or not isinstance(v, PartitionSpec):
         raise TypeError(
             f"Hints.fixed maps argument-path patterns (str) to PartitionSpec, "
             f"got {k!r}: {v!r}.")
+    object.__setattr__(self, "groups", groups)
+    # Read-only, so a Hints stays immutable and hashable.
+    object.__setattr__(self, "fixed", types.MappingProxyType(dict(self.fixed)))
+
+  def __hash__(self):
+    return hash((self.groups, tuple(self.fixed.items())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +70,12 @@ class Budget:
   seconds: float = 60.0
 
   def __post_init__(self):
-    if not isinstance(self.episodes, (int, np.integer)) or self.episodes <= 0:
+    if (not isinstance(self.episodes, (int, np.integer)) or isinstance(self.episodes, bool)
+        or self.episodes <= 0):
       raise ValueError(
           f"Budget.episodes must be a positive integer, got {self.episodes!r}.")
-    if not isinstance(self.seconds, (int, float)) or not self.seconds > 0:
+    if (not isinstance(self.seconds, (int, float, np.integer, np.floating))
+        or isinstance(self.seconds, bool) or not self.seconds > 0):
       raise ValueError(
           f"Budget.seconds must be a positive number, got {self.seconds!r}.")
 
@@ -76,13 +85,9 @@ class Budget:
 _EVALUATIONS_PER_EPISODE = 50
 
 
-def _check_mesh(mesh) -> MeshSpec:
-  return MeshSpec.of(mesh)
-
-
 def _program(fn, args, mesh, hardware, hints: Hints | None) -> Program:
   traced = trace_lib.trace(fn, args)
-  return Program.build(traced, _check_mesh(mesh), get_hardware(hardware),
+  return Program.build(traced, MeshSpec.of(mesh), get_hardware(hardware),
                        (hints or Hints()).fixed)
 
 
@@ -156,19 +161,8 @@ def evaluate(fn: Callable, *args, mesh, in_shardings,
   works); intermediates follow by propagation, as XLA's would.
   """
   program = _program(fn, args, mesh, hardware, None)
-  return Tracker(program.model, state_from_specs(program, in_shardings, args)).cost()
-
-
-def state_from_specs(program: Program, in_shardings, args):
-  g, mesh = program.graph, program.mesh
-  specs = flat_specs(in_shardings, args)
-  state = empty_state(g, mesh)
-  for v, spec, path in zip(g.inputs, specs, program.traced.in_paths):
-    set_spec(state, mesh, v, g.shapes[v], spec, f"in_shardings for {path!r}")
-  prop = program.propagator()
-  prop.fixed[list(g.inputs)] = True
-  prop.seed_all(state)
-  return state
+  state = program.state_from_specs(flat_specs(in_shardings, args))
+  return Tracker(program.model, state).cost()
 
 
 def verify(plan: Plan, fn: Callable, *args, mesh=None,
@@ -188,20 +182,21 @@ def verify(plan: Plan, fn: Callable, *args, mesh=None,
   if MeshSpec.of(mesh) != plan.mesh:
     raise MeshError(f"mesh {MeshSpec.of(mesh)} differs from the plan's {plan.mesh}.")
   platform = mesh.devices.flat[0].platform
-  hw = get_hardware(plan.hardware) if plan.hardware in HARDWARE else get_hardware("cpu")
-  hw = dataclasses.replace(hw, reduce_scatter=platform != "cpu")
+  hw = dataclasses.replace(plan.hardware, reduce_scatter=platform != "cpu")
   program = Program.build(traced, plan.mesh, hw)
   predicted = Tracker(program.model, program.state_from_plan(plan)).cost()
   jitted = apply_lib.jit_with_plan(traced, mesh, plan)
-  compiled = jitted.lower(*args).compile()
+  with jax.set_mesh(apply_lib.auto_mesh(mesh)):
+    compiled = jitted.lower(*args).compile()
   found = verify_lib.collectives(compiled.as_text(), mesh)
   memory, stats = verify_lib.compiled_memory(compiled)
   max_abs = max_rel = None
-  concrete = all(isinstance(x, (jax.Array, np.ndarray, int, float, bool))
-                 for x in jax.tree.leaves(args))
+  concrete = all(isinstance(x, (jax.Array, np.ndarray, np.generic, int, float,
+                                complex)) for x in jax.tree.leaves(args))
   if check_numerics and concrete:
     expected = jax.jit(fn)(*args)
-    actual = jitted(*_place(args, jitted_in_shardings(traced, mesh, plan)))
+    with jax.set_mesh(apply_lib.auto_mesh(mesh)):
+      actual = jitted(*jax.device_put(args, jitted_in_shardings(traced, mesh, plan)))
     max_abs, max_rel = verify_lib.compare_numerics(expected, actual)
   return verify_lib.Report(
       predicted=predicted, compiled_comm_bytes=verify_lib.summarize(found),
@@ -215,30 +210,35 @@ def jitted_in_shardings(traced, mesh, plan: Plan):
       traced.in_tree, [NamedSharding(mesh, s) for s in plan.in_specs])
 
 
-def _place(args, shardings):
-  return jax.device_put(args, shardings)
-
-
 @dataclasses.dataclass
 class _Entry:
   plan: Plan
   jitted: Any
-  in_shardings: Any
+  in_shardings: Any  # NamedShardings on the Auto view of the mesh
+  out_shardings: Any  # NamedShardings on the user's mesh
 
 
 class Partitioned:
   """A function partitioned by automap; behaves like a jitted function.
 
   The first call with a new argument signature traces, searches and
-  compiles; later calls with that signature reuse the plan.
+  compiles; later calls with that signature reuse the plan. Results come
+  back sharded on the user's mesh.
   """
 
   def __init__(self, fn: Callable, *, mesh, hints: Hints | None = None,
                hardware: str | Hardware = "tpu-v4", budget: Budget | None = None,
                memory_limit: float | None = None, seed: int = 0,
                cache: bool = True):
-    self._mesh_spec = _check_mesh(mesh)
+    self._mesh_spec = MeshSpec.of(mesh)
+    if not isinstance(mesh, jax.sharding.Mesh):
+      raise MeshError(
+          f"partition runs the program, so mesh must be a concrete "
+          f"jax.sharding.Mesh with devices, got {type(mesh).__name__}; plan on "
+          "an AbstractMesh with automap.search instead.")
     self.fn, self.mesh = fn, mesh
+    self._auto = apply_lib.auto_mesh(mesh)
+    self._signature = _signature_of(fn)
     self.hints = hints if hints is not None else Hints()
     if not isinstance(self.hints, Hints):
       raise TypeError(f"hints must be an automap.Hints, got {hints!r}.")
@@ -256,6 +256,19 @@ class Partitioned:
     self._last: _Entry | None = None
     functools.update_wrapper(self, fn)
 
+  def _positional(self, args: tuple, kwargs: dict) -> tuple:
+    if not kwargs:
+      return args
+    if self._signature is None:
+      raise TypeError(f"{self.fn!r} takes no keyword arguments automap can bind.")
+    bound = self._signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    if bound.kwargs:
+      raise TypeError(
+          f"keyword-only arguments {sorted(bound.kwargs)} cannot be partitioned; "
+          "make them positional or close over them.")
+    return bound.args
+
   def _entry(self, args: tuple) -> _Entry:
     _, tree, _, avals = trace_lib.flatten_args(args)
     key = trace_lib.signature_of(tree, avals)
@@ -266,24 +279,41 @@ class Partitioned:
       plan = _search_program(program, self.budget, self.memory_limit, self.seed)
       plan.stats["plan_seconds"] = round(time.perf_counter() - t0, 4)
       jitted = apply_lib.jit_with_plan(program.traced, self.mesh, plan)
+      outs = jax.tree.unflatten(program.traced.out_tree, [
+          NamedSharding(self.mesh, s) for s in plan.out_specs])
       entry = _Entry(plan, jitted,
-                     jitted_in_shardings(program.traced, self.mesh, plan))
+                     jitted_in_shardings(program.traced, self.mesh, plan), outs)
       self._entries[key] = entry
     self._last = entry
     return entry
 
-  def __call__(self, *args):
+  def __call__(self, *args, **kwargs):
+    args = self._positional(args, kwargs)
     entry = self._entry(args)
-    return entry.jitted(*_place(args, entry.in_shardings))
+    with jax.set_mesh(self._auto):
+      out = entry.jitted(*jax.device_put(args, entry.in_shardings))
+    if self._auto is self.mesh:
+      return out
+    return jax.device_put(out, entry.out_shardings)  # Same devices: no copy.
 
-  def lower(self, *args):
+  def lower(self, *args, **kwargs):
     """The partitioned program lowered for these arguments."""
-    return self._entry(args).jitted.lower(*args)
+    args = self._positional(args, kwargs)
+    entry = self._entry(args)  # Traced outside the mesh context, like calls.
+    with jax.set_mesh(self._auto):
+      return entry.jitted.lower(*args)
 
   @property
   def plan(self) -> Plan | None:
     """The plan of the most recent call's signature."""
     return None if self._last is None else self._last.plan
+
+
+def _signature_of(fn) -> inspect.Signature | None:
+  try:
+    return inspect.signature(fn)
+  except (TypeError, ValueError):
+    return None
 
 
 def partition(fn: Callable | None = None, *, mesh, hints: Hints | None = None,

@@ -96,7 +96,7 @@ class OpCost:
   __slots__ = ("time", "flops", "comms", "footprint")
 
   def __init__(self, time: float, flops: float,
-               comms: list[tuple[int, int, float, float, int]],
+               comms: list[tuple[int, int, float, float, int, int]],
                footprint: tuple[float, ...]):
     self.time, self.flops = time, flops
     self.comms = comms
@@ -185,13 +185,14 @@ class CostModel:
   # -- collectives ---------------------------------------------------------
 
   def emit(self, comms: list, kind: int, mask: int, nbytes: float,
-           value: int = -1) -> None:
-    """Records a collective; `value` >= 0 marks a reshard of the operand in
-    that position, which XLA performs once however many ops read the
-    resharded copy."""
+           position: int = -1, target: int = 0) -> None:
+    """Records a collective; `position` >= 0 marks a reshard of that operand
+    to layout `target` (a code), which XLA performs once however many ops
+    read the resharded copy."""
     mask &= self.nontrivial
     if mask:
-      comms.append((kind, mask, nbytes, self.comm_time(kind, mask, nbytes), value))
+      comms.append((kind, mask, nbytes, self.comm_time(kind, mask, nbytes),
+                    position, target))
 
   def comm_time(self, kind: int, mask: int, nbytes: float) -> float:
     n = int(self.group_size[mask])
@@ -319,13 +320,14 @@ class CostModel:
       if kept != on_h[:len(kept)] or on_w[:len(kept)] != kept:
         for a in on_h + on_w:
           permute_mask |= 1 << a
+    target = sum((int(w) + 1) << (4 * a) for a, w in enumerate(want))
     if permute_mask:
-      self.emit(comms, PERMUTE, permute_mask, local, value)
+      self.emit(comms, PERMUTE, permute_mask, local, value, target)
     if gather_mask:
       self.emit(comms, ALL_GATHER, gather_mask, local * self.group_size[gather_mask],
-                value)
+                value, target)
     if a2a_mask:
-      self.emit(comms, ALL_TO_ALL, a2a_mask, local, value)
+      self.emit(comms, ALL_TO_ALL, a2a_mask, local, value, target)
     return after
 
   def op_cost(self, state: State, o: int) -> OpCost:
@@ -345,7 +347,7 @@ class CostModel:
     rule = g.rules[o]
     operands, results = g.operands[o], g.results[o]
     num_axes = len(sizes)
-    comms: list[tuple[int, int, float, float, int]] = []
+    comms: list[tuple[int, int, float, float, int, int]] = []
     factor_of_axis, _, wants = self.layout(state, o)
     # Operands: gather or exchange what the factor layout does not match.
     hbm = 0.0
@@ -407,12 +409,6 @@ class CostModel:
     tiles = np.where(state >= 0, self.sizes[None, :], 1).prod(axis=1)
     return self.graph.nbytes / tiles
 
-  def tracker(self, state: State) -> Tracker:
-    return Tracker(self, state)
-
-  def evaluate(self, state: State) -> Cost:
-    return self.tracker(state).cost()
-
 
 class Tracker:
   """A running cost of a state, refreshed incrementally after actions.
@@ -449,9 +445,9 @@ class Tracker:
   def _add(self, o: int, c: OpCost, sign: int) -> None:
     model = self.model
     operands = model.graph.operands[o]
-    for kind, mask, nbytes, seconds, position in c.comms:
+    for kind, mask, nbytes, seconds, position, target in c.comms:
       if position >= 0:  # A reshard of an operand: one copy for all its readers.
-        key = (operands[position], kind, mask, nbytes)
+        key = (operands[position], kind, mask, target, nbytes)
         readers = self.reshards.get(key)
         if readers:
           self._span(readers, -nbytes)

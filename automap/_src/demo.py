@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 import automap
-from automap._src.explain import layer_of
+from automap._src.explain import format_spec, layer_of
 from automap._src.models.gpt import GPTConfig, make_train_step, megatron_specs
 
 
@@ -37,10 +37,6 @@ def _ms(seconds: float) -> str:
 
 def _mib(nbytes: float) -> str:
   return f"{nbytes / 2**20:.1f}"
-
-
-def _spec(spec) -> str:
-  return "P(" + ", ".join(repr(e) if e is not None else "None" for e in spec) + ")"
 
 
 def run(cfg: DemoConfig, console: Console | None = None) -> dict:
@@ -98,7 +94,7 @@ def run(cfg: DemoConfig, console: Console | None = None) -> dict:
   for path, shape, spec, expert in zip(plan.in_paths, plan.in_shapes,
                                        plan.in_specs, megatron):
     if path.startswith("0/block_0/") or (path.startswith("0/") and "block_" not in path):
-      layers.add_row(path[2:], str(tuple(shape)), _spec(spec), _spec(expert))
+      layers.add_row(path[2:], str(tuple(shape)), format_spec(spec), format_spec(expert))
   console.print(layers)
 
   per_layer: dict[tuple, list] = {}

@@ -24,10 +24,10 @@ def _fmt_bytes(n: float) -> str:
     if abs(n) < 1024 or unit == "TiB":
       return f"{n:,.1f} {unit}" if unit != "B" else f"{n:,.0f} B"
     n /= 1024
-  return f"{n}"
+  raise AssertionError("unreachable")
 
 
-def _fmt_spec(spec: PartitionSpec) -> str:
+def format_spec(spec: PartitionSpec) -> str:
   return "P(" + ", ".join("None" if e is None else repr(e) for e in spec) + ")"
 
 
@@ -36,7 +36,7 @@ def explain(plan) -> str:
                                               plan.mesh.axis_sizes))
   c = plan.cost
   lines = [
-      f"automap plan for mesh ({mesh}) on {plan.hardware}",
+      f"automap plan for mesh ({mesh}) on {plan.hardware.name}",
       f"  step time {c.step_time * 1e3:.3f} ms = compute "
       f"{c.compute_time * 1e3:.3f} ms + communication {c.comm_time * 1e3:.3f} ms",
       f"  peak memory {_fmt_bytes(c.peak_memory)} per device "
@@ -47,7 +47,7 @@ def explain(plan) -> str:
   for path, shape, spec in zip(plan.in_paths, plan.in_shapes, plan.in_specs):
     parts = path.split("/")
     group = "/".join(parts[:2]) if len(parts) > 2 else parts[0]
-    groups[group].append(f"    {path:<48} {str(tuple(shape)):<18} {_fmt_spec(spec)}")
+    groups[group].append(f"    {path:<48} {str(tuple(shape)):<18} {format_spec(spec)}")
   for group, rows in groups.items():
     lines.append(f"  {group}")
     lines.extend(rows)

@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 from jax.extend import core as jex
 
@@ -39,7 +40,7 @@ DELIBERATELY_REPLICATED = frozenset({
     "scan", "while", "cond", "random_bits", "random_seed", "random_wrap",
     "random_unwrap", "random_fold_in", "random_split", "threefry2x32",
     "rng_bit_generator", "rng_uniform", "debug_callback", "pure_callback",
-    "io_callback", "sharding_constraint", "mesh_cast", "reshard",
+    "io_callback", "debug_print", "sharding_constraint", "mesh_cast", "reshard",
     "device_put", "shard_map", "custom_call", "platform_index"})
 
 
@@ -138,7 +139,8 @@ def _itemsize(dtype) -> int:
 
 
 def body_flops(jaxpr) -> float:
-  """FLOPs of a (closed) jaxpr, loop bodies counted once per trip."""
+  """FLOPs of a (closed) jaxpr; a scan body counts once per trip, a while
+  body once (its trip count is unknown)."""
   if isinstance(jaxpr, jex.ClosedJaxpr):
     jaxpr = jaxpr.jaxpr
   total = 0.0
@@ -238,7 +240,7 @@ class _Builder:
     return vid
 
   def const(self, vid: int, c) -> int:
-    aval = jex.ShapedArray(np.shape(c), getattr(c, "dtype", np.float32))
+    aval = jax.core.ShapedArray(np.shape(c), getattr(c, "dtype", None) or np.result_type(c))
     return self.value(vid, aval, CONST, -1, False, "const")
 
   def literal(self, atom) -> Literal:

@@ -18,6 +18,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from automap._src.cost import Cost
+from automap._src.hardware import Hardware
 from automap._src.sharding import MeshSpec
 
 SCHEMA = "automap.plan/1"
@@ -40,7 +41,7 @@ class Plan:
   """Shardings for one program signature on one mesh.
 
   mesh: axis names and sizes the plan is for.
-  hardware: the hardware spec name the cost was predicted on.
+  hardware: the hardware spec the cost was predicted on.
   fingerprint: digest of the program the plan belongs to.
   in_paths / out_paths: per flat argument / output, its pytree path.
   in_shapes: per flat argument, its shape.
@@ -54,7 +55,7 @@ class Plan:
   """
 
   mesh: MeshSpec
-  hardware: str
+  hardware: Hardware
   fingerprint: str
   in_paths: tuple[str, ...]
   out_paths: tuple[str, ...]
@@ -84,7 +85,7 @@ class Plan:
         "schema": SCHEMA,
         "mesh": {"axis_names": list(self.mesh.axis_names),
                  "axis_sizes": list(self.mesh.axis_sizes)},
-        "hardware": self.hardware,
+        "hardware": dataclasses.asdict(self.hardware),
         "fingerprint": self.fingerprint,
         "in": [[p, list(shape), spec_to_json(s)] for p, shape, s in
                zip(self.in_paths, self.in_shapes, self.in_specs)],
@@ -109,7 +110,7 @@ class Plan:
       return cls(
           mesh=MeshSpec(tuple(d["mesh"]["axis_names"]),
                         tuple(d["mesh"]["axis_sizes"])),
-          hardware=d["hardware"], fingerprint=d["fingerprint"],
+          hardware=Hardware(**d["hardware"]), fingerprint=d["fingerprint"],
           in_paths=tuple(p for p, _, _ in d["in"]),
           out_paths=tuple(p for p, _ in d["out"]),
           in_shapes=tuple(tuple(shape) for _, shape, _ in d["in"]),
@@ -122,7 +123,7 @@ class Plan:
           collectives=tuple((s, k, tuple(a), b, n)
                             for s, k, a, b, n in d["collectives"]),
           stats=dict(d["stats"]))
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
       raise PlanError(f"malformed plan: {e!r}") from e
 
   def save(self, path: str | os.PathLike) -> None:

@@ -56,13 +56,14 @@ class Program:
             f"Hints.fixed pattern {pattern!r} matches no argument. Argument "
             f"paths look like {list(traced.in_paths[:3])}.")
       for v in hits:
-        if fixed[v] and spec_of(pinned, mesh, v, graph.rank(v)) != spec:
-          raise MeshError(
-              f"Hints.fixed gives argument {graph.names[v]!r} two different "
-              f"specs ({spec_of(pinned, mesh, v, graph.rank(v))} and {spec}); "
-              "make the patterns disjoint.")
+        before = pinned[v].copy()
         set_spec(pinned, mesh, v, graph.shapes[v], spec,
                  f"Hints.fixed[{pattern!r}] for argument {graph.names[v]!r}")
+        if fixed[v] and (before != pinned[v]).any():
+          raise MeshError(
+              f"Hints.fixed gives argument {graph.names[v]!r} two different "
+              f"specs ({spec_of(before[None], mesh, 0, graph.rank(v))} and "
+              f"{spec}); make the patterns disjoint.")
         fixed[v] = True
     return cls(traced, graph, mesh, hardware,
                CostModel(graph, mesh, hardware), pinned, fixed)
@@ -76,21 +77,30 @@ class Program:
     self.propagator().seed_all(state)
     return state
 
-  def state_from_plan(self, plan: Plan) -> State:
-    """The state a plan pins: its argument, result and intermediate layouts;
-    values inside sealed calls follow by propagation."""
+  def pinned_state(self, layouts, what: str) -> State:
+    """A state with the given (value, PartitionSpec) layouts fixed and
+    everything else propagated from them, as XLA's propagation would."""
     g, mesh = self.graph, self.mesh
-    state = empty_state(g, mesh)
-    pinned = list(zip(g.inputs, plan.in_specs)) + list(plan.constraints.items())
-    pinned += [(v, s) for v, s in zip(g.outputs, plan.out_specs) if v >= 0]
-    fixed = np.zeros(g.num_values, bool)
-    for v, spec in pinned:
-      set_spec(state, mesh, v, g.shapes[v], spec, f"plan layout of {g.names[v]!r}")
+    state = self.pinned.copy()
+    fixed = self.fixed.copy()
+    for v, spec in layouts:
+      set_spec(state, mesh, v, g.shapes[v], spec, f"{what} for {g.names[v]!r}")
       fixed[v] = True
     prop = self.propagator()
     prop.fixed = fixed
     prop.seed_all(state)
     return state
+
+  def state_from_specs(self, flat_specs) -> State:
+    """The state of a hand-written strategy given per flat argument."""
+    return self.pinned_state(zip(self.graph.inputs, flat_specs), "in_shardings")
+
+  def state_from_plan(self, plan: Plan) -> State:
+    """The state a plan pins: its argument, result and intermediate layouts."""
+    g = self.graph
+    layouts = list(zip(g.inputs, plan.in_specs)) + list(plan.constraints.items())
+    layouts += [(v, s) for v, s in zip(g.outputs, plan.out_specs) if v >= 0]
+    return self.pinned_state(layouts, "plan layout")
 
   def memory_lower_bound(self) -> float:
     """No plan needs fewer bytes per device: arguments and results must be
@@ -128,7 +138,7 @@ class Program:
         acc[0] += nbytes
         acc[1] += 1
     return Plan(
-        mesh=mesh, hardware=self.hardware.name, fingerprint=g.fingerprint,
+        mesh=mesh, hardware=self.hardware, fingerprint=g.fingerprint,
         in_paths=self.traced.in_paths, out_paths=self.traced.out_paths,
         in_shapes=tuple(tuple(a.shape) for a in self.traced.in_avals),
         in_specs=tuple(spec(v) for v in g.inputs),

@@ -30,8 +30,8 @@ Shape = tuple[int, ...]
 class Rule(NamedTuple):
   """Factor rule of one operation.
 
-  operands: per operand (None for a literal), per dimension, a factor id or
-    `UNSHARDABLE`.
+  operands: per operand (literals included), per dimension, a factor id or
+    `UNSHARDABLE`; None where an operand has no dims to speak of.
   results: the same for every result.
   sizes: per factor, the largest tile count it admits (its extent).
   reduction: per factor, whether it indexes no result (partial results).
@@ -231,12 +231,15 @@ def _along_axis(key: str):
   return rule
 
 
-def _sort(ins, outs, params) -> Rule:
-  return _along_axis("dimension")(ins, outs, params)
-
-
 def _top_k(ins, outs, params) -> Rule:
-  return _along_axis("axis")(ins, outs, {"axis": len(ins[0]) - 1})
+  return _along_axis("axis")(ins, outs, {"axis": params.get("axis", -1)})
+
+
+def _bitcast_convert_type(ins, outs, params) -> Rule:
+  """Same-width bitcasts are elementwise; width changes add or drop a dim."""
+  if len(ins[0]) != len(outs[0]):
+    return replicated_rule(ins, outs)
+  return _elementwise(ins, outs, params)
 
 
 def _same_where_equal(ins, outs, params) -> Rule:
@@ -309,6 +312,16 @@ def _gather(ins, outs, params) -> Rule:
 def _scatter_add(ins, outs, params) -> Rule:
   """Scatter-add: rows scattered from tiles of the updates add up (a
   reduction), except along batching dims, which index the result too."""
+  return _scatter(ins, outs, params, combinable=True)
+
+
+def _scatter_replace(ins, outs, params) -> Rule:
+  """Scatter (overwrite): only whole windows tile; later writes win, so the
+  scattered dims of the updates stay whole."""
+  return _scatter(ins, outs, params, combinable=False)
+
+
+def _scatter(ins, outs, params, combinable: bool) -> Rule:
   dn = params["dimension_numbers"]
   operand, indices, updates = ins
   b = _Builder()
@@ -322,7 +335,7 @@ def _scatter_add(ins, outs, params) -> Rule:
       of[i] = uf[d] = b.new(operand[i])
   scatter_u = [d for d in range(len(updates)) if d not in dn.update_window_dims]
   scatter_i = [d for d in range(len(indices)) if d != len(indices) - 1]
-  if len(scatter_u) == len(scatter_i):
+  if combinable and len(scatter_u) == len(scatter_i):
     batching = dict(zip(dn.scatter_indices_batching_dims, dn.operand_batching_dims))
     for i, d in zip(scatter_i, scatter_u):
       f = b.new(indices[i])
@@ -342,18 +355,14 @@ def _select_n(ins, outs, params) -> Rule:
   return _elementwise(ins, outs, params)
 
 
-def _clamp(ins, outs, params) -> Rule:
-  return _elementwise(ins, outs, params)
-
-
 ELEMENTWISE = frozenset("""
 abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clz
-conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc
+conj convert_element_type copy cos cosh digamma div eq erf erf_inv erfc
 exp exp2 expm1 floor ge gt igamma imag integer_pow is_finite le lgamma log
 log1p logistic lt max min mul ne neg nextafter not or polygamma population_count
 pow real reduce_precision rem round rsqrt shift_left shift_right_arithmetic
 shift_right_logical sign sin sinh sqrt square stop_gradient sub tan tanh
-xor square bessel_i0e bessel_i1e regularized_incomplete_beta igammac
+xor bessel_i0e bessel_i1e regularized_incomplete_beta igammac
 random_gamma_grad zeta optimization_barrier
 """.split())
 
@@ -377,7 +386,7 @@ _RULES: dict[str, Callable[[Any, Any, dict], Rule]] = {
     "cummin": _along_axis("axis"),
     "cumlogsumexp": _along_axis("axis"),
     "split": _along_axis("axis"),
-    "sort": _sort,
+    "sort": _along_axis("dimension"),
     "top_k": _top_k,
     "slice": _same_where_equal,
     "dynamic_slice": _same_where_equal,
@@ -389,14 +398,11 @@ _RULES: dict[str, Callable[[Any, Any, dict], Rule]] = {
     "gather": _gather,
     "scatter-add": _scatter_add,
     "scatter_add": _scatter_add,
+    "scatter": _scatter_replace,
+    "bitcast_convert_type": _bitcast_convert_type,
     "select_n": _select_n,
-    "clamp": _clamp,
+    "clamp": _elementwise,
 }
-
-# Reduction factors of these ops combine with an all-reduce of this kind.
-REDUCTION_OP = {"reduce_max": "max", "reduce_min": "min", "reduce_and": "and",
-                "reduce_or": "or", "reduce_prod": "mul"}
-
 
 def has_rule(primitive: str) -> bool:
   return primitive in _RULES or primitive in ELEMENTWISE

@@ -81,11 +81,6 @@ def tile_count(state: State, mesh: MeshSpec, v: int, d: int) -> int:
   return math.prod(s for a, s in enumerate(mesh.axis_sizes) if state[v, a] == d)
 
 
-def local_shape(state: State, mesh: MeshSpec, shape: Sequence[int],
-                v: int) -> tuple[int, ...]:
-  return tuple(n // tile_count(state, mesh, v, d) for d, n in enumerate(shape))
-
-
 def spec_of(state: State, mesh: MeshSpec, v: int, rank: int) -> PartitionSpec:
   """The PartitionSpec of value v (axes of a dim in mesh order)."""
   return spec_from_row(state[v], mesh, rank)
@@ -122,6 +117,13 @@ def set_spec(state: State, mesh: MeshSpec, v: int, shape: Sequence[int],
     if entry is None:
       continue
     names = entry if isinstance(entry, tuple) else (entry,)
+    order = [mesh.axis_index(name, where) for name in names]
+    if order != sorted(order):
+      raise MeshError(
+          f"{where}: dimension {d} of {spec} lists mesh axes {names} out of "
+          f"mesh order {mesh.axis_names}; automap tiles a dimension major to "
+          "minor in mesh order. Reorder them, or build the mesh with its axes "
+          "in the order you want.")
     for name in names:
       a = mesh.axis_index(name, where)
       if state[v, a] != UNSHARDED:
@@ -147,21 +149,27 @@ class Propagator:
     self.fixed = (np.zeros(graph.num_values, bool) if fixed is None
                   else fixed.astype(bool))
     self.sizes = mesh.axis_sizes
-    # Per value, the (op, dims, is_result) views of it, built once.
+    # Built once: per op, its (value, dims) members and, per factor, the
+    # (value, dim) pairs it indexes; per value, the (op, dims) views of it.
     self.views: list[list[tuple[int, tuple[int, ...]]]] = [
         [] for _ in range(graph.num_values)]
     self.members: list[list[tuple[int, tuple[int, ...]]]] = []
+    self.by_factor: list[dict[int, list[tuple[int, int]]]] = []
     for o, rule in enumerate(graph.rules):
-      members = []
-      for v, dims in zip(graph.operands[o], rule.operands):
-        if v >= 0 and dims is not None:
-          members.append((v, dims))
-      for v, dims in zip(graph.results[o], rule.results):
-        if v >= 0:
-          members.append((v, dims))
-      self.members.append(members)
+      members = [(v, dims) for v, dims in zip(graph.operands[o], rule.operands)
+                 if v >= 0 and dims is not None]
+      members += [(v, dims) for v, dims in zip(graph.results[o], rule.results)
+                  if v >= 0]
+      by_factor: dict[int, list[tuple[int, int]]] = {}
       for v, dims in members:
         self.views[v].append((o, dims))
+        seen = set()
+        for e, f in enumerate(dims):
+          if f != UNSHARDABLE and f not in seen:  # a value's first dim per factor
+            seen.add(f)
+            by_factor.setdefault(f, []).append((v, e))
+      self.members.append(members)
+      self.by_factor.append(by_factor)
 
   def can_tile(self, state: State, v: int, d: int, a: int) -> bool:
     if self.fixed[v] or state[v, a] != UNSHARDED or d >= self.graph.rank(v):
@@ -183,35 +191,30 @@ class Propagator:
     """Spreads each (value, axis) in `seeds` through the graph; in place."""
     changed: list[int] = []
     work = deque(seeds)
-    sizes, shapes = self.sizes, self.graph.shapes
+    sizes, shapes, rules, fixed = self.sizes, self.graph.shapes, self.graph.rules, self.fixed
+    axes = range(len(sizes))
+    at = state.item
     while work:
       v, a = work.popleft()
-      d = state[v, a]
+      d = at(v, a)
       if d < 0:
         continue
-      axes_on_d = {b for b in range(len(sizes)) if state[v, b] == d}
-      tiles = math.prod(sizes[b] for b in axes_on_d)
+      on_d = [b for b in axes if at(v, b) == d]
+      tiles = math.prod(sizes[b] for b in on_d)
       for o, dims in self.views[v]:
         f = dims[d]
-        if f == UNSHARDABLE or self.graph.rules[o].sizes[f] % tiles:
+        if f == UNSHARDABLE or rules[o].sizes[f] % tiles:
           continue
-        members = self.members[o]
         # The axis may tile only one factor of an op.
-        if any(state[u, a] >= 0 and udims[state[u, a]] != f
-               for u, udims in members):
+        if any(at(u, a) >= 0 and udims[at(u, a)] != f for u, udims in self.members[o]):
           continue
-        for u, udims in members:
-          if u == v or state[u, a] != UNSHARDED or self.fixed[u]:
+        for u, e in self.by_factor[o][f]:
+          if u == v or at(u, a) != UNSHARDED or fixed[u] or shapes[u][e] % tiles:
             continue
-          for e, g in enumerate(udims):
-            if g != f:
-              continue
-            on_e = {b for b in range(len(sizes)) if state[u, b] == e}
-            if on_e <= axes_on_d and shapes[u][e] % tiles == 0:
-              state[u, a] = e
-              changed.append(u)
-              work.append((u, a))
-            break
+          if all(b in on_d for b in axes if at(u, b) == e):
+            state[u, a] = e
+            changed.append(u)
+            work.append((u, a))
     return changed
 
   def seed_all(self, state: State) -> list[int]:

@@ -43,11 +43,6 @@ class Traced:
   out_paths: tuple[str, ...]
   out_avals: tuple[Any, ...]
 
-  @property
-  def signature(self) -> tuple:
-    """Hashable identity of the argument structure, shapes and dtypes."""
-    return signature_of(self.in_tree, self.in_avals)
-
   def fingerprint(self) -> str:
     """Stable digest of the program: equations, shapes, dtypes, structure."""
     h = hashlib.sha256()
@@ -57,7 +52,9 @@ class Traced:
 
 
 def signature_of(in_tree, avals) -> tuple:
-  return (str(in_tree),) + tuple((tuple(a.shape), str(a.dtype)) for a in avals)
+  """Hashable identity of an argument structure, shapes and dtypes."""
+  return (str(in_tree),) + tuple((tuple(a.shape), str(a.dtype), a.weak_type)
+                                 for a in avals)
 
 
 def path_str(path) -> str:
@@ -68,7 +65,9 @@ def _aval_of(path, leaf):
   if isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
     return jax.core.ShapedArray(leaf.shape, leaf.dtype)
   if isinstance(leaf, (bool, int, float, complex)):
-    return jax.core.ShapedArray((), jax.numpy.asarray(leaf).dtype)
+    # Python numbers are weakly typed under jit: x_bf16 * 2.0 stays bf16.
+    return jax.core.ShapedArray((), jax.numpy.asarray(leaf).dtype,
+                                weak_type=not isinstance(leaf, bool))
   raise ArgumentError(
       f"argument leaf {path_str(path) or '<root>'!r} is a "
       f"{type(leaf).__name__}, expected a jax.Array, numpy array, Python "
@@ -88,8 +87,8 @@ def flatten_args(args: tuple) -> tuple[list, Any, tuple[str, ...], tuple]:
 def trace(fn: Callable, args: tuple) -> Traced:
   """Traces `fn(*args)`. Errors raised by `fn` itself surface unchanged."""
   _, in_tree, paths, avals = flatten_args(args)
-  specs = jax.tree.unflatten(
-      in_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+  specs = jax.tree.unflatten(in_tree, [
+      jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals])
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*specs)
   out_with_paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
   out_leaves = [leaf for _, leaf in out_with_paths]
@@ -103,8 +102,3 @@ def trace(fn: Callable, args: tuple) -> Traced:
       out_paths=tuple(path_str(p) for p, _ in out_with_paths),
       out_avals=tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in out_leaves),
   )
-
-
-def lower(fn: Callable, args: tuple, **jit_kwargs):
-  """The StableHLO lowering of `fn(*args)` (the program handed to XLA)."""
-  return jax.jit(fn, **jit_kwargs).lower(*args)

@@ -114,6 +114,10 @@ def collectives(hlo_text: str, mesh) -> list[Collective]:
     if not m or "=" not in line[:m.start()]:
       continue
     shape = line[:m.start()].split("=", 1)[1]  # "%name = <shape> kind(...)"
+    if m.group(0).endswith("-start(") and m.group("kind") != "all-reduce":
+      # Async all-gather / permute / ...: (operand, result, [contexts]).
+      arrays = _ARRAY.findall(shape)
+      shape = "{}[{}]".format(*arrays[1]) if len(arrays) > 1 else shape
     found.append(Collective(m.group("kind"), _shape_bytes(shape),
                             _axes_of_groups(_groups(line), mesh), line.strip()))
   return found
@@ -190,15 +194,29 @@ def compiled_memory(compiled) -> tuple[float, Any]:
 
 
 def compare_numerics(expected, actual) -> tuple[float, float]:
-  """Max abs and relative error over matching leaves of two pytrees."""
+  """Max abs and relative (to each leaf's scale) error between two pytrees.
+
+  Integer, boolean and PRNG-key leaves must match exactly; a mismatch counts
+  as an infinite error.
+  """
+  e_leaves, e_tree = jax.tree.flatten(expected)
+  a_leaves, a_tree = jax.tree.flatten(actual)
+  if e_tree != a_tree:
+    raise ValueError(f"output structures differ: {e_tree} vs {a_tree}")
   max_abs = max_rel = 0.0
-  for e, a in zip(jax.tree.leaves(expected), jax.tree.leaves(actual)):
-    e = np.asarray(e, np.float64)
-    a = np.asarray(a, np.float64)
+  for e, a in zip(e_leaves, a_leaves):
+    if jax.dtypes.issubdtype(getattr(e, "dtype", np.float64), jax.dtypes.prng_key):
+      e, a = jax.random.key_data(e), jax.random.key_data(a)
+    e, a = np.asarray(e), np.asarray(a)
     if e.size == 0:
       continue
-    diff = np.abs(e - a)
+    if not np.issubdtype(e.dtype, np.inexact):
+      if not np.array_equal(e, a):
+        return float("inf"), float("inf")
+      continue
+    diff = np.abs(e.astype(np.float64) - a.astype(np.float64))
     max_abs = max(max_abs, float(diff.max()))
     # Relative to the leaf's scale: elementwise ratios explode near zero.
-    max_rel = max(max_rel, float(diff.max() / max(np.abs(e).max(), 1e-30)))
+    scale = float(np.abs(e.astype(np.float64)).max())
+    max_rel = max(max_rel, float(diff.max()) / max(scale, 1e-30))
   return max_abs, max_rel

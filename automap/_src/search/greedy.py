@@ -2,8 +2,9 @@
 
 From each starting state (nothing tiled; data parallelism), repeatedly take
 the action whose propagated result most lowers the objective, until none
-does or the budget runs out. Actions whose effect an earlier trial of the
-same round already produced are skipped: they lead to the same state.
+does or the budget runs out. An action that an earlier trial of the same
+round already carried out by propagation is skipped: from the same state it
+would mostly repeat that trial.
 The objective is lexicographic: bytes over the memory limit first, then
 predicted step time, so an infeasible plan never beats a feasible one.
 """

@@ -1,0 +1,105 @@
+"""Inputs that once broke automap, one test each."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import mesh, mlp
+from jax.sharding import PartitionSpec as P
+
+import automap
+from automap._src import rules, verify
+
+X = (jnp.ones((16, 32)), jnp.ones((32, 64)), jnp.ones((64, 32)))
+
+
+def test_closed_over_constants():
+  w = jnp.arange(32.0 * 8).reshape(32, 8) / 100
+  bias = np.arange(8.0)[None]
+  f = automap.partition(lambda x: x @ w + bias, mesh=mesh((4, 2)), hardware="cpu")
+  np.testing.assert_allclose(f(X[0]), X[0] @ w + bias, rtol=1e-6)
+
+
+def test_python_numbers_keep_weak_types():
+  x = jnp.ones((16, 32), jnp.bfloat16)
+  f = automap.partition(lambda x, s: x * s, mesh=mesh((8, 1)), hardware="cpu")
+  assert f(x, 2.0).dtype == jnp.bfloat16
+  i = jnp.ones((16,), jnp.int8)
+  assert automap.partition(lambda x, s: x * s, mesh=mesh((8, 1)))(i, 3).dtype == jnp.int8
+
+
+def test_verify_compares_prng_keys_and_integers_exactly():
+  def f(key, x):
+    key, sub = jax.random.split(key)
+    return key, x * jax.random.uniform(sub, x.shape), jnp.argmax(x, axis=1)
+  args = (jax.random.key(0), jnp.arange(16 * 32.0).reshape(16, 32))
+  plan = automap.search(f, *args, mesh=mesh((4, 2)), hardware="cpu")
+  report = automap.verify(plan, f, *args, mesh=mesh((4, 2)))
+  assert report.max_abs_error == 0.0
+
+
+def test_random_dropout_raises_no_unknown_primitive_warning():
+  def f(key, x):
+    keep = jax.random.bernoulli(key, 0.9, x.shape)
+    return jnp.where(keep, x / 0.9, 0.0) @ X[1]
+  automap.search(f, jax.random.key(0), X[0], mesh=mesh((4, 2)))  # warnings are errors
+
+
+def test_axes_out_of_mesh_order_are_refused_not_reordered():
+  with pytest.raises(automap.MeshError, match="out of mesh order"):
+    automap.evaluate(mlp, *X, mesh=mesh((4, 2)), in_shardings=(P(("model", "data")), P(), P()))
+
+
+def test_equivalent_fixed_hints_do_not_conflict():
+  hints = automap.Hints(fixed={"0": P("data"), "[0]": P("data", None)})
+  plan = automap.search(mlp, *X, mesh=mesh((4, 2)), hints=hints, hardware="cpu")
+  assert plan.in_specs[0] == P("data")
+  assert hash(hints) == hash(automap.Hints(fixed={"0": P("data"), "[0]": P("data", None)}))
+
+
+def test_call_inside_an_explicit_mesh_context_returns_arrays_on_that_mesh():
+  m = mesh((4, 2))
+  f = automap.partition(mlp, mesh=m, hardware="cpu")
+  with jax.set_mesh(m):
+    out = f(*X)
+  assert out.sharding.mesh == m
+  np.testing.assert_allclose(out, mlp(*X), rtol=1e-5)
+
+
+def test_keyword_arguments_are_bound_positionally():
+  f = automap.partition(mlp, mesh=mesh((4, 2)), hardware="cpu")
+  np.testing.assert_allclose(f(X[0], w1=X[1], w2=X[2]), mlp(*X), rtol=1e-5)
+
+
+def test_partition_refuses_an_abstract_mesh():
+  abstract = jax.sharding.AbstractMesh((4, 2), ("data", "model"))
+  with pytest.raises(automap.MeshError, match="automap.search"):
+    automap.partition(mlp, mesh=abstract)
+  assert automap.search(mlp, *X, mesh=abstract).mesh.axis_sizes == (4, 2)
+
+
+def test_verify_prices_with_the_plans_own_hardware():
+  hw = automap.Hardware("slow", 1e9, 1e9, 1e9, 1e9, 1e8, 1e-5, 1e8, 1e-5, 8,
+                        reduce_scatter=False)
+  plan = automap.search(mlp, *X, mesh=mesh((4, 2)), hardware=hw)
+  report = automap.verify(plan, mlp, *X, mesh=mesh((4, 2)))
+  assert report.predicted.step_time == pytest.approx(plan.cost.step_time, rel=1e-9)
+  assert automap.Plan.from_json(plan.to_json()).hardware == hw
+
+
+def test_numpy_scalar_arguments_still_get_numerics_checked():
+  f = lambda x, s: x * s  # noqa: E731
+  plan = automap.search(f, X[0], np.float32(2), mesh=mesh((8, 1)), hardware="cpu")
+  assert automap.verify(plan, f, X[0], np.float32(2), mesh=mesh((8, 1))).max_abs_error == 0
+
+
+def test_top_k_rule_follows_its_axis():
+  r = rules.rule_for("top_k", [(8, 4)], [(2, 4), (2, 4)], {"k": 2, "axis": 0})
+  assert r.operands[0][0] == rules.UNSHARDABLE and r.operands[0][1] >= 0
+
+
+def test_async_collectives_count_their_result_only():
+  line = ("%ags = (f32[4,8]{1,0}, f32[16,8]{1,0}) all-gather-start(%p), "
+          "replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}")
+  (c,) = verify.collectives(line, mesh((4, 2)))
+  assert (c.kind, c.nbytes, c.axes) == ("all-gather", 16 * 8 * 4, ("data",))
