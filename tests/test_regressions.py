@@ -8,7 +8,7 @@ from helpers import mesh, mlp
 from jax.sharding import PartitionSpec as P
 
 import automap
-from automap._src import rules, verify
+from automap._src import verify
 
 X = (jnp.ones((16, 32)), jnp.ones((32, 64)), jnp.ones((64, 32)))
 
@@ -91,11 +91,6 @@ def test_numpy_scalar_arguments_still_get_numerics_checked():
   f = lambda x, s: x * s  # noqa: E731
   plan = automap.search(f, X[0], np.float32(2), mesh=mesh((8, 1)), hardware="cpu")
   assert automap.verify(plan, f, X[0], np.float32(2), mesh=mesh((8, 1))).max_abs_error == 0
-
-
-def test_top_k_rule_follows_its_axis():
-  r = rules.rule_for("top_k", [(8, 4)], [(2, 4), (2, 4)], {"k": 2, "axis": 0})
-  assert r.operands[0][0] == rules.UNSHARDABLE and r.operands[0][1] >= 0
 
 
 def test_async_collectives_count_their_result_only():

@@ -394,7 +394,7 @@ class CostModel:
       if factor_of_axis[a] >= 0:
         tiles *= sizes[a]
     flops = float(g.flops[o]) / tiles
-    if g.prims[o] == "dot_general":
+    if g.prims[o] in ("dot_general", "conv_general_dilated"):
       peak = self.hw.matmul_flops(int(self.itemsize[operands[0]])
                                   if operands[0] >= 0 else 4)
     else:  # vector units: an order of magnitude below the matrix units

@@ -35,8 +35,10 @@ INLINE = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
 SEALED = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
           "custom_vjp_call_jaxpr": "fun_jaxpr", "remat2": "jaxpr",
           "checkpoint": "jaxpr", "custom_lin": None}
-# Ops kept whole on purpose: their results must not depend on the layout.
+# Ops kept whole on purpose: their results must not depend on the layout, or
+# XLA's partitioner gathers them whole anyway (top_k).
 DELIBERATELY_REPLICATED = frozenset({
+    "top_k",
     "scan", "while", "cond", "random_bits", "random_seed", "random_wrap",
     "random_unwrap", "random_fold_in", "random_split", "threefry2x32",
     "rng_bit_generator", "rng_uniform", "debug_callback", "pure_callback",

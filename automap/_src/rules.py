@@ -195,6 +195,23 @@ def _dot_general(ins, outs, params) -> Rule:
   return b.rule([lf, rf], [result])
 
 
+def _conv(ins, outs, params) -> Rule:
+  """Convolution: batch and output features tile, input features contract;
+  spatial dims stay whole (tiling them needs halo exchanges)."""
+  dn = params["dimension_numbers"]
+  lhs, rhs = ins
+  b = _Builder()
+  lf = [UNSHARDABLE] * len(lhs)
+  rf = [UNSHARDABLE] * len(rhs)
+  result = [UNSHARDABLE] * len(outs[0])
+  if params.get("batch_group_count", 1) == 1:
+    lf[dn.lhs_spec[0]] = result[dn.out_spec[0]] = b.new(lhs[dn.lhs_spec[0]])
+  if params.get("feature_group_count", 1) == 1:
+    lf[dn.lhs_spec[1]] = rf[dn.rhs_spec[1]] = b.new(lhs[dn.lhs_spec[1]])
+    rf[dn.rhs_spec[0]] = result[dn.out_spec[1]] = b.new(rhs[dn.rhs_spec[0]])
+  return b.rule([lf, rf], [result])
+
+
 def _reduce(combinable: bool):
   """reduce_sum/max/min/...: reduced dims are reduction factors if combinable."""
 
@@ -229,10 +246,6 @@ def _along_axis(key: str):
                     for i in range(len(o))] for o in outs])
 
   return rule
-
-
-def _top_k(ins, outs, params) -> Rule:
-  return _along_axis("axis")(ins, outs, {"axis": params.get("axis", -1)})
 
 
 def _bitcast_convert_type(ins, outs, params) -> Rule:
@@ -372,6 +385,7 @@ _RULES: dict[str, Callable[[Any, Any, dict], Rule]] = {
     "squeeze": _squeeze,
     "transpose": _transpose,
     "dot_general": _dot_general,
+    "conv_general_dilated": _conv,
     "reduce_sum": _reduce(True),
     "reduce_max": _reduce(True),
     "reduce_min": _reduce(True),
@@ -387,7 +401,6 @@ _RULES: dict[str, Callable[[Any, Any, dict], Rule]] = {
     "cumlogsumexp": _along_axis("axis"),
     "split": _along_axis("axis"),
     "sort": _along_axis("dimension"),
-    "top_k": _top_k,
     "slice": _same_where_equal,
     "dynamic_slice": _same_where_equal,
     "dynamic_update_slice": _same_where_equal,
@@ -440,12 +453,16 @@ def flops(primitive: str, in_shapes: Sequence[Shape | None],
     (lc, _), _ = params["dimension_numbers"]
     k = int(np.prod([in_shapes[0][i] for i in lc])) if lc else 1
     return 2.0 * out * k
+  if primitive == "conv_general_dilated":
+    rhs_spec = params["dimension_numbers"].rhs_spec
+    window = int(np.prod([in_shapes[1][i] for i in rhs_spec[1:]]))  # in x spatial
+    return 2.0 * out * window
   if primitive.startswith("reduce_") or primitive in ("argmax", "argmin"):
     return float(int(np.prod(in_shapes[0])))
   if primitive in ("scatter-add", "scatter_add"):
     return float(int(np.prod(in_shapes[2])))
   if primitive in _RULES and primitive not in ("cumsum", "cumlogsumexp",
                                               "cumprod", "cummax", "cummin",
-                                              "sort", "top_k"):
+                                              "sort"):
     return 0.0  # Data movement, counted as bytes not FLOPs.
   return float(out)
