@@ -35,11 +35,14 @@ def auto_mesh(mesh: Mesh) -> Mesh:
 
 def interpreter(traced: Traced, constraints: Mapping[int, PartitionSpec],
                 mesh: Mesh,
-                reshards: Mapping[tuple[int, int], PartitionSpec] | None = None
+                reshards: Mapping[tuple[int, int], PartitionSpec] | None = None,
+                natural: Mapping[int, PartitionSpec] | None = None,
                 ) -> Callable[..., Any]:
   """`fn` re-expressed from its jaxpr with the plan's constraints inserted:
-  on the results the plan names, and on operands it reshards on entry."""
+  on operands it reshards on entry, on results in the layout their op
+  computes them in, then on results in their own layout."""
   shardings = {v: NamedSharding(mesh, s) for v, s in constraints.items()}
+  natural = {v: NamedSharding(mesh, s) for v, s in (natural or {}).items()}
   entry: dict[int, dict[int, NamedSharding]] = {}
   for (v, p), s in (reshards or {}).items():
     entry.setdefault(v, {})[p] = NamedSharding(mesh, s)
@@ -59,6 +62,8 @@ def interpreter(traced: Traced, constraints: Mapping[int, PartitionSpec],
       outs = eqn.primitive.bind(*subfuns, *ins, **params)
     outs = list(outs) if eqn.primitive.multiple_results else [outs]
     for i, v in enumerate(step.out_ids):
+      if v in natural:
+        outs[i] = jax.lax.with_sharding_constraint(outs[i], natural[v])
       sharding = shardings.get(v)
       if sharding is not None:
         outs[i] = jax.lax.with_sharding_constraint(outs[i], sharding)
@@ -89,6 +94,6 @@ def jit_with_plan(traced: Traced, mesh: Mesh, plan,
                                     [to_sharding(s) for s in plan.in_specs])
   out_shardings = jax.tree.unflatten(traced.out_tree,
                                      [to_sharding(s) for s in plan.out_specs])
-  run = interpreter(traced, plan.constraints, mesh, plan.reshards)
+  run = interpreter(traced, plan.constraints, mesh, plan.reshards, plan.natural)
   return jax.jit(run, in_shardings=tuple(in_shardings),
                  out_shardings=out_shardings, donate_argnums=donate_argnums)

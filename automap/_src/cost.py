@@ -90,17 +90,19 @@ class OpCost:
   bytes, seconds, resharded operand or -1) per collective; footprint: per
   result, the bytes its buffer holds (more than its tile when the op makes
   the whole array and slices it, e.g. an all-reduce standing in for a
-  reduce-scatter).
+  reduce-scatter); natural: per result, the per-axis dims of the layout the
+  op produces it in (partial sums combined), before any reshard to its own.
   """
 
-  __slots__ = ("time", "flops", "comms", "footprint")
+  __slots__ = ("time", "flops", "comms", "footprint", "natural")
 
   def __init__(self, time: float, flops: float,
                comms: list[tuple[int, int, float, float, int, int]],
-               footprint: tuple[float, ...]):
+               footprint: tuple[float, ...], natural: tuple):
     self.time, self.flops = time, flops
     self.comms = comms
     self.footprint = footprint
+    self.natural = natural  # per result: the layout the op computes it in
 
 
 # Ops XLA fuses into their consumers (loop fusion) and reductions that
@@ -355,10 +357,11 @@ class CostModel:
       if want_row is not None:
         hbm += self.transition(comms, state[v], want_row, self.local_bytes(state, v), p)
     # Results: combine partial sums, then match the result's own layout.
-    footprint = []
+    footprint, naturals = [], []
     for r, v in enumerate(results):
       if v < 0:
         footprint.append(0.0)
+        naturals.append(None)
         continue
       dims = rule.results[r]
       hbm += self.local_bytes(state, v)
@@ -388,6 +391,7 @@ class CostModel:
         natural_bytes /= self.group_size[scatter_mask]
         self.emit(comms, REDUCE_SCATTER, scatter_mask, natural_bytes)
       self.transition(comms, natural, state[v], natural_bytes, -1)
+      naturals.append(tuple(int(d) for d in natural))
       footprint.append(max(natural_bytes, self.local_bytes(state, v)))
     tiles = 1
     for a in range(num_axes):
@@ -400,7 +404,7 @@ class CostModel:
     else:  # vector units: an order of magnitude below the matrix units
       peak = self.hw.fp32_flops / 16
     time = max(flops / peak, hbm / self.hw.hbm_bandwidth)
-    return OpCost(time, flops, comms, tuple(footprint))
+    return OpCost(time, flops, comms, tuple(footprint), tuple(naturals))
 
   # -- whole state ---------------------------------------------------------
 

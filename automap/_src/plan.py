@@ -49,6 +49,8 @@ class Plan:
   constraints: value id -> PartitionSpec for intermediates.
   reshards: (op's first result id, operand position) -> the layout that
     operand takes on entry to the op, where it differs from its own.
+  natural: value id -> the layout its op computes it in, where that differs
+    from its own (the constraint to its own layout follows).
   cost: predicted cost under the cost model.
   collectives: predicted (scope, kind, axes, bytes, count) per op scope.
   stats: search statistics (strategy, evaluations, seconds, ...).
@@ -64,6 +66,7 @@ class Plan:
   out_specs: tuple[PartitionSpec, ...]
   constraints: dict[int, PartitionSpec]
   reshards: dict[tuple[int, int], PartitionSpec]
+  natural: dict[int, PartitionSpec]
   cost: Cost
   collectives: tuple[tuple[str, str, tuple[str, ...], float, int], ...]
   stats: dict[str, Any]
@@ -94,6 +97,7 @@ class Plan:
                         for v, s in sorted(self.constraints.items())],
         "reshards": [[v, p, spec_to_json(s)]
                      for (v, p), s in sorted(self.reshards.items())],
+        "natural": [[v, spec_to_json(s)] for v, s in sorted(self.natural.items())],
         "cost": self.cost.to_json(),
         "collectives": [[s, k, list(a), b, n] for s, k, a, b, n in self.collectives],
         "stats": self.stats,
@@ -119,6 +123,7 @@ class Plan:
           constraints={int(v): spec_from_json(s) for v, s in d["constraints"]},
           reshards={(int(v), int(p)): spec_from_json(s)
                     for v, p, s in d["reshards"]},
+          natural={int(v): spec_from_json(s) for v, s in d["natural"]},
           cost=Cost.from_json(d["cost"]),
           collectives=tuple((s, k, tuple(a), b, n)
                             for s, k, a, b, n in d["collectives"]),

@@ -119,9 +119,11 @@ class Program:
     constraints = {v: spec(v) for v in range(g.num_values)
                    if g.kind[v] == graph_lib.INTERMEDIATE and not g.sealed[v]
                    and g.rank(v) > 0}
-    # Operands entering an op in another layout are resharded explicitly, so
-    # XLA moves data the way the cost model priced (not a strategy of its own).
-    reshards = {}
+    # Operands entering an op in another layout are resharded explicitly, and
+    # a result the op computes in another layout than its own is pinned to
+    # that layout first: XLA then moves data the way the cost model priced,
+    # not by a strategy of its own.
+    reshards, natural = {}, {}
     for o in range(g.num_ops):
       results = g.results[o]
       if not results or g.sealed[results[0]]:
@@ -129,6 +131,9 @@ class Program:
       for p, row in self.model.reshards(state, o).items():
         v = g.operands[o][p]
         reshards[(results[0], p)] = spec_from_row(row, mesh, g.rank(v))
+      for v, row in zip(results, tracker.ops[o].natural):
+        if row is not None and v in constraints and tuple(state[v]) != row:
+          natural[v] = spec_from_row(row, mesh, g.rank(v))
     collectives: dict[tuple, list] = {}
     for o, c in enumerate(tracker.ops):
       for kind, mask, nbytes, *_ in c.comms:
@@ -143,7 +148,8 @@ class Program:
         in_shapes=tuple(tuple(a.shape) for a in self.traced.in_avals),
         in_specs=tuple(spec(v) for v in g.inputs),
         out_specs=tuple(spec(v) for v in g.outputs),
-        constraints=constraints, reshards=reshards, cost=tracker.cost(),
+        constraints=constraints, reshards=reshards, natural=natural,
+        cost=tracker.cost(),
         collectives=tuple((s, KINDS[k], a, b, n)
                           for (s, k, a), (b, n) in collectives.items()),
         stats=stats, in_tree=self.traced.in_tree, out_tree=self.traced.out_tree)
