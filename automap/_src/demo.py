@@ -9,6 +9,7 @@ checks it against the unpartitioned step and the compiled collectives.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 import jax
@@ -40,7 +41,8 @@ def _mib(nbytes: float) -> str:
 
 
 def run(cfg: DemoConfig, console: Console | None = None) -> dict:
-  console = console or Console()
+  # Wide enough for the tables when piped to a file or a CI log.
+  console = console or Console(width=None if sys.stdout.isatty() else 120)
   n = int(np.prod(cfg.mesh))
   if len(jax.devices()) < n:
     raise RuntimeError(
