@@ -42,10 +42,22 @@ def loss_and_grads(step_args, config: GPTConfig = SMALL):
   return fn, (params, batch)
 
 
+def assert_faithful(fn, args, m, numerics: float = 1e-5):
+  """Plans fn on mesh m (cpu costs), compiles it, and checks the numerics
+  against the unpartitioned function and the collectives against the plan."""
+  import automap
+
+  plan = automap.search(fn, *args, mesh=m, hardware="cpu")
+  report = automap.verify(plan, fn, *args, mesh=m)
+  assert report.max_rel_error < numerics
+  assert report.comm_error < 0.05, report.table()
+  return plan, report
+
+
 def mlp(x, w1, w2):
   """Two matmuls: the smallest program with a Megatron pattern."""
   return jnp.tanh(x @ w1) @ w2
 
 
-__all__ = ["MESHES", "SMALL", "gpt_step", "loss_and_grads", "megatron_specs",
-           "mesh", "mlp"]
+__all__ = ["MESHES", "SMALL", "assert_faithful", "gpt_step", "loss_and_grads",
+           "megatron_specs", "mesh", "mlp"]
