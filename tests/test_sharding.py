@@ -79,3 +79,30 @@ def test_set_spec_validates_rank_axes_and_divisibility():
     sharding.set_spec(state, MESH, x, (6, 16), P("data"), "x")
   sharding.set_spec(state, MESH, x, (8, 16), P(("data", "model")), "x")
   assert sharding.spec_of(state, MESH, x, 2) == P(("data", "model"))
+
+
+def test_small_and_vectorised_waves_agree():
+  from helpers import gpt_step
+
+  from automap._src import sharding as sh
+
+  step, args = gpt_step()
+  g = graph.build(trace.trace(step, args))
+  prop = sharding.Propagator(g, MESH)
+  rng = np.random.default_rng(1)
+  for _ in range(20):
+    v = int(rng.choice(g.inputs))
+    if g.rank(v) == 0:
+      continue
+    d, a = int(rng.integers(g.rank(v))), int(rng.integers(2))
+    results = []
+    for small in (0, 10**9):
+      sh._SMALL_WAVE, saved = small, sh._SMALL_WAVE
+      try:
+        state = sharding.empty_state(g, MESH)
+        changed = prop.tile(state, v, d, a)
+      finally:
+        sh._SMALL_WAVE = saved
+      results.append((state, changed))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    assert results[0][1] == results[1][1]

@@ -181,8 +181,30 @@ class CostModel:
                    tuple(graph.shapes[v] for v in graph.results[o] if v >= 0),
                    float(graph.flops[o]))
       self.op_class[o] = classes.setdefault(signature, len(classes))
-      self.members.append(np.array(values, np.int64))
-    self.memo: dict[tuple, OpCost] = {}
+      self.members.append(values)
+    # Tables for costing many ops at once: members padded by repeating the
+    # first (ops of one class pad alike), result slots (-1: none), and per
+    # value the ops touching it (CSR).
+    width = max((len(m) for m in self.members), default=1) or 1
+    self.member_table = np.array(
+        [(m or [0]) + [(m or [0])[0]] * (width - len(m or [0])) for m in self.members],
+        np.int64).reshape(graph.num_ops, width)
+    slots = max((len(r) for r in graph.results), default=1) or 1
+    self.result_table = np.array(
+        [list(r) + [-1] * (slots - len(r)) for r in graph.results],
+        np.int64).reshape(graph.num_ops, slots)
+    touching = [np.array(t, np.int64) for t in graph.touching]
+    self.touch_ptr = np.zeros(graph.num_values + 1, np.int64)
+    self.touch_ptr[1:] = np.cumsum([len(t) for t in touching])
+    self.touch_idx = np.concatenate(touching) if touching else np.zeros(0, np.int64)
+    # The memo: layout key -> entry id; per entry its OpCost and, for
+    # vectorised totals, its time, FLOPs, footprints and whether it talks.
+    self.memo: dict[bytes, int] = {}
+    self.entries: list[OpCost] = []
+    self._e_time = np.zeros(256)
+    self._e_flops = np.zeros(256)
+    self._e_foot = np.zeros((256, slots))
+    self._e_comms = np.zeros(256, bool)
 
   # -- collectives ---------------------------------------------------------
 
@@ -333,16 +355,43 @@ class CostModel:
     return after
 
   def op_cost(self, state: State, o: int) -> OpCost:
-    """Cost of op o, shared by every op of its class in the same layouts
-    (the repeated layers of a model cost one evaluation)."""
-    members = self.members[o]
-    key = (self.op_class[o], state[members].tobytes()) if len(members) else None
-    cached = self.memo.get(key)
-    if cached is None:
-      cached = self._op_cost(state, o)
-      if key is not None:
-        self.memo[key] = cached
-    return cached
+    """Cost of op o under `state`."""
+    return self.entries[int(self.entry_ids(state, np.array([o]))[0])]
+
+  def entry_ids(self, state: State, ops: np.ndarray) -> np.ndarray:
+    """Memo entry ids of the costs of `ops` [n] under `state`.
+
+    Ops of one class in the same layouts share an entry, so the repeated
+    layers of a model are costed once; keys are built for all ops at once.
+    """
+    n = len(ops)
+    rows = state[self.member_table[ops]].reshape(n, -1)
+    keys = np.concatenate(
+        [self.op_class[ops].astype(np.int64)[:, None].view(np.uint8),
+         rows.view(np.uint8)], axis=1)
+    keys = np.ascontiguousarray(keys).view(f"V{keys.shape[1]}").ravel()
+    unique, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    ids = np.empty(len(unique), np.int64)
+    for i, key in enumerate(unique):
+      key = key.tobytes()
+      entry = self.memo.get(key)
+      if entry is None:
+        entry = self.memo[key] = self._register(self._op_cost(state, int(ops[first[i]])))
+      ids[i] = entry
+    return ids[inverse.ravel()]
+
+  def _register(self, c: OpCost) -> int:
+    k = len(self.entries)
+    if k == len(self._e_time):  # grow geometrically
+      self._e_time = np.resize(self._e_time, 2 * k)
+      self._e_flops = np.resize(self._e_flops, 2 * k)
+      self._e_foot = np.resize(self._e_foot, (2 * k, self._e_foot.shape[1]))
+      self._e_comms = np.resize(self._e_comms, 2 * k)
+    self.entries.append(c)
+    self._e_time[k], self._e_flops[k], self._e_comms[k] = c.time, c.flops, bool(c.comms)
+    self._e_foot[k] = 0.0
+    self._e_foot[k, :len(c.footprint)] = c.footprint
+    return k
 
   def _op_cost(self, state: State, o: int) -> OpCost:
     g, sizes = self.graph, self.mesh.axis_sizes
@@ -420,7 +469,9 @@ class Tracker:
   Memory is a timeline over op indices of the temporaries alive: each
   intermediate's buffer from producer to last reader, and each resharded
   copy of an operand from its first to its last reader (XLA computes one
-  copy per value and layout and reuses it, forward and backward).
+  copy per value and layout and reuses it, forward and backward). Compute,
+  FLOPs and buffers are updated as array operations over the ops an action
+  touches; only ops that talk (collectives) are visited one by one.
   """
 
   def __init__(self, model: CostModel, state: State):
@@ -430,25 +481,34 @@ class Tracker:
     self.bytes = np.zeros((len(KINDS), model.masks))
     self.count = np.zeros((len(KINDS), model.masks), np.int64)
     self.seconds = np.zeros((len(KINDS), model.masks))
-    self.live = np.zeros(g.num_ops + 1)
-    # (value, kind, axes, bytes) -> reader ops of that resharded copy.
+    # (value, kind, axes, target layout, bytes) -> readers of that copy.
     self.reshards: dict[tuple, list[int]] = {}
     local = model.value_bytes(state)
-    self.resident = float(local[model.resident].sum())
-    self.args = float(local[model.is_input].sum())
     self.held = np.where(model.resident, local, 0.0)  # [V] resident bytes
-    self.ops = [model.op_cost(state, o) for o in range(g.num_ops)]
-    self.compute = sum(c.time for c in self.ops)
-    self.flops = sum(c.flops for c in self.ops)
-    for o, c in enumerate(self.ops):
-      self._add(o, c, 1)
+    self.resident = float(self.held.sum())
+    self.args = float(self.held[model.is_input].sum())
+    ops = np.arange(g.num_ops)
+    self.op_ids = model.entry_ids(state, ops) if g.num_ops else np.zeros(0, np.int64)
+    self.compute = float(model._e_time[self.op_ids].sum())
+    self.flops = float(model._e_flops[self.op_ids].sum())
+    # [V] footprint of each temporary, and the timeline they make.
+    self.foot = np.zeros(g.num_values)
+    self.live = np.zeros(g.num_ops + 1)
+    for o in np.nonzero(model._e_comms[self.op_ids])[0]:
+      self._talk(int(o), model.entries[self.op_ids[o]], 1)
+    self._feet(ops, self.op_ids)
+
+  @property
+  def ops(self) -> list[OpCost]:
+    """Per op, its current cost."""
+    return [self.model.entries[i] for i in self.op_ids]
 
   def _span(self, ops: list[int], nbytes: float) -> None:
     self.live[min(ops):max(ops) + 1] += nbytes
 
-  def _add(self, o: int, c: OpCost, sign: int) -> None:
-    model = self.model
-    operands = model.graph.operands[o]
+  def _talk(self, o: int, c: OpCost, sign: int) -> None:
+    """Adds (sign 1) or removes (-1) the collectives of op o's cost c."""
+    operands = self.model.graph.operands[o]
     for kind, mask, nbytes, seconds, position, target in c.comms:
       if position >= 0:  # A reshard of an operand: one copy for all its readers.
         key = (operands[position], kind, mask, target, nbytes)
@@ -470,31 +530,53 @@ class Tracker:
       self.bytes[kind, mask] += sign * nbytes
       self.count[kind, mask] += sign
       self.seconds[kind, mask] += sign * seconds
-    for v, foot in zip(model.graph.results[o], c.footprint):
-      if v >= 0 and model.temporary[v]:
-        self.live[model.start[v]:model.end[v] + 1] += sign * foot
+
+  def _feet(self, ops: np.ndarray, ids: np.ndarray) -> None:
+    """Sets the footprints of the results of `ops` to those of entries `ids`."""
+    model = self.model
+    values = model.result_table[ops].ravel()
+    feet = model._e_foot[ids][:, :model.result_table.shape[1]].ravel()
+    keep = values >= 0
+    values, feet = values[keep], feet[keep]
+    keep = model.temporary[values] & (feet != self.foot[values])
+    values, feet = values[keep], feet[keep]
+    if not len(values):
+      return
+    delta = feet - self.foot[values]
+    self.foot[values] = feet
+    steps = np.zeros(len(self.live) + 1)
+    np.add.at(steps, model.start[values], delta)
+    np.add.at(steps, model.end[values] + 1, -delta)
+    self.live += np.cumsum(steps)[:-1]
 
   def update(self, changed: Iterable[int]) -> None:
     """Re-costs the ops around `changed` values of `self.state`."""
-    g, model, state = self.model.graph, self.model, self.state
-    changed = list(changed)
-    ops = set()
-    for v in changed:
-      ops.update(g.ops_of(v))
-    for o in ops:
-      old, new = self.ops[o], model.op_cost(state, o)
-      self.compute += new.time - old.time
-      self.flops += new.flops - old.flops
-      self._add(o, old, -1)
-      self._add(o, new, 1)
-      self.ops[o] = new
-    for v in changed:
-      if model.resident[v]:
-        delta = float(g.nbytes[v]) / np.where(state[v] >= 0, model.sizes, 1).prod()
-        delta -= self.held[v]
-        self.held[v] += delta
-        self.resident += delta
-        self.args += delta if model.is_input[v] else 0.0
+    model, state = self.model, self.state
+    changed = np.fromiter(changed, np.int64)
+    if not len(changed):
+      return
+    starts, ends = model.touch_ptr[changed], model.touch_ptr[changed + 1]
+    lengths = ends - starts
+    offsets = np.repeat(starts - np.cumsum(lengths) + lengths, lengths)
+    ops = np.unique(model.touch_idx[offsets + np.arange(lengths.sum())])
+    new = model.entry_ids(state, ops)
+    old = self.op_ids[ops]
+    moved = new != old
+    ops, new, old = ops[moved], new[moved], old[moved]
+    self.compute += float(model._e_time[new].sum() - model._e_time[old].sum())
+    self.flops += float(model._e_flops[new].sum() - model._e_flops[old].sum())
+    for i in np.nonzero(model._e_comms[old] | model._e_comms[new])[0]:
+      o = int(ops[i])
+      self._talk(o, model.entries[old[i]], -1)
+      self._talk(o, model.entries[new[i]], 1)
+    self.op_ids[ops] = new
+    self._feet(ops, new)
+    resident = changed[model.resident[changed]]
+    if len(resident):
+      tiles = np.where(state[resident] >= 0, model.sizes[None, :], 1).prod(axis=1)
+      self.held[resident] = model.graph.nbytes[resident] / tiles
+      self.resident = float(self.held.sum())
+      self.args = float(self.held[model.is_input].sum())
 
   @property
   def comm_time(self) -> float:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import deque
 from collections.abc import Iterable, Sequence
 
 import jax
@@ -22,9 +21,11 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from automap._src.graph import Graph
-from automap._src.rules import UNSHARDABLE
 
 UNSHARDED = -1
+# Waves over fewer (value, op) views than this run as a Python loop, which
+# beats array operations on them.
+_SMALL_WAVE = 48
 
 
 class MeshError(ValueError):
@@ -140,6 +141,14 @@ def set_spec(state: State, mesh: MeshSpec, v: int, shape: Sequence[int],
 class Propagator:
   """Applies actions to a state and propagates them through factor rules.
 
+  Propagation runs in waves, as array operations over every (value, op)
+  view the wave reaches: a value newly tiled on an axis offers the tiling,
+  through each op's factor rule, to the op's other members. An offer is
+  taken where the op has no other factor on that axis, the factor's extent
+  and the member's dim divide by the tiles, the member is free on that axis
+  and not fixed, and any axes already on that dim nest inside the offer's.
+  Within a wave the first offer to a value wins.
+
   fixed: [V] bool, values whose sharding nothing may change (user pins,
   arguments whose layout was given).
   """
@@ -149,27 +158,44 @@ class Propagator:
     self.fixed = (np.zeros(graph.num_values, bool) if fixed is None
                   else fixed.astype(bool))
     self.sizes = mesh.axis_sizes
-    # Built once: per op, its (value, dims) members and, per factor, the
-    # (value, dim) pairs it indexes; per value, the (op, dims) views of it.
-    self.views: list[list[tuple[int, tuple[int, ...]]]] = [
-        [] for _ in range(graph.num_values)]
-    self.members: list[list[tuple[int, tuple[int, ...]]]] = []
-    self.by_factor: list[dict[int, list[tuple[int, int]]]] = []
+    members = []
     for o, rule in enumerate(graph.rules):
-      members = [(v, dims) for v, dims in zip(graph.operands[o], rule.operands)
-                 if v >= 0 and dims is not None]
-      members += [(v, dims) for v, dims in zip(graph.results[o], rule.results)
-                  if v >= 0]
-      by_factor: dict[int, list[tuple[int, int]]] = {}
-      for v, dims in members:
-        self.views[v].append((o, dims))
-        seen = set()
-        for e, f in enumerate(dims):
-          if f != UNSHARDABLE and f not in seen:  # a value's first dim per factor
-            seen.add(f)
-            by_factor.setdefault(f, []).append((v, e))
-      self.members.append(members)
-      self.by_factor.append(by_factor)
+      m = [(v, dims) for v, dims in zip(graph.operands[o], rule.operands)
+           if v >= 0 and dims is not None]
+      m += [(v, dims) for v, dims in zip(graph.results[o], rule.results) if v >= 0]
+      members.append(m)
+    num_ops, num_values = graph.num_ops, graph.num_values
+    width = max((len(m) for m in members), default=1) or 1
+    rank = max((len(s) for s in graph.shapes), default=1) or 1
+    factors = max((len(r.sizes) for r in graph.rules), default=1) or 1
+    # Per op: member values [O, M] (-1 pads), their dims' factors [O, M, R]
+    # (-2 pads), factor extents [O, F]; per value: padded shape [V, R] and
+    # the (op, member slot) views of it (CSR).
+    self.mval = np.full((num_ops, width), -1, np.int64)
+    self.mdims = np.full((num_ops, width, rank), -2, np.int32)
+    self.msize = np.ones((num_ops, factors), np.int64)
+    views: list[list[tuple[int, int]]] = [[] for _ in range(num_values)]
+    for o, m in enumerate(members):
+      for j, (v, dims) in enumerate(m):
+        self.mval[o, j] = v
+        self.mdims[o, j, :len(dims)] = dims
+        views[v].append((o, j))
+      sizes = graph.rules[o].sizes
+      self.msize[o, :len(sizes)] = sizes
+    self.shape = np.ones((num_values, rank), np.int64)
+    for v, s in enumerate(graph.shapes):
+      self.shape[v, :len(s)] = s
+    self.vptr = np.zeros(num_values + 1, np.int64)
+    self.vptr[1:] = np.cumsum([len(x) for x in views])
+    flat = [pair for x in views for pair in x]
+    self.vop = np.array([o for o, _ in flat], np.int64)
+    self.vslot = np.array([j for _, j in flat], np.int64)
+    self.bits = 1 << np.arange(mesh.num_axes)
+    self.size_row = np.array(mesh.axis_sizes, np.int64)
+    # The same tables as Python lists, for waves too small to vectorise.
+    self.members = [[(v, tuple(dims)) for v, dims in m] for m in members]
+    self.views = views
+    self.factor_sizes = [r.sizes for r in graph.rules]
 
   def can_tile(self, state: State, v: int, d: int, a: int) -> bool:
     if self.fixed[v] or state[v, a] != UNSHARDED or d >= self.graph.rank(v):
@@ -188,34 +214,92 @@ class Propagator:
     return [v] + self.propagate(state, [(v, a)])
 
   def propagate(self, state: State, seeds: Iterable[tuple[int, int]]) -> list[int]:
-    """Spreads each (value, axis) in `seeds` through the graph; in place."""
+    """Spreads each (value, axis) in `seeds` through the graph; in place.
+    Returns the values changed, in the order they changed."""
     changed: list[int] = []
-    work = deque(seeds)
-    sizes, shapes, rules, fixed = self.sizes, self.graph.shapes, self.graph.rules, self.fixed
+    by_axis: dict[int, list[int]] = {}
+    for v, a in seeds:
+      by_axis.setdefault(int(a), []).append(int(v))
+    for a, values in by_axis.items():
+      frontier = np.unique(np.array(values, np.int64))
+      while len(frontier):
+        frontier = self._wave(state, frontier, a)
+        changed.extend(frontier.tolist())
+    return changed
+
+  def _wave(self, state: State, src: np.ndarray, a: int) -> np.ndarray:
+    """One propagation wave on axis a from values `src`; returns the values
+    it tiled (in offer order)."""
+    if (self.vptr[src + 1] - self.vptr[src]).sum() <= _SMALL_WAVE:
+      return self._small_wave(state, src, a)
+    d = state[src, a].astype(np.int64)
+    src, d = src[d >= 0], d[d >= 0]
+    on = state[src] == d[:, None]  # [n, A] axes tiling the offered dim
+    tiles = np.where(on, self.size_row, 1).prod(axis=1)
+    offered = (on * self.bits).sum(axis=1)
+    lengths = self.vptr[src + 1] - self.vptr[src]
+    starts = np.repeat(self.vptr[src] - np.cumsum(lengths) + lengths, lengths)
+    view = starts + np.arange(lengths.sum())
+    i = np.repeat(np.arange(len(src)), lengths)  # view -> its source
+    o, slot = self.vop[view], self.vslot[view]
+    f = self.mdims[o, slot, d[i]].astype(np.int64)
+    ok = f >= 0
+    ok[ok] = self.msize[o[ok], f[ok]] % tiles[i[ok]] == 0
+    o, f, i = o[ok], f[ok], i[ok]
+    members = self.mval[o]  # [N, M]
+    safe = np.maximum(members, 0)
+    on_axis = np.where(members >= 0, state[safe, a], -1)  # [N, M]
+    dims = self.mdims[o]  # [N, M, R]
+    held = np.take_along_axis(dims, np.maximum(on_axis, 0)[..., None], axis=2)[..., 0]
+    # The axis may tile only one factor of an op.
+    clash = ((on_axis >= 0) & (held != f[:, None])).any(axis=1)
+    keep = ~clash
+    o, f, i, members, safe, on_axis, dims = (
+        x[keep] for x in (o, f, i, members, safe, on_axis, dims))
+    match = dims == f[:, None, None]
+    e = match.argmax(axis=2)  # a member's first dim indexed by the factor
+    take = match.any(axis=2) & (members >= 0) & (members != src[i][:, None])
+    take &= (on_axis < 0) & ~self.fixed[safe]
+    take &= np.take_along_axis(self.shape[safe], e[..., None], axis=2)[..., 0] % \
+        tiles[i][:, None] == 0
+    nested = ((state[safe] == e[..., None]) * self.bits).sum(axis=-1)
+    take &= (nested & ~offered[i][:, None]) == 0
+    targets, dims_to = members[take], e[take]
+    targets, first = np.unique(targets, return_index=True)  # first offer wins
+    order = np.argsort(first)
+    targets, dims_to = targets[order], dims_to[first[order]]
+    state[targets, a] = dims_to
+    return targets
+
+  def _small_wave(self, state: State, src: np.ndarray, a: int) -> np.ndarray:
+    """`_wave` one view at a time: the same offers, decided against the
+    state at the start of the wave, the first offer to a value winning."""
+    at, sizes, shapes, fixed = state.item, self.sizes, self.graph.shapes, self.fixed
     axes = range(len(sizes))
-    at = state.item
-    while work:
-      v, a = work.popleft()
+    offers: dict[int, int] = {}
+    for v in src.tolist():
       d = at(v, a)
       if d < 0:
         continue
       on_d = [b for b in axes if at(v, b) == d]
       tiles = math.prod(sizes[b] for b in on_d)
-      for o, dims in self.views[v]:
-        f = dims[d]
-        if f == UNSHARDABLE or rules[o].sizes[f] % tiles:
+      for o, slot in self.views[v]:
+        f = self.members[o][slot][1][d]
+        if f < 0 or self.factor_sizes[o][f] % tiles:
           continue
-        # The axis may tile only one factor of an op.
-        if any(at(u, a) >= 0 and udims[at(u, a)] != f for u, udims in self.members[o]):
+        members = self.members[o]
+        if any(at(u, a) >= 0 and dims[at(u, a)] != f for u, dims in members):
           continue
-        for u, e in self.by_factor[o][f]:
-          if u == v or at(u, a) != UNSHARDED or fixed[u] or shapes[u][e] % tiles:
+        for u, dims in members:
+          if u == v or u in offers or f not in dims:
             continue
-          if all(b in on_d for b in axes if at(u, b) == e):
-            state[u, a] = e
-            changed.append(u)
-            work.append((u, a))
-    return changed
+          e = dims.index(f)
+          if (at(u, a) < 0 and not fixed[u] and shapes[u][e] % tiles == 0
+              and all(b in on_d for b in axes if at(u, b) == e)):
+            offers[u] = e
+    targets = np.fromiter(offers, np.int64, len(offers))
+    state[targets, a] = np.fromiter(offers.values(), np.int64, len(offers))
+    return targets
 
   def seed_all(self, state: State) -> list[int]:
     """Propagates every tiled (value, axis) already in the state."""
