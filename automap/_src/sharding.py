@@ -13,8 +13,10 @@ Shape letters: V values, A mesh axes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -138,6 +140,63 @@ def set_spec(state: State, mesh: MeshSpec, v: int, shape: Sequence[int],
           "sizes divide it, or leave that dimension unsharded (None).")
 
 
+class _Tables(NamedTuple):
+  """A graph's factor rules as arrays, built once per graph.
+
+  Per op: member values mval [O, M] (-1 pads), the factor of each member dim
+  mdims [O, M, R] (-2 pads), factor extents msize [O, F]; per value: its
+  padded shape [V, R] and the (op, member slot) views of it, as CSR
+  (vptr [V + 1], vop, vslot). The same as Python lists (members, views,
+  factor_sizes) for waves too small to vectorise.
+  """
+
+  mval: np.ndarray
+  mdims: np.ndarray
+  msize: np.ndarray
+  shape: np.ndarray
+  vptr: np.ndarray
+  vop: np.ndarray
+  vslot: np.ndarray
+  members: list
+  views: list
+  factor_sizes: list
+
+
+@functools.lru_cache(maxsize=4)
+def _tables(graph: Graph) -> _Tables:
+  members = []
+  for o, rule in enumerate(graph.rules):
+    m = [(v, tuple(dims)) for v, dims in zip(graph.operands[o], rule.operands)
+         if v >= 0 and dims is not None]
+    m += [(v, tuple(dims)) for v, dims in zip(graph.results[o], rule.results) if v >= 0]
+    members.append(m)
+  num_ops, num_values = graph.num_ops, graph.num_values
+  width = max((len(m) for m in members), default=1) or 1
+  rank = max((len(s) for s in graph.shapes), default=1) or 1
+  factors = max((len(r.sizes) for r in graph.rules), default=1) or 1
+  mval = np.full((num_ops, width), -1, np.int64)
+  mdims = np.full((num_ops, width, rank), -2, np.int32)
+  msize = np.ones((num_ops, factors), np.int64)
+  views: list[list[tuple[int, int]]] = [[] for _ in range(num_values)]
+  for o, m in enumerate(members):
+    for j, (v, dims) in enumerate(m):
+      mval[o, j] = v
+      mdims[o, j, :len(dims)] = dims
+      views[v].append((o, j))
+    sizes = graph.rules[o].sizes
+    msize[o, :len(sizes)] = sizes
+  shape = np.ones((num_values, rank), np.int64)
+  for v, s in enumerate(graph.shapes):
+    shape[v, :len(s)] = s
+  vptr = np.zeros(num_values + 1, np.int64)
+  vptr[1:] = np.cumsum([len(x) for x in views])
+  flat = [pair for x in views for pair in x]
+  vop = np.array([o for o, _ in flat], np.int64)
+  vslot = np.array([j for _, j in flat], np.int64)
+  return _Tables(mval, mdims, msize, shape, vptr, vop, vslot, members, views,
+                 [r.sizes for r in graph.rules])
+
+
 class Propagator:
   """Applies actions to a state and propagates them through factor rules.
 
@@ -158,44 +217,12 @@ class Propagator:
     self.fixed = (np.zeros(graph.num_values, bool) if fixed is None
                   else fixed.astype(bool))
     self.sizes = mesh.axis_sizes
-    members = []
-    for o, rule in enumerate(graph.rules):
-      m = [(v, dims) for v, dims in zip(graph.operands[o], rule.operands)
-           if v >= 0 and dims is not None]
-      m += [(v, dims) for v, dims in zip(graph.results[o], rule.results) if v >= 0]
-      members.append(m)
-    num_ops, num_values = graph.num_ops, graph.num_values
-    width = max((len(m) for m in members), default=1) or 1
-    rank = max((len(s) for s in graph.shapes), default=1) or 1
-    factors = max((len(r.sizes) for r in graph.rules), default=1) or 1
-    # Per op: member values [O, M] (-1 pads), their dims' factors [O, M, R]
-    # (-2 pads), factor extents [O, F]; per value: padded shape [V, R] and
-    # the (op, member slot) views of it (CSR).
-    self.mval = np.full((num_ops, width), -1, np.int64)
-    self.mdims = np.full((num_ops, width, rank), -2, np.int32)
-    self.msize = np.ones((num_ops, factors), np.int64)
-    views: list[list[tuple[int, int]]] = [[] for _ in range(num_values)]
-    for o, m in enumerate(members):
-      for j, (v, dims) in enumerate(m):
-        self.mval[o, j] = v
-        self.mdims[o, j, :len(dims)] = dims
-        views[v].append((o, j))
-      sizes = graph.rules[o].sizes
-      self.msize[o, :len(sizes)] = sizes
-    self.shape = np.ones((num_values, rank), np.int64)
-    for v, s in enumerate(graph.shapes):
-      self.shape[v, :len(s)] = s
-    self.vptr = np.zeros(num_values + 1, np.int64)
-    self.vptr[1:] = np.cumsum([len(x) for x in views])
-    flat = [pair for x in views for pair in x]
-    self.vop = np.array([o for o, _ in flat], np.int64)
-    self.vslot = np.array([j for _, j in flat], np.int64)
     self.bits = 1 << np.arange(mesh.num_axes)
     self.size_row = np.array(mesh.axis_sizes, np.int64)
-    # The same tables as Python lists, for waves too small to vectorise.
-    self.members = [[(v, tuple(dims)) for v, dims in m] for m in members]
-    self.views = views
-    self.factor_sizes = [r.sizes for r in graph.rules]
+    t = _tables(graph)
+    self.mval, self.mdims, self.msize, self.shape = t.mval, t.mdims, t.msize, t.shape
+    self.vptr, self.vop, self.vslot = t.vptr, t.vop, t.vslot
+    self.members, self.views, self.factor_sizes = t.members, t.views, t.factor_sizes
 
   def can_tile(self, state: State, v: int, d: int, a: int) -> bool:
     if self.fixed[v] or state[v, a] != UNSHARDED or d >= self.graph.rank(v):
