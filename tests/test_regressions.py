@@ -98,3 +98,32 @@ def test_async_collectives_count_their_result_only():
           "replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}")
   (c,) = verify.collectives(line, mesh((4, 2)))
   assert (c.kind, c.nbytes, c.axes) == ("all-gather", 16 * 8 * 4, ("data",))
+
+
+ODD = {
+    "passthrough and literal outputs": (lambda x, w: (x, 3.0, x @ w), (X[0], X[1])),
+    "zero-size array": (lambda x, z: (x.sum(), z * 2), (X[0], jnp.zeros((0, 4)))),
+    "bf16 matmul": (lambda x, w: (x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)),
+                    (X[0], X[1])),
+    "integer indices": (lambda i, w: w[i].sum(0), (jnp.arange(8) % 32, X[1])),
+    "nested outputs": (lambda x, w: {"a": x @ w, "b": [x.T, (x,)]}, (X[0], X[1])),
+    "no arguments": (lambda: jnp.ones(4) * 2, ()),
+    "cond": (lambda x, w: jax.lax.cond(x.sum() > 0, lambda: x @ w, lambda: -(x @ w)),
+             (X[0], X[1])),
+    "while": (lambda x: jax.lax.while_loop(lambda c: c[0] < 3,
+                                           lambda c: (c[0] + 1, c[1] * 2), (0, x))[1],
+              (X[0],)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ODD))
+@pytest.mark.parametrize("shape,names", [((8,), ("x",)), ((2, 1, 4), ("a", "b", "c"))],
+                         ids=["1-axis", "3-axis-with-unit"])
+def test_odd_programs_and_meshes(name, shape, names):
+  fn, args = ODD[name]
+  out = automap.partition(fn, mesh=mesh(shape, names), hardware="cpu")(*args)
+  expected = jax.jit(fn)(*args)
+  assert jax.tree.structure(out) == jax.tree.structure(expected)
+  for a, e in zip(jax.tree.leaves(out), jax.tree.leaves(expected)):
+    assert a.dtype == e.dtype and a.shape == e.shape
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(e, np.float32), rtol=1e-2)
