@@ -28,6 +28,7 @@ UNSHARDED = -1
 # Waves over fewer (value, op) views than this run as a Python loop, which
 # beats array operations on them.
 _SMALL_WAVE = 48
+_NO_OFFER = np.iinfo(np.int64).max
 
 
 class MeshError(ValueError):
@@ -223,6 +224,8 @@ class Propagator:
     self.mval, self.mdims, self.msize, self.shape = t.mval, t.mdims, t.msize, t.shape
     self.vptr, self.vop, self.vslot = t.vptr, t.vop, t.vslot
     self.members, self.views, self.factor_sizes = t.members, t.views, t.factor_sizes
+    self.slots = np.arange(self.mval.shape[1])
+    self._first = np.full(graph.num_values, _NO_OFFER, np.int64)  # scratch
 
   def can_tile(self, state: State, v: int, d: int, a: int) -> bool:
     if self.fixed[v] or state[v, a] != UNSHARDED or d >= self.graph.rank(v):
@@ -276,25 +279,26 @@ class Propagator:
     members = self.mval[o]  # [N, M]
     safe = np.maximum(members, 0)
     on_axis = np.where(members >= 0, state[safe, a], -1)  # [N, M]
-    dims = self.mdims[o]  # [N, M, R]
-    held = np.take_along_axis(dims, np.maximum(on_axis, 0)[..., None], axis=2)[..., 0]
-    # The axis may tile only one factor of an op.
+    held = self.mdims[o[:, None], self.slots[None, :members.shape[1]],
+                      np.maximum(on_axis, 0)]
+    # The axis may tile only one factor of an op; offers go to free members.
     clash = ((on_axis >= 0) & (held != f[:, None])).any(axis=1)
-    keep = ~clash
-    o, f, i, members, safe, on_axis, dims = (
-        x[keep] for x in (o, f, i, members, safe, on_axis, dims))
-    match = dims == f[:, None, None]
-    e = match.argmax(axis=2)  # a member's first dim indexed by the factor
-    take = match.any(axis=2) & (members >= 0) & (members != src[i][:, None])
-    take &= (on_axis < 0) & ~self.fixed[safe]
-    take &= np.take_along_axis(self.shape[safe], e[..., None], axis=2)[..., 0] % \
-        tiles[i][:, None] == 0
-    nested = ((state[safe] == e[..., None]) * self.bits).sum(axis=-1)
-    take &= (nested & ~offered[i][:, None]) == 0
-    targets, dims_to = members[take], e[take]
-    targets, first = np.unique(targets, return_index=True)  # first offer wins
-    order = np.argsort(first)
-    targets, dims_to = targets[order], dims_to[first[order]]
+    free = (on_axis < 0) & (members >= 0) & ~clash[:, None]
+    free &= members != src[i][:, None]
+    row, slot = np.nonzero(free)  # view-major: offer order
+    u, f, i = members[row, slot], f[row], i[row]
+    match = self.mdims[o[row], slot] == f[:, None]  # [P, R]
+    e = match.argmax(axis=1)  # the member's first dim indexed by the factor
+    take = match.any(axis=1) & ~self.fixed[u] & (self.shape[u, e] % tiles[i] == 0)
+    nested = ((state[u] == e[:, None]) * self.bits).sum(axis=1)
+    take &= (nested & ~offered[i]) == 0
+    targets, dims_to = u[take], e[take]
+    # The first offer to a value wins: mark each value with its first offer.
+    rank = np.arange(len(targets))
+    np.minimum.at(self._first, targets, rank)
+    first = self._first[targets] == rank
+    self._first[targets] = _NO_OFFER
+    targets, dims_to = targets[first], dims_to[first]
     state[targets, a] = dims_to
     return targets
 
