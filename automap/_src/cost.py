@@ -544,9 +544,9 @@ class Tracker:
       return
     delta = feet - self.foot[values]
     self.foot[values] = feet
-    steps = np.zeros(len(self.live) + 1)
-    np.add.at(steps, model.start[values], delta)
-    np.add.at(steps, model.end[values] + 1, -delta)
+    n = len(self.live) + 1
+    steps = (np.bincount(model.start[values], delta, n)
+             - np.bincount(model.end[values] + 1, delta, n))
     self.live += np.cumsum(steps)[:-1]
 
   def update(self, changed: Iterable[int]) -> None:
@@ -558,7 +558,9 @@ class Tracker:
     starts, ends = model.touch_ptr[changed], model.touch_ptr[changed + 1]
     lengths = ends - starts
     offsets = np.repeat(starts - np.cumsum(lengths) + lengths, lengths)
-    ops = np.unique(model.touch_idx[offsets + np.arange(lengths.sum())])
+    touched = np.zeros(len(self.op_ids), bool)
+    touched[model.touch_idx[offsets + np.arange(lengths.sum())]] = True
+    ops = np.flatnonzero(touched)
     new = model.entry_ids(state, ops)
     old = self.op_ids[ops]
     moved = new != old
