@@ -131,10 +131,11 @@ def materialized(graph: Graph) -> np.ndarray:
 
 
 class CostModel:
-  """Evaluates states of one graph on one mesh and hardware.
+  """Prices ops of one graph on one mesh and hardware.
 
-  `evaluate(state)` costs a state from scratch; `Tracker` keeps a running
-  total that `update` refreshes after an action.
+  `op_cost` / `entry_ids` price ops under a state (memoised per op class and
+  layout); `Tracker` sums them into a running total that `update` refreshes
+  after an action.
   """
 
   def __init__(self, graph: Graph, mesh: MeshSpec, hardware: Hardware):
