@@ -1,0 +1,1 @@
+"""Search over sharding states."""

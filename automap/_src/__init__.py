@@ -1,0 +1,1 @@
+"""automap internals; the public API is re-exported by `automap`."""

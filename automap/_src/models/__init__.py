@@ -1,0 +1,1 @@
+"""Reference models: the programs the demo, tests and benchmarks partition."""
