@@ -49,3 +49,14 @@ def test_explain_lists_layouts_collectives_and_cost():
   assert "step time" in text and "peak memory" in text
   assert "0/block_0/mlp/wi/kernel" in text
   assert "block_0" in text and "all-" in text
+
+
+def test_per_layer_collectives_add_up_to_the_cost():
+  step, args = gpt_step()
+  plan = automap.search(step, *args, mesh=mesh((4, 2)), hardware="cpu")
+  totals: dict = {}
+  for _, kind, axes, nbytes, _ in plan.collectives:
+    totals[(kind, axes)] = totals.get((kind, axes), 0.0) + nbytes
+  assert totals.keys() == plan.cost.comm_bytes.keys()
+  for key, nbytes in plan.cost.comm_bytes.items():
+    assert totals[key] == pytest.approx(nbytes)

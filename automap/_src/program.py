@@ -113,6 +113,7 @@ class Program:
   def make_plan(self, state: State, stats: dict) -> Plan:
     g, mesh = self.graph, self.mesh
     tracker = Tracker(self.model, state)
+    op_costs = tracker.ops
     spec = lambda v: spec_of(state, mesh, v, g.rank(v)) if v >= 0 else PartitionSpec()  # noqa: E731
     # Every intermediate the rewritten program can name is pinned, so XLA
     # partitions exactly the state the cost model priced.
@@ -131,12 +132,18 @@ class Program:
       for p, row in self.model.reshards(state, o).items():
         v = g.operands[o][p]
         reshards[(results[0], p)] = spec_from_row(row, mesh, g.rank(v))
-      for v, row in zip(results, tracker.ops[o].natural):
+      for v, row in zip(results, op_costs[o].natural):
         if row is not None and v in constraints and tuple(state[v]) != row:
           natural[v] = spec_from_row(row, mesh, g.rank(v))
     collectives: dict[tuple, list] = {}
-    for o, c in enumerate(tracker.ops):
-      for kind, mask, nbytes, *_ in c.comms:
+    copies = set()  # a resharded copy is made once, for its first reader
+    for o, c in enumerate(op_costs):
+      for kind, mask, nbytes, _, position, target in c.comms:
+        if position >= 0:
+          copy = (g.operands[o][position], kind, mask, target, nbytes)
+          if copy in copies:
+            continue
+          copies.add(copy)
         axes = tuple(n for a, n in enumerate(mesh.axis_names) if mask >> a & 1)
         key = (layer_of(g.scopes[o], depth=8), kind, axes)
         acc = collectives.setdefault(key, [0.0, 0])
