@@ -196,18 +196,14 @@ def verify(plan: Plan, fn: Callable, *args, mesh=None,
   if check_numerics and concrete:
     expected = jax.jit(fn)(*args)
     with jax.set_mesh(apply_lib.auto_mesh(mesh)):
-      actual = jitted(*jax.device_put(args, jitted_in_shardings(traced, mesh, plan)))
+      placed = jax.device_put(
+          args, apply_lib.plan_shardings(mesh, plan.in_specs, traced.in_tree))
+      actual = jitted(*placed)
     max_abs, max_rel = verify_lib.compare_numerics(expected, actual)
   return verify_lib.Report(
       predicted=predicted, compiled_comm_bytes=verify_lib.summarize(found),
       collectives=tuple(found), compiled_memory=memory, memory_stats=stats,
       max_abs_error=max_abs, max_rel_error=max_rel)
-
-
-def jitted_in_shardings(traced, mesh, plan: Plan):
-  mesh = apply_lib.auto_mesh(mesh)
-  return jax.tree.unflatten(
-      traced.in_tree, [NamedSharding(mesh, s) for s in plan.in_specs])
 
 
 @dataclasses.dataclass
@@ -282,7 +278,8 @@ class Partitioned:
       outs = jax.tree.unflatten(program.traced.out_tree, [
           NamedSharding(self.mesh, s) for s in plan.out_specs])
       entry = _Entry(plan, jitted,
-                     jitted_in_shardings(program.traced, self.mesh, plan), outs)
+                     apply_lib.plan_shardings(self.mesh, plan.in_specs,
+                                              program.traced.in_tree), outs)
       self._entries[key] = entry
     self._last = entry
     return entry

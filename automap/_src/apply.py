@@ -85,15 +85,18 @@ def interpreter(traced: Traced, constraints: Mapping[int, PartitionSpec],
   return run
 
 
+def plan_shardings(mesh: Mesh, specs, tree) -> Any:
+  """NamedShardings on the Auto view of `mesh`, in the structure `tree`."""
+  mesh = auto_mesh(mesh)
+  return jax.tree.unflatten(tree, [NamedSharding(mesh, s) for s in specs])
+
+
 def jit_with_plan(traced: Traced, mesh: Mesh, plan,
                   donate_argnums=()) -> Callable[..., Any]:
   """`jax.jit` of the rewritten program with the plan's shardings."""
-  mesh = auto_mesh(mesh)
-  to_sharding = lambda s: NamedSharding(mesh, s)  # noqa: E731
-  in_shardings = jax.tree.unflatten(traced.in_tree,
-                                    [to_sharding(s) for s in plan.in_specs])
-  out_shardings = jax.tree.unflatten(traced.out_tree,
-                                     [to_sharding(s) for s in plan.out_specs])
-  run = interpreter(traced, plan.constraints, mesh, plan.reshards, plan.natural)
+  in_shardings = plan_shardings(mesh, plan.in_specs, traced.in_tree)
+  out_shardings = plan_shardings(mesh, plan.out_specs, traced.out_tree)
+  run = interpreter(traced, plan.constraints, auto_mesh(mesh), plan.reshards,
+                    plan.natural)
   return jax.jit(run, in_shardings=tuple(in_shardings),
                  out_shardings=out_shardings, donate_argnums=donate_argnums)

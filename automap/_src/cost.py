@@ -87,20 +87,24 @@ class OpCost:
   """Cost of one op under one state.
 
   time: compute seconds; flops: per device; comms: (kind, axes bitmask,
-  bytes, seconds, resharded operand or -1) per collective; footprint: per
+  bytes, seconds, resharded operand position or -1, target layout code) per
+  collective; reshards: operand position -> the per-axis dims it is
+  resharded to on entry, where that differs from its own; footprint: per
   result, the bytes its buffer holds (more than its tile when the op makes
   the whole array and slices it, e.g. an all-reduce standing in for a
   reduce-scatter); natural: per result, the per-axis dims of the layout the
   op produces it in (partial sums combined), before any reshard to its own.
   """
 
-  __slots__ = ("time", "flops", "comms", "footprint", "natural")
+  __slots__ = ("time", "flops", "comms", "reshards", "footprint", "natural")
 
   def __init__(self, time: float, flops: float,
                comms: list[tuple[int, int, float, float, int, int]],
+               reshards: dict[int, tuple[int, ...]],
                footprint: tuple[float, ...], natural: tuple):
     self.time, self.flops = time, flops
     self.comms = comms
+    self.reshards = reshards
     self.footprint = footprint
     self.natural = natural  # per result: the layout the op computes it in
 
@@ -172,7 +176,7 @@ class CostModel:
     # Ops that cost the same in the same layouts share a class.
     classes: dict[tuple, int] = {}
     self.op_class = np.empty(graph.num_ops, np.int64)
-    self.members = []
+    members = []
     for o in range(graph.num_ops):
       values = [v for v in graph.operands[o] + graph.results[o] if v >= 0]
       signature = (graph.prims[o], graph.rules[o], graph.operand_shapes[o],
@@ -182,13 +186,13 @@ class CostModel:
                    tuple(graph.shapes[v] for v in graph.results[o] if v >= 0),
                    float(graph.flops[o]))
       self.op_class[o] = classes.setdefault(signature, len(classes))
-      self.members.append(values)
+      members.append(values)
     # Tables for costing many ops at once: members padded by repeating the
     # first (ops of one class pad alike), result slots (-1: none), and per
     # value the ops touching it (CSR).
-    width = max((len(m) for m in self.members), default=1) or 1
+    width = max((len(m) for m in members), default=1) or 1
     self.member_table = np.array(
-        [(m or [0]) + [(m or [0])[0]] * (width - len(m or [0])) for m in self.members],
+        [(m or [0]) + [(m or [0])[0]] * (width - len(m or [0])) for m in members],
         np.int64).reshape(graph.num_ops, width)
     slots = max((len(r) for r in graph.results), default=1) or 1
     self.result_table = np.array(
@@ -305,15 +309,6 @@ class CostModel:
                     for f in factor_of_axis])
     return factor_of_axis, scatter, wants
 
-  def reshards(self, state: State, o: int) -> dict[int, list[int]]:
-    """Operand position -> the per-axis dims it must be resharded to."""
-    _, _, wants = self.layout(state, o)
-    out = {}
-    for p, (v, want) in enumerate(zip(self.graph.operands[o], wants)):
-      if want is not None and any(int(state[v, a]) != w for a, w in enumerate(want)):
-        out[p] = want
-    return out
-
   def transition(self, comms: list, have, want, local: float, value: int) -> float:
     """Collectives that move an array from layout `have` to `want` (per-axis
     tiled dims); returns its bytes per device after.
@@ -403,9 +398,12 @@ class CostModel:
     factor_of_axis, _, wants = self.layout(state, o)
     # Operands: gather or exchange what the factor layout does not match.
     hbm = 0.0
+    reshards = {}
     for p, (v, want_row) in enumerate(zip(operands, wants)):
       if want_row is not None:
         hbm += self.transition(comms, state[v], want_row, self.local_bytes(state, v), p)
+        if any(int(state[v, a]) != w for a, w in enumerate(want_row)):
+          reshards[p] = tuple(want_row)
     # Results: combine partial sums, then match the result's own layout.
     footprint, naturals = [], []
     for r, v in enumerate(results):
@@ -454,7 +452,7 @@ class CostModel:
     else:  # vector units: an order of magnitude below the matrix units
       peak = self.hw.fp32_flops / 16
     time = max(flops / peak, hbm / self.hw.hbm_bandwidth)
-    return OpCost(time, flops, comms, tuple(footprint), tuple(naturals))
+    return OpCost(time, flops, comms, reshards, tuple(footprint), tuple(naturals))
 
   # -- whole state ---------------------------------------------------------
 

@@ -129,7 +129,7 @@ class Program:
       results = g.results[o]
       if not results or g.sealed[results[0]]:
         continue
-      for p, row in self.model.reshards(state, o).items():
+      for p, row in op_costs[o].reshards.items():
         v = g.operands[o][p]
         reshards[(results[0], p)] = spec_from_row(row, mesh, g.rank(v))
       for v, row in zip(results, op_costs[o].natural):
