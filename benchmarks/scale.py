@@ -21,11 +21,19 @@ import jax  # noqa: E402
 
 from automap._src import cost, graph, hardware, program, sharding, trace  # noqa: E402
 from automap._src.models.gpt import GPTConfig, make_train_step  # noqa: E402
-from automap._src.search import greedy  # noqa: E402
 
 
 def shapes_only(args):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+
+
+def candidate_actions(prog) -> list[tuple[int, int, int]]:
+  """(value, dim, axis) for every argument dim an axis divides, largest
+  arguments first."""
+  g, mesh = prog.graph, prog.mesh
+  out = [(v, d, a) for v in g.inputs for d, n in enumerate(g.shapes[v])
+         for a, size in enumerate(mesh.axis_sizes) if size > 1 and n % size == 0]
+  return sorted(out, key=lambda x: -int(g.nbytes[x[0]]))
 
 
 def measure(layers: int, actions: int) -> dict:
@@ -49,7 +57,7 @@ def measure(layers: int, actions: int) -> dict:
   t_full = time.perf_counter() - t
   prop = prog.propagator()
   times, touched = [], []
-  for v, d, a in greedy.candidate_actions(prog)[:actions]:
+  for v, d, a in candidate_actions(prog)[:actions]:
     before = state.copy()
     t = time.perf_counter()
     changed = prop.tile(state, v, d, a)

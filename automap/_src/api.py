@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 import time
 import types
 from collections.abc import Callable, Mapping
@@ -13,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
+from rich import progress as progress_lib
 
 from automap._src import apply as apply_lib
 from automap._src import trace as trace_lib
@@ -21,7 +23,8 @@ from automap._src.cost import Cost, Tracker
 from automap._src.hardware import Hardware, get_hardware
 from automap._src.plan import Plan, PlanError
 from automap._src.program import Program
-from automap._src.search import greedy
+from automap._src.search import mcts
+from automap._src.search.actions import ActionSpace
 from automap._src.sharding import MeshError, MeshSpec
 
 
@@ -64,10 +67,13 @@ class Hints:
 
 @dataclasses.dataclass(frozen=True)
 class Budget:
-  """How much search to spend: evaluations ("episodes") and wall seconds."""
+  """How much search to spend: MCTS episodes and wall seconds, whichever
+  runs out first. progress: show a live display of the best plan so far
+  (None: only when stderr is a terminal)."""
 
   episodes: int = 200
   seconds: float = 60.0
+  progress: bool | None = None
 
   def __post_init__(self):
     if (not isinstance(self.episodes, (int, np.integer)) or isinstance(self.episodes, bool)
@@ -78,11 +84,8 @@ class Budget:
         or isinstance(self.seconds, bool) or not self.seconds > 0):
       raise ValueError(
           f"Budget.seconds must be a positive number, got {self.seconds!r}.")
-
-
-# Greedy search spends one evaluation per trial action; an "episode" of MCTS
-# is worth a round of trials, so the budget converts at this rate.
-_EVALUATIONS_PER_EPISODE = 50
+    if self.progress not in (None, True, False):
+      raise ValueError(f"Budget.progress must be True, False or None, got {self.progress!r}.")
 
 
 def _program(fn, args, mesh, hardware, hints: Hints | None) -> Program:
@@ -91,23 +94,43 @@ def _program(fn, args, mesh, hardware, hints: Hints | None) -> Program:
                        (hints or Hints()).fixed)
 
 
-def _search_program(program: Program, budget: Budget | None,
-                    memory_limit: float | None, seed: int) -> Plan:
-  budget = budget or Budget()
-  if memory_limit is not None:
-    if not memory_limit > 0:
-      raise MemoryLimitError(
-          f"memory_limit must be a positive number of bytes, got {memory_limit!r}.")
-    bound = program.memory_lower_bound()
-    if memory_limit < bound:
-      raise MemoryLimitError(
-          f"memory_limit={memory_limit:,.0f} bytes per device is below the "
-          f"lower bound of {bound:,.0f} bytes (arguments and results spread "
-          f"evenly over {program.mesh.num_devices} devices). Raise the limit "
-          "or use more devices.")
-  del seed  # Greedy descent is deterministic; MCTS will consume the seed.
-  result = greedy.search(program, memory_limit, budget.seconds,
-                         budget.episodes * _EVALUATIONS_PER_EPISODE)
+def _check_memory_limit(program: Program, memory_limit: float | None) -> None:
+  if memory_limit is None:
+    return
+  if not memory_limit > 0:
+    raise MemoryLimitError(
+        f"memory_limit must be a positive number of bytes, got {memory_limit!r}.")
+  bound = program.memory_lower_bound()
+  if memory_limit < bound:
+    raise MemoryLimitError(
+        f"memory_limit={memory_limit:,.0f} bytes per device is below the "
+        f"lower bound of {bound:,.0f} bytes (arguments and results spread "
+        f"evenly over {program.mesh.num_devices} devices). Raise the limit "
+        "or use more devices.")
+
+
+def _run_search(program: Program, hints: Hints, budget: Budget,
+                memory_limit: float | None, seed: int) -> tuple[ActionSpace, mcts.Result]:
+  _check_memory_limit(program, memory_limit)
+  space = ActionSpace(program, hints.groups)
+  run = mcts.Search(program, space, memory_limit, seed)
+  show = budget.progress if budget.progress is not None else sys.stderr.isatty()
+  if not show:
+    result = run.run(budget.episodes, budget.seconds)
+  else:
+    with progress_lib.Progress(
+        *progress_lib.Progress.get_default_columns(),
+        progress_lib.TextColumn("{task.fields[best]}"), transient=True) as bar:
+      task = bar.add_task(f"automap: searching {program.mesh}",
+                          total=budget.episodes, best="")
+      result = run.run(budget.episodes, budget.seconds, lambda s: bar.update(
+          task, completed=s.episodes,
+          best=f"best {s.best.score[1] * 1e3:.3f} ms, {s.best.score[0]:,.0f} B over"))
+  return space, result
+
+
+def _plan_of(program: Program, space: ActionSpace, result: mcts.Result,
+             memory_limit: float | None) -> Plan:
   if result.score[0] > 0:
     raise MemoryLimitError(
         f"no plan found within memory_limit={memory_limit:,.0f} bytes per "
@@ -115,23 +138,77 @@ def _search_program(program: Program, budget: Budget | None,
         f"{memory_limit + result.score[0]:,.0f} bytes (lower bound "
         f"{program.memory_lower_bound():,.0f}). Raise the limit, use more "
         "devices, or give a larger search budget.")
-  stats = {"strategy": "greedy", "start": result.start,
-           "evaluations": result.evaluations, "rounds": result.rounds,
+  stats = {"strategy": "mcts", "episodes": result.episodes,
+           "episode_of_best": result.episode_of_best,
+           "evaluations": result.evaluations, "states": result.nodes,
            "seconds": round(result.seconds, 4),
+           "seconds_to_best": round(result.seconds_to_best, 4),
+           "actions": [space.describe(a) for a in result.path],
+           "groups": len(space.groups),
            "graph_values": program.graph.num_values,
            "graph_ops": program.graph.num_ops}
   return program.make_plan(result.state, stats)
 
 
-def search(fn: Callable, *args, mesh, hints: Hints | None = None,
-           hardware: str | Hardware = "tpu-v4", budget: Budget | None = None,
-           memory_limit: float | None = None, seed: int = 0) -> Plan:
-  """Plans `fn(*args)` on `mesh` without running it.
+def _search_program(program: Program, hints: Hints | None, budget: Budget | None,
+                    memory_limit: float | None, seed: int) -> Plan:
+  space, result = _run_search(program, hints or Hints(), budget or Budget(),
+                              memory_limit, seed)
+  return _plan_of(program, space, result, memory_limit)
+
+
+def mesh_shapes(devices: int) -> list[tuple[int, ...]]:
+  """The ways to lay `devices` out as a mesh of 1 to 3 axes, each of size
+  at least 2 (one axis of 1 for a single device)."""
+  if devices == 1:
+    return [(1,)]
+  out = [(devices,)]
+  for a in range(2, devices):
+    if devices % a == 0:
+      out.append((a, devices // a))
+      for b in range(2, devices // a):
+        if (devices // a) % b == 0 and devices // a // b > 1:
+          out.append((a, b, devices // a // b))
+  return sorted(out, key=len)
+
+
+_AXIS_NAMES = ("x", "y", "z")
+
+
+def search(fn: Callable, *args, mesh=None, devices: int | None = None,
+           hints: Hints | None = None, hardware: str | Hardware = "tpu-v4",
+           budget: Budget | None = None, memory_limit: float | None = None,
+           seed: int = 0) -> Plan:
+  """Plans `fn(*args)` without running it, on `mesh`, or on the best mesh
+  of `devices` devices (axes named "x", "y", "z"; the budget is shared by
+  the mesh shapes tried).
 
   Argument leaves may be `jax.ShapeDtypeStruct`s.
   """
-  program = _program(fn, args, mesh, hardware, hints)
-  return _search_program(program, budget, memory_limit, seed)
+  if (mesh is None) == (devices is None):
+    raise TypeError("search takes exactly one of mesh= (a jax.sharding.Mesh) "
+                    "or devices= (a device count to choose a mesh for).")
+  hints = hints or Hints()
+  budget = budget or Budget()
+  if mesh is not None:
+    return _search_program(_program(fn, args, mesh, hardware, hints), hints,
+                           budget, memory_limit, seed)
+  if (not isinstance(devices, (int, np.integer)) or isinstance(devices, bool)
+      or devices < 1):
+    raise ValueError(f"devices must be a positive integer, got {devices!r}.")
+  traced = trace_lib.trace(fn, args)
+  hw = get_hardware(hardware)
+  shapes = mesh_shapes(int(devices))
+  share = Budget(max(1, budget.episodes // len(shapes)), budget.seconds / len(shapes),
+                 budget.progress)
+  best = None
+  for shape in shapes:
+    program = Program.build(traced, MeshSpec(_AXIS_NAMES[:len(shape)], shape), hw,
+                            hints.fixed)
+    space, result = _run_search(program, hints, share, memory_limit, seed)
+    if best is None or result.score < best[2].score:
+      best = (program, space, result)
+  return _plan_of(*best, memory_limit)
 
 
 def _is_spec_leaf(x) -> bool:
@@ -272,7 +349,8 @@ class Partitioned:
     if entry is None:
       t0 = time.perf_counter()
       program = _program(self.fn, args, self.mesh, self.hardware, self.hints)
-      plan = _search_program(program, self.budget, self.memory_limit, self.seed)
+      plan = _search_program(program, self.hints, self.budget, self.memory_limit,
+                             self.seed)
       plan.stats["plan_seconds"] = round(time.perf_counter() - t0, 4)
       jitted = apply_lib.jit_with_plan(program.traced, self.mesh, plan)
       outs = jax.tree.unflatten(program.traced.out_tree, [

@@ -65,8 +65,10 @@ def run(cfg: DemoConfig, console: Console | None = None) -> dict:
   plan = partitioned.plan
   plan_seconds = time.perf_counter() - t0
   console.print(f"planned in {plan_seconds:.1f} s "
-                f"({plan.stats['evaluations']} evaluations, start "
-                f"{plan.stats['start']}, graph of {plan.stats['graph_ops']} ops)")
+                f"(MCTS: {plan.stats['episodes']} episodes, best at episode "
+                f"{plan.stats['episode_of_best']}, {plan.stats['groups']} layer "
+                f"groups, graph of {plan.stats['graph_ops']} ops)")
+  console.print("actions: " + "; ".join(plan.stats["actions"]))
 
   experts = {
       "Megatron + DP": megatron_specs(args),

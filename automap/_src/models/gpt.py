@@ -85,15 +85,20 @@ class GPT(nn.Module):
 
 
 def make_train_step(
-    config: GPTConfig, batch: int, learning_rate: float = 1e-3
+    config: GPTConfig, batch: int, learning_rate: float = 1e-3,
+    abstract: bool = False,
 ) -> tuple[Callable, tuple]:
-  """Returns `(train_step, (params, opt_state, batch))` with real arrays."""
+  """Returns `(train_step, (params, opt_state, batch))` with real arrays, or
+  with `jax.ShapeDtypeStruct`s if `abstract` (nothing is materialised)."""
   model = GPT(config)
   optimizer = optax.adam(learning_rate)
-  tokens = jax.random.randint(
-      jax.random.key(1), (batch, config.seq + 1), 0, config.vocab)
-  params = model.init(jax.random.key(0), tokens[:, :-1])["params"]
-  opt_state = optimizer.init(params)
+
+  def init():
+    tokens = jax.random.randint(
+        jax.random.key(1), (batch, config.seq + 1), 0, config.vocab)
+    params = model.init(jax.random.key(0), tokens[:, :-1])["params"]
+    data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    return params, optimizer.init(params), data
 
   def loss_fn(params, batch):
     logits = model.apply({"params": params}, batch["inputs"])
@@ -105,8 +110,7 @@ def make_train_step(
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-  return train_step, (params, opt_state, data)
+  return train_step, jax.eval_shape(init) if abstract else init()
 
 
 def megatron_specs(args, data: str | None = "data", model: str | None = "model"):

@@ -1,7 +1,8 @@
-"""Tactics: expert strategies as seeds of the sharding state.
+"""Tactics: expert strategies as macro actions on the sharding state.
 
 A tactic names a few decisions a human expert would make; propagation fills
-in the rest. They are search starting points and yardsticks.
+in the rest. They are search actions, starting points and yardsticks. Each
+returns the values it changed.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from automap._src.trace import Traced
 def carried_arguments(traced: Traced) -> np.ndarray:
   """[num args] bool: arguments returned under the same path and type.
 
-  In a training step these are the parameters and optimizer state; the rest
-  (the batch) is data.
+  In a training step these are the parameters and optimizer state.
   """
   outs = {(p, tuple(a.shape), str(a.dtype))
           for p, a in zip(traced.out_paths, traced.out_avals)}
@@ -28,24 +28,114 @@ def carried_arguments(traced: Traced) -> np.ndarray:
                    for p, a in zip(traced.in_paths, traced.in_avals)], bool)
 
 
-def data_parallel(traced: Traced, graph: Graph, mesh: MeshSpec,
-                  prop: Propagator, state: State,
-                  axes: Sequence[int] | None = None) -> list[int]:
-  """Splits the leading dim of every data argument over the given mesh axes
-  (default all), major first, as far as they divide it; everything else
-  follows by propagation. Returns the values changed."""
-  carried = carried_arguments(traced)
-  axes = range(mesh.num_axes) if axes is None else axes
-  seeds = []
-  for i, v in enumerate(graph.inputs):
-    if carried[i] or graph.rank(v) == 0 or prop.fixed[v]:
-      continue
-    n = graph.shapes[v][0]
-    for a in axes:
-      size = mesh.axis_sizes[a]
-      tiles = math.prod(mesh.axis_sizes[b] for b in range(mesh.num_axes)
-                        if state[v, b] == 0)
-      if size > 1 and n % (tiles * size) == 0 and state[v, a] < 0:
-        state[v, a] = 0
-        seeds.append((v, a))
-  return [v for v, _ in seeds] + prop.propagate(state, seeds)
+def state_arguments(traced: Traced) -> np.ndarray:
+  """[num args] bool: the model's state rather than its data.
+
+  Carried arguments, and arguments mirrored by a result of the same type
+  under the same path below its top-level position: the parameters of a
+  (loss, grads) function, whose gradients come back as `1/<path>` for
+  `0/<path>`. The rest (the batch) is data.
+  """
+  tail = lambda p: p.split("/", 1)[1] if "/" in p else ""  # noqa: E731
+  outs = {(tail(p), tuple(a.shape), str(a.dtype))
+          for p, a in zip(traced.out_paths, traced.out_avals) if tail(p)}
+  mirrored = np.array([(tail(p), tuple(a.shape), str(a.dtype)) in outs
+                       for p, a in zip(traced.in_paths, traced.in_avals)], bool)
+  return carried_arguments(traced) | mirrored
+
+
+def _weight(graph: Graph, v: int, carried: set[int]) -> int:
+  """The carried argument `v` is, or is a dtype conversion of; else -1."""
+  while v >= 0 and v not in carried:
+    o = graph.producer[v]
+    if o < 0 or graph.prims[o] not in ("convert_element_type", "copy"):
+      return -1
+    v = graph.operands[o][0]
+  return v
+
+
+class Tactics:
+  """The tactics of one program, with what they act on found once."""
+
+  def __init__(self, traced: Traced, graph: Graph, mesh: MeshSpec, prop: Propagator):
+    self.graph, self.mesh, self.prop = graph, mesh, prop
+    carried = state_arguments(traced)
+    self.carried = [v for i, v in enumerate(graph.inputs) if carried[i] and graph.rank(v)]
+    self.data = [v for i, v in enumerate(graph.inputs) if not carried[i] and graph.rank(v)]
+    # Weights read by contractions, in program order, each with its output
+    # (column) dims: factors the result keeps and the other operand lacks.
+    self.weights: list[tuple[int, list[int]]] = []
+    seen = set(self.carried)
+    for o, prim in enumerate(graph.prims):
+      if prim != "dot_general":
+        continue
+      rule = graph.rules[o]
+      for i in range(2):
+        w = _weight(graph, graph.operands[o][i], seen)
+        if w < 0:
+          continue
+        other, out = set(rule.operands[1 - i] or ()), set(rule.results[0])
+        columns = [d for d, f in enumerate(rule.operands[i])
+                   if f >= 0 and f in out and f not in other]
+        if columns:
+          self.weights.append((w, columns))
+
+  def data_parallel(self, state: State, axes: Sequence[int] | None = None) -> list[int]:
+    """Splits the leading dim of every data argument over the given mesh
+    axes (default all), major first, as far as they divide it."""
+    mesh, prop = self.mesh, self.prop
+    axes = range(mesh.num_axes) if axes is None else axes
+    seeds = []
+    for v in self.data:
+      if prop.fixed[v]:
+        continue
+      n = self.graph.shapes[v][0]
+      for a in axes:
+        size = mesh.axis_sizes[a]
+        tiles = math.prod(mesh.axis_sizes[b] for b in range(mesh.num_axes)
+                          if state[v, b] == 0)
+        if size > 1 and n % (tiles * size) == 0 and state[v, a] < 0:
+          state[v, a] = 0
+          seeds.append((v, a))
+    return [v for v, _ in seeds] + prop.propagate(state, seeds)
+
+  def megatron(self, state: State, axis: int) -> list[int]:
+    """Megatron tensor parallelism over one axis: in program order, every
+    weight a contraction reads and the axis does not yet tile is split
+    along its first output dimension the axis divides (columns: heads,
+    hidden units). Propagation carries the split through the chain to the
+    next contraction, whose weight it splits by rows, so the pair needs one
+    reduction."""
+    changed: list[int] = []
+    for w, columns in self.weights:
+      if state[w, axis] >= 0:
+        continue
+      for d in columns:
+        if self.prop.can_tile(state, w, d, axis):
+          changed += self.prop.tile(state, w, d, axis)
+          break
+    return changed
+
+  def fsdp(self, state: State, axis: int) -> list[int]:
+    """ZeRO-3 / FSDP over one axis: data parallelism on it, and every
+    carried argument (parameters, optimizer state) split along its largest
+    dimension the axis divides, to be gathered where it is used."""
+    changed = self.data_parallel(state, [axis])
+    g = self.graph
+    for v in self.carried:
+      if state[v, axis] >= 0:
+        continue
+      for d in sorted(range(g.rank(v)), key=lambda d: -g.shapes[v][d]):
+        if self.prop.can_tile(state, v, d, axis):
+          changed += self.prop.tile(state, v, d, axis)
+          break
+    return changed
+
+  def sequence(self, state: State, axis: int) -> list[int]:
+    """Sequence (context) parallelism over one axis: the second dimension of
+    every data argument split."""
+    changed: list[int] = []
+    for v in self.data:
+      if self.graph.rank(v) >= 2 and self.prop.can_tile(state, v, 1, axis):
+        changed += self.prop.tile(state, v, 1, axis)
+    return changed

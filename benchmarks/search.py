@@ -1,0 +1,110 @@
+"""Search quality and speed against the hand-written experts.
+
+For GPT train steps of L layers on several meshes: the best of the expert
+strategies (data parallel, Megatron, Megatron + data parallel, FSDP) under
+the cost model, then MCTS with and without layer-group hints: episodes and
+seconds until its plan is within 1% of that best, and the final ratio
+found / expert after the episode budget. Nothing is compiled. Prints a
+Markdown table.
+
+  python benchmarks/search.py --layers 2 12 24 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from automap._src import api, trace  # noqa: E402
+from automap._src.cost import Tracker  # noqa: E402
+from automap._src.hardware import get_hardware  # noqa: E402
+from automap._src.models.gpt import GPTConfig, make_train_step, megatron_specs  # noqa: E402
+from automap._src.program import Program  # noqa: E402
+from automap._src.search import mcts  # noqa: E402
+from automap._src.search.actions import ActionSpace  # noqa: E402
+from automap._src.sharding import MeshSpec  # noqa: E402
+
+MESHES = [(8, 1), (4, 2), (2, 4), (1, 8), (2, 2, 2)]
+NAMES = ("data", "model", "seq")
+
+
+def fsdp_specs(args, axes: tuple[str, ...], devices: int):
+  """Batch over every axis; each parameter and moment split along its
+  largest dimension the device count divides."""
+  def spec(path, x):
+    if jax.tree_util.keystr(path[:1], simple=True) == "2":
+      return P(axes)
+    for d in sorted(range(x.ndim), key=lambda d: -x.shape[d]):
+      if x.shape[d] % devices == 0:
+        return P(*([None] * d), axes)
+    return P()
+  return jax.tree_util.tree_map_with_path(spec, args)
+
+
+def experts(args, mesh: MeshSpec) -> dict:
+  names = mesh.axis_names
+  data = tuple(n for n in names if n != "model")
+  everything = tuple(names)
+  return {
+      "data parallel": megatron_specs(args, everything, None),
+      "Megatron": megatron_specs(args, None, "model"),
+      "Megatron+DP": megatron_specs(args, data, "model"),
+      "FSDP": fsdp_specs(args, everything, mesh.num_devices),
+  }
+
+
+def run(traced, args, mesh: MeshSpec, patterns, episodes: int, target: float) -> dict:
+  program = Program.build(traced, mesh, get_hardware("tpu-v4"))
+  t = time.perf_counter()
+  space = ActionSpace(program, patterns)
+  search = mcts.Search(program, space, None, seed=0)
+  hit = {}
+
+  def progress(s):
+    if not hit and s.best.score[1] <= target * 1.01:
+      hit.update(episodes=s.episodes, seconds=time.perf_counter() - t)
+
+  result = search.run(episodes, 600.0, progress)
+  return {"to_1pct": hit.get("episodes"), "seconds_1pct": hit.get("seconds"),
+          "ratio": result.score[1] / target, "seconds": time.perf_counter() - t,
+          "groups": len(space.groups)}
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--layers", type=int, nargs="+", default=[2, 12, 24])
+  parser.add_argument("--episodes", type=int, default=200)
+  args_ = parser.parse_args()
+  print("| layers | mesh | best expert | expert ms | hints | groups | episodes to 1% "
+        "| s to 1% | found / expert | s total |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  for layers in args_.layers:
+    config = GPTConfig(vocab=512, seq=128, hidden=512, heads=8, layers=layers)
+    step, args = make_train_step(config, batch=32, abstract=True)
+    traced = trace.trace(step, args)
+    for shape in MESHES:
+      mesh = MeshSpec(NAMES[:len(shape)], shape)
+      program = Program.build(traced, mesh, get_hardware("tpu-v4"))
+      costs = {}
+      for name, specs in experts(args, mesh).items():
+        state = program.state_from_specs(api.flat_specs(specs, args))
+        costs[name] = Tracker(program.model, state).step_time
+      best = min(costs, key=costs.get)
+      for patterns in (("block_*",), ()):
+        r = run(traced, args, mesh, patterns, args_.episodes, costs[best])
+        hint = "block_*" if patterns else "none"
+        to = "-" if r["to_1pct"] is None else str(r["to_1pct"])
+        secs = "-" if r["seconds_1pct"] is None else f"{r['seconds_1pct']:.2f}"
+        print(f"| {layers} | {shape} | {best} | {costs[best] * 1e3:.3f} | {hint} | "
+              f"{r['groups']} | {to} | {secs} | {r['ratio']:.3f} | {r['seconds']:.1f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+  main()
