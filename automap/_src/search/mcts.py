@@ -146,6 +146,10 @@ class Search:
       raise ValueError(
           f"Policy.priors must return {len(actions) + 1} non-negative weights "
           f"(one per action, then stop), got shape {priors.shape}.")
+    # Widening admits actions by prior, ties in the space's order.
+    order = np.argsort(-priors[:-1], kind="stable")
+    actions = [actions[i] for i in order]
+    priors = np.append(priors[:-1][order], priors[-1])
     priors = priors / max(priors.sum(), 1e-30)
     if node is self.root and self.settings.noise > 0:
       # Exploration noise, as in AlphaZero (off by default).
