@@ -25,8 +25,9 @@ from automap._src.sharding import MeshSpec
 COMPUTE_BOUND = dataclasses.replace(
     automap.HARDWARE["a100"], name="compute-bound", flops=2e12, fp32_flops=2e12,
     link_latency=1e-6)
-# Long enough sequences that attention is worth splitting too.
-MEGATRON_REGIME = GPTConfig(vocab=128, seq=64, hidden=128, heads=4, layers=2)
+# Fewer tokens per device than the hidden width: activations are cheaper to
+# move than weights, the regime Megatron was designed for.
+MEGATRON_REGIME = GPTConfig(vocab=128, seq=32, hidden=256, heads=4, layers=2)
 
 
 def _traced(config: GPTConfig | None = None):

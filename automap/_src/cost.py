@@ -173,6 +173,23 @@ class CostModel:
     self.resident = is_input.copy()
     self.resident[outs] = True
     self.temporary = materialized(graph) & ~self.resident
+    # Late ops: no result reaches an op that mixes elements (a contraction,
+    # reduction, gather...), e.g. the gradient reductions of a training
+    # step, read only by the optimizer's elementwise update. Their
+    # collectives are mutually independent, and XLA's combiners merge them:
+    # latency is paid once per kind and axes, not per collective.
+    self.late = np.zeros(graph.num_ops, bool)
+    mixes = np.zeros(graph.num_values, bool)
+    for o in range(graph.num_ops - 1, -1, -1):
+      rule = graph.rules[o]
+      downstream = any(mixes[v] for v in graph.results[o] if v >= 0)
+      self.late[o] = not downstream
+      mixing = downstream or rule.replicated or any(rule.reduction)
+      for v in graph.operands[o]:
+        if v >= 0 and mixing:
+          mixes[v] = True
+    self.latency = np.array(
+        [[self.comm_time(k, m, 0.0) for m in range(self.masks)] for k in range(len(KINDS))])
     # Ops that cost the same in the same layouts share a class.
     classes: dict[tuple, int] = {}
     self.op_class = np.empty(graph.num_ops, np.int64)
@@ -313,21 +330,22 @@ class CostModel:
     """Collectives that move an array from layout `have` to `want` (per-axis
     tiled dims); returns its bytes per device after.
 
-    Axes leaving the array are all-gathered, axes moving between dims
+    Axes leaving the array are all-gathered (dim by dim), axes moving between dims
     exchanged all-to-all, axes arriving sliced for free. Tiles of one dim nest
     major to minor in mesh order, so keeping a minor axis while dropping a
     major one, or adding a major axis under a kept minor one, reorders tiles:
     a collective-permute first.
     """
     sizes = self.mesh.axis_sizes
-    gather_mask = a2a_mask = permute_mask = 0
+    a2a_mask = permute_mask = 0
+    gathers: dict[int, int] = {}  # dim -> the axes leaving it
     after = local
     for a in range(len(sizes)):
       h, w = have[a], want[a]
       if h == w:
         continue
       if h >= 0 and w < 0:
-        gather_mask |= 1 << a
+        gathers[int(h)] = gathers.get(int(h), 0) | 1 << a
         after *= sizes[a]
       elif h >= 0:
         a2a_mask |= 1 << a
@@ -343,9 +361,12 @@ class CostModel:
     target = sum((int(w) + 1) << (4 * a) for a, w in enumerate(want))
     if permute_mask:
       self.emit(comms, PERMUTE, permute_mask, local, value, target)
-    if gather_mask:
-      self.emit(comms, ALL_GATHER, gather_mask, local * self.group_size[gather_mask],
-                value, target)
+    # An all-gather concatenates along one dim: XLA gathers dims one at a
+    # time, the last first, each result the input of the next.
+    gathered = local
+    for d in sorted(gathers, reverse=True):
+      gathered *= self.group_size[gathers[d]]
+      self.emit(comms, ALL_GATHER, gathers[d], gathered, value, target)
     if a2a_mask:
       self.emit(comms, ALL_TO_ALL, a2a_mask, local, value, target)
     return after
@@ -480,6 +501,8 @@ class Tracker:
     self.bytes = np.zeros((len(KINDS), model.masks))
     self.count = np.zeros((len(KINDS), model.masks), np.int64)
     self.seconds = np.zeros((len(KINDS), model.masks))
+    # Late collectives per kind and axes, combined into one (see CostModel).
+    self.combined = np.zeros((len(KINDS), model.masks), np.int64)
     # (value, kind, axes, target layout, bytes) -> readers of that copy.
     self.reshards: dict[tuple, list[int]] = {}
     local = model.value_bytes(state)
@@ -528,6 +551,9 @@ class Tracker:
           continue
       self.bytes[kind, mask] += sign * nbytes
       self.count[kind, mask] += sign
+      if position < 0 and self.model.late[o]:
+        self.combined[kind, mask] += sign
+        seconds -= self.model.latency[kind, mask]
       self.seconds[kind, mask] += sign * seconds
 
   def _feet(self, ops: np.ndarray, ids: np.ndarray) -> None:
@@ -581,7 +607,7 @@ class Tracker:
 
   @property
   def comm_time(self) -> float:
-    return float(self.seconds.sum())
+    return float(self.seconds.sum() + self.model.latency[self.combined > 0].sum())
 
   @property
   def step_time(self) -> float:
