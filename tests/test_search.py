@@ -152,7 +152,7 @@ def test_tight_memory_limit_finds_a_plan_that_fits_when_compiled():
   m = mesh((4, 2))
   dp = automap.evaluate(step, *args, mesh=m, in_shardings=megatron_specs(args, model=None),
                         hardware="cpu")
-  limit = 0.5 * dp.peak_memory
+  limit = 0.4 * dp.peak_memory
   plan = automap.search(step, *args, mesh=m, hardware="cpu", memory_limit=limit)
   assert plan.cost.peak_memory <= limit
   report = automap.verify(plan, step, *args, mesh=m)

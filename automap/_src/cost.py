@@ -134,6 +134,12 @@ def materialized(graph: Graph) -> np.ndarray:
   return out
 
 
+# Ops that change only an array's type or labels, not its elements' order in
+# a way XLA needs a copy for.
+_RELABELS = frozenset({"reshape", "transpose", "convert_element_type", "copy",
+                       "squeeze", "expand_dims"})
+
+
 class CostModel:
   """Prices ops of one graph on one mesh and hardware.
 
@@ -501,8 +507,12 @@ class Tracker:
     self.bytes = np.zeros((len(KINDS), model.masks))
     self.count = np.zeros((len(KINDS), model.masks), np.int64)
     self.seconds = np.zeros((len(KINDS), model.masks))
-    # Late collectives per kind and axes, combined into one (see CostModel).
+    # Late collectives per kind and axes, combined into one (see CostModel),
+    # and the inputs they hold: (kind, mask) -> {op: (first op held, bytes)},
+    # and their share of the memory timeline.
     self.combined = np.zeros((len(KINDS), model.masks), np.int64)
+    self.pending: dict[tuple[int, int], dict[int, tuple[int, float]]] = {}
+    self.pending_live: dict[tuple[int, int], np.ndarray] = {}
     # (value, kind, axes, target layout, bytes) -> readers of that copy.
     self.reshards: dict[tuple, list[int]] = {}
     local = model.value_bytes(state)
@@ -554,7 +564,51 @@ class Tracker:
       if position < 0 and self.model.late[o]:
         self.combined[kind, mask] += sign
         seconds -= self.model.latency[kind, mask]
+        self._pend(o, kind, mask, nbytes, sign)
       self.seconds[kind, mask] += sign * seconds
+
+  def _pend(self, o: int, kind: int, mask: int, nbytes: float, sign: int) -> None:
+    """Tracks a late reduction of op o. XLA combines the group's reductions
+    into one collective after the last of them is produced, so each input
+    lives until then: a program output's unreduced input as a temporary of
+    its own from the producer, an intermediate's buffer past its last
+    reader."""
+    model = self.model
+    v = model.graph.results[o][0] if model.graph.results[o] else -1
+    if kind not in (ALL_REDUCE, REDUCE_SCATTER) or v < 0:
+      return
+    if kind == REDUCE_SCATTER:
+      nbytes *= model.group_size[mask]
+    # A reduced result then sliced (stored smaller than reduced) leaves the
+    # unreduced input a buffer of its own.
+    separate = nbytes > model.local_bytes(self.state, v) * (1 + 1e-9)
+    # Follow the result through ops that only relabel it (XLA makes them
+    # bitcasts or folds them into the collective's readers).
+    while len(model.graph.uses[v]) == 1:
+      reader = model.graph.uses[v][0][0]
+      if model.graph.prims[reader] not in _RELABELS or len(model.graph.results[reader]) != 1:
+        break
+      v = model.graph.results[reader][0]
+    start = o if separate or model.resident[v] else int(model.end[v]) + 1
+    group = self.pending.setdefault((kind, mask), {})
+    if sign > 0:
+      group[o] = (start, nbytes)
+    else:
+      del group[o]
+    old = self.pending_live.get((kind, mask))
+    if old is not None:
+      self.live -= old
+    new = np.zeros_like(self.live)
+    if group:
+      last = max(group)
+      held = [(a, b) for a, b in group.values() if a <= last]
+      if held:
+        starts = np.array([a for a, _ in held], np.int64)
+        new = np.cumsum(np.bincount(starts, np.array([b for _, b in held]),
+                                    len(self.live)))
+        new[last + 1:] = 0.0
+    self.pending_live[(kind, mask)] = new
+    self.live += new
 
   def _feet(self, ops: np.ndarray, ids: np.ndarray) -> None:
     """Sets the footprints of the results of `ops` to those of entries `ids`."""

@@ -60,7 +60,7 @@ def run(cfg: DemoConfig, console: Console | None = None) -> dict:
 
   t0 = time.perf_counter()
   partitioned = automap.partition(step, mesh=mesh, hardware=cfg.hardware,
-                                  budget=automap.Budget(seconds=cfg.seconds))
+                                  budget=automap.Budget(episodes=1000, seconds=cfg.seconds))
   partitioned.lower(*args)
   plan = partitioned.plan
   plan_seconds = time.perf_counter() - t0
