@@ -451,13 +451,23 @@ class CostModel:
             reduce_mask |= 1 << a
         elif f >= 0 and f in dims:
           natural[a] = dims.index(f)
+      split = False
       if scatter_mask and not self.hw.reduce_scatter:
         # All-reduce the whole partial result, then keep this device's tile.
+        whole = reduce_mask | scatter_mask
+        major = whole & -whole  # the reduced axis first in mesh order
+        split = whole != major and bool(scatter_mask & major)
         reduce_mask |= scatter_mask
         scatter_mask = 0
       natural_bytes = float(g.nbytes[v]) / math.prod(
           sizes[a] for a in range(num_axes) if natural[a] >= 0)
-      if reduce_mask:
+      if reduce_mask and split:
+        # Without reduce-scatters XLA reduces over several axes one axis at
+        # a time when the result is then tiled over the major one.
+        for a in range(num_axes):
+          if reduce_mask >> a & 1:
+            self.emit(comms, ALL_REDUCE, 1 << a, natural_bytes)
+      elif reduce_mask:
         self.emit(comms, ALL_REDUCE, reduce_mask, natural_bytes)
       if scatter_mask:
         for a in range(num_axes):
