@@ -523,6 +523,7 @@ class Tracker:
     self.combined = np.zeros((len(KINDS), model.masks), np.int64)
     self.pending: dict[tuple[int, int], dict[int, tuple[int, float]]] = {}
     self.pending_live: dict[tuple[int, int], np.ndarray] = {}
+    self.dirty: set[tuple[int, int]] = set()
     # (value, kind, axes, target layout, bytes) -> readers of that copy.
     self.reshards: dict[tuple, list[int]] = {}
     local = model.value_bytes(state)
@@ -538,6 +539,7 @@ class Tracker:
     self.live = np.zeros(g.num_ops + 1)
     for o in np.nonzero(model._e_comms[self.op_ids])[0]:
       self._talk(int(o), model.entries[self.op_ids[o]], 1)
+    self._settle()
     self._feet(ops, self.op_ids)
 
   @property
@@ -587,6 +589,11 @@ class Tracker:
     v = model.graph.results[o][0] if model.graph.results[o] else -1
     if kind not in (ALL_REDUCE, REDUCE_SCATTER) or v < 0:
       return
+    group = self.pending.setdefault((kind, mask), {})
+    self.dirty.add((kind, mask))
+    if sign < 0:
+      del group[o]
+      return
     if kind == REDUCE_SCATTER:
       nbytes *= model.group_size[mask]
     # A reduced result then sliced (stored smaller than reduced) leaves the
@@ -599,17 +606,17 @@ class Tracker:
       if model.graph.prims[reader] not in _RELABELS or len(model.graph.results[reader]) != 1:
         break
       v = model.graph.results[reader][0]
-    start = o if separate or model.resident[v] else int(model.end[v]) + 1
-    group = self.pending.setdefault((kind, mask), {})
-    if sign > 0:
-      group[o] = (start, nbytes)
-    else:
-      del group[o]
-    old = self.pending_live.get((kind, mask))
-    if old is not None:
-      self.live -= old
-    new = np.zeros_like(self.live)
-    if group:
+    group[o] = (o if separate or model.resident[v] else int(model.end[v]) + 1, nbytes)
+
+  def _settle(self) -> None:
+    """Redraws the memory held by the groups `_pend` changed."""
+    for key in self.dirty:
+      old = self.pending_live.pop(key, None)
+      if old is not None:
+        self.live -= old
+      group = self.pending[key]
+      if not group:
+        continue
       last = max(group)
       held = [(a, b) for a, b in group.values() if a <= last]
       if held:
@@ -617,8 +624,9 @@ class Tracker:
         new = np.cumsum(np.bincount(starts, np.array([b for _, b in held]),
                                     len(self.live)))
         new[last + 1:] = 0.0
-    self.pending_live[(kind, mask)] = new
-    self.live += new
+        self.pending_live[key] = new
+        self.live += new
+    self.dirty.clear()
 
   def _feet(self, ops: np.ndarray, ids: np.ndarray) -> None:
     """Sets the footprints of the results of `ops` to those of entries `ids`."""
@@ -660,6 +668,7 @@ class Tracker:
       o = int(ops[i])
       self._talk(o, model.entries[old[i]], -1)
       self._talk(o, model.entries[new[i]], 1)
+    self._settle()
     self.op_ids[ops] = new
     self._feet(ops, new)
     resident = changed[model.resident[changed]]
