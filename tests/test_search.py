@@ -109,6 +109,7 @@ def test_plan_records_search_statistics():
   assert s["strategy"] == "mcts" and s["episodes"] == 30
   assert 0 <= s["episode_of_best"] <= 30 and s["evaluations"] >= s["states"] - 1
   assert s["actions"] and all(isinstance(a, str) for a in s["actions"])
+  assert "actions taken:\n  1. " + s["actions"][0] in plan.explain()
 
 
 @pytest.mark.parametrize("shape", [(4, 2), (2, 4)])

@@ -62,7 +62,10 @@ def explain(plan) -> str:
   for (layer, kind, axes), (nbytes, count) in sorted(per_layer.items()):
     lines.append(f"  {layer:<24} {kind:<15} over {','.join(axes):<12} "
                  f"x{count:<4} {_fmt_bytes(nbytes)}")
-  stats = plan.stats
+  stats = dict(plan.stats)
+  actions = stats.pop("actions", None)
   if stats:
     lines += ["", "search: " + ", ".join(f"{k}={v}" for k, v in stats.items())]
+  if actions:
+    lines += ["actions taken:"] + [f"  {i + 1}. {a}" for i, a in enumerate(actions)]
   return "\n".join(lines)
