@@ -10,6 +10,7 @@ from automap._src.api import search as search
 from automap._src.api import verify as verify
 from automap._src.cost import Cost as Cost
 from automap._src.graph import UnknownPrimitiveWarning as UnknownPrimitiveWarning
+from automap._src.groups import GroupError as GroupError
 from automap._src.hardware import CATALOGUE as HARDWARE
 from automap._src.hardware import Hardware as Hardware
 from automap._src.hardware import HardwareError as HardwareError
@@ -25,6 +26,7 @@ __all__ = (
     "ArgumentError",
     "Budget",
     "Cost",
+    "GroupError",
     "HARDWARE",
     "Hardware",
     "HardwareError",

@@ -83,6 +83,13 @@ def test_scope_hints_group_arguments_whose_paths_say_nothing():
   assert sorted(g.inputs[1:]) in [sorted(x.members) for x in found]
 
 
+def test_a_group_hint_that_matches_nothing_is_an_error():
+  step, args = gpt_step()
+  with pytest.raises(automap.GroupError, match=r"\['layer_\*'\] match no argument"):
+    automap.search(step, *args, mesh=mesh((4, 2)),
+                   hints=automap.Hints(groups=("block_*", "layer_*")))
+
+
 def test_search_is_deterministic_for_a_seed():
   step, args = gpt_step()
   m = mesh((4, 2))

@@ -59,13 +59,16 @@ def _match(parts: Sequence[str], patterns: Sequence[str]) -> tuple[str, int, int
   return None
 
 
-def _hint_role(graph: Graph, traced: Traced, i: int, patterns: Sequence[str]):
+def _hint_role(graph: Graph, traced: Traced, i: int,
+               patterns: Sequence[str]) -> tuple[str, str] | None:
+  """(role, pattern) of argument i: its path or first matching reader's
+  scope with the matched part replaced by the pattern."""
   v = graph.inputs[i]
   parts = traced.in_paths[i].split("/")
   hit = _match(parts, patterns)
   if hit is not None:
     pattern, start, stop = hit
-    return "/".join([*parts[:start], pattern, *parts[stop:]]), ()
+    return "/".join([*parts[:start], pattern, *parts[stop:]]), pattern
   # The path does not say; the first reader's name scope may.
   for o, position in graph.uses[v]:
     scope = graph.scopes[o].split("/")
@@ -73,23 +76,38 @@ def _hint_role(graph: Graph, traced: Traced, i: int, patterns: Sequence[str]):
     if hit is not None:
       pattern, start, stop = hit
       role = "/".join([*scope[:start], pattern, *scope[stop:]])
-      return f"{role}:{graph.prims[o]}[{position}]", (o, position)
+      return f"{role}:{graph.prims[o]}[{position}]", pattern
   return None
+
+
+class GroupError(ValueError):
+  """A layer-group hint that matches nothing."""
 
 
 def hint_groups(graph: Graph, traced: Traced, patterns: Sequence[str]) -> list[Group]:
   """Groups of arguments matching `patterns` by path or reader scope."""
   roles: dict[tuple, list[int]] = {}
   names: dict[tuple, str] = {}
+  used: set[str] = set()
   for i, v in enumerate(graph.inputs):
     if graph.rank(v) == 0:
       continue
     hit = _hint_role(graph, traced, i, patterns)
     if hit is None:
       continue
-    key = (hit[0], graph.shapes[v], str(graph.dtypes[v]))
+    role, pattern = hit
+    key = (role, graph.shapes[v], str(graph.dtypes[v]))
     roles.setdefault(key, []).append(v)
-    names[key] = hit[0]
+    names[key] = role
+    used.add(pattern)
+  unused = [p for p in patterns if p not in used]
+  if unused:
+    scopes = sorted({s.split("/")[-1] for s in graph.scopes if s})[:5]
+    raise GroupError(
+        f"Hints.groups patterns {unused} match no argument path (e.g. "
+        f"{list(traced.in_paths[:2])}) and no name scope of an op reading an "
+        f"argument (e.g. {scopes}). Patterns match one or more whole path "
+        "components, fnmatch-style: 'block_*', 'layers/*'.")
   return [Group(names[k], tuple(vs)) for k, vs in roles.items()]
 
 
