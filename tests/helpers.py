@@ -59,5 +59,5 @@ def mlp(x, w1, w2):
   return jnp.tanh(x @ w1) @ w2
 
 
-__all__ = ["MESHES", "SMALL", "assert_faithful", "gpt_step", "loss_and_grads",
-           "megatron_specs", "mesh", "mlp"]
+__all__ = ["MESHES", "SMALL", "GPTConfig", "assert_faithful", "gpt_step", "loss_and_grads",
+           "make_train_step", "megatron_specs", "mesh", "mlp"]

@@ -41,16 +41,31 @@ def test_custom_derivative_bodies_are_sealed():
   assert g.sealed.any() and not g.sealed[list(g.inputs)].any()
 
 
-def test_loops_are_opaque_and_kept_whole():
+def test_scan_body_is_walked_once_between_ties():
   def f(x):
     return jax.lax.scan(lambda c, y: (c + y, c * y), x[0], x)[1]
   g = build(f, jnp.ones((4, 8)))
-  (o,) = [i for i, p in enumerate(g.prims) if p == "scan"]
-  assert g.rules[o].replicated
-  assert g.flops[o] >= 4 * 8 * 2  # the body counted once per trip
+  assert "scan" not in g.prims
+  (sliced,) = [i for i, p in enumerate(g.prims) if p == "scan_slice"]
+  assert g.rules[sliced].operands[0][0] == -1  # the step dim stays whole
+  body = [i for i, p in enumerate(g.prims) if p in ("add", "mul")]
+  assert len(body) == 2 and all(g.trips[i] == 4 for i in body)
+  ties = [i for i, p in enumerate(g.prims) if p.startswith("scan_")]
+  assert all(g.trips[i] == 1 and g.sealed[g.results[i][0]] for i in ties)
+  assert {g.prims[i] for i in ties} == {"scan_slice", "scan_carry", "scan_stack"}
 
 
-def test_nn_scan_stack_traces():
+def test_while_and_cond_are_kept_whole():
+  def f(x, n):
+    x = jax.lax.while_loop(lambda c: c[1] < n, lambda c: (c[0] * 2, c[1] + 1), (x, 0))[0]
+    return jax.lax.cond(n > 2, lambda y: y + 1, lambda y: y - 1, x)
+  g = build(f, jnp.ones((4, 8)), 3)
+  for name in ("while", "cond"):
+    (o,) = [i for i, p in enumerate(g.prims) if p == name]
+    assert g.rules[o].replicated
+
+
+def test_nn_scan_stack_is_walked_with_its_trip_count():
   class Layer(nn.Module):
     @nn.compact
     def __call__(self, x, _):
@@ -61,7 +76,8 @@ def test_nn_scan_stack_traces():
   x = jnp.ones((8, 16))
   params = stack.init(jax.random.key(0), x, None)
   g = build(lambda p, x: stack.apply(p, x, None)[0].sum(), params, x)
-  assert "scan" in g.prims
+  (dot,) = [i for i, p in enumerate(g.prims) if p == "dot_general"]
+  assert g.trips[dot] == 3 and g.flops[dot] == 2 * 8 * 16 * 16
 
 
 def test_unknown_primitive_warns_once_with_its_name():

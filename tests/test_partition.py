@@ -1,5 +1,6 @@
 """automap end to end on real train steps: plans, numerics, compiled HLO."""
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -10,10 +11,12 @@ import optax
 import pytest
 from helpers import (
     MESHES,
+    SMALL,
     GPTConfig,
     assert_faithful,
     gpt_step,
     loss_and_grads,
+    make_train_step,
     megatron_specs,
     mesh,
 )
@@ -134,11 +137,11 @@ def test_nn_scan_over_layers_partitions_correctly():
   class Layer(nn.Module):
     @nn.compact
     def __call__(self, x, _):
-      return nn.gelu(nn.Dense(64)(x)), None
+      return nn.gelu(nn.Dense(256)(x)), None
 
   stack = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True},
                   length=4)()
-  x = jax.random.normal(jax.random.key(0), (16, 64))
+  x = jax.random.normal(jax.random.key(0), (64, 256))
   params = stack.init(jax.random.key(1), x, None)
   tx = optax.sgd(0.1)
 
@@ -147,7 +150,13 @@ def test_nn_scan_over_layers_partitions_correctly():
     updates, opt_state = tx.update(g, opt_state)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  assert_faithful(step, (params, tx.init(params), x), mesh((4, 2)))
+  args = (params, tx.init(params), x)
+  plan, _ = assert_faithful(step, args, mesh((4, 2)))
+  # The loop body is partitioned, not kept whole: its work is split.
+  whole = automap.evaluate(step, *args, mesh=mesh((4, 2)), in_shardings=P(),
+                           hardware="cpu")
+  assert plan.cost.flops < whole.flops / 2
+  assert plan.cost.step_time < whole.step_time
 
 
 def test_rematerialised_and_custom_derivative_code_partitions_correctly():
@@ -162,3 +171,17 @@ def test_rematerialised_and_custom_derivative_code_partitions_correctly():
             "w2": jax.random.normal(jax.random.key(1), (128, 64)) / 8}
   x = jax.random.normal(jax.random.key(2), (32, 64))
   assert_faithful(jax.value_and_grad(loss), (params, x), mesh((4, 2)))
+
+
+def test_gpt_with_scanned_blocks_partitions_inside_the_loop():
+  """The same GPT with its blocks in one nn.scan: planned, compiled and run
+  faithfully, and better than the experts written for the stacked layout."""
+  config = dataclasses.replace(SMALL, scan_layers=True)
+  step, args = make_train_step(config, batch=8)
+  m = mesh((4, 2))
+  plan, report = assert_faithful(step, args, m, numerics=1e-3)  # adam
+  assert report.memory_error < 0.15, report.table()
+  for data, model in ((("data", "model"), None), ("data", "model")):
+    expert = automap.evaluate(step, *args, mesh=m, hardware="cpu",
+                              in_shardings=megatron_specs(args, data, model))
+    assert plan.cost.step_time < expert.step_time

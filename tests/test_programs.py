@@ -136,3 +136,23 @@ def test_graph_network_train_step():
     return optax.apply_updates(params, updates), opt_state, value
 
   assert_faithful(step, (params, tx.init(params), graph), mesh((4, 2)), numerics=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["fori_loop", "reverse", "rematerialised", "no_xs"])
+def test_scans_of_every_shape_partition_faithfully(kind):
+  w = jax.random.normal(jax.random.key(0), (64, 64)) / 8
+  x = jax.random.normal(jax.random.key(1), (32, 64))
+
+  def loss(w, x):
+    if kind == "fori_loop":  # static bounds: a scan carrying its counter
+      return jax.lax.fori_loop(0, 5, lambda i, h: jnp.tanh(h @ w) + i, x).sum()
+    if kind == "reverse":
+      c, ys = jax.lax.scan(lambda c, r: (c + jnp.tanh(r @ w), c.sum()),
+                           jnp.zeros((64,)), x, reverse=True)
+      return c.sum() + ys.sum()
+    body = lambda h, _: (jnp.tanh(h @ w), None)  # noqa: E731
+    if kind == "rematerialised":
+      body = jax.checkpoint(body)
+    return jax.lax.scan(body, x, None, length=3)[0].sum()
+
+  assert_faithful(jax.value_and_grad(loss), (w, x), mesh((4, 2)))

@@ -44,7 +44,8 @@ class Cost:
   compute_time: roofline time of every op, seconds.
   comm_time: collective time, seconds.
   flops: FLOPs executed per device.
-  comm_bytes: {(kind, axes): bytes} collective result bytes per device.
+  comm_bytes: {(kind, axes): bytes} collective result bytes per device, as
+    the compiled HLO shows them (a scan body's once; its time counts every step).
   comm_count: {(kind, axes): number of collectives}.
   peak_memory: bytes live at the peak, per device.
   argument_memory: bytes of arguments per device (part of peak_memory).
@@ -207,7 +208,7 @@ class CostModel:
                          else -1 for v in graph.operands[o]),
                    tuple(str(graph.dtypes[v]) for v in values),
                    tuple(graph.shapes[v] for v in graph.results[o] if v >= 0),
-                   float(graph.flops[o]))
+                   float(graph.flops[o]), int(graph.trips[o]))
       self.op_class[o] = classes.setdefault(signature, len(classes))
       members.append(values)
     # Tables for costing many ops at once: members padded by repeating the
@@ -489,6 +490,10 @@ class CostModel:
     else:  # vector units: an order of magnitude below the matrix units
       peak = self.hw.fp32_flops / 16
     time = max(flops / peak, hbm / self.hw.hbm_bandwidth)
+    trips = int(g.trips[o])
+    if trips > 1:  # A scan body's op: every step pays; the program holds one copy.
+      time, flops = time * trips, flops * trips
+      comms = [(k, m, b, sec * trips, p, t) for k, m, b, sec, p, t in comms]
     return OpCost(time, flops, comms, reshards, tuple(footprint), tuple(naturals))
 
   # -- whole state ---------------------------------------------------------
@@ -556,6 +561,8 @@ class Tracker:
     for kind, mask, nbytes, seconds, position, target in c.comms:
       if position >= 0:  # A reshard of an operand: one copy for all its readers.
         key = (operands[position], kind, mask, target, nbytes)
+        if self.model.graph.prims[o] == "scan_slice":
+          key += (o,)  # Each loop makes its own copy of what it scans.
         readers = self.reshards.get(key)
         if readers:
           self._span(readers, -nbytes)

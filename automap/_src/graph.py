@@ -5,7 +5,10 @@ program reads or writes. Calls (`jit`, `closed_call`) are inlined. Calls with
 semantics of their own (custom derivatives, rematerialisation) are *sealed*:
 their bodies join the graph so decisions propagate through them, but the
 rewritten program binds them whole, so their inner values take no
-constraints. Loops and branches (`scan`, `while`, `cond`) stay single opaque
+constraints. A `scan` body joins the graph once, its ops marked with the
+trip count, linked to the scan's operands and results by tie ops that keep
+the step dimension whole; the rewritten program runs the scan with its body
+re-interpreted, constraints inside. `while` and `cond` stay single opaque
 ops whose operands and results are kept whole: conservative and always
 correct.
 
@@ -39,7 +42,7 @@ SEALED = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
 # XLA's partitioner gathers them whole anyway (top_k).
 DELIBERATELY_REPLICATED = frozenset({
     "top_k",
-    "scan", "while", "cond", "random_bits", "random_seed", "random_wrap",
+    "while", "cond", "random_bits", "random_seed", "random_wrap",
     "random_unwrap", "random_fold_in", "random_split", "threefry2x32",
     "rng_bit_generator", "rng_uniform", "debug_callback", "pure_callback",
     "io_callback", "debug_print", "sharding_constraint", "mesh_cast", "reshard",
@@ -62,6 +65,7 @@ class Step(NamedTuple):
   scope: str  # joined name stack
   sealed: bool  # inside a call bound whole by apply
   out_ids: tuple[int, ...]  # value ids of the results (-1: not a value)
+  trips: int = 1  # times it runs per call (inside scans: their lengths)
 
 
 def _sub_jaxpr(eqn):
@@ -84,10 +88,16 @@ class Walk:
 
   def __init__(self, visit: Callable[[Step, list], list],
                const: Callable[[int, Any], Any],
-               literal: Callable[[Any], Any], open_sealed: bool):
+               literal: Callable[[Any], Any], open_sealed: bool,
+               tie: Callable[[str, list, tuple, list, str, int], list] | None = None):
     self.visit, self.const, self.literal = visit, const, literal
     self.open_sealed = open_sealed
+    # Scan bodies are walked once. With `tie`, the walk records how a scan's
+    # operands and results relate to its body's (see `_scan`); without, it
+    # runs the scan, its body re-interpreted by this walk.
+    self.tie = tie
     self.next_id = 0
+    self.trips = 1  # iterations of the body being walked, nested scans multiplied
 
   def fresh(self, n: int) -> tuple[int, ...]:
     ids = tuple(range(self.next_id, self.next_id + n))
@@ -114,23 +124,62 @@ class Walk:
       inner_scope = _join(scope, str(eqn.source_info.name_stack))
       ins = [read(a) for a in eqn.invars]
       sub = _sub_jaxpr(eqn)
-      if sub is not None and (name in INLINE or self.open_sealed):
+      if name == "scan":
+        outs = self._scan(eqn, ins, inner_scope, sealed)
+      elif sub is not None and (name in INLINE or self.open_sealed):
         outs = self.closed(sub, ins, inner_scope, sealed or name in SEALED)
       else:
         if sub is not None:  # A sealed call visited whole.
           dry = Walk(lambda s, i: list(s.out_ids), lambda i, c: i,
-                     lambda a: -1, open_sealed=True)
+                     lambda a: -1, open_sealed=True,
+                     tie=lambda name, ins, ids, avals, scope, trips: list(ids))
           dry.next_id = self.next_id
           out_ids = tuple(x if isinstance(x, int) else -1 for x in
                           dry.closed(sub, [-1] * len(ins)))
           self.next_id = dry.next_id
         else:
           out_ids = self.fresh(len(eqn.outvars))
-        outs = self.visit(Step(eqn, inner_scope, sealed, out_ids), ins)
+        outs = self.visit(Step(eqn, inner_scope, sealed, out_ids, self.trips), ins)
       for var, x in zip(eqn.outvars, outs):
         if not isinstance(var, jex.DropVar):
           env[var] = x
     return [read(a) for a in jaxpr.outvars]
+
+
+  def _scan(self, eqn, ins: list, scope: str, sealed: bool) -> list:
+    """A scan: its body once, between the slices of its scanned operands
+    and the ties of its carries and stacked results."""
+    p = eqn.params
+    body = p["jaxpr"]
+    nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
+    consts, init, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
+    x_ids = self.fresh(len(xs))
+    x_avals = [v.aval for v in body.jaxpr.invars[nc + nk:]]
+    if self.tie is None:
+      start, end = self.next_id, [self.next_id]
+
+      def step(carry, x):
+        self.next_id, trips = start, self.trips
+        self.trips *= length
+        outs = self.closed(body, list(consts) + list(carry) + list(x), scope, sealed)
+        self.trips, end[0] = trips, self.next_id
+        return outs[:nk], outs[nk:]
+
+      carry, ys = jax.lax.scan(step, list(init), list(xs), length=length,
+                               reverse=p["reverse"], unroll=p["unroll"])
+      self.next_id = end[0]
+      self.fresh(len(eqn.outvars))
+      return list(carry) + list(ys)
+    sliced = self.tie("scan_slice", list(xs), x_ids, x_avals, scope, self.trips)
+    trips, self.trips = self.trips, self.trips * length
+    outs = self.closed(body, list(consts) + list(init) + list(sliced), scope, sealed)
+    self.trips = trips
+    out_ids = self.fresh(len(eqn.outvars))
+    avals = [v.aval for v in eqn.outvars]
+    carry = [self.tie("scan_carry", [a, b], (i,), [v], scope, self.trips)[0]
+             for a, b, i, v in zip(init, outs[:nk], out_ids[:nk], avals[:nk])]
+    ys = self.tie("scan_stack", outs[nk:], out_ids[nk:], avals[nk:], scope, self.trips)
+    return carry + ys
 
 
 def _itemsize(dtype) -> int:
@@ -177,7 +226,8 @@ class Graph:
   uses (per value, its (op, operand position) pairs), last_use (op index of
   the last reader, -1 if none).
   Ops [O]: prims, operands (value ids, -1 for literals), operand_shapes,
-  results (value ids), rules, flops (whole op), scopes.
+  results (value ids), rules, flops (whole op, one run), trips (runs per
+  call: the product of the lengths of the scans around it), scopes.
   inputs: value ids of the flat arguments; outputs: value ids of the flat
   outputs (-1 for a literal output); fingerprint: digest of the program.
   """
@@ -196,7 +246,8 @@ class Graph:
   operand_shapes: tuple[tuple[tuple[int, ...], ...], ...]  # [O]
   results: tuple[tuple[int, ...], ...]  # [O]
   rules: tuple[rules.Rule, ...]  # [O]
-  flops: np.ndarray  # [O] float64
+  flops: np.ndarray  # [O] float64, one run
+  trips: np.ndarray  # [O] int64, runs per call (scan bodies: trip counts)
   scopes: tuple[str, ...]  # [O]
   inputs: tuple[int, ...]
   outputs: tuple[int, ...]
@@ -228,6 +279,7 @@ class _Builder:
     self.sealed, self.names = [], []
     self.prims, self.operands, self.operand_shapes = [], [], []
     self.results, self.rules, self.flops, self.scopes = [], [], [], []
+    self.trips: list[int] = []
     self.unknown: dict[str, int] = {}
 
   def value(self, vid: int, aval, kind: int, producer: int, sealed: bool,
@@ -274,7 +326,34 @@ class _Builder:
     self.rules.append(rule)
     self.flops.append(eqn_flops(eqn))
     self.scopes.append(step.scope)
+    self.trips.append(step.trips)
     return list(step.out_ids)
+
+  def tie(self, name: str, ins: list, out_ids: tuple, avals: list, scope: str,
+          trips: int) -> list:
+    """Ops that relate a scan to its body, one per operand: "scan_slice"
+    (a scanned operand [T, ...] to the body's slice of it), "scan_carry"
+    (initial carry and body carry out to the final carry: one layout for
+    all three), "scan_stack" (a body result to the stacked [T, ...] one).
+    They compute nothing; their results are sealed (XLA lays them out)."""
+    if name == "scan_carry":
+      pairs = [(list(ins), out_ids[0], avals[0])]
+    else:
+      pairs = [([x], i, v) for x, i, v in zip(ins, out_ids, avals)]
+    for operands, vid, aval in pairs:
+      op = len(self.prims)
+      self.value(vid, aval, INTERMEDIATE, op, True, scope)
+      out = tuple(int(d) for d in aval.shape)
+      in_shapes = [x.shape if isinstance(x, Literal) else self.shapes[x] for x in operands]
+      self.prims.append(name)
+      self.operands.append(tuple(-1 if isinstance(x, Literal) else x for x in operands))
+      self.operand_shapes.append(tuple(in_shapes))
+      self.results.append((vid,))
+      self.rules.append(rules.scan_tie_rule(name, in_shapes, out))
+      self.flops.append(0.0)
+      self.scopes.append(scope)
+      self.trips.append(trips)
+    return list(out_ids)
 
 
 def _is_numpy(dtype) -> bool:
@@ -288,7 +367,7 @@ def _is_numpy(dtype) -> bool:
 def build(traced: Traced) -> Graph:
   """Builds the partitioning IR of a traced program (one pass, linear)."""
   b = _Builder()
-  walk = Walk(b.visit, b.const, b.literal, open_sealed=True)
+  walk = Walk(b.visit, b.const, b.literal, open_sealed=True, tie=b.tie)
   arg_ids = walk.fresh(len(traced.in_avals))
   for vid, aval, path in zip(arg_ids, traced.in_avals, traced.in_paths):
     b.value(vid, aval, ARG, -1, False, path)
@@ -317,6 +396,7 @@ def build(traced: Traced) -> Graph:
       prims=tuple(b.prims), operands=tuple(b.operands),
       operand_shapes=tuple(b.operand_shapes), results=tuple(b.results),
       rules=tuple(b.rules), flops=np.array(b.flops, np.float64),
+      trips=np.array(b.trips, np.int64),
       scopes=tuple(b.scopes), inputs=tuple(arg_ids),
       outputs=tuple(x if isinstance(x, int) else -1 for x in outs),
       fingerprint=traced.fingerprint(), unknown=tuple(sorted(b.unknown)),

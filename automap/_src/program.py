@@ -141,6 +141,8 @@ class Program:
       for kind, mask, nbytes, _, position, target in c.comms:
         if position >= 0:
           copy = (g.operands[o][position], kind, mask, target, nbytes)
+          if g.prims[o] == "scan_slice":
+            copy += (o,)  # as the cost model counts it
           if copy in copies:
             continue
           copies.add(copy)

@@ -73,6 +73,21 @@ def replicated_rule(in_shapes: Sequence[Shape | None],
       tuple((UNSHARDABLE,) * len(s) for s in out_shapes), (), (), True)
 
 
+def scan_tie_rule(name: str, ins: Sequence[Shape], out: Shape) -> Rule:
+  """How a scan's operands and results relate to its body's: "scan_slice"
+  takes one [T, ...] operand to its per-step slice, "scan_stack" one
+  per-step result to the stacked [T, ...] one, "scan_carry" the initial and
+  the body's carry to the final carry (one layout for all). The step dim T
+  stays whole: every device runs every step."""
+  b = _Builder()
+  factors = [b.new(n) for n in (out[1:] if name == "scan_stack" else out)]
+  if name == "scan_slice":
+    return b.rule([[UNSHARDABLE, *factors]], [factors])
+  if name == "scan_stack":
+    return b.rule([factors], [[UNSHARDABLE, *factors]])
+  return b.rule([factors for _ in ins], [factors])
+
+
 def _elementwise(ins, outs, params) -> Rule:
   b = _Builder()
   shape = outs[0]

@@ -26,6 +26,7 @@ class GPTConfig:
   layers: int = 2
   mlp_ratio: int = 4
   dtype: Any = jnp.float32
+  scan_layers: bool = False  # blocks as one `nn.scan` over stacked parameters
 
   @property
   def head_dim(self) -> int:
@@ -69,6 +70,14 @@ class Block(nn.Module):
     return x + MLP(self.config, name="mlp")(nn.LayerNorm(name="ln2")(x))
 
 
+class _ScannedBlock(nn.Module):
+  config: GPTConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:
+    return Block(self.config, name="block")(x), None
+
+
 class GPT(nn.Module):
   config: GPTConfig
 
@@ -78,8 +87,13 @@ class GPT(nn.Module):
     embed = nn.Embed(c.vocab, c.hidden, name="embed")
     pos = self.param("pos", nn.initializers.normal(0.02), (c.seq, c.hidden))
     x = embed(tokens) + pos[None, : tokens.shape[1]]
-    for i in range(c.layers):
-      x = Block(c, name=f"block_{i}")(x)
+    if c.scan_layers:
+      blocks = nn.scan(_ScannedBlock, variable_axes={"params": 0},
+                       split_rngs={"params": True}, length=c.layers)
+      x, _ = blocks(c, name="blocks")(x, None)
+    else:
+      for i in range(c.layers):
+        x = Block(c, name=f"block_{i}")(x)
     x = nn.LayerNorm(name="ln_f")(x)
     return embed.attend(x)
 
@@ -144,6 +158,8 @@ def megatron_specs(args, data: str | None = "data", model: str | None = "model")
     p = jax.tree_util.keystr(path, simple=True, separator="/")
     if p.startswith("2/"):  # the batch
       return P(data)
+    if "/blocks/" in p and x.ndim:  # stacked by nn.scan: the layer dim first
+      return P(None, *param_spec(p, x.ndim - 1))
     return param_spec(p, x.ndim) if x.ndim else P()
 
   return jax.tree_util.tree_map_with_path(spec, args)
