@@ -4,7 +4,7 @@ compiled collectives the cost model predicts."""
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_faithful, mesh
+from helpers import assert_faithful, graph_network_step, mesh
 from jax import lax
 
 KEY = jax.random.key(0)
@@ -109,33 +109,8 @@ def test_convolutional_train_step():
 
 
 def test_graph_network_train_step():
-  import jraph
-  import optax
-
-  n_nodes, n_edges, width = 16, 64, 32
-  graph = jraph.GraphsTuple(
-      nodes=jax.random.normal(KEY, (n_nodes, width)),
-      edges=jax.random.normal(jax.random.key(3), (n_edges, width)),
-      senders=jnp.arange(n_edges) % n_nodes, receivers=(jnp.arange(n_edges) * 7) % n_nodes,
-      n_node=jnp.array([n_nodes]), n_edge=jnp.array([n_edges]), globals=None)
-  params = {"edge": jax.random.normal(jax.random.key(4), (3 * width, width)) / 10,
-            "node": jax.random.normal(jax.random.key(5), (2 * width, width)) / 10}
-  tx = optax.adam(1e-3)
-
-  def loss(params, graph):
-    net = jraph.GraphNetwork(
-        update_edge_fn=lambda e, s, r, g: jax.nn.relu(
-            jnp.concatenate([e, s, r], axis=-1) @ params["edge"]),
-        update_node_fn=lambda n, s, r, g: jnp.tanh(
-            jnp.concatenate([n, r], axis=-1) @ params["node"]))
-    return jnp.mean(net(graph).nodes ** 2)
-
-  def step(params, opt_state, graph):
-    value, g = jax.value_and_grad(loss)(params, graph)
-    updates, opt_state = tx.update(g, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
-
-  assert_faithful(step, (params, tx.init(params), graph), mesh((4, 2)), numerics=1e-4)
+  step, args = graph_network_step(16, 64, 32)
+  assert_faithful(step, args, mesh((4, 2)), numerics=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["fori_loop", "reverse", "rematerialised", "no_xs"])

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import gpt_step, megatron_specs, mesh
+from helpers import gpt_step, graph_network_step, megatron_specs, mesh
 from jax.sharding import PartitionSpec as P
 
 import automap
@@ -195,35 +195,8 @@ def test_search_rejects_both_or_neither_of_mesh_and_devices():
 
 
 def test_graph_network_shards_edges_when_they_dominate():
-  import jraph
-  import optax
-
-  n_nodes, n_edges, width = 64, 65536, 16
-  key = jax.random.key(0)
-  graph = jraph.GraphsTuple(
-      nodes=jax.random.normal(key, (n_nodes, width)),
-      edges=jax.random.normal(jax.random.key(1), (n_edges, width)),
-      senders=jnp.arange(n_edges) % n_nodes,
-      receivers=(jnp.arange(n_edges) * 7) % n_nodes,
-      n_node=jnp.array([n_nodes]), n_edge=jnp.array([n_edges]), globals=None)
-  params = {"edge": jax.random.normal(jax.random.key(2), (3 * width, width)) / 10,
-            "node": jax.random.normal(jax.random.key(3), (2 * width, width)) / 10}
-  tx = optax.adam(1e-3)
-
-  def loss(params, graph):
-    net = jraph.GraphNetwork(
-        update_edge_fn=lambda e, s, r, g: jax.nn.relu(
-            jnp.concatenate([e, s, r], axis=-1) @ params["edge"]),
-        update_node_fn=lambda n, s, r, g: jnp.tanh(
-            jnp.concatenate([n, r], axis=-1) @ params["node"]))
-    return jnp.mean(net(graph).nodes ** 2)
-
-  def step(params, opt_state, graph):
-    value, g = jax.value_and_grad(loss)(params, graph)
-    updates, opt_state = tx.update(g, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
-
-  args = (params, tx.init(params), graph)
+  step, args = graph_network_step(64, 65536, 16)
+  graph = args[2]
   m = mesh((4, 2))
   plan = automap.search(step, *args, mesh=m, hardware=COMPUTE_BOUND)
   for name in ("2/edges", "2/senders", "2/receivers"):
