@@ -8,6 +8,7 @@ from automap._src.api import evaluate as evaluate
 from automap._src.api import partition as partition
 from automap._src.api import search as search
 from automap._src.api import verify as verify
+from automap._src.cache import PlanCacheWarning as PlanCacheWarning
 from automap._src.cost import Cost as Cost
 from automap._src.graph import UnknownPrimitiveWarning as UnknownPrimitiveWarning
 from automap._src.groups import GroupError as GroupError
@@ -35,6 +36,7 @@ __all__ = (
     "MeshError",
     "Partitioned",
     "Plan",
+    "PlanCacheWarning",
     "PlanError",
     "Report",
     "UnknownPrimitiveWarning",

@@ -1,9 +1,12 @@
-"""8 simulated CPU devices for every test; strict numerics."""
+"""8 simulated CPU devices for every test; strict numerics; a plan cache of
+the test session's own, so no test reads a plan an earlier run left."""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+os.environ["AUTOMAP_CACHE_DIR"] = tempfile.mkdtemp(prefix="automap-test-cache-")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
 import sys
 import time
 import types
@@ -17,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rich import progress as progress_lib
 
 from automap._src import apply as apply_lib
+from automap._src import cache as cache_lib
 from automap._src import trace as trace_lib
 from automap._src import verify as verify_lib
 from automap._src.cost import Cost, Tracker
@@ -302,7 +304,7 @@ class Partitioned:
   def __init__(self, fn: Callable, *, mesh, hints: Hints | None = None,
                hardware: str | Hardware = "tpu-v4", budget: Budget | None = None,
                memory_limit: float | None = None, seed: int = 0,
-               cache: bool = True):
+               cache: bool | str | os.PathLike = True):
     self._mesh_spec = MeshSpec.of(mesh)
     if not isinstance(mesh, jax.sharding.Mesh):
       raise MeshError(
@@ -325,6 +327,8 @@ class Partitioned:
     if not isinstance(self.budget, Budget):
       raise TypeError(f"budget must be an automap.Budget, got {budget!r}.")
     self.memory_limit, self.seed, self.cache = memory_limit, seed, cache
+    folder = cache_lib.resolve(cache)
+    self._cache = None if folder is None else cache_lib.PlanCache(folder)
     self._entries: dict[tuple, _Entry] = {}
     self._last: _Entry | None = None
     functools.update_wrapper(self, fn)
@@ -348,19 +352,38 @@ class Partitioned:
     entry = self._entries.get(key)
     if entry is None:
       t0 = time.perf_counter()
-      program = _program(self.fn, args, self.mesh, self.hardware, self.hints)
-      plan = _search_program(program, self.hints, self.budget, self.memory_limit,
-                             self.seed)
+      traced = trace_lib.trace(self.fn, args)
+      plan = self._cached(traced)
+      if plan is None:
+        program = Program.build(traced, self._mesh_spec, self.hardware, self.hints.fixed)
+        plan = _search_program(program, self.hints, self.budget, self.memory_limit,
+                               self.seed)
+        if self._cache is not None:
+          self._cache.store(self._key(traced), plan)
       plan.stats["plan_seconds"] = round(time.perf_counter() - t0, 4)
-      jitted = apply_lib.jit_with_plan(program.traced, self.mesh, plan)
-      outs = jax.tree.unflatten(program.traced.out_tree, [
+      jitted = apply_lib.jit_with_plan(traced, self.mesh, plan)
+      outs = jax.tree.unflatten(traced.out_tree, [
           NamedSharding(self.mesh, s) for s in plan.out_specs])
       entry = _Entry(plan, jitted,
-                     apply_lib.plan_shardings(self.mesh, plan.in_specs,
-                                              program.traced.in_tree), outs)
+                     apply_lib.plan_shardings(self.mesh, plan.in_specs, traced.in_tree),
+                     outs)
       self._entries[key] = entry
     self._last = entry
     return entry
+
+  def _key(self, traced: trace_lib.Traced) -> str:
+    return cache_lib.key(traced.fingerprint(), self._mesh_spec, self.hardware,
+                         self.hints, self.budget, self.memory_limit, self.seed)
+
+  def _cached(self, traced: trace_lib.Traced) -> Plan | None:
+    """The plan the cache holds for this program, tied to its structure."""
+    if self._cache is None:
+      return None
+    plan = self._cache.load(self._key(traced), traced.fingerprint(), self._mesh_spec)
+    if plan is None:
+      return None
+    return dataclasses.replace(plan, stats=dict(plan.stats, cached=True),
+                               in_tree=traced.in_tree, out_tree=traced.out_tree)
 
   def __call__(self, *args, **kwargs):
     args = self._positional(args, kwargs)
@@ -394,10 +417,13 @@ def _signature_of(fn) -> inspect.Signature | None:
 def partition(fn: Callable | None = None, *, mesh, hints: Hints | None = None,
               hardware: str | Hardware = "tpu-v4", budget: Budget | None = None,
               memory_limit: float | None = None, seed: int = 0,
-              cache: bool = True):
+              cache: bool | str | os.PathLike = True):
   """Partitions `fn` automatically over `mesh`.
 
   Use as `@automap.partition(mesh=mesh)` or `automap.partition(fn, mesh=mesh)`.
+  Plans are cached on disk (`cache=True`: $AUTOMAP_CACHE_DIR, else
+  ~/.cache/automap; a folder path; or False for none), keyed by the
+  program, mesh, hardware, hints, budget, memory limit, seed and versions.
   """
   make = functools.partial(Partitioned, mesh=mesh, hints=hints, hardware=hardware,
                            budget=budget, memory_limit=memory_limit, seed=seed,

@@ -9,9 +9,11 @@ to a changed program.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import tempfile
 from typing import Any
 
 import jax
@@ -134,10 +136,19 @@ class Plan:
   def save(self, path: str | os.PathLike) -> None:
     """Writes the plan as JSON, atomically (no half-written file)."""
     path = os.fspath(path)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-      json.dump(self.to_json(), f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    # A temporary of its own per writer, renamed over the target: readers
+    # and concurrent writers only ever see whole files.
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".",
+                               suffix=".tmp", dir=os.path.dirname(path) or ".")
+    try:
+      with os.fdopen(fd, "w") as f:
+        json.dump(self.to_json(), f, indent=1, sort_keys=True)
+      os.chmod(tmp, 0o644)
+      os.replace(tmp, path)
+    except BaseException:
+      with contextlib.suppress(OSError):
+        os.remove(tmp)
+      raise
 
   @classmethod
   def load(cls, path: str | os.PathLike) -> Plan:

@@ -1,0 +1,111 @@
+"""The plan cache: searched plans on disk, keyed by everything they depend on.
+
+A key digests the program (its fingerprint: equations, shapes, dtypes,
+argument structure), the mesh (axis names and sizes), the hardware spec, the
+hints, the search budget, memory limit and seed, and the versions of the plan
+schema, automap and JAX. Entries are JSON files written atomically, so
+concurrent writers never leave a half-written one; an entry that does not
+load or does not fit the program is reported once and searched afresh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import warnings
+from importlib import metadata
+
+import jax
+
+from automap._src.hardware import Hardware
+from automap._src.plan import SCHEMA, Plan, PlanError
+from automap._src.sharding import MeshSpec
+
+try:
+  VERSION = metadata.version("automap")
+except metadata.PackageNotFoundError:  # Run from a source tree.
+  VERSION = "source"
+
+
+class PlanCacheWarning(UserWarning):
+  """A cached plan could not be used; it is replaced by a fresh search."""
+
+
+def default_dir() -> pathlib.Path:
+  """$AUTOMAP_CACHE_DIR, else $XDG_CACHE_HOME/automap, else ~/.cache/automap."""
+  if os.environ.get("AUTOMAP_CACHE_DIR"):
+    return pathlib.Path(os.environ["AUTOMAP_CACHE_DIR"])
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return pathlib.Path(base) / "automap"
+
+
+def resolve(cache) -> pathlib.Path | None:
+  """The folder a `cache=` argument names: True (the default folder), a
+  path, or False / None (no cache)."""
+  if cache is True:
+    return default_dir()
+  if cache is False or cache is None:
+    return None
+  if isinstance(cache, (str, os.PathLike)):
+    return pathlib.Path(cache)
+  raise TypeError(f"cache must be True, False or a folder path, got {cache!r}.")
+
+
+def key(fingerprint: str, mesh: MeshSpec, hardware: Hardware, hints, budget,
+        memory_limit: float | None, seed: int) -> str:
+  """Digest of everything a searched plan depends on."""
+  parts = {
+      "schema": SCHEMA, "automap": VERSION, "jax": jax.__version__,
+      "program": fingerprint,
+      "mesh": [list(mesh.axis_names), list(mesh.axis_sizes)],
+      "hardware": dataclasses.asdict(hardware),
+      "groups": list(hints.groups),
+      "fixed": sorted([k, str(v)] for k, v in hints.fixed.items()),
+      "budget": [budget.episodes, budget.seconds],
+      "memory_limit": memory_limit, "seed": seed,
+  }
+  return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+class PlanCache:
+  """Plans stored under one folder, one JSON file per key."""
+
+  def __init__(self, folder: pathlib.Path):
+    self.folder = folder
+    self._reported: set[str] = set()
+
+  def path(self, k: str) -> pathlib.Path:
+    return self.folder / f"{k}.json"
+
+  def load(self, k: str, fingerprint: str, mesh: MeshSpec) -> Plan | None:
+    """The plan stored under key `k`, if there is a sound one for this
+    program and mesh."""
+    path = self.path(k)
+    if not path.exists():
+      return None
+    try:
+      plan = Plan.load(path)
+      if plan.fingerprint != fingerprint or plan.mesh != mesh:
+        raise PlanError("it was made for another program or mesh")
+    except (PlanError, OSError, UnicodeDecodeError) as e:
+      if k not in self._reported:
+        self._reported.add(k)
+        warnings.warn(f"ignoring cached plan {str(path)!r} ({e}); searching "
+                      "again and replacing it.", PlanCacheWarning, stacklevel=4)
+      return None
+    return plan
+
+  def store(self, k: str, plan: Plan) -> None:
+    """Saves `plan` under key `k`; a cache that cannot be written is
+    reported once and otherwise ignored (the plan is still used)."""
+    try:
+      self.folder.mkdir(parents=True, exist_ok=True)
+      plan.save(self.path(k))
+    except OSError as e:
+      if "store" not in self._reported:
+        self._reported.add("store")
+        warnings.warn(f"cannot write the plan cache in {str(self.folder)!r}: {e}",
+                      PlanCacheWarning, stacklevel=4)
