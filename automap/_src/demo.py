@@ -64,8 +64,9 @@ def run(cfg: DemoConfig, console: Console | None = None) -> dict:
   partitioned.lower(*args)
   plan = partitioned.plan
   plan_seconds = time.perf_counter() - t0
+  source = "loaded from the plan cache; searched by " if plan.stats.get("cached") else ""
   console.print(f"planned in {plan_seconds:.1f} s "
-                f"(MCTS: {plan.stats['episodes']} episodes, best at episode "
+                f"({source}MCTS: {plan.stats['episodes']} episodes, best at episode "
                 f"{plan.stats['episode_of_best']}, {plan.stats['groups']} layer "
                 f"groups, graph of {plan.stats['graph_ops']} ops)")
   console.print("actions: " + "; ".join(plan.stats["actions"]))
