@@ -131,3 +131,55 @@ def test_scans_of_every_shape_partition_faithfully(kind):
     return jax.lax.scan(body, x, None, length=3)[0].sum()
 
   assert_faithful(jax.value_and_grad(loss), (w, x), mesh((4, 2)))
+
+
+def _sgd_step(model, x):
+  import optax
+
+  params = model.init(jax.random.key(0), x)
+  tx = optax.sgd(1e-2)
+
+  def step(params, opt_state, x):
+    loss, g = jax.value_and_grad(lambda p: (model.apply(p, x) ** 2).mean())(params)
+    updates, opt_state = tx.update(g, opt_state)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step, (params, tx.init(params), x)
+
+
+def test_vision_transformer_train_step():
+  import flax.linen as nn
+
+  class ViT(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Conv(64, (4, 4), strides=(4, 4))(x)  # patches
+      x = x.reshape(x.shape[0], -1, x.shape[-1])
+      for _ in range(2):
+        y = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=4)(y, y)
+        x = x + nn.Dense(64)(nn.gelu(nn.Dense(256)(nn.LayerNorm()(x))))
+      return nn.Dense(10)(x.mean(1))
+
+  step, args = _sgd_step(ViT(), jax.random.normal(KEY, (16, 16, 16, 3)))
+  assert_faithful(step, args, mesh((4, 2)))
+
+
+def test_encoder_decoder_with_cross_attention_train_step():
+  import flax.linen as nn
+
+  class EncoderDecoder(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      enc = x
+      for _ in range(2):
+        enc = enc + nn.SelfAttention(num_heads=4)(nn.LayerNorm()(enc))
+      dec = x[:, ::-1]
+      for _ in range(2):
+        dec = dec + nn.SelfAttention(num_heads=4)(nn.LayerNorm()(dec))
+        dec = dec + nn.MultiHeadDotProductAttention(num_heads=4)(nn.LayerNorm()(dec), enc)
+        dec = dec + nn.Dense(64)(nn.relu(nn.Dense(128)(dec)))
+      return dec
+
+  step, args = _sgd_step(EncoderDecoder(), jax.random.normal(KEY, (8, 16, 64)))
+  assert_faithful(step, args, mesh((2, 2, 2), ("data", "model", "seq")))

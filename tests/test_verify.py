@@ -46,3 +46,17 @@ def test_compiled_program_round_trip():
   text = f.lower(jax.numpy.ones((8, 4))).compile().as_text()
   found = verify.collectives(text, M)
   assert [c.axes for c in found] == [("data",)]
+
+
+def test_numerics_tolerate_rounding_noise_but_not_small_real_errors():
+  import numpy as np
+
+  ones = np.ones((4, 4), np.float32)
+  noise = np.full((4,), 3e-11, np.float32)  # a gradient that is zero exactly
+  _, rel = verify.compare_numerics({"w": ones, "b": noise}, {"w": ones, "b": -noise})
+  assert rel < 1e-5
+  small = np.full((4,), 1e-3, np.float32)
+  _, rel = verify.compare_numerics({"w": ones, "b": small}, {"w": ones, "b": 2 * small})
+  assert rel == 1.0
+  _, rel = verify.compare_numerics({"i": np.arange(3)}, {"i": np.arange(3) + 1})
+  assert rel == float("inf")
