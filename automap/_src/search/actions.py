@@ -17,8 +17,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-import numpy as np
-
 from automap._src import graph as graph_lib
 from automap._src.groups import Group, find_groups, structural_groups
 from automap._src.program import Program
@@ -117,10 +115,3 @@ class ActionSpace:
     group = self.groups[action.group]
     return f"tile {group.name} dim {action.dim} over {names[action.axis]!r}"
 
-
-def replay(space: ActionSpace, state: State, actions) -> np.ndarray:
-  """`state` after `actions`, as a new array."""
-  state = state.copy()
-  for a in actions:
-    space.apply(state, a)
-  return state

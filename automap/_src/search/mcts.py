@@ -121,6 +121,7 @@ class Search:
     self.table: dict[bytes, Node] = {self.root.state.tobytes(): self.root}
     self.reference = self.root.score[1]
     self.root.value = self.reward(self.root)
+    self.low = self.high = self.root.value  # the range of rewards seen
     self.best = self.root
     self.episodes = self.evaluations = self.episode_of_best = 0
     self.t0 = time.perf_counter()
@@ -234,8 +235,9 @@ class Search:
 
   def run(self, episodes: int, seconds: float,
           progress: Callable[[Search], None] | None = None) -> Result:
+    """Runs episodes until `episodes` in all or `seconds` since the search
+    was made; `progress` is called after each."""
     deadline = self.t0 + seconds
-    self.low = self.high = self.reward(self.root)
     while self.episodes < episodes and time.perf_counter() < deadline:
       self.episode()
       if progress is not None:
