@@ -103,3 +103,15 @@ def test_an_unwritable_cache_is_reported_and_the_plan_still_used(tmp_path):
   with pytest.warns(cache_lib.PlanCacheWarning, match="cannot write the plan cache"):
     out = _partition(os.path.join(blocker, "cache"))(*args)
   np.testing.assert_allclose(out, mlp(*args), rtol=1e-5)
+
+
+def test_search_caches_only_when_asked(tmp_path, monkeypatch):
+  monkeypatch.setenv("AUTOMAP_CACHE_DIR", str(tmp_path / "default"))
+  fn, args = _program()
+  budget = automap.Budget(episodes=20)
+  automap.search(fn, *args, mesh=mesh((4, 2)), budget=budget)
+  assert not (tmp_path / "default").exists()
+  first = automap.search(fn, *args, mesh=mesh((4, 2)), budget=budget, cache=tmp_path)
+  again = automap.search(fn, *args, mesh=mesh((4, 2)), budget=budget, cache=tmp_path)
+  assert "cached" not in first.stats and again.stats["cached"] is True
+  assert again.in_specs == first.in_specs

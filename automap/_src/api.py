@@ -159,6 +159,17 @@ def _search_program(program: Program, hints: Hints | None, budget: Budget | None
   return _plan_of(program, space, result, memory_limit)
 
 
+def _cached_plan(store: cache_lib.PlanCache, k: str, traced: trace_lib.Traced,
+                 mesh: MeshSpec) -> Plan | None:
+  """The plan `store` holds under key `k` for this program, tied to its
+  argument and result structure."""
+  plan = store.load(k, traced.fingerprint(), mesh)
+  if plan is None:
+    return None
+  return dataclasses.replace(plan, stats=dict(plan.stats, cached=True),
+                             in_tree=traced.in_tree, out_tree=traced.out_tree)
+
+
 def mesh_shapes(devices: int) -> list[tuple[int, ...]]:
   """The ways to lay `devices` out as a mesh of 1 to 3 axes, each of size
   at least 2 (one axis of 1 for a single device)."""
@@ -180,12 +191,14 @@ _AXIS_NAMES = ("x", "y", "z")
 def search(fn: Callable, *args, mesh=None, devices: int | None = None,
            hints: Hints | None = None, hardware: str | Hardware = "tpu-v4",
            budget: Budget | None = None, memory_limit: float | None = None,
-           seed: int = 0) -> Plan:
+           seed: int = 0, cache: bool | str | os.PathLike = False) -> Plan:
   """Plans `fn(*args)` without running it, on `mesh`, or on the best mesh
   of `devices` devices (axes named "x", "y", "z"; the budget is shared by
   the mesh shapes tried).
 
-  Argument leaves may be `jax.ShapeDtypeStruct`s.
+  Argument leaves may be `jax.ShapeDtypeStruct`s. `cache` (off by default
+  here, on for `partition`) reuses and stores plans of `mesh=` searches as
+  `partition` does.
   """
   if (mesh is None) == (devices is None):
     raise TypeError("search takes exactly one of mesh= (a jax.sharding.Mesh) "
@@ -193,8 +206,19 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
   hints = hints or Hints()
   budget = budget or Budget()
   if mesh is not None:
-    return _search_program(_program(fn, args, mesh, hardware, hints), hints,
-                           budget, memory_limit, seed)
+    folder = cache_lib.resolve(cache)
+    program = _program(fn, args, mesh, hardware, hints)
+    if folder is None:
+      return _search_program(program, hints, budget, memory_limit, seed)
+    store = cache_lib.PlanCache(folder)
+    k = cache_lib.key(program.graph.fingerprint, program.mesh, program.hardware,
+                      hints, budget, memory_limit, seed)
+    plan = _cached_plan(store, k, program.traced, program.mesh)
+    if plan is not None:
+      return plan
+    plan = _search_program(program, hints, budget, memory_limit, seed)
+    store.store(k, plan)
+    return plan
   if (not isinstance(devices, (int, np.integer)) or isinstance(devices, bool)
       or devices < 1):
     raise ValueError(f"devices must be a positive integer, got {devices!r}.")
@@ -379,11 +403,7 @@ class Partitioned:
     """The plan the cache holds for this program, tied to its structure."""
     if self._cache is None:
       return None
-    plan = self._cache.load(self._key(traced), traced.fingerprint(), self._mesh_spec)
-    if plan is None:
-      return None
-    return dataclasses.replace(plan, stats=dict(plan.stats, cached=True),
-                               in_tree=traced.in_tree, out_tree=traced.out_tree)
+    return _cached_plan(self._cache, self._key(traced), traced, self._mesh_spec)
 
   def __call__(self, *args, **kwargs):
     args = self._positional(args, kwargs)
