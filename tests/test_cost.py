@@ -45,39 +45,24 @@ def test_incremental_tracker_equals_a_fresh_evaluation():
   prog = program.Program.build(trace.trace(step, args),
                                sharding.MeshSpec(("data", "model"), (4, 2)),
                                hardware.get_hardware("cpu"))
-  state = prog.initial_state()
-  tracker = cost.Tracker(prog.model, state)
   prop = prog.propagator()
   rng = np.random.default_rng(0)
   g = prog.graph
-  for _ in range(25):
-    v = int(rng.choice(g.inputs))
-    if g.rank(v) == 0:
-      continue
-    tracker.update(prop.tile(state, v, int(rng.integers(g.rank(v))),
-                             int(rng.integers(2))))
-  fresh = cost.Tracker(prog.model, state.copy())
+  states = []
+  for _ in range(12):  # states the search might visit: a few tiles each
+    s = prog.initial_state()
+    for _ in range(4):
+      v = int(rng.integers(g.num_values))
+      if g.rank(v):
+        prop.tile(s, v, int(rng.integers(g.rank(v))), int(rng.integers(2)),
+                  propagate=bool(rng.integers(2)))
+    states.append(s)
+  state = prog.initial_state()
+  tracker = cost.Tracker(prog.model, state)
+  for i in rng.integers(len(states), size=200):  # jump between them
+    diff = np.flatnonzero((state != states[i]).any(axis=1))
+    state[diff] = states[i][diff]
+    tracker.update(diff)
+  fresh = cost.Tracker(prog.model, state)
   assert tracker.step_time == pytest.approx(fresh.step_time, rel=1e-9)
   assert tracker.peak_memory == pytest.approx(fresh.peak_memory, rel=1e-9)
-  np.testing.assert_allclose(tracker.bytes, fresh.bytes, rtol=1e-9, atol=1e-6)
-
-
-def test_sharding_reduces_flops_and_memory():
-  step, args = gpt_step()
-  m = mesh((8, 1))
-  replicated = automap.evaluate(step, *args, mesh=m, in_shardings=P())
-  dp = automap.evaluate(step, *args, mesh=m,
-                        in_shardings=megatron_specs(args, model=None))
-  assert dp.flops < replicated.flops / 4
-  assert dp.peak_memory < replicated.peak_memory
-  assert replicated.comm_bytes == {}
-
-
-def test_hardware_catalogue_and_validation():
-  for name in ("tpu-v3", "tpu-v4", "tpu-v5e", "tpu-v5p", "a100", "h100", "h200", "cpu"):
-    hw = hardware.get_hardware(name)
-    assert hw.flops > 0 and hw.link_bandwidth > hw.network_bandwidth * 0.5
-  with pytest.raises(automap.HardwareError, match="hbm_bandwidth"):
-    automap.Hardware("bad", 1e12, 1e12, -1.0, 1e9, 1e9, 0, 1e9, 0, 8)
-  with pytest.raises(automap.HardwareError, match="one of"):
-    hardware.get_hardware("tpu-v9")

@@ -60,3 +60,17 @@ def test_numerics_tolerate_rounding_noise_but_not_small_real_errors():
   assert rel == 1.0
   _, rel = verify.compare_numerics({"i": np.arange(3)}, {"i": np.arange(3) + 1})
   assert rel == float("inf")
+
+
+def test_numerics_catch_nans_and_compare_bfloat16_as_floats():
+  import jax.numpy as jnp
+  import numpy as np
+
+  x = np.ones(4, np.float32)
+  _, rel = verify.compare_numerics(x, np.array([1, 1, np.nan, 1], np.float32))
+  assert rel == float("inf")
+  _, rel = verify.compare_numerics(np.full(2, np.nan), np.full(2, np.nan))
+  assert rel == 0.0
+  b = jnp.ones(4, jnp.bfloat16)
+  _, rel = verify.compare_numerics(b, b * jnp.bfloat16(1.0078125))  # 1 ulp
+  assert 0 < rel < 0.01

@@ -190,6 +190,7 @@ class CostModel:
     for o in range(graph.num_ops - 1, -1, -1):
       rule = graph.rules[o]
       downstream = any(mixes[v] for v in graph.results[o] if v >= 0)
+      # A loop body's collectives repeat every step: never combined.
       self.late[o] = not downstream
       mixing = downstream or rule.replicated or any(rule.reduction)
       for v in graph.operands[o]:
@@ -246,6 +247,15 @@ class CostModel:
     if mask:
       comms.append((kind, mask, nbytes, self.comm_time(kind, mask, nbytes),
                     position, target))
+
+  def copy_key(self, o: int, position: int, kind: int, mask: int, target: int,
+               nbytes: float) -> tuple:
+    """Which resharded copy op o reads at operand `position`: XLA makes one
+    per value and layout for all its readers, and each loop its own of what
+    it scans."""
+    g = self.graph
+    loop = o if g.prims[o] == "scan_slice" else -1
+    return (g.operands[o][position], kind, mask, target, nbytes, loop)
 
   def comm_time(self, kind: int, mask: int, nbytes: float) -> float:
     n = int(self.group_size[mask])
@@ -529,8 +539,10 @@ class Tracker:
     self.pending: dict[tuple[int, int], dict[int, tuple[int, float]]] = {}
     self.pending_live: dict[tuple[int, int], np.ndarray] = {}
     self.dirty: set[tuple[int, int]] = set()
-    # (value, kind, axes, target layout, bytes) -> readers of that copy.
+    # A resharded copy (`CostModel.copy_key`) -> its readers, and the
+    # seconds charged for it.
     self.reshards: dict[tuple, list[int]] = {}
+    self.charged: dict[tuple, float] = {}
     local = model.value_bytes(state)
     self.held = np.where(model.resident, local, 0.0)  # [V] resident bytes
     self.resident = float(self.held.sum())
@@ -557,12 +569,9 @@ class Tracker:
 
   def _talk(self, o: int, c: OpCost, sign: int) -> None:
     """Adds (sign 1) or removes (-1) the collectives of op o's cost c."""
-    operands = self.model.graph.operands[o]
     for kind, mask, nbytes, seconds, position, target in c.comms:
       if position >= 0:  # A reshard of an operand: one copy for all its readers.
-        key = (operands[position], kind, mask, target, nbytes)
-        if self.model.graph.prims[o] == "scan_slice":
-          key += (o,)  # Each loop makes its own copy of what it scans.
+        key = self.model.copy_key(o, position, kind, mask, target, nbytes)
         readers = self.reshards.get(key)
         if readers:
           self._span(readers, -nbytes)
@@ -576,7 +585,13 @@ class Tracker:
             del self.reshards[key]
         if readers:
           self._span(readers, nbytes)
-        if not (sign > 0 and len(readers) == 1 or sign < 0 and not readers):
+        if sign > 0 and len(readers) == 1:
+          # The copy costs what its first reader priced it at (readers inside
+          # a loop price it per step); the same amount is refunded with it.
+          self.charged[key] = seconds
+        elif sign < 0 and not readers:
+          seconds = self.charged.pop(key)
+        else:
           continue
       self.bytes[kind, mask] += sign * nbytes
       self.count[kind, mask] += sign

@@ -134,9 +134,11 @@ def colours(graph: Graph, rounds: int = _ROUNDS) -> np.ndarray:
   return np.asarray(value, np.int64)
 
 
-def structural_groups(graph: Graph, among: Sequence[int]) -> list[Group]:
-  """Groups of the arguments `among` (value ids) with equal colours."""
-  c = colours(graph)
+def structural_groups(graph: Graph, among: Sequence[int],
+                      colour: np.ndarray | None = None) -> list[Group]:
+  """Groups of the values `among` with equal colours (`colour`: the
+  graph's `colours`, if already computed)."""
+  c = colours(graph) if colour is None else colour
   by: dict[int, list[int]] = {}
   for v in among:
     by.setdefault(int(c[v]), []).append(v)
@@ -146,7 +148,8 @@ def structural_groups(graph: Graph, among: Sequence[int]) -> list[Group]:
 
 
 def find_groups(graph: Graph, traced: Traced, patterns: Sequence[str] = (),
-                fixed: np.ndarray | None = None) -> list[Group]:
+                fixed: np.ndarray | None = None,
+                colour: np.ndarray | None = None) -> list[Group]:
   """Every decision-bearing argument in exactly one group: hint groups
   first, structural groups for the rest. Scalars and fixed arguments are
   left out (there is nothing to decide for them)."""
@@ -160,5 +163,5 @@ def find_groups(graph: Graph, traced: Traced, patterns: Sequence[str] = (),
       if members:
         groups.append(Group(g.name, members))
   taken = {v for g in groups for v in g.members}
-  groups += structural_groups(graph, [v for v in free if v not in taken])
+  groups += structural_groups(graph, [v for v in free if v not in taken], colour)
   return groups

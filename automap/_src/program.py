@@ -140,9 +140,7 @@ class Program:
     for o, c in enumerate(op_costs):
       for kind, mask, nbytes, _, position, target in c.comms:
         if position >= 0:
-          copy = (g.operands[o][position], kind, mask, target, nbytes)
-          if g.prims[o] == "scan_slice":
-            copy += (o,)  # as the cost model counts it
+          copy = self.model.copy_key(o, position, kind, mask, target, nbytes)
           if copy in copies:
             continue
           copies.add(copy)

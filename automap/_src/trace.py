@@ -10,6 +10,7 @@ raw pytrees never reach the jaxpr's name stacks, their paths always exist.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +46,10 @@ class Traced:
 
   def fingerprint(self) -> str:
     """Stable digest of the program: equations, shapes, dtypes, structure."""
+    return self._digest
+
+  @functools.cached_property
+  def _digest(self) -> str:  # Printing a large jaxpr takes a tenth of a second.
     h = hashlib.sha256()
     h.update(str(self.in_tree).encode())
     h.update(str(self.jaxpr.jaxpr).encode())

@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from automap._src.cost import KINDS, Cost
@@ -211,11 +212,16 @@ def compare_numerics(expected, actual) -> tuple[float, float]:
     e, a = np.asarray(e), np.asarray(a)
     if e.size == 0:
       continue
-    if not np.issubdtype(e.dtype, np.inexact):
+    if not jnp.issubdtype(e.dtype, jnp.inexact):
       if not np.array_equal(e, a):
         return float("inf"), float("inf")
       continue
-    pairs.append((e.astype(np.float64), a.astype(np.float64), np.finfo(e.dtype).eps))
+    eps = float(jnp.finfo(e.dtype).eps)
+    e, a = e.astype(np.float64), a.astype(np.float64)
+    if not np.array_equal(np.isnan(e), np.isnan(a)):
+      return float("inf"), float("inf")  # a NaN one side only
+    e, a = np.nan_to_num(e, nan=0.0), np.nan_to_num(a, nan=0.0)
+    pairs.append((e, a, eps))
   # Relative to each leaf's scale (elementwise ratios explode near zero),
   # but no finer than rounding (64 ulps) at the scale of the largest result:
   # a leaf that is pure rounding noise (a gradient that is zero in exact

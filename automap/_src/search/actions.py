@@ -18,7 +18,7 @@ import dataclasses
 import itertools
 
 from automap._src import graph as graph_lib
-from automap._src.groups import Group, find_groups, structural_groups
+from automap._src.groups import Group, colours, find_groups, structural_groups
 from automap._src.program import Program
 from automap._src.search import tactics
 from automap._src.sharding import State
@@ -49,12 +49,14 @@ class ActionSpace:
     self.program = program
     g = program.graph
     self.prop = program.propagator()
-    self.groups: list[Group] = find_groups(g, program.traced, patterns, program.fixed)
+    colour = colours(g)
+    self.groups: list[Group] = find_groups(g, program.traced, patterns, program.fixed,
+                                           colour)
     largest = max((int(g.nbytes[v]) for v in g.inputs), default=0)
     big = [v for v in range(g.num_values)
            if g.kind[v] == graph_lib.INTERMEDIATE and not g.sealed[v]
            and g.rank(v) > 0 and g.nbytes[v] > largest]
-    inter = structural_groups(g, big)
+    inter = structural_groups(g, big, colour)
     inter.sort(key=lambda x: -self.group_bytes(x))
     self.groups += inter[:_MAX_INTERMEDIATE_GROUPS]
     self.tactics_of = tactics.Tactics(program.traced, g, program.mesh, self.prop)

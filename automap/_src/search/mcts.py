@@ -164,7 +164,8 @@ class Search:
     """The edge of `node` to follow (`_STOP` for stop)."""
     k = len(node.actions)
     admitted = min(k, max(1, math.ceil(self.settings.widen * math.sqrt(node.total + 1))))
-    edges = [i for i in range(admitted) if node.children.get(i, _UNSEEN) is not None]
+    # Pruned no-ops do not take a place in the window.
+    edges = [i for i in range(k) if node.children.get(i, _UNSEEN) is not None][:admitted]
     edges.append(k)
     edges = np.array(edges)
     priors = node.priors[edges]

@@ -44,14 +44,18 @@ def state_arguments(traced: Traced) -> np.ndarray:
   return carried_arguments(traced) | mirrored
 
 
-def _weight(graph: Graph, v: int, carried: set[int]) -> int:
-  """The carried argument `v` is, or is a dtype conversion of; else -1."""
+def _weight(graph: Graph, v: int, carried: set[int]) -> tuple[int, int]:
+  """(w, k): the carried argument w that `v` is, or is a dtype conversion
+  of, or (in a scan body) one layer's slice of, with k leading dims of w
+  (stacked layers) before v's; (-1, 0) for none."""
+  lead = 0
   while v >= 0 and v not in carried:
     o = graph.producer[v]
-    if o < 0 or graph.prims[o] not in ("convert_element_type", "copy"):
-      return -1
+    if o < 0 or graph.prims[o] not in ("convert_element_type", "copy", "scan_slice"):
+      return -1, 0
+    lead += graph.prims[o] == "scan_slice"
     v = graph.operands[o][0]
-  return v
+  return v, lead
 
 
 class Tactics:
@@ -71,11 +75,11 @@ class Tactics:
         continue
       rule = graph.rules[o]
       for i in range(2):
-        w = _weight(graph, graph.operands[o][i], seen)
+        w, lead = _weight(graph, graph.operands[o][i], seen)
         if w < 0:
           continue
         other, out = set(rule.operands[1 - i] or ()), set(rule.results[0])
-        columns = [d for d, f in enumerate(rule.operands[i])
+        columns = [lead + d for d, f in enumerate(rule.operands[i])
                    if f >= 0 and f in out and f not in other]
         if columns:
           self.weights.append((w, columns))
