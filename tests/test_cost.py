@@ -45,6 +45,56 @@ def test_incremental_tracker_equals_a_fresh_evaluation():
   prog = program.Program.build(trace.trace(step, args),
                                sharding.MeshSpec(("data", "model"), (4, 2)),
                                hardware.get_hardware("cpu"))
+  state = prog.initial_state()
+  tracker = cost.Tracker(prog.model, state)
+  prop = prog.propagator()
+  rng = np.random.default_rng(0)
+  g = prog.graph
+  for _ in range(25):
+    v = int(rng.choice(g.inputs))
+    if g.rank(v) == 0:
+      continue
+    tracker.update(prop.tile(state, v, int(rng.integers(g.rank(v))),
+                             int(rng.integers(2))))
+  fresh = cost.Tracker(prog.model, state.copy())
+  assert tracker.step_time == pytest.approx(fresh.step_time, rel=1e-9)
+  assert tracker.peak_memory == pytest.approx(fresh.peak_memory, rel=1e-9)
+  np.testing.assert_allclose(tracker.bytes, fresh.bytes, rtol=1e-9, atol=1e-6)
+
+
+def test_sharding_reduces_flops_and_memory():
+  step, args = gpt_step()
+  m = mesh((8, 1))
+  replicated = automap.evaluate(step, *args, mesh=m, in_shardings=P())
+  dp = automap.evaluate(step, *args, mesh=m,
+                        in_shardings=megatron_specs(args, model=None))
+  assert dp.flops < replicated.flops / 4
+  assert dp.peak_memory < replicated.peak_memory
+  assert replicated.comm_bytes == {}
+
+
+def test_hardware_catalogue_and_validation():
+  for name in ("tpu-v3", "tpu-v4", "tpu-v5e", "tpu-v5p", "a100", "h100", "h200", "cpu"):
+    hw = hardware.get_hardware(name)
+    assert hw.flops > 0 and hw.link_bandwidth > hw.network_bandwidth * 0.5
+  with pytest.raises(automap.HardwareError, match="hbm_bandwidth"):
+    automap.Hardware("bad", 1e12, 1e12, -1.0, 1e9, 1e9, 0, 1e9, 0, 8)
+  with pytest.raises(automap.HardwareError, match="one of"):
+    hardware.get_hardware("tpu-v9")
+
+
+def test_running_cost_equals_a_fresh_one_after_jumps_between_states():
+  """Incremental updates leave no residue when the search jumps between
+  states, also for a copy read inside a loop (priced per step) and outside."""
+  import jax.numpy as jnp
+
+  def fn(x, w):
+    h = jnp.tanh(x @ w)
+    return jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), h, None, length=3)[0].sum()
+
+  args = (jnp.ones((32, 64)), jnp.ones((64, 64)))
+  prog = program.Program.build(trace.trace(fn, args), sharding.MeshSpec(
+      ("data", "model"), (2, 4)), hardware.get_hardware("tpu-v4"))
   prop = prog.propagator()
   rng = np.random.default_rng(0)
   g = prog.graph
