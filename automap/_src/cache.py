@@ -3,7 +3,7 @@
 A key digests the program (its fingerprint: equations, shapes, dtypes,
 argument structure), the mesh (axis names and sizes), the hardware spec, the
 hints, the search budget, memory limit and seed, and the versions of the plan
-schema, automap and JAX. Entries are JSON files written atomically, so
+schema, automap (and a digest of its source) and JAX. Entries are JSON files written atomically, so
 concurrent writers never leave a half-written one; an entry that does not
 load or does not fit the program is reported once and searched afresh.
 """
@@ -24,10 +24,22 @@ from automap._src.hardware import Hardware
 from automap._src.plan import SCHEMA, Plan, PlanError
 from automap._src.sharding import MeshSpec
 
+
+def _code_digest() -> str:
+  """Digest of automap's own source: a plan searched by other code (an
+  upgrade, a local edit) is another plan."""
+  h = hashlib.sha256()
+  root = pathlib.Path(__file__).resolve().parent
+  for path in sorted(root.rglob("*.py")):
+    h.update(path.relative_to(root).as_posix().encode())
+    h.update(path.read_bytes())
+  return h.hexdigest()[:12]
+
+
 try:
-  VERSION = metadata.version("automap")
+  VERSION = f"{metadata.version('automap')}+{_code_digest()}"
 except metadata.PackageNotFoundError:  # Run from a source tree.
-  VERSION = "source"
+  VERSION = f"source+{_code_digest()}"
 
 
 class PlanCacheWarning(UserWarning):
