@@ -164,8 +164,7 @@ class Search:
     """The edge of `node` to follow (`_STOP` for stop)."""
     k = len(node.actions)
     admitted = min(k, max(1, math.ceil(self.settings.widen * math.sqrt(node.total + 1))))
-    # Pruned no-ops do not take a place in the window.
-    edges = [i for i in range(k) if node.children.get(i, _UNSEEN) is not None][:admitted]
+    edges = [i for i in range(admitted) if node.children.get(i, _UNSEEN) is not None]
     edges.append(k)
     edges = np.array(edges)
     priors = node.priors[edges]
