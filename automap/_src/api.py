@@ -159,15 +159,23 @@ def _search_program(program: Program, hints: Hints | None, budget: Budget | None
   return _plan_of(program, space, result, memory_limit)
 
 
-def _cached_plan(store: cache_lib.PlanCache, k: str, traced: trace_lib.Traced,
-                 mesh: MeshSpec) -> Plan | None:
-  """The plan `store` holds under key `k` for this program, tied to its
-  argument and result structure."""
-  plan = store.load(k, traced.fingerprint(), mesh)
-  if plan is None:
-    return None
-  return dataclasses.replace(plan, stats=dict(plan.stats, cached=True),
-                             in_tree=traced.in_tree, out_tree=traced.out_tree)
+def _plan(traced: trace_lib.Traced, mesh: MeshSpec, hardware: Hardware, hints: Hints,
+          budget: Budget, memory_limit: float | None, seed: int,
+          store: cache_lib.PlanCache | None) -> Plan:
+  """The plan `store` holds for this search (tied to the program's argument
+  and result structure), else a fresh search, stored."""
+  if store is not None:
+    k = cache_lib.key(traced.fingerprint(), mesh, hardware, hints, budget,
+                      memory_limit, seed)
+    plan = store.load(k, traced.fingerprint(), mesh)
+    if plan is not None:
+      return dataclasses.replace(plan, stats=dict(plan.stats, cached=True),
+                                 in_tree=traced.in_tree, out_tree=traced.out_tree)
+  program = Program.build(traced, mesh, hardware, hints.fixed)
+  plan = _search_program(program, hints, budget, memory_limit, seed)
+  if store is not None:
+    store.store(k, plan)
+  return plan
 
 
 def mesh_shapes(devices: int) -> list[tuple[int, ...]]:
@@ -207,18 +215,9 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
   budget = budget or Budget()
   if mesh is not None:
     folder = cache_lib.resolve(cache)
-    program = _program(fn, args, mesh, hardware, hints)
-    if folder is None:
-      return _search_program(program, hints, budget, memory_limit, seed)
-    store = cache_lib.PlanCache(folder)
-    k = cache_lib.key(program.graph.fingerprint, program.mesh, program.hardware,
-                      hints, budget, memory_limit, seed)
-    plan = _cached_plan(store, k, program.traced, program.mesh)
-    if plan is not None:
-      return plan
-    plan = _search_program(program, hints, budget, memory_limit, seed)
-    store.store(k, plan)
-    return plan
+    return _plan(trace_lib.trace(fn, args), MeshSpec.of(mesh), get_hardware(hardware),
+                 hints, budget, memory_limit, seed,
+                 None if folder is None else cache_lib.PlanCache(folder))
   if (not isinstance(devices, (int, np.integer)) or isinstance(devices, bool)
       or devices < 1):
     raise ValueError(f"devices must be a positive integer, got {devices!r}.")
@@ -377,13 +376,8 @@ class Partitioned:
     if entry is None:
       t0 = time.perf_counter()
       traced = trace_lib.trace(self.fn, args)
-      plan = self._cached(traced)
-      if plan is None:
-        program = Program.build(traced, self._mesh_spec, self.hardware, self.hints.fixed)
-        plan = _search_program(program, self.hints, self.budget, self.memory_limit,
-                               self.seed)
-        if self._cache is not None:
-          self._cache.store(self._key(traced), plan)
+      plan = _plan(traced, self._mesh_spec, self.hardware, self.hints, self.budget,
+                   self.memory_limit, self.seed, self._cache)
       plan.stats["plan_seconds"] = round(time.perf_counter() - t0, 4)
       jitted = apply_lib.jit_with_plan(traced, self.mesh, plan)
       outs = jax.tree.unflatten(traced.out_tree, [
@@ -394,16 +388,6 @@ class Partitioned:
       self._entries[key] = entry
     self._last = entry
     return entry
-
-  def _key(self, traced: trace_lib.Traced) -> str:
-    return cache_lib.key(traced.fingerprint(), self._mesh_spec, self.hardware,
-                         self.hints, self.budget, self.memory_limit, self.seed)
-
-  def _cached(self, traced: trace_lib.Traced) -> Plan | None:
-    """The plan the cache holds for this program, tied to its structure."""
-    if self._cache is None:
-      return None
-    return _cached_plan(self._cache, self._key(traced), traced, self._mesh_spec)
 
   def __call__(self, *args, **kwargs):
     args = self._positional(args, kwargs)

@@ -319,15 +319,21 @@ class _Builder:
       if not rules.has_rule(name):
         self.unknown[name] = self.unknown.get(name, 0) + 1
       rule = rules.rule_for(name, in_shapes, out_shapes, eqn.params)
+    self._record(name, ins, in_shapes, step.out_ids, rule, eqn_flops(eqn), step.scope,
+                 step.trips)
+    return list(step.out_ids)
+
+  def _record(self, name: str, ins: list, in_shapes: list, out_ids: tuple,
+              rule: rules.Rule, flops: float, scope: str, trips: int) -> None:
+    """Appends one op to the tables."""
     self.prims.append(name)
     self.operands.append(tuple(-1 if isinstance(x, Literal) else x for x in ins))
     self.operand_shapes.append(tuple(in_shapes))
-    self.results.append(step.out_ids)
+    self.results.append(tuple(out_ids))
     self.rules.append(rule)
-    self.flops.append(eqn_flops(eqn))
-    self.scopes.append(step.scope)
-    self.trips.append(step.trips)
-    return list(step.out_ids)
+    self.flops.append(flops)
+    self.scopes.append(scope)
+    self.trips.append(trips)
 
   def tie(self, name: str, ins: list, out_ids: tuple, avals: list, scope: str,
           trips: int) -> list:
@@ -345,14 +351,8 @@ class _Builder:
       self.value(vid, aval, INTERMEDIATE, op, True, scope)
       out = tuple(int(d) for d in aval.shape)
       in_shapes = [x.shape if isinstance(x, Literal) else self.shapes[x] for x in operands]
-      self.prims.append(name)
-      self.operands.append(tuple(-1 if isinstance(x, Literal) else x for x in operands))
-      self.operand_shapes.append(tuple(in_shapes))
-      self.results.append((vid,))
-      self.rules.append(rules.scan_tie_rule(name, in_shapes, out))
-      self.flops.append(0.0)
-      self.scopes.append(scope)
-      self.trips.append(trips)
+      self._record(name, operands, in_shapes, (vid,),
+                   rules.scan_tie_rule(name, in_shapes, out), 0.0, scope, trips)
     return list(out_ids)
 
 

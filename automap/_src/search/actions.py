@@ -103,11 +103,9 @@ class ActionSpace:
       if action.name == "data-parallel":
         return t.data_parallel(state, action.axes)
       return getattr(t, action.name)(state, action.axes[0])
-    seeds = []
-    for v in self.groups[action.group].members:
-      if self.prop.can_tile(state, v, action.dim, action.axis):
-        state[v, action.axis] = action.dim
-        seeds.append((v, action.axis))
+    a = action.axis
+    seeds = [(v, a) for v in self.groups[action.group].members
+             if self.prop.tile(state, v, action.dim, a, propagate=False)]
     return [v for v, _ in seeds] + self.prop.propagate(state, seeds)
 
   def describe(self, action: Action) -> str:

@@ -7,7 +7,6 @@ returns the values it changed.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -89,18 +88,8 @@ class Tactics:
     axes (default all), major first, as far as they divide it."""
     mesh, prop = self.mesh, self.prop
     axes = range(mesh.num_axes) if axes is None else axes
-    seeds = []
-    for v in self.data:
-      if prop.fixed[v]:
-        continue
-      n = self.graph.shapes[v][0]
-      for a in axes:
-        size = mesh.axis_sizes[a]
-        tiles = math.prod(mesh.axis_sizes[b] for b in range(mesh.num_axes)
-                          if state[v, b] == 0)
-        if size > 1 and n % (tiles * size) == 0 and state[v, a] < 0:
-          state[v, a] = 0
-          seeds.append((v, a))
+    seeds = [(v, a) for v in self.data for a in axes
+             if mesh.axis_sizes[a] > 1 and prop.tile(state, v, 0, a, propagate=False)]
     return [v for v, _ in seeds] + prop.propagate(state, seeds)
 
   def megatron(self, state: State, axis: int) -> list[int]:
