@@ -4,6 +4,7 @@ from automap._src.api import Budget as Budget
 from automap._src.api import Hints as Hints
 from automap._src.api import MemoryLimitError as MemoryLimitError
 from automap._src.api import Partitioned as Partitioned
+from automap._src.api import SearchWarning as SearchWarning
 from automap._src.api import evaluate as evaluate
 from automap._src.api import partition as partition
 from automap._src.api import search as search
@@ -39,6 +40,7 @@ __all__ = (
     "PlanCacheWarning",
     "PlanError",
     "Report",
+    "SearchWarning",
     "UnknownPrimitiveWarning",
     "evaluate",
     "partition",

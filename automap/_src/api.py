@@ -9,6 +9,7 @@ import os
 import sys
 import time
 import types
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,9 +26,9 @@ from automap._src.cost import Cost, Tracker
 from automap._src.hardware import Hardware, get_hardware
 from automap._src.plan import Plan, PlanError
 from automap._src.program import Program
-from automap._src.search import mcts
+from automap._src.search import ilp, mcts
 from automap._src.search.actions import ActionSpace
-from automap._src.sharding import MeshError, MeshSpec
+from automap._src.sharding import MeshError, MeshSpec, State
 
 
 class MemoryLimitError(ValueError):
@@ -96,6 +97,46 @@ def _program(fn, args, mesh, hardware, hints: Hints | None) -> Program:
                        (hints or Hints()).fixed)
 
 
+SEARCHES = ("mcts", "ilp")
+
+
+class SearchWarning(UserWarning):
+  """A search fell short of what was asked and says what it did instead."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+  """What a search is asked for, everything but the program."""
+
+  hints: Hints
+  budget: Budget
+  memory_limit: float | None
+  seed: int
+  method: str
+
+  @classmethod
+  def of(cls, hints, budget, memory_limit, seed, method) -> _Request:
+    hints = hints if hints is not None else Hints()
+    if not isinstance(hints, Hints):
+      raise TypeError(f"hints must be an automap.Hints, got {hints!r}.")
+    budget = budget if budget is not None else Budget()
+    if not isinstance(budget, Budget):
+      raise TypeError(f"budget must be an automap.Budget, got {budget!r}.")
+    if method not in SEARCHES:
+      raise ValueError(
+          f"search must be one of {SEARCHES}, got {method!r}: 'mcts' (tree "
+          "search over layer-group tilings and tactics) or 'ilp' (Alpa's "
+          "per-op integer program, solved by CP-SAT within the budget's seconds).")
+    return cls(hints, budget, memory_limit, seed, method)
+
+
+@dataclasses.dataclass
+class _Found:
+  state: State
+  score: mcts.Score  # (bytes over the memory limit, step seconds)
+  stats: dict
+
+
 def _check_memory_limit(program: Program, memory_limit: float | None) -> None:
   if memory_limit is None:
     return
@@ -111,11 +152,19 @@ def _check_memory_limit(program: Program, memory_limit: float | None) -> None:
         "or use more devices.")
 
 
-def _run_search(program: Program, hints: Hints, budget: Budget,
-                memory_limit: float | None, seed: int) -> tuple[ActionSpace, mcts.Result]:
-  _check_memory_limit(program, memory_limit)
-  space = ActionSpace(program, hints.groups)
-  run = mcts.Search(program, space, memory_limit, seed)
+def _score(program: Program, state: State, memory_limit: float | None) -> mcts.Score:
+  tracker = Tracker(program.model, state)
+  over = 0.0 if memory_limit is None else max(0.0, tracker.peak_memory - memory_limit)
+  return (over, tracker.step_time)
+
+
+def _run_search(program: Program, request: _Request) -> _Found:
+  _check_memory_limit(program, request.memory_limit)
+  space = ActionSpace(program, request.hints.groups)
+  if request.method == "ilp":
+    return _run_ilp(program, space, request)
+  budget = request.budget
+  run = mcts.Search(program, space, request.memory_limit, request.seed)
   show = budget.progress if budget.progress is not None else sys.stderr.isatty()
   if not show:
     result = run.run(budget.episodes, budget.seconds)
@@ -128,51 +177,78 @@ def _run_search(program: Program, hints: Hints, budget: Budget,
       result = run.run(budget.episodes, budget.seconds, lambda s: bar.update(
           task, completed=s.episodes,
           best=f"best {s.best.score[1] * 1e3:.3f} ms, {s.best.score[0]:,.0f} B over"))
-  return space, result
-
-
-def _plan_of(program: Program, space: ActionSpace, result: mcts.Result,
-             memory_limit: float | None) -> Plan:
-  if result.score[0] > 0:
-    raise MemoryLimitError(
-        f"no plan found within memory_limit={memory_limit:,.0f} bytes per "
-        f"device: the best found needs "
-        f"{memory_limit + result.score[0]:,.0f} bytes (lower bound "
-        f"{program.memory_lower_bound():,.0f}). Raise the limit, use more "
-        "devices, or give a larger search budget.")
   stats = {"strategy": "mcts", "episodes": result.episodes,
            "episode_of_best": result.episode_of_best,
            "evaluations": result.evaluations, "states": result.nodes,
            "seconds": round(result.seconds, 4),
            "seconds_to_best": round(result.seconds_to_best, 4),
            "actions": [space.describe(a) for a in result.path],
-           "groups": len(space.groups),
-           "graph_values": program.graph.num_values,
-           "graph_ops": program.graph.num_ops}
-  return program.make_plan(result.state, stats)
+           "groups": len(space.groups)}
+  return _Found(result.state, result.score, stats)
 
 
-def _search_program(program: Program, hints: Hints | None, budget: Budget | None,
-                    memory_limit: float | None, seed: int) -> Plan:
-  space, result = _run_search(program, hints or Hints(), budget or Budget(),
-                              memory_limit, seed)
-  return _plan_of(program, space, result, memory_limit)
+def _run_ilp(program: Program, space: ActionSpace, request: _Request) -> _Found:
+  """Solves the ILP from the best tactic; on a timeout without a solution,
+  falls back to that tactic, with a warning."""
+  limit = request.memory_limit
+  start = program.initial_state()
+  best = (_score(program, start, limit), start, "none")
+  for tactic in space.tactics:
+    state = start.copy()
+    if space.apply(state, tactic):
+      best = min(best, (_score(program, state, limit), state, space.describe(tactic)),
+                 key=lambda b: b[0])
+  result = ilp.solve(program, ilp.Settings(seconds=request.budget.seconds,
+                                           memory_limit=limit, seed=request.seed),
+                     hint=best[1])
+  stats = {"strategy": "ilp", "status": result.status,
+           "seconds": round(result.seconds, 4), "memory_rounds": result.rounds,
+           "choices": result.ops, "variables": result.variables,
+           "objective": result.objective, "bound": result.bound,
+           "hint": best[2]}
+  if result.status == "infeasible":
+    least, at = result.least_memory
+    g = program.graph
+    raise MemoryLimitError(
+        f"no strategy meets memory_limit={limit:,.0f} bytes per device: the "
+        f"least peak any choice of per-op strategies reaches is {least:,.0f} "
+        f"bytes, at op {at} ({g.prims[at]} in {g.scopes[at] or 'the top level'!r}). "
+        "Raise the limit or use more devices.")
+  if result.state is None:
+    warnings.warn(SearchWarning(
+        f"search='ilp' found no solution within {request.budget.seconds:g} s "
+        f"({result.variables:,} variables); using the best tactic, {best[2]}, "
+        "instead. Give a larger Budget(seconds=...) or use search='mcts'."),
+        stacklevel=4)
+    return _Found(best[1], best[0], dict(stats, fallback=best[2]))
+  return _Found(result.state, _score(program, result.state, limit), stats)
 
 
-def _plan(traced: trace_lib.Traced, mesh: MeshSpec, hardware: Hardware, hints: Hints,
-          budget: Budget, memory_limit: float | None, seed: int,
-          store: cache_lib.PlanCache | None) -> Plan:
+def _plan_of(program: Program, found: _Found, memory_limit: float | None) -> Plan:
+  if found.score[0] > 0:
+    raise MemoryLimitError(
+        f"no plan found within memory_limit={memory_limit:,.0f} bytes per "
+        f"device: the best found needs "
+        f"{memory_limit + found.score[0]:,.0f} bytes (lower bound "
+        f"{program.memory_lower_bound():,.0f}). Raise the limit, use more "
+        "devices, or give a larger search budget.")
+  stats = dict(found.stats, graph_values=program.graph.num_values,
+               graph_ops=program.graph.num_ops)
+  return program.make_plan(found.state, stats)
+
+
+def _plan(traced: trace_lib.Traced, mesh: MeshSpec, hardware: Hardware,
+          request: _Request, store: cache_lib.PlanCache | None) -> Plan:
   """The plan `store` holds for this search (tied to the program's argument
   and result structure), else a fresh search, stored."""
   if store is not None:
-    k = cache_lib.key(traced.fingerprint(), mesh, hardware, hints, budget,
-                      memory_limit, seed)
+    k = cache_lib.key(traced.fingerprint(), mesh, hardware, request)
     plan = store.load(k, traced.fingerprint(), mesh)
     if plan is not None:
       return dataclasses.replace(plan, stats=dict(plan.stats, cached=True),
                                  in_tree=traced.in_tree, out_tree=traced.out_tree)
-  program = Program.build(traced, mesh, hardware, hints.fixed)
-  plan = _search_program(program, hints, budget, memory_limit, seed)
+  program = Program.build(traced, mesh, hardware, request.hints.fixed)
+  plan = _plan_of(program, _run_search(program, request), request.memory_limit)
   if store is not None:
     store.store(k, plan)
   return plan
@@ -199,41 +275,42 @@ _AXIS_NAMES = ("x", "y", "z")
 def search(fn: Callable, *args, mesh=None, devices: int | None = None,
            hints: Hints | None = None, hardware: str | Hardware = "tpu-v4",
            budget: Budget | None = None, memory_limit: float | None = None,
-           seed: int = 0, cache: bool | str | os.PathLike = False) -> Plan:
+           seed: int = 0, cache: bool | str | os.PathLike = False,
+           search: str = "mcts") -> Plan:
   """Plans `fn(*args)` without running it, on `mesh`, or on the best mesh
   of `devices` devices (axes named "x", "y", "z"; the budget is shared by
   the mesh shapes tried).
 
   Argument leaves may be `jax.ShapeDtypeStruct`s. `cache` (off by default
   here, on for `partition`) reuses and stores plans of `mesh=` searches as
-  `partition` does.
+  `partition` does. `search` picks the backend: "mcts" (default) or "ilp"
+  (exact per-op strategies; for small programs and as a yardstick).
   """
   if (mesh is None) == (devices is None):
     raise TypeError("search takes exactly one of mesh= (a jax.sharding.Mesh) "
                     "or devices= (a device count to choose a mesh for).")
-  hints = hints or Hints()
-  budget = budget or Budget()
+  request = _Request.of(hints, budget, memory_limit, seed, search)
   if mesh is not None:
     folder = cache_lib.resolve(cache)
     return _plan(trace_lib.trace(fn, args), MeshSpec.of(mesh), get_hardware(hardware),
-                 hints, budget, memory_limit, seed,
-                 None if folder is None else cache_lib.PlanCache(folder))
+                 request, None if folder is None else cache_lib.PlanCache(folder))
   if (not isinstance(devices, (int, np.integer)) or isinstance(devices, bool)
       or devices < 1):
     raise ValueError(f"devices must be a positive integer, got {devices!r}.")
   traced = trace_lib.trace(fn, args)
   hw = get_hardware(hardware)
   shapes = mesh_shapes(int(devices))
-  share = Budget(max(1, budget.episodes // len(shapes)), budget.seconds / len(shapes),
-                 budget.progress)
+  b = request.budget
+  share = dataclasses.replace(request, budget=Budget(
+      max(1, b.episodes // len(shapes)), b.seconds / len(shapes), b.progress))
   best = None
   for shape in shapes:
     program = Program.build(traced, MeshSpec(_AXIS_NAMES[:len(shape)], shape), hw,
-                            hints.fixed)
-    space, result = _run_search(program, hints, share, memory_limit, seed)
-    if best is None or result.score < best[2].score:
-      best = (program, space, result)
-  return _plan_of(*best, memory_limit)
+                            request.hints.fixed)
+    found = _run_search(program, share)
+    if best is None or found.score < best[1].score:
+      best = (program, found)
+  return _plan_of(*best, request.memory_limit)
 
 
 def _is_spec_leaf(x) -> bool:
@@ -327,7 +404,7 @@ class Partitioned:
   def __init__(self, fn: Callable, *, mesh, hints: Hints | None = None,
                hardware: str | Hardware = "tpu-v4", budget: Budget | None = None,
                memory_limit: float | None = None, seed: int = 0,
-               cache: bool | str | os.PathLike = True):
+               cache: bool | str | os.PathLike = True, search: str = "mcts"):
     self._mesh_spec = MeshSpec.of(mesh)
     if not isinstance(mesh, jax.sharding.Mesh):
       raise MeshError(
@@ -337,19 +414,14 @@ class Partitioned:
     self.fn, self.mesh = fn, mesh
     self._auto = apply_lib.auto_mesh(mesh)
     self._signature = _signature_of(fn)
-    self.hints = hints if hints is not None else Hints()
-    if not isinstance(self.hints, Hints):
-      raise TypeError(f"hints must be an automap.Hints, got {hints!r}.")
-    for pattern, spec in self.hints.fixed.items():
+    self.request = _Request.of(hints, budget, memory_limit, seed, search)
+    for pattern, spec in self.request.hints.fixed.items():
       for entry in spec:
         for name in entry if isinstance(entry, tuple) else (entry,):
           if name is not None:
             self._mesh_spec.axis_index(name, f"Hints.fixed[{pattern!r}]")
     self.hardware = get_hardware(hardware)
-    self.budget = budget if budget is not None else Budget()
-    if not isinstance(self.budget, Budget):
-      raise TypeError(f"budget must be an automap.Budget, got {budget!r}.")
-    self.memory_limit, self.seed, self.cache = memory_limit, seed, cache
+    self.cache = cache
     folder = cache_lib.resolve(cache)
     self._cache = None if folder is None else cache_lib.PlanCache(folder)
     self._entries: dict[tuple, _Entry] = {}
@@ -376,8 +448,7 @@ class Partitioned:
     if entry is None:
       t0 = time.perf_counter()
       traced = trace_lib.trace(self.fn, args)
-      plan = _plan(traced, self._mesh_spec, self.hardware, self.hints, self.budget,
-                   self.memory_limit, self.seed, self._cache)
+      plan = _plan(traced, self._mesh_spec, self.hardware, self.request, self._cache)
       plan.stats["plan_seconds"] = round(time.perf_counter() - t0, 4)
       jitted = apply_lib.jit_with_plan(traced, self.mesh, plan)
       outs = jax.tree.unflatten(traced.out_tree, [
@@ -421,7 +492,7 @@ def _signature_of(fn) -> inspect.Signature | None:
 def partition(fn: Callable | None = None, *, mesh, hints: Hints | None = None,
               hardware: str | Hardware = "tpu-v4", budget: Budget | None = None,
               memory_limit: float | None = None, seed: int = 0,
-              cache: bool | str | os.PathLike = True):
+              cache: bool | str | os.PathLike = True, search: str = "mcts"):
   """Partitions `fn` automatically over `mesh`.
 
   Use as `@automap.partition(mesh=mesh)` or `automap.partition(fn, mesh=mesh)`.
@@ -431,7 +502,7 @@ def partition(fn: Callable | None = None, *, mesh, hints: Hints | None = None,
   """
   make = functools.partial(Partitioned, mesh=mesh, hints=hints, hardware=hardware,
                            budget=budget, memory_limit=memory_limit, seed=seed,
-                           cache=cache)
+                           cache=cache, search=search)
   if fn is None:
     return make
   if not callable(fn):

@@ -66,9 +66,10 @@ def resolve(cache) -> pathlib.Path | None:
   raise TypeError(f"cache must be True, False or a folder path, got {cache!r}.")
 
 
-def key(fingerprint: str, mesh: MeshSpec, hardware: Hardware, hints, budget,
-        memory_limit: float | None, seed: int) -> str:
-  """Digest of everything a searched plan depends on."""
+def key(fingerprint: str, mesh: MeshSpec, hardware: Hardware, request) -> str:
+  """Digest of everything a searched plan depends on (`request`: the
+  search's hints, budget, memory limit, seed and method)."""
+  hints, budget = request.hints, request.budget
   parts = {
       "schema": SCHEMA, "automap": VERSION, "jax": jax.__version__,
       "program": fingerprint,
@@ -77,7 +78,8 @@ def key(fingerprint: str, mesh: MeshSpec, hardware: Hardware, hints, budget,
       "groups": list(hints.groups),
       "fixed": sorted([k, str(v)] for k, v in hints.fixed.items()),
       "budget": [budget.episodes, budget.seconds],
-      "memory_limit": memory_limit, "seed": seed,
+      "memory_limit": request.memory_limit, "seed": request.seed,
+      "search": request.method,
   }
   return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 

@@ -1,0 +1,573 @@
+"""Exact search: Alpa's intra-operator ILP, priced by the same cost model.
+
+Every op picks one *strategy*: which factor of its rule each mesh axis tiles
+and, where an axis tiles a reduction factor, whether the partial result is
+all-reduced or reduce-scattered into one of its dims. A strategy fixes the
+layouts the op wants its operands in and the layout it makes its results in;
+every argument picks a layout of its own. The objective is the step time:
+
+  - per op, its compute and result collectives under the strategy, priced
+    by `CostModel` on a state in which the op's members sit exactly in those
+    layouts (late reductions pay their latency once per kind and axes, as
+    XLA combines them);
+  - per value and per layout its readers want it in, one reshard from the
+    layout it is made in (XLA makes one copy per value and layout, shared by
+    every reader), priced by `CostModel.transition`.
+
+With a memory limit, the bytes alive at a program point (resident arguments
+and results, plus the temporaries live there) are bounded at the points
+where the plan peaks; the points are added lazily: solve, measure the
+solution's peak with `Tracker`, add the point where it exceeds the limit,
+solve again.
+
+Ops with identical neighbourhoods (Weisfeiler-Lehman colours) share a
+strategy and values in identical positions share their reshard terms, so
+repeated layers cost the solver one layer. The solution becomes a state
+like any other, and `Program.make_plan` prices it with `Tracker`: the
+figures a plan reports never come from the solver's model.
+
+Solved with OR-Tools CP-SAT; costs are integers in picoseconds and bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from typing import NamedTuple
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from automap._src.cost import ALL_REDUCE, REDUCE_SCATTER, CostModel, Tracker
+from automap._src.groups import colours
+from automap._src.program import Program
+from automap._src.sharding import UNSHARDED, State
+
+PICOSECONDS = 1e12
+# Lazy memory rounds: a point is added per round where the solution peaks
+# above the limit.
+_MEMORY_ROUNDS = 8
+# Points where the unsharded program peaks, bounded from the first round.
+_FIRST_POINTS = 4
+
+Layout = tuple[int, ...]  # per mesh axis, the dim it tiles or UNSHARDED
+
+
+class Strategy(NamedTuple):
+  """How one op computes.
+
+  factors: per mesh axis, the factor of the op's rule it tiles (UNSHARDED: none).
+  wants: per operand, the layout the op reads it in (None: a literal).
+  makes: per result, the layout the op makes it in.
+  seconds: compute plus result collectives, the latency of combinable
+    (late) reductions left out.
+  late: (kind, axes mask) of the combinable reductions it emits.
+  """
+
+  factors: Layout
+  wants: tuple[Layout | None, ...]
+  makes: tuple[Layout, ...]
+  seconds: float
+  late: tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  seconds: float = 60.0
+  share: bool = True  # ops with identical neighbourhoods share a strategy
+  memory_limit: float | None = None
+  seed: int = 0
+  workers: int = 0  # CP-SAT search workers (0: one per core)
+
+
+@dataclasses.dataclass
+class Result:
+  """state: the solution (None when the solver found none in time).
+  status: "optimal", "feasible" (time ran out first), "infeasible" or
+    "unknown" (time ran out before any solution).
+  objective / bound: the solver's step time of the solution and its lower
+    bound on any solution, seconds.
+  least_memory: when infeasible, the least peak any strategy reaches at the
+    bounded points (bytes per device), and the op where it peaks.
+  """
+
+  state: State | None
+  status: str
+  objective: float
+  bound: float
+  seconds: float
+  rounds: int
+  ops: int  # strategy choices (ops, or op classes when shared)
+  variables: int
+  least_memory: tuple[float, int] | None = None
+
+
+def _layouts(shape: tuple[int, ...], sizes: tuple[int, ...]) -> list[Layout]:
+  """Every layout of an array of `shape`: per axis a dim or none, each dim
+  divisible by the tiles it is cut into."""
+  real = [a for a, s in enumerate(sizes) if s > 1]
+  out = []
+  for dims in itertools.product(range(-1, len(shape)), repeat=len(real)):
+    row = [UNSHARDED] * len(sizes)
+    tiles = [1] * len(shape)
+    for a, d in zip(real, dims):
+      row[a] = d
+      if d >= 0:
+        tiles[d] *= sizes[a]
+    if all(n % t == 0 for n, t in zip(shape, tiles)):
+      out.append(tuple(row))
+  return out
+
+
+class _Pricer:
+  """Prices strategies of ops and reshards of values with `CostModel`."""
+
+  def __init__(self, program: Program):
+    self.program = program
+    self.model: CostModel = program.model
+    self.graph = program.graph
+    self.sizes = program.mesh.axis_sizes
+    self.scratch = np.full((self.graph.num_values, len(self.sizes)), UNSHARDED, np.int8)
+    self.moves: dict[tuple, float] = {}
+
+  def strategies(self, o: int) -> list[Strategy]:
+    """The strategies of op o that `CostModel` prices as they are (its
+    derived layout is the strategy's, no operand resharded within)."""
+    g, sizes = self.graph, self.sizes
+    rule = g.rules[o]
+    real = [a for a, s in enumerate(sizes) if s > 1]
+    choices = [range(-1, len(rule.sizes))] * len(real)
+    if rule.replicated or not rule.sizes:
+      choices = [[-1]] * len(real)
+    results = [v for v in g.results[o]]
+    out = []
+    for picks in itertools.product(*choices):
+      factors = [UNSHARDED] * len(sizes)
+      tiles = [1] * len(rule.sizes)
+      for a, f in zip(real, picks):
+        factors[a] = f
+        if f >= 0:
+          tiles[f] *= sizes[a]
+      if any(n % t for n, t in zip(rule.sizes, tiles)):
+        continue
+      reducing = [a for a in real if factors[a] >= 0 and rule.reduction[factors[a]]]
+      # Each reducing axis all-reduces (-1) or scatters into a result dim.
+      options = [[-1] for _ in reducing]
+      if len(results) == 1 and results[0] >= 0:
+        dims = rule.results[0]
+        free = [d for d in range(len(dims)) if dims[d] >= 0
+                and all(dims[d] != factors[b] for b in real)]
+        options = [[-1] + free for _ in reducing]
+      for scatter in itertools.product(*options):
+        s = self._price(o, tuple(factors), dict(zip(reducing, scatter)))
+        if s is not None:
+          out.append(s)
+    return out
+
+  def _price(self, o: int, factors: Layout, scatter: dict[int, int]) -> Strategy | None:
+    g, model, state = self.graph, self.model, self.scratch
+    rule = g.rules[o]
+    wants: list[Layout | None] = []
+    for v, dims in zip(g.operands[o], rule.operands):
+      if v < 0 or dims is None:
+        wants.append(None)
+        continue
+      wants.append(tuple(dims.index(f) if f >= 0 and f in dims else UNSHARDED
+                         for f in factors))
+    makes = []
+    for r in range(len(g.results[o])):
+      dims = rule.results[r]
+      makes.append(tuple(scatter.get(a, -1) if f >= 0 and rule.reduction[f] else
+                         (dims.index(f) if f >= 0 and f in dims else UNSHARDED)
+                         for a, f in enumerate(factors)))
+    members = [(v, w) for v, w in zip(g.operands[o], wants) if w is not None]
+    members += [(v, m) for v, m in zip(g.results[o], makes) if v >= 0]
+    layout: dict[int, Layout] = {}
+    for v, row in members:
+      if layout.setdefault(v, row) != row:
+        return None  # one value read in two layouts at once
+    for v, row in layout.items():
+      tiles = [1] * g.rank(v)
+      for a, d in enumerate(row):
+        if d >= 0:
+          tiles[d] *= self.sizes[a]
+      if any(n % t for n, t in zip(g.shapes[v], tiles)):
+        return None
+      state[v] = row
+    try:
+      derived = model.layout(state, o)[0]
+      cost = model.op_cost(state, o)
+    finally:
+      state[list(layout)] = UNSHARDED
+    if tuple(derived) != factors or cost.reshards:
+      return None
+    seconds, late = cost.time, []
+    for kind, mask, _, sec, position, _ in cost.comms:
+      if position >= 0:
+        return None  # a result the op cannot make in its own layout
+      if model.late[o] and kind in (ALL_REDUCE, REDUCE_SCATTER):
+        sec -= model.latency[kind, mask]
+        late.append((kind, mask))
+      seconds += sec
+    return Strategy(factors, tuple(wants), tuple(makes), seconds, tuple(late))
+
+  def move(self, v: int, have: Layout, want: Layout, trips: int) -> float:
+    """Seconds to reshard value v from `have` to `want`, per call."""
+    key = (int(self.graph.nbytes[v]), have, want, trips)
+    seconds = self.moves.get(key)
+    if seconds is None:
+      tiles = math.prod(s for s, d in zip(self.sizes, have) if d >= 0)
+      comms: list = []
+      self.model.transition(comms, have, want, float(self.graph.nbytes[v]) / tiles, 0)
+      seconds = self.moves[key] = trips * sum(c[3] for c in comms)
+    return seconds
+
+
+def _op_classes(program: Program, share: bool) -> np.ndarray:
+  """[O] class of each op: ops of a class share one strategy."""
+  g = program.graph
+  if not share:
+    return np.arange(g.num_ops)
+  colour = colours(g)
+  index: dict = {}
+  return np.array([index.setdefault(
+      (int(program.model.op_class[o]), tuple(int(colour[v]) if v >= 0 else -1
+                                             for v in g.operands[o] + g.results[o])),
+      len(index)) for o in range(g.num_ops)], np.int64)
+
+
+class _Formulation:
+  """The CP-SAT model of one program; memory points are added by `bound`."""
+
+  def __init__(self, program: Program, settings: Settings):
+    self.program, self.settings = program, settings
+    g = program.graph
+    self.graph = g
+    pricer = _Pricer(program)
+    self.cls = _op_classes(program, settings.share)
+    reps = {}
+    for o in range(g.num_ops):
+      reps.setdefault(int(self.cls[o]), o)
+    self.strategies = {c: pricer.strategies(o) for c, o in reps.items()}
+    m = self.model = cp_model.CpModel()
+    self.x = {c: [m.NewBoolVar(f"op{o}s{i}") for i in range(len(self.strategies[c]))]
+              for c, o in reps.items()}
+    for xs in self.x.values():
+      m.AddExactlyOne(xs)
+    count = np.bincount(self.cls, minlength=len(reps))
+    terms: list[tuple[cp_model.IntVar, int]] = []
+    late: dict[tuple[int, int], list] = {}
+    for c, xs in self.x.items():
+      for x, s in zip(xs, self.strategies[c]):
+        terms.append((x, _ps(s.seconds * count[c])))
+        for key in s.late:
+          late.setdefault(key, []).append(x)
+    for (kind, mask), xs in late.items():
+      paid = m.NewBoolVar(f"latency{kind}_{mask}")
+      for x in xs:
+        m.AddImplication(x, paid)
+      terms.append((paid, _ps(program.model.latency[kind, mask])))
+    # Arguments (and constants): a layout each, shared by equal colours.
+    colour = colours(g) if settings.share else np.arange(g.num_values)
+    self.inputs: dict[int, tuple[list[Layout], list]] = {}
+    by_colour: dict[int, tuple[list[Layout], list]] = {}
+    for v in range(g.num_values):
+      if g.producer[v] >= 0:
+        continue
+      if program.fixed[v]:
+        rows = [tuple(int(d) for d in program.pinned[v])]
+        xs = [m.NewConstant(1)]
+      else:
+        key = int(colour[v])
+        if key not in by_colour:
+          rows = _layouts(g.shapes[v], program.mesh.axis_sizes)
+          xs = [m.NewBoolVar(f"in{v}l{i}") for i in range(len(rows))]
+          m.AddExactlyOne(xs)
+          by_colour[key] = (rows, xs)
+        rows, xs = by_colour[key]
+      self.inputs[v] = (rows, xs)
+    self._tiled: dict[tuple, list] = {}
+    self._consistent(reps)
+    # Reshards: per value (deduplicated over values in like positions) and
+    # per layout its readers want, one copy.
+    alike: dict[tuple, list[int]] = {}  # position -> [a value there, count]
+    for v in range(g.num_values):
+      if g.uses[v]:
+        key = (self._made_key(v), tuple(sorted((int(self.cls[o]), p) for o, p in g.uses[v])))
+        alike.setdefault(key, [v, 0])[1] += 1
+    for v, n in alike.values():
+      self._reshards(v, n, pricer, terms)
+    self.time = sum(x * k for x, k in terms if k)
+    # Ties (equal step times) go to the plan holding fewer bytes of
+    # arguments and results per device: 1 ps per KiB, far below any step.
+    held = self.memory(None)
+    self.tie_max = sum(k for _, k in held.values()) // 1024
+    m.Minimize(self.time + sum(x * (k // 1024) for x, k in held.values()))
+    self.points: list[int] = []
+    self.variables = len(m.Proto().variables)
+
+  def _tiled_lits(self, v: int, a: int, dims) -> list:
+    """Literals, one true exactly when value v is made with axis a on one
+    of `dims`."""
+    out = []
+    for e in dims:
+      key = (self._made_key(v), a, e)
+      if key not in self._tiled:
+        xs = [x for row, group in self.made(v).items() if row[a] == e for x in group]
+        lit = None
+        if xs:
+          lit = self.model.NewBoolVar(f"v{v}a{a}d{e}")
+          self.model.Add(lit == sum(xs))
+        self._tiled[key] = lit
+      if self._tiled[key] is not None:
+        out.append(self._tiled[key])
+    return out
+
+  def _consistent(self, reps: dict[int, int]) -> None:
+    """Each op's strategy is the one `CostModel.layout` derives from the
+    layouts its operands are made in: a reduction factor is tiled on an axis
+    only where an operand is stored tiled by it there (the others are sliced
+    to match), and a result's factor wins over an operand's reduction factor
+    only where an operand is stored tiled by that factor too."""
+    g, m = self.graph, self.model
+    real = [a for a, size in enumerate(self.program.mesh.axis_sizes) if size > 1]
+    done = set()
+    for o in range(g.num_ops):
+      rule = g.rules[o]
+      if rule.replicated or not any(rule.reduction):
+        continue
+      c = int(self.cls[o])
+      reduction = [f for f in range(len(rule.sizes)) if rule.reduction[f]]
+
+      def stored(a, factors, o=o, rule=rule):
+        lits = []
+        for v, dims in zip(g.operands[o], rule.operands):
+          if v >= 0 and dims is not None:
+            lits += self._tiled_lits(v, a, [e for e, f in enumerate(dims) if f in factors])
+        return lits
+
+      for x, strategy in zip(self.x[c], self.strategies[c]):
+        for a in real:
+          f = strategy.factors[a]
+          reduced = stored(a, reduction)
+          if f >= 0 and rule.reduction[f]:
+            clause = (x.Not(), *stored(a, [f]))
+            scattered = any(row[a] >= 0 for row in strategy.makes)
+            res = ([rule.results[0][row[a]] for row in strategy.makes[:1]]
+                   if scattered else [])
+            forbid = stored(a, res)
+          elif f >= 0:
+            own = stored(a, [f])
+            clause, forbid = None, []
+            for r in reduced:  # no operand reduced there unless one holds f
+              key = (x.Index(), *(lit.Index() for lit in own), r.Index())
+              if key not in done:
+                done.add(key)
+                m.AddBoolOr([x.Not(), *own, r.Not()])
+          else:
+            clause, forbid = None, reduced
+          if clause is not None and (key := tuple(y.Index() for y in clause)) not in done:
+            done.add(key)
+            m.AddBoolOr(clause)
+          for r in forbid:
+            if (key := (x.Index(), -1 - r.Index())) not in done:
+              done.add(key)
+              m.AddImplication(x, r.Not())
+
+  def _made_key(self, v: int) -> tuple:
+    g = self.graph
+    p = int(g.producer[v])
+    if p < 0:
+      return ("in", id(self.inputs[v][1]))
+    return ("op", int(self.cls[p]), g.results[p].index(v))
+
+  def made(self, v: int) -> dict[Layout, list]:
+    """The layouts value v can be made in, each with the variables that
+    choose it."""
+    g = self.graph
+    p = int(g.producer[v])
+    out: dict[Layout, list] = {}
+    if p < 0:
+      rows, xs = self.inputs[v]
+      for row, x in zip(rows, xs):
+        out.setdefault(row, []).append(x)
+      return out
+    c, r = int(self.cls[p]), g.results[p].index(v)
+    for x, s in zip(self.x[c], self.strategies[c]):
+      out.setdefault(s.makes[r], []).append(x)
+    return out
+
+  def _reshards(self, v: int, n: int, pricer: _Pricer, terms: list) -> None:
+    g, m = self.graph, self.model
+    made = self.made(v)
+    wanted: dict[Layout, list] = {}
+    trips: dict[Layout, int] = {}
+    for o, p in g.uses[v]:
+      c = int(self.cls[o])
+      for x, s in zip(self.x[c], self.strategies[c]):
+        w = s.wants[p]
+        if w is None:
+          continue
+        wanted.setdefault(w, []).append(x)
+        trips[w] = max(trips.get(w, 1), int(g.trips[o]))
+    for w, readers in wanted.items():
+      price = {row: _ps(pricer.move(v, row, w, trips[w]) * n) for row in made}
+      if not any(price.values()):
+        continue
+      if len(made) == 1:  # the value's layout is known: the copy is the readers'
+        k = next(iter(price.values()))
+        for x in readers:
+          terms.append((x, k))
+        continue
+      want = m.NewBoolVar(f"v{v}want")
+      for x in readers:
+        m.AddImplication(x, want)
+      paid = m.NewIntVar(0, max(price.values()), f"v{v}copy")
+      m.Add(paid >= sum(k * x for row, k in price.items() if k
+                        for x in made[row])).OnlyEnforceIf(want)
+      terms.append((paid, 1))
+
+  def memory(self, point: int | None) -> dict:
+    """Bytes per device alive at op index `point` (None: the resident
+    arguments and results only), as {variable: bytes when it is chosen}."""
+    g, model = self.graph, self.program.model
+    alive = model.resident.copy()
+    if point is not None:
+      alive |= model.temporary & (model.start <= point) & (model.end >= point)
+    coef: dict = {}
+    for v in np.flatnonzero(alive):
+      for row, xs in self.made(int(v)).items():
+        tiles = math.prod(s for s, d in zip(self.program.mesh.axis_sizes, row) if d >= 0)
+        b = math.ceil(float(g.nbytes[v]) / tiles)
+        for x in xs:
+          entry = coef.setdefault(x.Index(), [x, 0])
+          entry[1] += b
+    return coef
+
+  def bound(self, point: int, limit: float) -> None:
+    self.model.Add(_sum(self.memory(point)) <= int(limit))
+    self.points.append(point)
+
+  def hint(self, state: State) -> None:
+    """Starts the solver from `state`: per op class the strategy its first
+    op computes in there, per argument its layout (where they exist)."""
+    g, model = self.graph, self.program.model
+    hinted = set()
+    for v, (rows, xs) in self.inputs.items():
+      row = tuple(int(d) for d in state[v])
+      if row in rows and len(xs) > 1 and id(xs) not in hinted:
+        hinted.add(id(xs))
+        for i, x in enumerate(xs):
+          self.model.AddHint(x, rows[i] == row)
+    done = set()
+    for o in range(g.num_ops):
+      c = int(self.cls[o])
+      if c in done:
+        continue
+      done.add(c)
+      factors = tuple(int(f) for f in model.layout(state, o)[0])
+      makes = tuple(tuple(int(d) for d in state[v]) if v >= 0 else None
+                    for v in g.results[o])
+      options = [i for i, s in enumerate(self.strategies[c]) if s.factors == factors]
+      exact = [i for i in options if self.strategies[c][i].makes == makes]
+      pick = (exact or options or [None])[0]
+      if pick is not None:
+        for i, x in enumerate(self.x[c]):
+          self.model.AddHint(x, i == pick)
+
+  def state(self, solver: cp_model.CpSolver) -> State:
+    g, program = self.graph, self.program
+    state = np.full((g.num_values, program.mesh.num_axes), UNSHARDED, np.int8)
+    for v, (rows, xs) in self.inputs.items():
+      state[v] = rows[_chosen(solver, xs)]
+    for o in range(g.num_ops):
+      c = int(self.cls[o])
+      s = self.strategies[c][_chosen(solver, self.x[c])]
+      for v, row in zip(g.results[o], s.makes):
+        if v >= 0:
+          state[v] = row
+    return state
+
+
+def _sum(coef: dict):
+  return sum(k * x for x, k in coef.values())
+
+
+def _ps(seconds: float) -> int:
+  return int(round(seconds * PICOSECONDS))
+
+
+def _chosen(solver: cp_model.CpSolver, xs: list) -> int:
+  return next(i for i, x in enumerate(xs) if solver.BooleanValue(x))
+
+
+def solve(program: Program, settings: Settings = Settings(),
+          hint: State | None = None) -> Result:
+  """Solves the program's ILP, starting from `hint` if given (a good plan
+  found otherwise); see the module docstring."""
+  start = time.perf_counter()
+  form = _Formulation(program, settings)
+  if hint is not None:
+    form.hint(hint)
+  limit = settings.memory_limit
+  if limit is not None:
+    live = np.zeros(program.graph.num_ops + 1)
+    model = program.model
+    temp = np.flatnonzero(model.temporary)
+    np.add.at(live, model.start[temp], program.graph.nbytes[temp])
+    np.add.at(live, np.minimum(model.end[temp] + 1, len(live) - 1), -program.graph.nbytes[temp])
+    live = np.cumsum(live)[:-1]
+    for point in np.argsort(-live, kind="stable")[:_FIRST_POINTS]:
+      form.bound(int(point), limit)
+  solver = cp_model.CpSolver()
+  solver.parameters.random_seed = settings.seed
+  solver.parameters.num_workers = settings.workers
+  found = None  # (state, status, objective, bound) of the last solution
+  rounds = 0
+  while rounds <= _MEMORY_ROUNDS:
+    rounds += 1
+    left = settings.seconds - (time.perf_counter() - start)
+    solver.parameters.max_time_in_seconds = max(left, 0.0)
+    # Building the model may spend the budget: then the solver is not run.
+    code = solver.Solve(form.model) if left > 0 else cp_model.UNKNOWN
+    if code == cp_model.INFEASIBLE:
+      return Result(None, "infeasible", math.nan, math.nan, time.perf_counter() - start,
+                    rounds, len(form.x), form.variables, _least_memory(form, settings))
+    if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+      break  # out of time: the last solution stands
+    found = (form.state(solver), "optimal" if code == cp_model.OPTIMAL else "feasible",
+             solver.Value(form.time) / PICOSECONDS,
+             max(0.0, solver.BestObjectiveBound() - form.tie_max) / PICOSECONDS)
+    if limit is None:
+      break
+    tracker = Tracker(program.model, found[0])
+    point = int(np.argmax(tracker.live))
+    if tracker.peak_memory <= limit or point in form.points:
+      break  # within the limit, or over it only by the solver model's error
+    form.bound(point, limit)
+  seconds = time.perf_counter() - start
+  if found is None:
+    return Result(None, "unknown", math.nan, math.nan, seconds, rounds, len(form.x),
+                  form.variables)
+  return Result(*found, seconds, rounds, len(form.x), form.variables)
+
+
+def _least_memory(form: _Formulation, settings: Settings) -> tuple[float, int]:
+  """The least peak, over the bounded points, that any choice of strategies
+  reaches (bytes per device), and the point where it peaks."""
+  probe = _Formulation(form.program, dataclasses.replace(settings, memory_limit=None))
+  total = int(form.graph.nbytes.sum())
+  peak = probe.model.NewIntVar(0, total, "peak")
+  memory = {point: _sum(probe.memory(point)) for point in form.points}
+  for expr in memory.values():
+    probe.model.Add(expr <= peak)
+  probe.model.ClearObjective()
+  probe.model.Minimize(peak)
+  solver = cp_model.CpSolver()
+  solver.parameters.max_time_in_seconds = max(settings.seconds / 4, 1.0)
+  found = solver.Solve(probe.model) in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+  at = (max(form.points, key=lambda p: solver.Value(memory[p])) if found
+        else form.points[0])
+  return float(solver.BestObjectiveBound()), at

@@ -1,0 +1,163 @@
+"""The ILP backend: exact optima on programs small enough to check by hand."""
+
+import itertools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import SMALL, gpt_step, mesh
+from jax.sharding import PartitionSpec as P
+
+import automap
+from automap._src import cost, sharding, trace
+from automap._src.program import Program
+from automap._src.search import ilp
+
+B, D, H = 8, 256, 1024
+# Compute-bound devices (memory traffic is free) with a slow link: times
+# are sums of FLOPs over peaks and of latency plus bytes over bandwidth.
+FLOPS, LINK, LATENCY = 1e12, 1e9, 1e-6
+HW = automap.Hardware(
+    name="test", flops=FLOPS, fp32_flops=FLOPS, hbm_bandwidth=1e30, hbm_capacity=2**30,
+    link_bandwidth=LINK, link_latency=LATENCY, network_bandwidth=LINK,
+    network_latency=LATENCY, devices_per_node=8, reduce_scatter=False)
+# Per device, unsharded: two matmuls on the matrix units, the relu on the
+# vector units (a sixteenth of the peak).
+COMPUTE = (2 * B * D * H + 2 * B * H * D) / FLOPS + B * H / (FLOPS / 16)
+
+
+def mlp(x, w1, w2):
+  return jnp.maximum(x @ w1, 0.0) @ w2
+
+
+def mlp_args():
+  k = jax.random.split(jax.random.key(0), 3)
+  return (jax.random.normal(k[0], (B, D)),
+          jax.random.normal(k[1], (D, H)) / 16,
+          jax.random.normal(k[2], (H, D)) / 16)
+
+
+def exhaustive_best(program: Program, memory_limit: float | None) -> float:
+  """The least step time over every layout of every value (one mesh axis)."""
+  g, model = program.graph, program.model
+  options = [[-1] + list(range(g.rank(v))) for v in range(g.num_values)]
+  best = np.inf
+  for rows in itertools.product(*options):
+    state = np.array(rows, np.int8)[:, None]
+    if any(n % 2 for v, d in enumerate(rows) if d >= 0 for n in [g.shapes[v][d]]):
+      continue
+    tracker = cost.Tracker(model, state)
+    if memory_limit is None or tracker.peak_memory <= memory_limit:
+      best = min(best, tracker.step_time)
+  return best
+
+
+@pytest.mark.parametrize("shape,names", [((2,), ("x",)), ((2, 2), ("x", "y"))])
+def test_unconstrained_optimum_is_data_parallel(shape, names):
+  # No plan runs fewer FLOPs per device than COMPUTE / devices, and any
+  # collective adds time; tiling the batch over every device reaches that
+  # bound with no collective, so it is the optimum, and the only one (any
+  # other tiling contracts a tiled dim and must combine partial sums).
+  m = mesh(shape, names)
+  plan = automap.search(mlp, *mlp_args(), mesh=m, hardware=HW, search="ilp")
+  devices = int(np.prod(shape))
+  assert plan.stats["status"] == "optimal"
+  assert plan.cost.step_time == pytest.approx(COMPUTE / devices, rel=1e-9)
+  assert plan.stats["objective"] == pytest.approx(COMPUTE / devices, rel=1e-6)
+  assert plan.cost.comm_bytes == {}
+  batch = names if len(names) > 1 else names[0]
+  assert plan.in_specs == (P(batch), P(), P())  # ties go to fewer bytes held
+  assert plan.out_specs == (P(batch),)
+
+
+def test_memory_limit_forces_megatron():
+  # 1.2 MB per device cannot hold both 1 MiB weights whole, nor gather
+  # either of them: each must stay halved, and every op can still run half
+  # its FLOPs. What remains is the cheapest collective such a plan needs:
+  # - w1 by columns (H), w2 by rows (H): all-reduce the partial sums of
+  #   y [B, D] (Megatron);
+  # - both by columns: all-gather relu(h) [B, H] for dot2;
+  # - w1 by rows (D): partial sums of h [B, H] to all-reduce first.
+  # With H = 4 D the all-reduce of y moves the fewest bytes.
+  m = mesh((2,), ("x",))
+  args = mlp_args()
+  limit = 1_200_000
+  plan = automap.search(mlp, *args, mesh=m, hardware=HW, search="ilp",
+                        memory_limit=limit)
+  all_reduce = 2 * LATENCY + 2 * (1 / 2) * B * D * 4 / LINK
+  all_gather = LATENCY + (1 / 2) * B * H * 4 / LINK
+  assert all_reduce < all_gather
+  assert plan.stats["status"] == "optimal"
+  assert plan.cost.step_time == pytest.approx(COMPUTE / 2 + all_reduce, rel=1e-9)
+  assert plan.in_specs[1:] == (P(None, "x"), P("x"))
+  assert plan.cost.comm_bytes == {("all-reduce", ("x",)): B * D * 4}
+  assert plan.cost.peak_memory <= limit
+  report = automap.verify(plan, mlp, *args, mesh=m)
+  assert report.max_rel_error < 1e-5
+  assert report.comm_error < 0.05, report.table()
+  assert report.compiled_memory <= limit
+
+
+@pytest.mark.parametrize("limit", [None, 1_200_000])
+def test_optimum_matches_exhaustive_enumeration(limit):
+  program = Program.build(trace.trace(mlp, mlp_args()), sharding.MeshSpec(("x",), (2,)),
+                          HW)
+  result = ilp.solve(program, ilp.Settings(memory_limit=limit))
+  tracker = cost.Tracker(program.model, result.state)
+  assert result.status == "optimal"
+  assert tracker.step_time == pytest.approx(exhaustive_best(program, limit), rel=1e-9)
+  assert result.objective == pytest.approx(tracker.step_time, rel=1e-6)
+
+
+def test_unmeetable_memory_limit_names_the_least_peak():
+  m = mesh((2,), ("x",))
+  args = mlp_args()
+  program = Program.build(trace.trace(mlp, args), sharding.MeshSpec.of(m), HW)
+  limit = program.memory_lower_bound() * 1.01  # above the bound; below any plan
+  with pytest.raises(automap.MemoryLimitError, match=r"least peak .* reaches is [\d,]+ bytes"):
+    automap.search(mlp, *args, mesh=m, hardware=HW, search="ilp", memory_limit=limit)
+
+
+def test_train_step_plan_is_faithful_and_beats_its_start():
+  m = mesh((4, 2))
+  step, args = gpt_step(SMALL)
+  plan = automap.search(step, *args, mesh=m, hardware="cpu", search="ilp",
+                        budget=automap.Budget(seconds=20))
+  assert plan.stats["status"] in ("optimal", "feasible")
+  assert plan.stats["bound"] <= plan.stats["objective"]
+  # The solver's model prices the plan as the cost model does.
+  assert plan.stats["objective"] == pytest.approx(plan.cost.step_time, rel=0.02)
+  hint = automap.search(step, *args, mesh=m, hardware="cpu", search="mcts",
+                        budget=automap.Budget(episodes=1))
+  assert plan.cost.step_time <= hint.cost.step_time
+  report = automap.verify(plan, step, *args, mesh=m)
+  assert report.max_rel_error < 1e-3
+  assert report.comm_error < 0.05, report.table()
+
+
+def test_timeout_falls_back_to_the_best_tactic_with_a_warning():
+  m = mesh((4, 2))
+  step, args = gpt_step(SMALL)
+  with pytest.warns(automap.SearchWarning, match="found no solution within"):
+    plan = automap.search(step, *args, mesh=m, hardware="cpu", search="ilp",
+                          budget=automap.Budget(seconds=0.2))
+  assert plan.stats["status"] == "unknown"
+  assert plan.stats["fallback"] == plan.stats["hint"] != "none"
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert plan.cost.step_time > 0
+
+
+def test_unknown_search_is_named():
+  with pytest.raises(ValueError, match="search must be one of"):
+    automap.search(mlp, *mlp_args(), mesh=mesh((2,), ("x",)), search="greedy")
+
+
+def test_search_method_is_part_of_the_cache_key(tmp_path):
+  m = mesh((2,), ("x",))
+  a = automap.search(mlp, *mlp_args(), mesh=m, hardware=HW, cache=tmp_path)
+  b = automap.search(mlp, *mlp_args(), mesh=m, hardware=HW, cache=tmp_path, search="ilp")
+  assert a.stats["strategy"] == "mcts" and b.stats["strategy"] == "ilp"
+  assert not b.stats.get("cached")
