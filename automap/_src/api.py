@@ -163,18 +163,23 @@ def _run_search(program: Program, request: _Request) -> _Found:
   space = ActionSpace(program, request.hints.groups)
   if request.method == "ilp":
     return _run_ilp(program, space, request)
+  return _run_mcts(program, space, request, request.budget.seconds)
+
+
+def _run_mcts(program: Program, space: ActionSpace, request: _Request,
+              seconds: float) -> _Found:
   budget = request.budget
   run = mcts.Search(program, space, request.memory_limit, request.seed)
   show = budget.progress if budget.progress is not None else sys.stderr.isatty()
   if not show:
-    result = run.run(budget.episodes, budget.seconds)
+    result = run.run(budget.episodes, seconds)
   else:
     with progress_lib.Progress(
         *progress_lib.Progress.get_default_columns(),
         progress_lib.TextColumn("{task.fields[best]}"), transient=True) as bar:
       task = bar.add_task(f"automap: searching {program.mesh}",
                           total=budget.episodes, best="")
-      result = run.run(budget.episodes, budget.seconds, lambda s: bar.update(
+      result = run.run(budget.episodes, seconds, lambda s: bar.update(
           task, completed=s.episodes,
           best=f"best {s.best.score[1] * 1e3:.3f} ms, {s.best.score[0]:,.0f} B over"))
   stats = {"strategy": "mcts", "episodes": result.episodes,
@@ -187,25 +192,26 @@ def _run_search(program: Program, request: _Request) -> _Found:
   return _Found(result.state, result.score, stats)
 
 
+# Share of Budget.seconds the ILP's warm start (MCTS) may take.
+_WARM_SHARE = 0.25
+
+
 def _run_ilp(program: Program, space: ActionSpace, request: _Request) -> _Found:
-  """Solves the ILP from the best tactic; on a timeout without a solution,
-  falls back to that tactic, with a warning."""
-  limit = request.memory_limit
-  start = program.initial_state()
-  best = (_score(program, start, limit), start, "none")
-  for tactic in space.tactics:
-    state = start.copy()
-    if space.apply(state, tactic):
-      best = min(best, (_score(program, state, limit), state, space.describe(tactic)),
-                 key=lambda b: b[0])
-  result = ilp.solve(program, ilp.Settings(seconds=request.budget.seconds,
-                                           memory_limit=limit, seed=request.seed),
-                     hint=best[1])
+  """Solves the ILP from MCTS's best plan (a warm start within a quarter of
+  the budget's seconds) and keeps the better of the two; on a timeout
+  without a solution, the warm start, with a warning."""
+  t0 = time.perf_counter()
+  limit, budget = request.memory_limit, request.budget
+  warm = _run_mcts(program, space, request, budget.seconds * _WARM_SHARE)
+  result = ilp.solve(program, ilp.Settings(
+      seconds=budget.seconds - (time.perf_counter() - t0), memory_limit=limit,
+      seed=request.seed), hint=warm.state)
   stats = {"strategy": "ilp", "status": result.status,
-           "seconds": round(result.seconds, 4), "memory_rounds": result.rounds,
+           "seconds": round(time.perf_counter() - t0, 4), "memory_rounds": result.rounds,
            "choices": result.ops, "variables": result.variables,
            "objective": result.objective, "bound": result.bound,
-           "hint": best[2]}
+           "warm_start": {k: warm.stats[k] for k in ("episodes", "seconds", "actions")}
+           | {"step_time": warm.score[1]}}
   if result.status == "infeasible":
     least, at = result.least_memory
     g = program.graph
@@ -216,12 +222,15 @@ def _run_ilp(program: Program, space: ActionSpace, request: _Request) -> _Found:
         "Raise the limit or use more devices.")
   if result.state is None:
     warnings.warn(SearchWarning(
-        f"search='ilp' found no solution within {request.budget.seconds:g} s "
-        f"({result.variables:,} variables); using the best tactic, {best[2]}, "
-        "instead. Give a larger Budget(seconds=...) or use search='mcts'."),
+        f"search='ilp' found no solution within {budget.seconds:g} s "
+        f"({result.variables:,} variables); using its warm start, MCTS's best "
+        "plan, instead. Give a larger Budget(seconds=...) or use search='mcts'."),
         stacklevel=4)
-    return _Found(best[1], best[0], dict(stats, fallback=best[2]))
-  return _Found(result.state, _score(program, result.state, limit), stats)
+    return _Found(warm.state, warm.score, dict(stats, kept="warm start"))
+  score = _score(program, result.state, limit)
+  if warm.score < score:  # the solver's classes could not express the start
+    return _Found(warm.state, warm.score, dict(stats, kept="warm start"))
+  return _Found(result.state, score, stats)
 
 
 def _plan_of(program: Program, found: _Found, memory_limit: float | None) -> Plan:

@@ -22,7 +22,9 @@ solve again.
 
 Ops with identical neighbourhoods (Weisfeiler-Lehman colours) share a
 strategy and values in identical positions share their reshard terms, so
-repeated layers cost the solver one layer. The solution becomes a state
+repeated layers cost the solver one layer. A training step's carried state
+(a result under an argument's path, shape and dtype) comes back in the
+layout it came in: the next step reads it as it is. The solution becomes a state
 like any other, and `Program.make_plan` prices it with `Tracker`: the
 figures a plan reports never come from the solver's model.
 
@@ -225,6 +227,20 @@ class _Pricer:
     return seconds
 
 
+def carried_pairs(program: Program) -> list[tuple[int, int]]:
+  """(argument, result) value ids of the state a step carries: a result
+  under an argument's path, shape and dtype."""
+  t, g = program.traced, program.graph
+  outs = {(p, tuple(a.shape), str(a.dtype)): v
+          for p, a, v in zip(t.out_paths, t.out_avals, g.outputs) if v >= 0}
+  pairs = []
+  for p, a, v in zip(t.in_paths, t.in_avals, g.inputs):
+    u = outs.get((p, tuple(a.shape), str(a.dtype)))
+    if u is not None and g.producer[u] >= 0:
+      pairs.append((v, u))
+  return pairs
+
+
 def _op_classes(program: Program, share: bool) -> np.ndarray:
   """[O] class of each op: ops of a class share one strategy."""
   g = program.graph
@@ -290,6 +306,16 @@ class _Formulation:
       self.inputs[v] = (rows, xs)
     self._tiled: dict[tuple, list] = {}
     self._consistent(reps)
+    # Carried state (parameters, optimizer moments) comes back in the layout
+    # it came in, as the next step reads it.
+    tied = set()
+    for v, u in carried_pairs(program):
+      if (key := (self._made_key(v), self._made_key(u))) in tied:
+        continue
+      tied.add(key)
+      given, made = self.made(v), self.made(u)
+      for row in set(given) | set(made):
+        m.Add(sum(given.get(row, [])) == sum(made.get(row, [])))
     # Reshards: per value (deduplicated over values in like positions) and
     # per layout its readers want, one copy.
     alike: dict[tuple, list[int]] = {}  # position -> [a value there, count]
