@@ -52,8 +52,9 @@ def mlp_step():
 
 
 def programs():
-  gpt = GPTConfig(vocab=512, seq=128, hidden=512, heads=8, layers=2)
-  yield "GPT 2L h512", *make_train_step(gpt, batch=32, abstract=True)
+  for layers in (2, 12):
+    gpt = GPTConfig(vocab=512, seq=128, hidden=512, heads=8, layers=layers)
+    yield f"GPT {layers}L h512", *make_train_step(gpt, batch=32, abstract=True)
   small = GPTConfig(vocab=128, seq=16, hidden=128, heads=4, layers=2)
   step, args = make_train_step(small, batch=8)
   yield "GPT 2L h128", step, shapes_only(args)

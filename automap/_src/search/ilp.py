@@ -37,6 +37,7 @@ import dataclasses
 import itertools
 import math
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -133,6 +134,7 @@ class _Pricer:
     self.sizes = program.mesh.axis_sizes
     self.scratch = np.full((self.graph.num_values, len(self.sizes)), UNSHARDED, np.int8)
     self.moves: dict[tuple, float] = {}
+    self.costs: dict[tuple, object] = {}  # (op class, member layouts) -> OpCost
 
   def strategies(self, o: int) -> list[Strategy]:
     """The strategies of op o that `CostModel` prices as they are (its
@@ -159,8 +161,9 @@ class _Pricer:
       options = [[-1] for _ in reducing]
       if len(results) == 1 and results[0] >= 0:
         dims = rule.results[0]
-        free = [d for d in range(len(dims)) if dims[d] >= 0
-                and all(dims[d] != factors[b] for b in real)]
+        # Any dim with a factor, even one another axis tiles too (the
+        # cost model checks the nesting).
+        free = [d for d in range(len(dims)) if dims[d] >= 0]
         options = [[-1] + free for _ in reducing]
       for scatter in itertools.product(*options):
         s = self._price(o, tuple(factors), dict(zip(reducing, scatter)))
@@ -200,7 +203,10 @@ class _Pricer:
       state[v] = row
     try:
       derived = model.layout(state, o)[0]
-      cost = model.op_cost(state, o)
+      key = (int(model.op_class[o]), tuple(layout.items()))
+      cost = self.costs.get(key)
+      if cost is None:
+        cost = self.costs[key] = model._op_cost(state, o)
     finally:
       state[list(layout)] = UNSHARDED
     if tuple(derived) != factors or cost.reshards:
@@ -215,14 +221,14 @@ class _Pricer:
       seconds += sec
     return Strategy(factors, tuple(wants), tuple(makes), seconds, tuple(late))
 
-  def move(self, v: int, have: Layout, want: Layout, trips: int) -> float:
-    """Seconds to reshard value v from `have` to `want`, per call."""
-    key = (int(self.graph.nbytes[v]), have, want, trips)
+  def move(self, nbytes: int, have: Layout, want: Layout, trips: int) -> float:
+    """Seconds to reshard an array of `nbytes` from `have` to `want`, per call."""
+    key = (nbytes, have, want, trips)
     seconds = self.moves.get(key)
     if seconds is None:
       tiles = math.prod(s for s, d in zip(self.sizes, have) if d >= 0)
       comms: list = []
-      self.model.transition(comms, have, want, float(self.graph.nbytes[v]) / tiles, 0)
+      self.model.transition(comms, have, want, nbytes / tiles, 0)
       seconds = self.moves[key] = trips * sum(c[3] for c in comms)
     return seconds
 
@@ -255,12 +261,18 @@ def _op_classes(program: Program, share: bool) -> np.ndarray:
 
 
 class _Formulation:
-  """The CP-SAT model of one program; memory points are added by `bound`."""
+  """The CP-SAT model of one program; memory points are added by `bound`.
+
+  Decisions are one-hot strategy variables per op class and layout
+  variables per argument class; every other variable is derived from them
+  (recorded in `derived`, so a hint can set it too).
+  """
 
   def __init__(self, program: Program, settings: Settings):
     self.program, self.settings = program, settings
     g = program.graph
     self.graph = g
+    self.real = [a for a, size in enumerate(program.mesh.axis_sizes) if size > 1]
     pricer = _Pricer(program)
     self.cls = _op_classes(program, settings.share)
     reps = {}
@@ -268,6 +280,8 @@ class _Formulation:
       reps.setdefault(int(self.cls[o]), o)
     self.strategies = {c: pricer.strategies(o) for c, o in reps.items()}
     m = self.model = cp_model.CpModel()
+    # (variable, its value given the decisions' values by index), in order.
+    self.derived: list[tuple[cp_model.IntVar, Callable[[dict], int]]] = []
     self.x = {c: [m.NewBoolVar(f"op{o}s{i}") for i in range(len(self.strategies[c]))]
               for c, o in reps.items()}
     for xs in self.x.values():
@@ -281,10 +295,8 @@ class _Formulation:
         for key in s.late:
           late.setdefault(key, []).append(x)
     for (kind, mask), xs in late.items():
-      paid = m.NewBoolVar(f"latency{kind}_{mask}")
-      for x in xs:
-        m.AddImplication(x, paid)
-      terms.append((paid, _ps(program.model.latency[kind, mask])))
+      terms.append((self._any(xs, f"latency{kind}_{mask}"),
+                    _ps(program.model.latency[kind, mask])))
     # Arguments (and constants): a layout each, shared by equal colours.
     colour = colours(g) if settings.share else np.arange(g.num_values)
     self.inputs: dict[int, tuple[list[Layout], list]] = {}
@@ -304,8 +316,8 @@ class _Formulation:
           by_colour[key] = (rows, xs)
         rows, xs = by_colour[key]
       self.inputs[v] = (rows, xs)
-    self._tiled: dict[tuple, list] = {}
-    self._consistent(reps)
+    self._lits: dict[tuple, cp_model.IntVar] = {}
+    self._consistent()
     # Carried state (parameters, optimizer moments) comes back in the layout
     # it came in, as the next step reads it.
     tied = set()
@@ -334,72 +346,97 @@ class _Formulation:
     self.points: list[int] = []
     self.variables = len(m.Proto().variables)
 
+  def _any(self, xs: list, name: str) -> cp_model.IntVar:
+    """A literal implied by each of `xs` (true when one is; the objective
+    keeps it false otherwise)."""
+    if len(xs) == 1:
+      return xs[0]
+    lit = self.model.NewBoolVar(name)
+    for x in xs:
+      self.model.AddImplication(x, lit)
+    self.derived.append((lit, lambda h, xs=xs: max(h[x.Index()] for x in xs)))
+    return lit
+
+  def _sum(self, xs: list, name: str) -> cp_model.IntVar:
+    """A literal equal to the sum of the exclusive `xs`."""
+    if len(xs) == 1:
+      return xs[0]
+    lit = self.model.NewBoolVar(name)
+    self.model.Add(lit == sum(xs))
+    self.derived.append((lit, lambda h, xs=xs: sum(h[x.Index()] for x in xs)))
+    return lit
+
+  def layout_lit(self, v: int, row: Layout) -> cp_model.IntVar | None:
+    """A literal true exactly when value v is made in layout `row` (None:
+    it never is)."""
+    key = (self._made_key(v), row)
+    if key not in self._lits:
+      xs = self.made(v).get(row)
+      self._lits[key] = None if xs is None else self._sum(xs, f"v{v}l")
+    return self._lits[key]
+
   def _tiled_lits(self, v: int, a: int, dims) -> list:
     """Literals, one true exactly when value v is made with axis a on one
     of `dims`."""
     out = []
     for e in dims:
       key = (self._made_key(v), a, e)
-      if key not in self._tiled:
-        xs = [x for row, group in self.made(v).items() if row[a] == e for x in group]
-        lit = None
-        if xs:
-          lit = self.model.NewBoolVar(f"v{v}a{a}d{e}")
-          self.model.Add(lit == sum(xs))
-        self._tiled[key] = lit
-      if self._tiled[key] is not None:
-        out.append(self._tiled[key])
+      if key not in self._lits:
+        lits = [self.layout_lit(v, row) for row in self.made(v) if row[a] == e]
+        self._lits[key] = self._sum(lits, f"v{v}a{a}d{e}") if lits else None
+      if self._lits[key] is not None:
+        out.append(self._lits[key])
     return out
 
-  def _consistent(self, reps: dict[int, int]) -> None:
+  def _consistent(self) -> None:
     """Each op's strategy is the one `CostModel.layout` derives from the
     layouts its operands are made in: a reduction factor is tiled on an axis
     only where an operand is stored tiled by it there (the others are sliced
     to match), and a result's factor wins over an operand's reduction factor
     only where an operand is stored tiled by that factor too."""
     g, m = self.graph, self.model
-    real = [a for a, size in enumerate(self.program.mesh.axis_sizes) if size > 1]
     done = set()
+
+    def once(lits: list) -> bool:
+      key = tuple(sorted(y.Index() for y in lits))
+      if key in done:
+        return False
+      done.add(key)
+      return True
+
     for o in range(g.num_ops):
       rule = g.rules[o]
       if rule.replicated or not any(rule.reduction):
         continue
       c = int(self.cls[o])
-      reduction = [f for f in range(len(rule.sizes)) if rule.reduction[f]]
-
-      def stored(a, factors, o=o, rule=rule):
-        lits = []
+      stored: dict[tuple[int, int], list] = {}  # (axis, factor) -> literals
+      for a in self.real:
         for v, dims in zip(g.operands[o], rule.operands):
           if v >= 0 and dims is not None:
-            lits += self._tiled_lits(v, a, [e for e, f in enumerate(dims) if f in factors])
-        return lits
-
+            for e, f in enumerate(dims):
+              if f >= 0:
+                stored.setdefault((a, f), []).extend(self._tiled_lits(v, a, [e]))
+      reduced = {a: [y for f in range(len(rule.sizes)) if rule.reduction[f]
+                     for y in stored.get((a, f), [])] for a in self.real}
       for x, strategy in zip(self.x[c], self.strategies[c]):
-        for a in real:
+        for a in self.real:
           f = strategy.factors[a]
-          reduced = stored(a, reduction)
+          forbid = []
           if f >= 0 and rule.reduction[f]:
-            clause = (x.Not(), *stored(a, [f]))
-            scattered = any(row[a] >= 0 for row in strategy.makes)
-            res = ([rule.results[0][row[a]] for row in strategy.makes[:1]]
-                   if scattered else [])
-            forbid = stored(a, res)
+            if once(clause := [x.Not(), *stored.get((a, f), [])]):
+              m.AddBoolOr(clause)
+            scatter = strategy.makes[0][a] if strategy.makes else -1
+            if scatter >= 0:
+              forbid = stored.get((a, rule.results[0][scatter]), [])
           elif f >= 0:
-            own = stored(a, [f])
-            clause, forbid = None, []
-            for r in reduced:  # no operand reduced there unless one holds f
-              key = (x.Index(), *(lit.Index() for lit in own), r.Index())
-              if key not in done:
-                done.add(key)
-                m.AddBoolOr([x.Not(), *own, r.Not()])
+            own = stored.get((a, f), [])
+            for r in reduced[a]:  # no operand reduced there unless one holds f
+              if once(clause := [x.Not(), *own, r.Not()]):
+                m.AddBoolOr(clause)
           else:
-            clause, forbid = None, reduced
-          if clause is not None and (key := tuple(y.Index() for y in clause)) not in done:
-            done.add(key)
-            m.AddBoolOr(clause)
+            forbid = reduced[a]
           for r in forbid:
-            if (key := (x.Index(), -1 - r.Index())) not in done:
-              done.add(key)
+            if once([x.Not(), r.Not()]):
               m.AddImplication(x, r.Not())
 
   def _made_key(self, v: int) -> tuple:
@@ -427,7 +464,7 @@ class _Formulation:
 
   def _reshards(self, v: int, n: int, pricer: _Pricer, terms: list) -> None:
     g, m = self.graph, self.model
-    made = self.made(v)
+    made = list(self.made(v))
     wanted: dict[Layout, list] = {}
     trips: dict[Layout, int] = {}
     for o, p in g.uses[v]:
@@ -438,21 +475,25 @@ class _Formulation:
           continue
         wanted.setdefault(w, []).append(x)
         trips[w] = max(trips.get(w, 1), int(g.trips[o]))
+    lits: dict[Layout, cp_model.IntVar] = {}
+    move, nbytes = pricer.move, int(g.nbytes[v])
     for w, readers in wanted.items():
-      price = {row: _ps(pricer.move(v, row, w, trips[w]) * n) for row in made}
-      if not any(price.values()):
+      price = [(row, _ps(move(nbytes, row, w, trips[w]) * n)) for row in made]
+      price = [(row, k) for row, k in price if k]
+      if not price:
         continue
       if len(made) == 1:  # the value's layout is known: the copy is the readers'
-        k = next(iter(price.values()))
-        for x in readers:
-          terms.append((x, k))
+        terms.extend((x, price[0][1]) for x in readers)
         continue
-      want = m.NewBoolVar(f"v{v}want")
-      for x in readers:
-        m.AddImplication(x, want)
-      paid = m.NewIntVar(0, max(price.values()), f"v{v}copy")
-      m.Add(paid >= sum(k * x for row, k in price.items() if k
-                        for x in made[row])).OnlyEnforceIf(want)
+      want = self._any(readers, f"v{v}want")
+      for row, _ in price:
+        if row not in lits:
+          lits[row] = self.layout_lit(v, row)
+      costly = [(lits[row], k) for row, k in price]
+      paid = m.NewIntVar(0, max(k for _, k in costly), f"v{v}copy")
+      m.Add(paid >= sum(k * y for y, k in costly)).OnlyEnforceIf(want)
+      self.derived.append((paid, lambda h, want=want, costly=costly: h[want.Index()] * sum(
+          k * h[y.Index()] for y, k in costly)))
       terms.append((paid, 1))
 
   def memory(self, point: int | None) -> dict:
@@ -478,15 +519,17 @@ class _Formulation:
 
   def hint(self, state: State) -> None:
     """Starts the solver from `state`: per op class the strategy its first
-    op computes in there, per argument its layout (where they exist)."""
+    op computes in there, per argument its layout, and every derived
+    variable to match (where the state is expressible)."""
     g, model = self.graph, self.program.model
-    hinted = set()
+    h: dict[int, int] = {}
+    for _, xs in self.inputs.values():
+      for x in xs:
+        h.setdefault(x.Index(), int(len(xs) == 1))  # a pinned layout is a constant
     for v, (rows, xs) in self.inputs.items():
       row = tuple(int(d) for d in state[v])
-      if row in rows and len(xs) > 1 and id(xs) not in hinted:
-        hinted.add(id(xs))
-        for i, x in enumerate(xs):
-          self.model.AddHint(x, rows[i] == row)
+      if row in rows and len(xs) > 1:
+        h[xs[rows.index(row)].Index()] = 1
     done = set()
     for o in range(g.num_ops):
       c = int(self.cls[o])
@@ -498,10 +541,17 @@ class _Formulation:
                     for v in g.results[o])
       options = [i for i, s in enumerate(self.strategies[c]) if s.factors == factors]
       exact = [i for i in options if self.strategies[c][i].makes == makes]
-      pick = (exact or options or [None])[0]
-      if pick is not None:
-        for i, x in enumerate(self.x[c]):
-          self.model.AddHint(x, i == pick)
+      pick = (exact or options or [0])[0]
+      for i, x in enumerate(self.x[c]):
+        h[x.Index()] = int(i == pick)
+    for var, value in self.derived:
+      h[var.Index()] = int(value(h))
+    for var, _ in self.derived:
+      self.model.AddHint(var, h[var.Index()])
+    for xs in list(self.x.values()) + [xs for _, xs in self.inputs.values()]:
+      if len(xs) > 1 and xs[0].Index() in h:
+        for x in xs:
+          self.model.AddHint(x, h.pop(x.Index()))
 
   def state(self, solver: cp_model.CpSolver) -> State:
     g, program = self.graph, self.program
