@@ -1,11 +1,14 @@
-"""Pipeline speed against program size.
+"""Pipeline speed against program size, from 1k to 100k equations.
 
-For GPT train steps of L layers: jaxpr equations, graph build time, one full
-propagation + cost evaluation, and the time of one incremental action
-(tile + propagate + re-cost + undo), median over the candidate actions of the
-search. Prints a Markdown table.
+For GPT train steps of L layers: jaxpr equations, trace, graph build, one
+full propagation + cost evaluation, one incremental action (tile +
+propagate + re-cost + undo; median over the search's candidate actions),
+and an end-to-end `automap.search` (trace to plan, MCTS under
+`Budget(seconds=...)`). Then the growth exponent of each time against the
+equation count (least squares on log-log). Prints Markdown tables;
+`--plot PATH` draws the times (needs matplotlib: `pip install -e .[bench]`).
 
-  python benchmarks/scale.py --layers 2 12 24
+  python benchmarks/scale.py --layers 2 6 24 96 200 --plot benchmarks/scale.png
 """
 
 from __future__ import annotations
@@ -18,13 +21,16 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
-from automap._src import cost, graph, hardware, program, sharding, trace  # noqa: E402
+import automap  # noqa: E402
+from automap._src import cost, graph, hardware, sharding, trace  # noqa: E402
 from automap._src.models.gpt import GPTConfig, make_train_step  # noqa: E402
+from automap._src.program import Program  # noqa: E402
 
-
-def shapes_only(args):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+MESH = (("data", "model"), (4, 2))
+COLUMNS = {"trace_s": "trace", "build_s": "graph build", "full_eval_s": "full evaluation",
+           "action_s": "action", "search_s": "end-to-end search"}
 
 
 def candidate_actions(prog) -> list[tuple[int, int, int]]:
@@ -36,21 +42,17 @@ def candidate_actions(prog) -> list[tuple[int, int, int]]:
   return sorted(out, key=lambda x: -int(g.nbytes[x[0]]))
 
 
-def measure(layers: int, actions: int) -> dict:
+def measure(layers: int, actions: int, seconds: float) -> dict:
   config = GPTConfig(vocab=512, seq=128, hidden=512, heads=8, layers=layers)
-  step, args = make_train_step(config, batch=32)
-  args = shapes_only(args)
+  step, args = make_train_step(config, batch=32, abstract=True)
   t = time.perf_counter()
   traced = trace.trace(step, args)
   t_trace = time.perf_counter() - t
   t = time.perf_counter()
   g = graph.build(traced)
   t_build = time.perf_counter() - t
-  mesh = sharding.MeshSpec(("data", "model"), (4, 2))
-  prog = program.Program(traced, g, mesh, hardware.get_hardware("tpu-v4"),
-                         cost.CostModel(g, mesh, hardware.get_hardware("tpu-v4")),
-                         sharding.empty_state(g, mesh),
-                         __import__("numpy").zeros(g.num_values, bool))
+  mesh = sharding.MeshSpec(*MESH)
+  prog = Program.build(traced, mesh, hardware.get_hardware("tpu-v4"))
   state = prog.initial_state()
   t = time.perf_counter()
   tracker = cost.Tracker(prog.model, state)
@@ -67,26 +69,69 @@ def measure(layers: int, actions: int) -> dict:
     tracker.update(changed)
     times.append(time.perf_counter() - t)
     touched.append(len(changed))
+  del prog, tracker
+  t = time.perf_counter()
+  plan = automap.search(step, *args, mesh=jax.sharding.AbstractMesh(MESH[1], MESH[0]),
+                        budget=automap.Budget(episodes=200, seconds=seconds))
+  t_search = time.perf_counter() - t
   return {"layers": layers, "equations": g.num_ops, "values": g.num_values,
           "trace_s": t_trace, "build_s": t_build, "full_eval_s": t_full,
-          "action_ms": 1e3 * statistics.median(times),
-          "action_p90_ms": 1e3 * sorted(times)[int(0.9 * len(times))],
-          "values_touched": statistics.median(touched)}
+          "action_s": statistics.median(times),
+          "action_p90_s": sorted(times)[int(0.9 * len(times))],
+          "values_touched": statistics.median(touched),
+          "search_s": t_search, "episodes": plan.stats["episodes"]}
+
+
+def exponents(rows: list[dict]) -> dict[str, float]:
+  """Growth exponent of each time column against equations (log-log fit)."""
+  n = np.log([r["equations"] for r in rows])
+  return {k: float(np.polyfit(n, np.log([r[k] for r in rows]), 1)[0]) for k in COLUMNS}
+
+
+def plot(rows: list[dict], fits: dict[str, float], path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  n = [r["equations"] for r in rows]
+  for k, label in COLUMNS.items():
+    ax.loglog(n, [r[k] for r in rows], "o-", label=f"{label} (n^{fits[k]:.2f})")
+  ax.set_xlabel("jaxpr equations")
+  ax.set_ylabel("seconds")
+  ax.set_title("automap pipeline time against program size (GPT train steps)")
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
 
 
 def main():
   p = argparse.ArgumentParser(description=__doc__)
-  p.add_argument("--layers", type=int, nargs="+", default=[2, 12, 24])
-  p.add_argument("--actions", type=int, default=200)
+  p.add_argument("--layers", type=int, nargs="+", default=[2, 6, 24, 96, 200])
+  p.add_argument("--actions", type=int, default=100)
+  p.add_argument("--seconds", type=float, default=20.0,
+                 help="the search budget of the end-to-end run")
+  p.add_argument("--plot", default=None, help="write a PNG of the times here")
   args = p.parse_args()
   print("| layers | equations | values | trace s | graph build s | full evaluation s "
-        "| action+undo ms (median) | p90 ms | values touched (median) |")
-  print("|---|---|---|---|---|---|---|---|---|")
+        "| action+undo ms (median) | p90 ms | values touched (median) "
+        "| end-to-end search s | episodes |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  rows = []
   for layers in args.layers:
-    r = measure(layers, args.actions)
+    r = measure(layers, args.actions, args.seconds)
+    rows.append(r)
     print(f"| {r['layers']} | {r['equations']:,} | {r['values']:,} | {r['trace_s']:.2f} "
-          f"| {r['build_s']:.2f} | {r['full_eval_s']:.3f} | {r['action_ms']:.2f} "
-          f"| {r['action_p90_ms']:.2f} | {r['values_touched']:.0f} |", flush=True)
+          f"| {r['build_s']:.2f} | {r['full_eval_s']:.3f} | {1e3 * r['action_s']:.2f} "
+          f"| {1e3 * r['action_p90_s']:.2f} | {r['values_touched']:.0f} "
+          f"| {r['search_s']:.1f} | {r['episodes']} |", flush=True)
+  if len(rows) > 1:
+    fits = exponents(rows)
+    print("\n| growth exponent | " + " | ".join(COLUMNS.values()) + " |")
+    print("|---|" + "---|" * len(COLUMNS))
+    print("| time ~ equations^k | " + " | ".join(f"{fits[k]:.2f}" for k in COLUMNS) + " |")
+    if args.plot:
+      plot(rows, fits, args.plot)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ seconds until its plan is within 1% of that best, and the final ratio
 found / expert after the episode budget. Nothing is compiled. Prints a
 Markdown table.
 
-  python benchmarks/search.py --layers 2 12 24 48
+  python benchmarks/search.py --layers 2 12 24 48 [--plot benchmarks/search.png]
 """
 
 from __future__ import annotations
@@ -64,9 +64,10 @@ def run(traced, args, mesh: MeshSpec, patterns, episodes: int, target: float) ->
   t = time.perf_counter()
   space = ActionSpace(program, patterns)
   search = mcts.Search(program, space, None, seed=0)
-  hit = {}
+  hit, curve = {}, []
 
   def progress(s):
+    curve.append((s.episodes, s.best.score[1] / target))
     if not hit and s.best.score[1] <= target * 1.01:
       hit.update(episodes=s.episodes, seconds=time.perf_counter() - t)
 
@@ -74,14 +75,37 @@ def run(traced, args, mesh: MeshSpec, patterns, episodes: int, target: float) ->
   found = Tracker(program.model, result.state).step_time  # re-costed from scratch
   return {"to_1pct": hit.get("episodes"), "seconds_1pct": hit.get("seconds"),
           "ratio": found / target, "seconds": time.perf_counter() - t,
-          "groups": len(space.groups)}
+          "groups": len(space.groups), "curve": curve}
+
+
+def plot(curves: dict, path: str) -> None:
+  """Best plan / best expert against episodes, one line per search."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for (layers, hint), curve in curves.items():
+    episodes, ratio = zip(*curve)
+    ax.plot(episodes, ratio, "-" if hint == "block_*" else "--",
+            label=f"{layers} layers, hints: {hint}")
+  ax.axhline(1.0, color="grey", lw=0.8)
+  ax.set_xlabel("episodes")
+  ax.set_ylabel("best plan step time / best expert")
+  ax.set_title("MCTS search efficiency, GPT train steps on a (4, 2) mesh")
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
 
 
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--layers", type=int, nargs="+", default=[2, 12, 24])
   parser.add_argument("--episodes", type=int, default=200)
+  parser.add_argument("--plot", default=None,
+                      help="write a PNG of best plan against episodes on (4, 2) here")
   args_ = parser.parse_args()
+  curves = {}
   print("| layers | mesh | best expert | expert ms | hints | groups | episodes to 1% "
         "| s to 1% | found / expert | s total |")
   print("|---|---|---|---|---|---|---|---|---|---|")
@@ -100,11 +124,15 @@ def main():
       for patterns in (("block_*",), ()):
         r = run(traced, args, mesh, patterns, args_.episodes, costs[best])
         hint = "block_*" if patterns else "none"
+        if shape == (4, 2):
+          curves[layers, hint] = r["curve"]
         to = "-" if r["to_1pct"] is None else str(r["to_1pct"])
         secs = "-" if r["seconds_1pct"] is None else f"{r['seconds_1pct']:.2f}"
         print(f"| {layers} | {shape} | {best} | {costs[best] * 1e3:.3f} | {hint} | "
               f"{r['groups']} | {to} | {secs} | {r['ratio']:.3f} | {r['seconds']:.1f} |",
               flush=True)
+  if args_.plot and curves:
+    plot(curves, args_.plot)
 
 
 if __name__ == "__main__":

@@ -156,3 +156,13 @@ def test_search_method_is_part_of_the_cache_key(tmp_path):
   b = automap.search(mlp, *mlp_args(), mesh=m, hardware=HW, cache=tmp_path, search="ilp")
   assert a.stats["strategy"] == "mcts" and b.stats["strategy"] == "ilp"
   assert not b.stats.get("cached")
+
+
+def test_partition_runs_the_ilp_plan():
+  m = mesh((2, 2), ("x", "y"))
+  args = mlp_args()
+  step = automap.partition(mlp, mesh=m, hardware=HW, search="ilp", cache=False)
+  out = step(*args)
+  assert step.plan.stats["strategy"] == "ilp"
+  np.testing.assert_allclose(out, mlp(*args), rtol=1e-5, atol=1e-5)
+  assert out.sharding.spec == step.plan.out_specs[0]

@@ -14,6 +14,10 @@ every argument picks a layout of its own. The objective is the step time:
     layout it is made in (XLA makes one copy per value and layout, shared by
     every reader), priced by `CostModel.transition`.
 
+An op may take only the strategy `CostModel` derives from the layouts its
+operands are made in (a reduction is split only where an operand is stored
+split), so the objective is the plan's step time as `Tracker` prices it.
+
 With a memory limit, the bytes alive at a program point (resident arguments
 and results, plus the temporaries live there) are bounded at the points
 where the plan peaks; the points are added lazily: solve, measure the
@@ -24,8 +28,8 @@ Ops with identical neighbourhoods (Weisfeiler-Lehman colours) share a
 strategy and values in identical positions share their reshard terms, so
 repeated layers cost the solver one layer. A training step's carried state
 (a result under an argument's path, shape and dtype) comes back in the
-layout it came in: the next step reads it as it is. The solution becomes a state
-like any other, and `Program.make_plan` prices it with `Tracker`: the
+layout it came in: the next step reads it as it is. The solution becomes a
+state like any other, and `Program.make_plan` prices it with `Tracker`: the
 figures a plan reports never come from the solver's model.
 
 Solved with OR-Tools CP-SAT; costs are integers in picoseconds and bytes.
@@ -43,7 +47,7 @@ from typing import NamedTuple
 import numpy as np
 from ortools.sat.python import cp_model
 
-from automap._src.cost import ALL_REDUCE, REDUCE_SCATTER, CostModel, Tracker
+from automap._src.cost import ALL_REDUCE, REDUCE_SCATTER, CostModel, OpCost, Tracker
 from automap._src.groups import colours
 from automap._src.program import Program
 from automap._src.sharding import UNSHARDED, State
@@ -134,7 +138,7 @@ class _Pricer:
     self.sizes = program.mesh.axis_sizes
     self.scratch = np.full((self.graph.num_values, len(self.sizes)), UNSHARDED, np.int8)
     self.moves: dict[tuple, float] = {}
-    self.costs: dict[tuple, object] = {}  # (op class, member layouts) -> OpCost
+    self.costs: dict[tuple, OpCost] = {}  # (op class, member layouts) -> cost
 
   def strategies(self, o: int) -> list[Strategy]:
     """The strategies of op o that `CostModel` prices as they are (its
@@ -145,7 +149,7 @@ class _Pricer:
     choices = [range(-1, len(rule.sizes))] * len(real)
     if rule.replicated or not rule.sizes:
       choices = [[-1]] * len(real)
-    results = [v for v in g.results[o]]
+    results = g.results[o]
     out = []
     for picks in itertools.product(*choices):
       factors = [UNSHARDED] * len(sizes)
@@ -203,7 +207,7 @@ class _Pricer:
       state[v] = row
     try:
       derived = model.layout(state, o)[0]
-      key = (int(model.op_class[o]), tuple(layout.items()))
+      key = (int(model.op_class[o]), tuple(row for _, row in members))
       cost = self.costs.get(key)
       if cost is None:
         cost = self.costs[key] = model._op_cost(state, o)

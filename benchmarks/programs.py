@@ -1,0 +1,195 @@
+"""The programs the benchmarks plan: train steps of several model families.
+
+Each builder returns `(step, args)` with `args` as `jax.ShapeDtypeStruct`s
+(parameters from `jax.eval_shape` of the initialiser), so nothing is
+materialised and any size can be planned.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from automap._src.models.gpt import GPTConfig, make_train_step
+
+
+def _adam_step(loss, params, *data):
+  """A train step `(params, opt_state, *data) -> (params, opt_state, loss)`."""
+  tx = optax.adam(1e-3)
+
+  def step(params, opt_state, *data):
+    value, grads = jax.value_and_grad(loss)(params, *data)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  return step, (params, jax.eval_shape(tx.init, params), *data)
+
+
+def _abstract(init, *args):
+  return jax.eval_shape(init, *args)
+
+
+def mlp(width: int = 1024, hidden: int = 4096, batch: int = 64):
+  """A 2-matmul MLP regression train step."""
+  f32 = jnp.float32
+  params = {"w1": jax.ShapeDtypeStruct((width, hidden), f32),
+            "w2": jax.ShapeDtypeStruct((hidden, width), f32)}
+
+  def loss(params, x, y):
+    return jnp.mean((jax.nn.gelu(x @ params["w1"]) @ params["w2"] - y) ** 2)
+
+  data = jax.ShapeDtypeStruct((batch, width), f32)
+  return _adam_step(loss, params, data, data)
+
+
+def gpt(layers: int, hidden: int = 512):
+  config = GPTConfig(vocab=512, seq=128, hidden=hidden, heads=8, layers=layers)
+  return make_train_step(config, batch=32, abstract=True)
+
+
+def encoder_decoder(layers: int = 2, width: int = 512, seq: int = 64, batch: int = 16):
+  """T5-style: an encoder, and a decoder with self- and cross-attention."""
+  import flax.linen as nn
+
+  class Block(nn.Module):
+    cross: bool
+
+    @nn.compact
+    def __call__(self, x, memory=None):
+      x = x + nn.SelfAttention(num_heads=8)(nn.RMSNorm()(x))
+      if self.cross:
+        x = x + nn.MultiHeadDotProductAttention(num_heads=8)(nn.RMSNorm()(x), memory)
+      h = nn.Dense(4 * width, use_bias=False)(nn.RMSNorm()(x))
+      return x + nn.Dense(width, use_bias=False)(nn.relu(h))
+
+  class EncoderDecoder(nn.Module):
+    @nn.compact
+    def __call__(self, src, tgt):
+      embed = nn.Embed(1024, width)
+      enc = embed(src)
+      for _ in range(layers):
+        enc = Block(cross=False)(enc)
+      dec = embed(tgt)
+      for _ in range(layers):
+        dec = Block(cross=True)(dec, enc)
+      return embed.attend(nn.RMSNorm()(dec))
+
+  model = EncoderDecoder()
+  tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+  params = _abstract(lambda s, t: model.init(jax.random.key(0), s, t), tokens, tokens)
+
+  def loss(params, src, tgt):
+    logits = model.apply(params, src, tgt)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tgt).mean()
+
+  return _adam_step(loss, params, tokens, tokens)
+
+
+def vit(layers: int = 4, width: int = 384, batch: int = 32):
+  """A vision transformer on 64x64 images, 8x8 patches, 10 classes."""
+  import flax.linen as nn
+
+  class ViT(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Conv(width, (8, 8), strides=(8, 8))(x)
+      x = x.reshape(x.shape[0], -1, width)
+      for _ in range(layers):
+        x = x + nn.MultiHeadDotProductAttention(num_heads=6)(nn.LayerNorm()(x),
+                                                            nn.LayerNorm()(x))
+        x = x + nn.Dense(width)(nn.gelu(nn.Dense(4 * width)(nn.LayerNorm()(x))))
+      return nn.Dense(10)(x.mean(1))
+
+  model = ViT()
+  images = jax.ShapeDtypeStruct((batch, 64, 64, 3), jnp.float32)
+  labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  params = _abstract(lambda x: model.init(jax.random.key(0), x), images)
+
+  def loss(params, images, labels):
+    logits = model.apply(params, images)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  return _adam_step(loss, params, images, labels)
+
+
+def moe(experts: int = 8, width: int = 512, hidden: int = 2048, tokens: int = 2048,
+        capacity: int = 512):
+  """A top-1 mixture-of-experts MLP layer (Switch-style dense dispatch):
+  a router, one-hot dispatch into per-expert capacity slots, expert MLPs
+  batched over experts, and the weighted combine."""
+  f32 = jnp.float32
+  params = {"router": jax.ShapeDtypeStruct((width, experts), f32),
+            "wi": jax.ShapeDtypeStruct((experts, width, hidden), f32),
+            "wo": jax.ShapeDtypeStruct((experts, hidden, width), f32)}
+
+  def loss(params, x, y):
+    probs = jax.nn.softmax(x @ params["router"])  # [T, E]
+    expert = jnp.argmax(probs, axis=-1)
+    onehot = jax.nn.one_hot(expert, experts, dtype=f32)  # [T, E]
+    slot = (jnp.cumsum(onehot, axis=0) - 1) * onehot  # position in its expert
+    dispatch = onehot[:, :, None] * jax.nn.one_hot(slot, capacity, dtype=f32)  # [T, E, C]
+    inputs = jnp.einsum("tec,tm->ecm", dispatch, x)
+    h = jax.nn.gelu(jnp.einsum("ecm,emh->ech", inputs, params["wi"]))
+    outputs = jnp.einsum("ech,ehm->ecm", h, params["wo"])
+    gate = (probs * onehot).sum(-1, keepdims=True)
+    out = gate * jnp.einsum("tec,ecm->tm", dispatch, outputs)
+    return jnp.mean((out - y) ** 2)
+
+  data = jax.ShapeDtypeStruct((tokens, width), f32)
+  return _adam_step(loss, params, data, data)
+
+
+def graph_network(nodes: int = 4096, edges: int = 16384, width: int = 128):
+  """A jraph GraphNetwork step: edge and node MLP updates, a loss on nodes."""
+  import jraph
+
+  f32 = jnp.float32
+  params = {"edge": jax.ShapeDtypeStruct((3 * width, width), f32),
+            "node": jax.ShapeDtypeStruct((2 * width, width), f32)}
+
+  def loss(params, node_features, edge_features, senders, receivers):
+    graph = jraph.GraphsTuple(
+        nodes=node_features, edges=edge_features, senders=senders, receivers=receivers,
+        n_node=jnp.array([nodes]), n_edge=jnp.array([edges]), globals=None)
+    net = jraph.GraphNetwork(
+        update_edge_fn=lambda e, s, r, g: jax.nn.relu(
+            jnp.concatenate([e, s, r], axis=-1) @ params["edge"]),
+        update_node_fn=lambda n, s, r, g: jnp.tanh(
+            jnp.concatenate([n, r], axis=-1) @ params["node"]))
+    return jnp.mean(net(graph).nodes ** 2)
+
+  index = jax.ShapeDtypeStruct((edges,), jnp.int32)
+  return _adam_step(loss, params, jax.ShapeDtypeStruct((nodes, width), f32),
+                    jax.ShapeDtypeStruct((edges, width), f32), index, index)
+
+
+def catalogue(quick: bool = False) -> dict:
+  """name -> builder of the quality benchmark's programs."""
+  out = {"MLP 1024x4096": mlp, "GPT 2L h512": lambda: gpt(2), "ViT 4L w384": vit,
+         "MoE 8x2048": moe}
+  if quick:
+    return out
+  return {"MLP 1024x4096": mlp, "GPT 2L h512": lambda: gpt(2), "GPT 12L h512": lambda: gpt(12),
+          "GPT 24L h512": lambda: gpt(24), "GPT 2L h1024": lambda: gpt(2, 1024),
+          "T5 2+2L w512": encoder_decoder, "ViT 4L w384": vit, "MoE 8x2048": moe,
+          "GraphNetwork 4k nodes": graph_network}
+
+
+def small() -> dict:
+  """name -> builder of programs small enough to compile and run here."""
+  return {"T5 1+1L w64": lambda: encoder_decoder(layers=1, width=64, seq=16, batch=8),
+          "ViT 2L w64": lambda: vit(layers=2, width=96, batch=8),
+          "MoE 4x128": lambda: moe(experts=4, width=64, hidden=128, tokens=128, capacity=32),
+          "GraphNetwork 256 nodes": lambda: graph_network(nodes=256, edges=1024, width=32)}
+
+
+def materialize(args, seed: int = 0):
+  """Concrete arrays for abstract `args`: small normal floats, zero integers
+  (valid token ids and indices)."""
+  leaves, tree = jax.tree.flatten(args)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  out = [0.05 * jax.random.normal(k, a.shape, a.dtype)
+         if jnp.issubdtype(a.dtype, jnp.floating) else jnp.zeros(a.shape, a.dtype)
+         for k, a in zip(keys, leaves)]
+  return jax.tree.unflatten(tree, out)
