@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from automap._src.models import graph_net
 from automap._src.models.gpt import GPTConfig, make_train_step
 
 
@@ -142,26 +143,7 @@ def moe(experts: int = 8, width: int = 512, hidden: int = 2048, tokens: int = 20
 
 def graph_network(nodes: int = 4096, edges: int = 16384, width: int = 128):
   """A jraph GraphNetwork step: edge and node MLP updates, a loss on nodes."""
-  import jraph
-
-  f32 = jnp.float32
-  params = {"edge": jax.ShapeDtypeStruct((3 * width, width), f32),
-            "node": jax.ShapeDtypeStruct((2 * width, width), f32)}
-
-  def loss(params, node_features, edge_features, senders, receivers):
-    graph = jraph.GraphsTuple(
-        nodes=node_features, edges=edge_features, senders=senders, receivers=receivers,
-        n_node=jnp.array([nodes]), n_edge=jnp.array([edges]), globals=None)
-    net = jraph.GraphNetwork(
-        update_edge_fn=lambda e, s, r, g: jax.nn.relu(
-            jnp.concatenate([e, s, r], axis=-1) @ params["edge"]),
-        update_node_fn=lambda n, s, r, g: jnp.tanh(
-            jnp.concatenate([n, r], axis=-1) @ params["node"]))
-    return jnp.mean(net(graph).nodes ** 2)
-
-  index = jax.ShapeDtypeStruct((edges,), jnp.int32)
-  return _adam_step(loss, params, jax.ShapeDtypeStruct((nodes, width), f32),
-                    jax.ShapeDtypeStruct((edges, width), f32), index, index)
+  return graph_net.make_train_step(nodes, edges, width, abstract=True)
 
 
 def catalogue(quick: bool = False) -> dict:

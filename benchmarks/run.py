@@ -32,7 +32,7 @@ SECTIONS = {
                ["--layers", "2", "12", "24", "--plot", "benchmarks/search.png"],
                ["--layers", "2", "--episodes", "100", "--plot", "benchmarks/search.png"]),
     "scale": ("Scale: 1k to 100k equations",
-              ["--layers", "2", "6", "24", "96", "200", "--plot", "benchmarks/scale.png"],
+              ["--layers", "2", "6", "24", "96", "232", "--plot", "benchmarks/scale.png"],
               ["--layers", "2", "6", "24", "--actions", "20", "--seconds", "5",
                "--plot", "benchmarks/scale.png"]),
     "budget": ("Search budget honoured", ["--ilp-seconds", "10", "20"],

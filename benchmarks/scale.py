@@ -8,7 +8,7 @@ and an end-to-end `automap.search` (trace to plan, MCTS under
 equation count (least squares on log-log). Prints Markdown tables;
 `--plot PATH` draws the times (needs matplotlib: `pip install -e .[bench]`).
 
-  python benchmarks/scale.py --layers 2 6 24 96 200 --plot benchmarks/scale.png
+  python benchmarks/scale.py --layers 2 6 24 96 232 --plot benchmarks/scale.png
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def plot(rows: list[dict], fits: dict[str, float], path: str) -> None:
 
 def main():
   p = argparse.ArgumentParser(description=__doc__)
-  p.add_argument("--layers", type=int, nargs="+", default=[2, 6, 24, 96, 200])
+  p.add_argument("--layers", type=int, nargs="+", default=[2, 6, 24, 96, 232])
   p.add_argument("--actions", type=int, default=100)
   p.add_argument("--seconds", type=float, default=20.0,
                  help="the search budget of the end-to-end run")

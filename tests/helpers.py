@@ -57,33 +57,9 @@ def assert_faithful(fn, args, m, numerics: float = 1e-5):
 def graph_network_step(n_nodes: int, n_edges: int, width: int):
   """A jraph GraphNetwork train step (adam): edge and node updates, a loss on
   the nodes. Returns `(step, (params, opt_state, graph))`."""
-  import jraph
-  import optax
+  from automap._src.models import graph_net
 
-  graph = jraph.GraphsTuple(
-      nodes=jax.random.normal(jax.random.key(0), (n_nodes, width)),
-      edges=jax.random.normal(jax.random.key(1), (n_edges, width)),
-      senders=jnp.arange(n_edges) % n_nodes,
-      receivers=(jnp.arange(n_edges) * 7) % n_nodes,
-      n_node=jnp.array([n_nodes]), n_edge=jnp.array([n_edges]), globals=None)
-  params = {"edge": jax.random.normal(jax.random.key(2), (3 * width, width)) / 10,
-            "node": jax.random.normal(jax.random.key(3), (2 * width, width)) / 10}
-  tx = optax.adam(1e-3)
-
-  def loss(params, graph):
-    net = jraph.GraphNetwork(
-        update_edge_fn=lambda e, s, r, g: jax.nn.relu(
-            jnp.concatenate([e, s, r], axis=-1) @ params["edge"]),
-        update_node_fn=lambda n, s, r, g: jnp.tanh(
-            jnp.concatenate([n, r], axis=-1) @ params["node"]))
-    return jnp.mean(net(graph).nodes ** 2)
-
-  def step(params, opt_state, graph):
-    value, g = jax.value_and_grad(loss)(params, graph)
-    updates, opt_state = tx.update(g, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
-
-  return step, (params, tx.init(params), graph)
+  return graph_net.make_train_step(n_nodes, n_edges, width)
 
 
 def mlp(x, w1, w2):

@@ -179,7 +179,27 @@ class CostModel:
     self.is_input = is_input
     self.resident = is_input.copy()
     self.resident[outs] = True
-    self.temporary = materialized(graph) & ~self.resident
+    # Dead ops: no result reaches an output. XLA removes them, so they cost
+    # nothing and hold no memory.
+    # A scan body reads its carry as the initial value; the next step's
+    # carry is what the body makes: a "scan_carry" tie is live when its
+    # result or its initial value is needed. Passes until nothing changes.
+    self.dead = np.ones(graph.num_ops, bool)
+    needed = np.zeros(graph.num_values, bool)
+    needed[outs] = True
+    changed = True
+    while changed:
+      changed = False
+      for o in range(graph.num_ops - 1, -1, -1):
+        ties = graph.operands[o][:1] if graph.prims[o] == "scan_carry" else ()
+        if self.dead[o] and any(needed[v] for v in (*graph.results[o], *ties) if v >= 0):
+          self.dead[o] = False
+          needed[[v for v in graph.operands[o] if v >= 0]] = True
+          changed = True
+    made_dead = np.zeros(graph.num_values, bool)
+    for o in np.flatnonzero(self.dead):
+      made_dead[[v for v in graph.results[o] if v >= 0]] = True
+    self.temporary = materialized(graph) & ~self.resident & ~made_dead
     # Late ops: no result reaches an op that mixes elements (a contraction,
     # reduction, gather...), e.g. the gradient reductions of a training
     # step, read only by the optimizer's elementwise update. Their
@@ -209,7 +229,7 @@ class CostModel:
                          else -1 for v in graph.operands[o]),
                    tuple(str(graph.dtypes[v]) for v in values),
                    tuple(graph.shapes[v] for v in graph.results[o] if v >= 0),
-                   float(graph.flops[o]), int(graph.trips[o]))
+                   float(graph.flops[o]), int(graph.trips[o]), bool(self.dead[o]))
       self.op_class[o] = classes.setdefault(signature, len(classes))
       members.append(values)
     # Tables for costing many ops at once: members padded by repeating the
@@ -431,6 +451,9 @@ class CostModel:
     g, sizes = self.graph, self.mesh.axis_sizes
     rule = g.rules[o]
     operands, results = g.operands[o], g.results[o]
+    if self.dead[o]:
+      return OpCost(0.0, 0.0, [], {}, (0.0,) * len(results),
+                    tuple(None if v < 0 else tuple(int(d) for d in state[v]) for v in results))
     num_axes = len(sizes)
     comms: list[tuple[int, int, float, float, int, int]] = []
     factor_of_axis, _, wants = self.layout(state, o)
@@ -467,7 +490,7 @@ class CostModel:
         # All-reduce the whole partial result, then keep this device's tile.
         whole = reduce_mask | scatter_mask
         major = whole & -whole  # the reduced axis first in mesh order
-        split = whole != major and bool(scatter_mask & major)
+        split = whole != major and bool(scatter_mask & major) and scatter_mask != whole
         reduce_mask |= scatter_mask
         scatter_mask = 0
       natural_bytes = float(g.nbytes[v]) / math.prod(

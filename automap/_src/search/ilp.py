@@ -472,6 +472,8 @@ class _Formulation:
     wanted: dict[Layout, list] = {}
     trips: dict[Layout, int] = {}
     for o, p in g.uses[v]:
+      if self.program.model.dead[o]:
+        continue  # XLA removes it; what it reads needs no copy
       c = int(self.cls[o])
       for x, s in zip(self.x[c], self.strategies[c]):
         w = s.wants[p]
