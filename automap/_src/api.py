@@ -152,12 +152,6 @@ def _check_memory_limit(program: Program, memory_limit: float | None) -> None:
         "or use more devices.")
 
 
-def _score(program: Program, state: State, memory_limit: float | None) -> mcts.Score:
-  tracker = Tracker(program.model, state)
-  over = 0.0 if memory_limit is None else max(0.0, tracker.peak_memory - memory_limit)
-  return (over, tracker.step_time)
-
-
 def _run_search(program: Program, request: _Request) -> _Found:
   _check_memory_limit(program, request.memory_limit)
   space = ActionSpace(program, request.hints.groups)
@@ -227,7 +221,7 @@ def _run_ilp(program: Program, space: ActionSpace, request: _Request) -> _Found:
         "plan, instead. Give a larger Budget(seconds=...) or use search='mcts'."),
         stacklevel=4)
     return _Found(warm.state, warm.score, dict(stats, kept="warm start"))
-  score = _score(program, result.state, limit)
+  score = mcts.score_of(Tracker(program.model, result.state), limit)
   if warm.score < score:  # the solver's classes could not express the start
     return _Found(warm.state, warm.score, dict(stats, kept="warm start"))
   return _Found(result.state, score, stats)
