@@ -94,8 +94,9 @@ class Result:
   """state: the solution (None when the solver found none in time).
   status: "optimal", "feasible" (time ran out first), "infeasible" or
     "unknown" (time ran out before any solution).
-  objective / bound: the solver's step time of the solution and its lower
-    bound on any solution, seconds.
+  objective / bound: the step time of the solution in the solver's model
+    (which `Tracker` agrees with) and the solver's lower bound on any
+    solution, seconds.
   least_memory: when infeasible, the least peak any strategy reaches at the
     bounded points (bytes per device), and the op where it peaks.
   """
@@ -341,7 +342,8 @@ class _Formulation:
         alike.setdefault(key, [v, 0])[1] += 1
     for v, n in alike.values():
       self._reshards(v, n, pricer, terms)
-    self.time = sum(x * k for x, k in terms if k)
+    self.terms = [(x, k) for x, k in terms if k]
+    self.time = sum(x * k for x, k in self.terms)
     # Ties (equal step times) go to the plan holding fewer bytes of
     # arguments and results per device: 1 ps per KiB, far below any step.
     held = self.memory(None)
@@ -559,6 +561,17 @@ class _Formulation:
         for x in xs:
           self.model.AddHint(x, h.pop(x.Index()))
 
+  def seconds(self, solver: cp_model.CpSolver) -> float:
+    """The step time of the solver's decisions, every derived variable at
+    the value the decisions imply (a feasible solution may leave slack in
+    them; an optimal one does not)."""
+    h = {x.Index(): int(solver.Value(x)) for xs in self.x.values() for x in xs}
+    h.update((x.Index(), int(solver.Value(x)))
+             for _, xs in self.inputs.values() for x in xs)
+    for var, value in self.derived:
+      h[var.Index()] = int(value(h))
+    return sum(k * h[x.Index()] for x, k in self.terms) / PICOSECONDS
+
   def state(self, solver: cp_model.CpSolver) -> State:
     g, program = self.graph, self.program
     state = np.full((g.num_values, program.mesh.num_axes), UNSHARDED, np.int8)
@@ -620,7 +633,7 @@ def solve(program: Program, settings: Settings = Settings(),
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
       break  # out of time: the last solution stands
     found = (form.state(solver), "optimal" if code == cp_model.OPTIMAL else "feasible",
-             solver.Value(form.time) / PICOSECONDS,
+             form.seconds(solver),
              max(0.0, solver.BestObjectiveBound() - form.tie_max) / PICOSECONDS)
     if limit is None:
       break
