@@ -50,7 +50,7 @@ from ortools.sat.python import cp_model
 from automap._src.cost import ALL_REDUCE, REDUCE_SCATTER, CostModel, OpCost, Tracker
 from automap._src.groups import colours
 from automap._src.program import Program
-from automap._src.sharding import UNSHARDED, State
+from automap._src.sharding import UNSHARDED, State, empty_state
 
 PICOSECONDS = 1e12
 # Lazy memory rounds: a point is added per round where the solution peaks
@@ -252,12 +252,12 @@ def carried_pairs(program: Program) -> list[tuple[int, int]]:
   return pairs
 
 
-def _op_classes(program: Program, share: bool) -> np.ndarray:
-  """[O] class of each op: ops of a class share one strategy."""
+def _op_classes(program: Program, colour: np.ndarray | None) -> np.ndarray:
+  """[O] class of each op: ops of a class share one strategy (each its own
+  without value colours)."""
   g = program.graph
-  if not share:
+  if colour is None:
     return np.arange(g.num_ops)
-  colour = colours(g)
   index: dict = {}
   return np.array([index.setdefault(
       (int(program.model.op_class[o]), tuple(int(colour[v]) if v >= 0 else -1
@@ -279,7 +279,8 @@ class _Formulation:
     self.graph = g
     self.real = [a for a, size in enumerate(program.mesh.axis_sizes) if size > 1]
     pricer = _Pricer(program)
-    self.cls = _op_classes(program, settings.share)
+    colour = colours(g) if settings.share else None
+    self.cls = _op_classes(program, colour)
     reps = {}
     for o in range(g.num_ops):
       reps.setdefault(int(self.cls[o]), o)
@@ -303,7 +304,8 @@ class _Formulation:
       terms.append((self._any(xs, f"latency{kind}_{mask}"),
                     _ps(program.model.latency[kind, mask])))
     # Arguments (and constants): a layout each, shared by equal colours.
-    colour = colours(g) if settings.share else np.arange(g.num_values)
+    if colour is None:
+      colour = np.arange(g.num_values)
     self.inputs: dict[int, tuple[list[Layout], list]] = {}
     by_colour: dict[int, tuple[list[Layout], list]] = {}
     for v in range(g.num_values):
@@ -552,8 +554,7 @@ class _Formulation:
       pick = (exact or options or [0])[0]
       for i, x in enumerate(self.x[c]):
         h[x.Index()] = int(i == pick)
-    for var, value in self.derived:
-      h[var.Index()] = int(value(h))
+    self._derive(h)
     for var, _ in self.derived:
       self.model.AddHint(var, h[var.Index()])
     for xs in list(self.x.values()) + [xs for _, xs in self.inputs.values()]:
@@ -568,9 +569,14 @@ class _Formulation:
     h = {x.Index(): int(solver.Value(x)) for xs in self.x.values() for x in xs}
     h.update((x.Index(), int(solver.Value(x)))
              for _, xs in self.inputs.values() for x in xs)
+    self._derive(h)
+    return sum(k * h[x.Index()] for x, k in self.terms) / PICOSECONDS
+
+  def _derive(self, h: dict[int, int]) -> None:
+    """Adds to `h` (decision values by variable index) the value every
+    derived variable takes, in the order they were made."""
     for var, value in self.derived:
       h[var.Index()] = int(value(h))
-    return sum(k * h[x.Index()] for x, k in self.terms) / PICOSECONDS
 
   def state(self, solver: cp_model.CpSolver) -> State:
     g, program = self.graph, self.program
@@ -608,13 +614,8 @@ def solve(program: Program, settings: Settings = Settings(),
     form.hint(hint)
   limit = settings.memory_limit
   if limit is not None:
-    live = np.zeros(program.graph.num_ops + 1)
-    model = program.model
-    temp = np.flatnonzero(model.temporary)
-    np.add.at(live, model.start[temp], program.graph.nbytes[temp])
-    np.add.at(live, np.minimum(model.end[temp] + 1, len(live) - 1), -program.graph.nbytes[temp])
-    live = np.cumsum(live)[:-1]
-    for point in np.argsort(-live, kind="stable")[:_FIRST_POINTS]:
+    live = Tracker(program.model, empty_state(program.graph, program.mesh)).live
+    for point in np.argsort(-live[:program.graph.num_ops], kind="stable")[:_FIRST_POINTS]:
       form.bound(int(point), limit)
   solver = cp_model.CpSolver()
   solver.parameters.random_seed = settings.seed
