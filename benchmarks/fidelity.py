@@ -31,7 +31,7 @@ from helpers import gpt_step, loss_and_grads  # noqa: E402
 from quality import expert_states  # noqa: E402
 
 import automap  # noqa: E402
-from automap._src import api, hardware, program, trace  # noqa: E402
+from automap._src import api  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
@@ -57,8 +57,7 @@ def plans(fn, args, mesh, ilp_seconds: float) -> dict:
     warnings.simplefilter("ignore", automap.SearchWarning)
     out["automap (ILP)"] = automap.search(fn, *args, mesh=mesh, hardware="cpu", search="ilp",
                                           budget=automap.Budget(seconds=ilp_seconds))
-  prog = program.Program.build(trace.trace(fn, args), api.MeshSpec.of(mesh),
-                               hardware.get_hardware("cpu"))
+  prog = api._program(fn, args, mesh, "cpu", None)
   states = expert_states(prog, ActionSpace(prog))
   for label in ("data parallel", "Megatron+DP"):
     out[label] = prog.make_plan(states[label], {"strategy": label})
