@@ -116,3 +116,25 @@ def test_running_cost_equals_a_fresh_one_after_jumps_between_states():
   fresh = cost.Tracker(prog.model, state)
   assert tracker.step_time == pytest.approx(fresh.step_time, rel=1e-9)
   assert tracker.peak_memory == pytest.approx(fresh.peak_memory, rel=1e-9)
+
+
+def test_collective_over_several_axes_runs_axis_by_axis():
+  # Ring over each axis in turn, fastest link first: the bytes on the wire
+  # are one flat ring's, the latency steps (4 - 1) + (2 - 1), not 8 - 1.
+  hw = automap.Hardware(
+      name="two-speed", flops=1e12, fp32_flops=1e12, hbm_bandwidth=1e12, hbm_capacity=2**30,
+      link_bandwidth=1e9, link_latency=1e-6, network_bandwidth=1e8, network_latency=1e-5,
+      devices_per_node=2)
+  g = program.Program.build(trace.trace(lambda x: x * 2, (np.ones((8, 8), np.float32),)),
+                            sharding.MeshSpec(("node", "chip"), (4, 2)), hw).model
+  nbytes = 8e6
+  # Within a node ("chip"): the whole buffer; across nodes: a half of it.
+  rs = (1e-6 + nbytes / 2 / 1e9) + (3e-5 + 3 / 4 * nbytes / 2 / 1e8)
+  assert g.comm_time(cost.ALL_REDUCE, 0b11, nbytes) == pytest.approx(2 * rs, rel=1e-12)
+  assert g.comm_time(cost.ALL_GATHER, 0b11, nbytes) == pytest.approx(rs, rel=1e-12)
+  assert g.comm_time(cost.REDUCE_SCATTER, 0b11, nbytes / 8) == pytest.approx(rs, rel=1e-12)
+  flat = 2 * 7 * 1e-5 + 2 * 7 / 8 * nbytes / 1e8
+  assert g.comm_time(cost.ALL_REDUCE, 0b11, nbytes) < flat
+  # One axis: one ring.
+  assert g.comm_time(cost.ALL_REDUCE, 0b10, nbytes) == pytest.approx(
+      2 * (1e-6 + nbytes / 2 / 1e9), rel=1e-12)

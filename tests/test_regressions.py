@@ -159,3 +159,26 @@ def test_graph_network_data_parallel_is_priced_as_compiled():
   report = automap.verify(plan, step, *args, mesh=m)
   assert report.comm_error < 0.05, report.table()
   assert abs(report.memory_error) < 0.15, report.table()
+
+
+def test_sliced_gradient_reductions_hold_their_results():
+  # Without reduce-scatter (the CPU backend), gradients of weights tiled
+  # over both axes are all-reduced whole, in one combined collective, then
+  # sliced: its whole results sit beside its unreduced inputs.
+  from helpers import gpt_step
+
+  from automap._src import api
+  from automap._src.search.actions import ActionSpace, Tactic
+
+  step, args = gpt_step()
+  m = mesh((2, 4))
+  program = api._program(step, args, m, "cpu", None)
+  space, state = ActionSpace(program), program.initial_state()
+  for action in (Tactic("data-parallel", (0, 1)), Tactic("megatron", (1,)),
+                 Tactic("megatron", (0,))):
+    space.apply(state, action)
+  plan = program.make_plan(state, {})
+  report = automap.verify(plan, step, *args, mesh=m)
+  assert ("all-reduce", ("data", "model")) in plan.cost.comm_bytes
+  assert report.comm_error < 0.05, report.table()
+  assert abs(report.memory_error) < 0.15, report.table()

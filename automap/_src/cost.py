@@ -7,7 +7,10 @@ to make the operands fit (all-gather, all-to-all; slicing is free) and to
 finish the result (all-reduce of partial sums, or reduce-scatter when the
 result is itself tiled on that axis). Collective sizes are per-device result
 bytes, the figure compiled HLO shows; time applies each algorithm's wire
-factor and a per-step latency on the link the axis maps to.
+factor and a per-step latency on the link the axis maps to. A reduction or
+gather over several axes runs axis by axis, fastest link first (the bucket
+algorithm of a torus, hierarchical across nodes): the bytes on the wire are
+those of one flat ring, the latency steps sum(n_a - 1) rather than N - 1.
 
 Peak memory is counted as XLA's `memory_analysis` counts it: arguments and
 results for the whole program, plus the peak over program order of the
@@ -164,6 +167,14 @@ class CostModel:
     self.cross_node = [
         max((strides[a] * mesh.axis_sizes[a] for a in range(n) if m >> a & 1),
             default=1) > hardware.devices_per_node for m in range(self.masks)]
+    # Per mask, the (size, bandwidth, latency) of its axes, fastest first.
+    hw = hardware
+    link = {a: (hw.network_bandwidth, hw.network_latency) if self.cross_node[1 << a]
+            else (hw.link_bandwidth, hw.link_latency) for a in range(n)}
+    self.stages = [sorted(((mesh.axis_sizes[a],) + link[a] for a in range(n)
+                           if m >> a & 1 and mesh.axis_sizes[a] > 1),
+                          key=lambda s: (-s[1], s[2]))
+                   for m in range(self.masks)]
     self.itemsize = np.array([graph_lib._itemsize(d) for d in graph.dtypes])
     self.program_end = graph.num_ops
     # Liveness interval of each value over op indices.
@@ -281,6 +292,16 @@ class CostModel:
     n = int(self.group_size[mask])
     if n <= 1:
       return 0.0
+    stages = self.stages[mask]
+    if len(stages) > 1 and kind in (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER):
+      # Axis by axis; the reduce-scatter's input, the gather's result and
+      # the all-reduce's buffer shrink by each axis's size in turn.
+      full = nbytes * n if kind == REDUCE_SCATTER else nbytes
+      seconds = 0.0
+      for size, bw, lat in stages:
+        seconds += (size - 1) * lat + (size - 1) / size * full / bw
+        full /= size
+      return 2 * seconds if kind == ALL_REDUCE else seconds
     cross = self.cross_node[mask]
     bw = self.hw.network_bandwidth if cross else self.hw.link_bandwidth
     lat = self.hw.network_latency if cross else self.hw.link_latency
@@ -556,10 +577,11 @@ class Tracker:
     self.count = np.zeros((len(KINDS), model.masks), np.int64)
     self.seconds = np.zeros((len(KINDS), model.masks))
     # Late collectives per kind and axes, combined into one (see CostModel),
-    # and the inputs they hold: (kind, mask) -> {op: (first op held, bytes)},
+    # and the inputs they hold: (kind, mask) -> {op: (first op held, bytes,
+    # last reader of its result, result bytes held at the collective)},
     # and their share of the memory timeline.
     self.combined = np.zeros((len(KINDS), model.masks), np.int64)
-    self.pending: dict[tuple[int, int], dict[int, tuple[int, float]]] = {}
+    self.pending: dict[tuple[int, int], dict[int, tuple[int, float, int, float]]] = {}
     self.pending_live: dict[tuple[int, int], np.ndarray] = {}
     self.dirty: set[tuple[int, int]] = set()
     # A resharded copy (`CostModel.copy_key`) -> its readers, and the
@@ -621,15 +643,18 @@ class Tracker:
       if position < 0 and self.model.late[o]:
         self.combined[kind, mask] += sign
         seconds -= self.model.latency[kind, mask]
-        self._pend(o, kind, mask, nbytes, sign)
+        self._pend(o, kind, mask, nbytes, c.footprint[0] if c.footprint else 0.0, sign)
       self.seconds[kind, mask] += sign * seconds
 
-  def _pend(self, o: int, kind: int, mask: int, nbytes: float, sign: int) -> None:
+  def _pend(self, o: int, kind: int, mask: int, nbytes: float, out: float,
+            sign: int) -> None:
     """Tracks a late reduction of op o. XLA combines the group's reductions
     into one collective after the last of them is produced, so each input
     lives until then: a program output's unreduced input as a temporary of
     its own from the producer, an intermediate's buffer past its last
-    reader."""
+    reader. The combined collective makes every result (`out` bytes) at
+    once, beside its inputs; a sliced result whose readers precede it in
+    program order is then held there too."""
     model = self.model
     v = model.graph.results[o][0] if model.graph.results[o] else -1
     if kind not in (ALL_REDUCE, REDUCE_SCATTER) or v < 0:
@@ -651,7 +676,11 @@ class Tracker:
       if model.graph.prims[reader] not in _RELABELS or len(model.graph.results[reader]) != 1:
         break
       v = model.graph.results[reader][0]
-    group[o] = (o if separate or model.resident[v] else int(model.end[v]) + 1, nbytes)
+    # Unsliced, a result can take the buffer of what its readers make (an
+    # output, updated in place); a sliced one is a temporary of its own.
+    early = out if separate and not model.resident[v] else 0.0
+    group[o] = (o if separate or model.resident[v] else int(model.end[v]) + 1, nbytes,
+                int(model.end[model.graph.results[o][0]]), early)
 
   def _settle(self) -> None:
     """Redraws the memory held by the groups `_pend` changed."""
@@ -663,12 +692,13 @@ class Tracker:
       if not group:
         continue
       last = max(group)
-      held = [(a, b) for a, b in group.values() if a <= last]
+      held = [(a, b) for a, b, _, _ in group.values() if a <= last]
       if held:
         starts = np.array([a for a, _ in held], np.int64)
         new = np.cumsum(np.bincount(starts, np.array([b for _, b in held]),
                                     len(self.live)))
         new[last + 1:] = 0.0
+        new[last] += sum(out for _, _, end, out in group.values() if end < last)
         self.pending_live[key] = new
         self.live += new
     self.dirty.clear()
