@@ -69,8 +69,11 @@ class ActionSpace:
     for k in range(len(self.real_axes), 0, -1):
       for axes in itertools.combinations(self.real_axes, k):
         self.tactics.append(Tactic("data-parallel", axes))
-    for name in ("megatron", "fsdp", "sequence"):
-      self.tactics += [Tactic(name, (a,)) for a in self.real_axes]
+    self.tactics += [Tactic("megatron", (a,)) for a in self.real_axes]
+    for k in range(len(self.real_axes), 0, -1):
+      for axes in itertools.combinations(self.real_axes, k):
+        self.tactics.append(Tactic("fsdp", axes))
+    self.tactics += [Tactic("sequence", (a,)) for a in self.real_axes]
     order = sorted(range(len(self.groups)), key=lambda i: -self.group_bytes(self.groups[i]))
     self.tiles = [Tile(i, d, a) for i in order
                   for d in range(g.rank(self.groups[i].members[0]))
@@ -102,6 +105,8 @@ class ActionSpace:
       t = self.tactics_of
       if action.name == "data-parallel":
         return t.data_parallel(state, action.axes)
+      if action.name == "fsdp":  # axis by axis: later axes nest in earlier ones
+        return [v for a in action.axes for v in t.fsdp(state, a)]
       return getattr(t, action.name)(state, action.axes[0])
     a = action.axis
     seeds = [(v, a) for v in self.groups[action.group].members
