@@ -12,8 +12,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import jraph
 import optax
+
+from automap._src import jraph_compat as jraph
 
 
 def loss(params: dict, graph: jraph.GraphsTuple) -> jax.Array:
