@@ -38,6 +38,7 @@ SECTIONS = {
     "budget": ("Search budget honoured", ["--ilp-seconds", "10", "20"],
                ["--seconds", "1", "--ilp-seconds"]),
     "cache": ("Plan cache", ["--layers", "4", "24"], ["--layers", "4"]),
+    "policy": ("Learned policy against uniform priors", ["--seeds", "5"], ["--quick"]),
 }
 
 

@@ -25,6 +25,7 @@ from automap._src import verify as verify_lib
 from automap._src.cost import Cost, Tracker
 from automap._src.hardware import Hardware, get_hardware
 from automap._src.plan import Plan, PlanError
+from automap._src.policy import learned as learned_lib
 from automap._src.program import Program
 from automap._src.search import ilp, mcts
 from automap._src.search.actions import ActionSpace
@@ -113,9 +114,10 @@ class _Request:
   memory_limit: float | None
   seed: int
   method: str
+  policy: str = "uniform"  # "uniform", "learned", or a weights file path
 
   @classmethod
-  def of(cls, hints, budget, memory_limit, seed, method) -> _Request:
+  def of(cls, hints, budget, memory_limit, seed, method, policy="uniform") -> _Request:
     hints = hints if hints is not None else Hints()
     if not isinstance(hints, Hints):
       raise TypeError(f"hints must be an automap.Hints, got {hints!r}.")
@@ -127,7 +129,21 @@ class _Request:
           f"search must be one of {SEARCHES}, got {method!r}: 'mcts' (tree "
           "search over layer-group tilings and tactics) or 'ilp' (Alpa's "
           "per-op integer program, solved by CP-SAT within the budget's seconds).")
-    return cls(hints, budget, memory_limit, seed, method)
+    if isinstance(policy, os.PathLike):
+      policy = os.fspath(policy)
+    if not isinstance(policy, str) or not policy:
+      raise TypeError(
+          f"policy must be 'uniform' (no learned priors), 'learned' (the "
+          f"shipped weights) or the path of a weights file, got {policy!r}.")
+    if policy not in ("learned", "uniform"):
+      policy = os.path.abspath(policy)
+    return cls(hints, budget, memory_limit, seed, method, policy)
+
+  def policy_id(self) -> str:
+    """What the policy's priors depend on: none, or its weights' digest."""
+    if self.policy == "uniform":
+      return "uniform"
+    return learned_lib.digest(None if self.policy == "learned" else self.policy)
 
 
 @dataclasses.dataclass
@@ -163,7 +179,10 @@ def _run_search(program: Program, request: _Request) -> _Found:
 def _run_mcts(program: Program, space: ActionSpace, request: _Request,
               seconds: float) -> _Found:
   budget = request.budget
-  run = mcts.Search(program, space, request.memory_limit, request.seed)
+  policy = None
+  if request.policy != "uniform":
+    policy = learned_lib.cached(None if request.policy == "learned" else request.policy)
+  run = mcts.Search(program, space, request.memory_limit, request.seed, policy=policy)
   show = budget.progress if budget.progress is not None else sys.stderr.isatty()
   if not show:
     result = run.run(budget.episodes, seconds)
@@ -176,7 +195,8 @@ def _run_mcts(program: Program, space: ActionSpace, request: _Request,
       result = run.run(budget.episodes, seconds, lambda s: bar.update(
           task, completed=s.episodes,
           best=f"best {s.best.score[1] * 1e3:.3f} ms, {s.best.score[0]:,.0f} B over"))
-  stats = {"strategy": "mcts", "episodes": result.episodes,
+  stats = {"strategy": "mcts", "policy": "uniform" if policy is None else "learned",
+           "episodes": result.episodes,
            "episode_of_best": result.episode_of_best,
            "evaluations": result.evaluations, "states": result.nodes,
            "seconds": round(result.seconds, 4),
@@ -279,7 +299,7 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
            hints: Hints | None = None, hardware: str | Hardware = "tpu-v4",
            budget: Budget | None = None, memory_limit: float | None = None,
            seed: int = 0, cache: bool | str | os.PathLike = False,
-           search: str = "mcts") -> Plan:
+           search: str = "mcts", policy: str | os.PathLike = "uniform") -> Plan:
   """Plans `fn(*args)` without running it, on `mesh`, or on the best mesh
   of `devices` devices (axes named "x", "y", "z"; the budget is shared by
   the mesh shapes tried).
@@ -288,11 +308,14 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
   here, on for `partition`) reuses and stores plans of `mesh=` searches as
   `partition` does. `search` picks the backend: "mcts" (default) or "ilp"
   (exact per-op strategies; for small programs and as a yardstick).
+  `policy` guides MCTS: "uniform" (default: every action alike, admitted in
+  the action space's order), "learned" (the shipped network's priors), or
+  the path of weights trained with `python -m automap.policy.train`.
   """
   if (mesh is None) == (devices is None):
     raise TypeError("search takes exactly one of mesh= (a jax.sharding.Mesh) "
                     "or devices= (a device count to choose a mesh for).")
-  request = _Request.of(hints, budget, memory_limit, seed, search)
+  request = _Request.of(hints, budget, memory_limit, seed, search, policy)
   if mesh is not None:
     folder = cache_lib.resolve(cache)
     return _plan(trace_lib.trace(fn, args), MeshSpec.of(mesh), get_hardware(hardware),
@@ -407,7 +430,8 @@ class Partitioned:
   def __init__(self, fn: Callable, *, mesh, hints: Hints | None = None,
                hardware: str | Hardware = "tpu-v4", budget: Budget | None = None,
                memory_limit: float | None = None, seed: int = 0,
-               cache: bool | str | os.PathLike = True, search: str = "mcts"):
+               cache: bool | str | os.PathLike = True, search: str = "mcts",
+               policy: str | os.PathLike = "uniform"):
     self._mesh_spec = MeshSpec.of(mesh)
     if not isinstance(mesh, jax.sharding.Mesh):
       raise MeshError(
@@ -417,7 +441,7 @@ class Partitioned:
     self.fn, self.mesh = fn, mesh
     self._auto = apply_lib.auto_mesh(mesh)
     self._signature = _signature_of(fn)
-    self.request = _Request.of(hints, budget, memory_limit, seed, search)
+    self.request = _Request.of(hints, budget, memory_limit, seed, search, policy)
     for pattern, spec in self.request.hints.fixed.items():
       for entry in spec:
         for name in entry if isinstance(entry, tuple) else (entry,):
@@ -495,17 +519,19 @@ def _signature_of(fn) -> inspect.Signature | None:
 def partition(fn: Callable | None = None, *, mesh, hints: Hints | None = None,
               hardware: str | Hardware = "tpu-v4", budget: Budget | None = None,
               memory_limit: float | None = None, seed: int = 0,
-              cache: bool | str | os.PathLike = True, search: str = "mcts"):
+              cache: bool | str | os.PathLike = True, search: str = "mcts",
+              policy: str | os.PathLike = "uniform"):
   """Partitions `fn` automatically over `mesh`.
 
   Use as `@automap.partition(mesh=mesh)` or `automap.partition(fn, mesh=mesh)`.
   Plans are cached on disk (`cache=True`: $AUTOMAP_CACHE_DIR, else
   ~/.cache/automap; a folder path; or False for none), keyed by the
-  program, mesh, hardware, hints, budget, memory limit, seed and versions.
+  program, mesh, hardware, hints, budget, memory limit, seed, search
+  policy and versions. `search` and `policy` are as for `automap.search`.
   """
   make = functools.partial(Partitioned, mesh=mesh, hints=hints, hardware=hardware,
                            budget=budget, memory_limit=memory_limit, seed=seed,
-                           cache=cache, search=search)
+                           cache=cache, search=search, policy=policy)
   if fn is None:
     return make
   if not callable(fn):

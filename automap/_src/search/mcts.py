@@ -64,12 +64,19 @@ class UniformPolicy:
     return None
 
 
+_UNIFORM = UniformPolicy()
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
   c_puct: float = 2.5
   noise: float = 0.0  # share of Dirichlet noise in the root's priors
   max_depth: int = 12
   widen: float = 2.0  # actions admitted = widen * sqrt(visits + 1)
+  # Nodes at most this deep (actions from the root) take the policy's
+  # priors; deeper ones, many and alike, uniform ones: a learned policy
+  # costs a forward pass per expansion.
+  policy_depth: int = 2
 
 
 @dataclasses.dataclass(eq=False)
@@ -142,7 +149,8 @@ class Search:
 
   def _expand(self, node: Node) -> None:
     actions = self.space.legal(node.state)
-    priors = np.asarray(self.policy.priors(self.space, node.state, actions), float)
+    policy = self.policy if len(node.path) <= self.settings.policy_depth else _UNIFORM
+    priors = np.asarray(policy.priors(self.space, node.state, actions), float)
     if priors.shape != (len(actions) + 1,) or (priors < 0).any():
       raise ValueError(
           f"Policy.priors must return {len(actions) + 1} non-negative weights "

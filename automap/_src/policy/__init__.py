@@ -1,0 +1,1 @@
+"""The learned policy (see automap._src.policy)."""

@@ -1,0 +1,178 @@
+"""Trains the policy network on targets from long searches.
+
+For each random program (`synthetic.py`), a wide uniform-prior MCTS runs
+`episodes` episodes; every node it visited at least twice, with at least
+four of its actions tried, becomes an example. The target is the first of
+the node's actions, in the action space's order, whose best reward found
+below is within 0.5% of the best of them (stop is no target: the search
+caps its prior); the value target is the log speed-up from the node to the
+best found below it. Programs are split into training and held-out sets;
+losses and how often the network's top action is a target action are
+logged per epoch.
+
+  python -m automap.policy.train [--programs 120] [--episodes 400] [--epochs 5]
+      [--out automap/_src/policy/weights.npz] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from automap._src import trace
+from automap._src.hardware import get_hardware
+from automap._src.policy import learned, synthetic
+from automap._src.policy.features import Featurizer
+from automap._src.policy.model import Batch, PolicyNet, pad
+from automap._src.program import Program
+from automap._src.search import mcts
+from automap._src.search.actions import ActionSpace
+from automap._src.sharding import MeshSpec
+
+AXES = ("data", "model", "seq")
+_TOLERANCE = 0.005  # actions within this of a node's best are targets
+_WIDEN = 8.0  # progressive widening of the target searches
+
+
+@dataclasses.dataclass
+class Example:
+  batch: Batch
+  target: np.ndarray  # [K padded] prior, sums to one
+  value: float  # log speed-up reachable from the state
+  weight: float  # how much the search leaned on the state (its visits)
+
+
+def examples_of(sample: synthetic.Sample, episodes: int, seed: int) -> list[Example]:
+  """Search targets of one program."""
+  _, fn, args, shape, hw = sample
+  program = Program.build(trace.trace(fn, args), MeshSpec(AXES[:len(shape)], shape),
+                          get_hardware(hw))
+  space = ActionSpace(program)
+  # Wide: every action of a node is tried before any is deepened much, so
+  # the targets see all of them, not only those first in widening order.
+  search = mcts.Search(program, space, None, seed, settings=mcts.Settings(widen=_WIDEN))
+  search.run(episodes, 300.0)
+  featurize = Featurizer(space)
+  out = []
+  for node in search.table.values():
+    if node.actions is None or node.total < 2:
+      continue
+    if (node.visits[:-1] > 0).sum() < min(len(node.actions), 4):
+      continue  # too few actions tried to tell good from bad
+    own = search.reward(node)
+    best = node.best[:-1]  # the actions; stopping is the search's own business
+    top = best.max()
+    if not np.isfinite(top):
+      continue
+    # The first good action in the space's order: the policy learns where
+    # to depart from that order, not to spread over equivalent actions.
+    first = int(np.flatnonzero(best >= top * (1 - _TOLERANCE))[0])
+    f = featurize(node.state, node.actions)
+    batch = pad(f)
+    target = np.zeros(len(batch.actions), np.float32)
+    target[first] = 1.0
+    out.append(Example(batch, target, math.log(max(top, own) / own),
+                       math.log2(2 + node.total)))
+  return out
+
+
+def _loss(net: PolicyNet, params, batch: Batch, target, value_target, weight):
+  logits, value = net.apply({"params": params}, batch)
+  cross_entropy = -(target * jax.nn.log_softmax(logits)).sum()
+  return weight * (cross_entropy + 0.1 * (value - value_target) ** 2), (cross_entropy, logits)
+
+
+def evaluate(net: PolicyNet, params, examples: list[Example]) -> dict:
+  """Mean cross-entropy, and how often the top action is a target."""
+  apply = jax.jit(lambda p, b: net.apply({"params": p}, b))
+  ce, hits, first = [], [], []
+  for ex in examples:
+    logits, _ = apply(params, ex.batch)
+    logits = np.asarray(logits)
+    logp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    ce.append(float(-(ex.target * logp).sum()))
+    hits.append(ex.target[int(logits.argmax())] > 0)
+    first.append(ex.target[0] > 0)  # uniform priors try the space's first action first
+  w = np.array([ex.weight for ex in examples])
+  return {"cross_entropy": float(np.mean(ce)), "top1": float(np.mean(hits)),
+          "top1_uniform": float(np.mean(first)),
+          "top1_weighted": float(np.average(hits, weights=w)),
+          "top1_uniform_weighted": float(np.average(first, weights=w))}
+
+
+def train(examples: list[Example], held_out: list[Example], epochs: int, seed: int,
+          width: int = 64, rounds: int = 3, learning_rate: float = 1e-3,
+          log=print):
+  net = PolicyNet(width, rounds)
+  params = net.init(jax.random.key(seed), examples[0].batch)["params"]
+  optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(learning_rate))
+  opt_state = optimizer.init(params)
+
+  @jax.jit
+  def step(params, opt_state, batch, target, value, weight):
+    (loss, _), grads = jax.value_and_grad(
+        lambda p: _loss(net, p, batch, target, value, weight), has_aux=True)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  rng = np.random.default_rng(seed)
+  mean = float(np.mean([ex.weight for ex in examples]))
+  history = []
+  for epoch in range(epochs):
+    losses = []
+    for i in rng.permutation(len(examples)):
+      ex = examples[i]
+      params, opt_state, loss = step(params, opt_state, ex.batch, jnp.asarray(ex.target),
+                                     jnp.float32(ex.value), jnp.float32(ex.weight / mean))
+      losses.append(float(loss))
+    stats = {"epoch": epoch + 1, "train_loss": float(np.mean(losses))}
+    if held_out:
+      stats |= {f"held_out_{k}": v for k, v in evaluate(net, params, held_out).items()}
+    history.append(stats)
+    log("  " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                         for k, v in stats.items()))
+  return params, history
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--programs", type=int, default=120)
+  parser.add_argument("--episodes", type=int, default=400)
+  parser.add_argument("--epochs", type=int, default=5)
+  parser.add_argument("--held-out", type=float, default=0.2)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--out", default=learned.DEFAULT_WEIGHTS)
+  args = parser.parse_args(argv)
+  start = time.perf_counter()
+  rng = np.random.default_rng(args.seed)
+  train_set, held_out = [], []
+  cut = round(args.programs * (1 - args.held_out))
+  for i in range(args.programs):
+    sample = synthetic.sample(rng)
+    name, _, _, shape, hw = sample
+    t = time.perf_counter()
+    ex = examples_of(sample, args.episodes, args.seed + i)
+    (train_set if i < cut else held_out).extend(ex)
+    print(f"[{time.perf_counter() - start:6.1f} s] program {i + 1}/{args.programs}: "
+          f"{name} on {shape} {hw}: {len(ex)} examples ({time.perf_counter() - t:.1f} s)"
+          + ("" if i < cut else " [held out]"), flush=True)
+  print(f"training on {len(train_set)} examples, {len(held_out)} held out", flush=True)
+  params, _ = train(train_set, held_out, args.epochs, args.seed,
+                    log=lambda s: print(s, flush=True))
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  learned.save(args.out, params, 64, 3)
+  print(f"wrote {args.out} ({os.path.getsize(args.out) / 1024:.0f} KiB) in "
+        f"{time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+  main()
