@@ -8,8 +8,8 @@ every argument picks a layout of its own. The objective is the step time:
 
   - per op, its compute and result collectives under the strategy, priced
     by `CostModel` on a state in which the op's members sit exactly in those
-    layouts (late reductions pay their latency once per kind and axes, as
-    XLA combines them);
+    layouts (late collectives, such as gradient reductions, pay their
+    latency once per kind and axes, as XLA combines them);
   - per value and per layout its readers want it in, one reshard from the
     layout it is made in (XLA makes one copy per value and layout, shared by
     every reader), priced by `CostModel.transition`.
@@ -47,7 +47,7 @@ from typing import NamedTuple
 import numpy as np
 from ortools.sat.python import cp_model
 
-from automap._src.cost import ALL_REDUCE, REDUCE_SCATTER, CostModel, OpCost, Tracker
+from automap._src.cost import CostModel, OpCost, Tracker
 from automap._src.groups import colours
 from automap._src.program import Program
 from automap._src.sharding import UNSHARDED, State, empty_state
@@ -69,8 +69,8 @@ class Strategy(NamedTuple):
   wants: per operand, the layout the op reads it in (None: a literal).
   makes: per result, the layout the op makes it in.
   seconds: compute plus result collectives, the latency of combinable
-    (late) reductions left out.
-  late: (kind, axes mask) of the combinable reductions it emits.
+    (late) collectives left out.
+  late: (kind, axes mask) of the combinable collectives it emits.
   """
 
   factors: Layout
@@ -220,7 +220,7 @@ class _Pricer:
     for kind, mask, _, sec, position, _ in cost.comms:
       if position >= 0:
         return None  # a result the op cannot make in its own layout
-      if model.late[o] and kind in (ALL_REDUCE, REDUCE_SCATTER):
+      if model.late[o]:  # combined with its kind's other late collectives
         sec -= model.latency[kind, mask]
         late.append((kind, mask))
       seconds += sec
