@@ -200,8 +200,7 @@ class Featurizer:
     f[base + MAX_AXES + 1 + TACTICS.index(action.name)] = 1
     return f, -1
 
-  def __call__(self, state: State, actions: list[Action],
-               memory_limit: float | None = None) -> Features:
+  def __call__(self, state: State, actions: list[Action]) -> Features:
     g = self.graph
     nodes = self.static.copy()
     tiles = np.where(state >= 0, np.asarray(self.space.program.mesh.axis_sizes)[None], 1)
@@ -212,12 +211,11 @@ class Featurizer:
       d = state[:, a].astype(np.int64)
       on = d >= 0
       nodes[np.flatnonzero(on), slot + 1 + np.minimum(d[on], MAX_DIMS - 1)] = 1
-      untiled = np.flatnonzero(~on)
-      nodes[untiled, slot] = np.maximum(nodes[untiled, slot], 1 if a < MAX_AXES else 0)
+      if a < MAX_AXES:  # folded axes mark only what they tile
+        nodes[np.flatnonzero(~on), slot] = 1
     glob = self.glob.copy()
-    # Memory pressure: what the arguments and results alone hold per device.
-    glob[MAX_AXES + 3] = min(float(local[self.resident].sum()) / (memory_limit or self.capacity),
-                             4.0)
+    # Memory pressure: what arguments and results alone hold of a device.
+    glob[MAX_AXES + 3] = min(float(local[self.resident].sum()) / self.capacity, 4.0)
     glob[MAX_AXES + 4] = float((state >= 0).any(axis=1)[self.resident].mean())
     rows = [self.action_row(a) for a in actions] + [self.action_row(None)]
     for i, (row, _) in enumerate(rows):  # the space's own order, the default
