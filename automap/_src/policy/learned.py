@@ -123,7 +123,8 @@ class LearnedPolicy:
 
   def __init__(self, params, width: int, rounds: int):
     self.params, self.width, self.rounds = params, width, rounds
-    self._featurizers: dict[int, features_lib.Featurizer] = {}
+    # The program being searched: one at a time, and never kept past it.
+    self._featurizer: features_lib.Featurizer | None = None
 
   def check(self) -> None:
     """Raises if the parameters do not fit the network."""
@@ -138,11 +139,9 @@ class LearnedPolicy:
     return np.asarray(logits), float(value)
 
   def featurizer(self, space: ActionSpace) -> features_lib.Featurizer:
-    key = id(space)
-    f = self._featurizers.get(key)
-    if f is None or f.space is not space:
-      f = self._featurizers[key] = features_lib.Featurizer(space)
-    return f
+    if self._featurizer is None or self._featurizer.space is not space:
+      self._featurizer = features_lib.Featurizer(space)
+    return self._featurizer
 
   def priors(self, space: ActionSpace, state: State,
              actions: Sequence[Action]) -> np.ndarray:
