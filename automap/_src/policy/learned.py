@@ -123,7 +123,7 @@ class LearnedPolicy:
 
   def __init__(self, params, width: int, rounds: int):
     self.params, self.width, self.rounds = params, width, rounds
-    # The program being searched: one at a time, and never kept past it.
+    # The features of the program searched last: one program at a time.
     self._featurizer: features_lib.Featurizer | None = None
 
   def check(self) -> None:
