@@ -25,7 +25,6 @@ from automap._src import verify as verify_lib
 from automap._src.cost import Cost, Tracker
 from automap._src.hardware import Hardware, get_hardware
 from automap._src.plan import Plan, PlanError
-from automap._src.policy import learned as learned_lib
 from automap._src.program import Program
 from automap._src.search import ilp, mcts
 from automap._src.search.actions import ActionSpace
@@ -143,7 +142,9 @@ class _Request:
     """What the policy's priors depend on: none, or its weights' digest."""
     if self.policy == "uniform":
       return "uniform"
-    return learned_lib.digest(None if self.policy == "learned" else self.policy)
+    from automap._src.policy import learned  # flax and jraph: only when asked for
+
+    return learned.digest(None if self.policy == "learned" else self.policy)
 
 
 @dataclasses.dataclass
@@ -181,7 +182,9 @@ def _run_mcts(program: Program, space: ActionSpace, request: _Request,
   budget = request.budget
   policy = None
   if request.policy != "uniform":
-    policy = learned_lib.cached(None if request.policy == "learned" else request.policy)
+    from automap._src.policy import learned  # flax and jraph: only when asked for
+
+    policy = learned.cached(None if request.policy == "learned" else request.policy)
   run = mcts.Search(program, space, request.memory_limit, request.seed, policy=policy)
   show = budget.progress if budget.progress is not None else sys.stderr.isatty()
   if not show:
