@@ -110,7 +110,8 @@ def cached(path: str | None = None) -> LearnedPolicy | None:
 
 
 @functools.cache
-def _apply(width: int, rounds: int):
+def network(width: int, rounds: int):
+  """The network's jitted apply(params, batch), one per architecture."""
   net = PolicyNet(width, rounds)
   return jax.jit(lambda params, batch: net.apply({"params": params}, batch))
 
@@ -135,7 +136,7 @@ class LearnedPolicy:
       raise ValueError("parameter shapes differ from the network's")
 
   def forward(self, batch: Batch) -> tuple[np.ndarray, float]:
-    logits, value = _apply(self.width, self.rounds)(self.params, batch)
+    logits, value = network(self.width, self.rounds)(self.params, batch)
     return np.asarray(logits), float(value)
 
   def featurizer(self, space: ActionSpace) -> features_lib.Featurizer:
