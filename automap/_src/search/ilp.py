@@ -399,9 +399,10 @@ class _Formulation:
   def _consistent(self) -> None:
     """Each op's strategy is the one `CostModel.layout` derives from the
     layouts its operands are made in: a reduction factor is tiled on an axis
-    only where an operand is stored tiled by it there (the others are sliced
-    to match), and a result's factor wins over an operand's reduction factor
-    only where an operand is stored tiled by that factor too."""
+    only where an operand is stored tiled by it there and none by another
+    reduction factor (the others are sliced to match), and a result's factor
+    wins over an operand's reduction factor only where an operand is stored
+    tiled by that factor too."""
     g, m = self.graph, self.model
     done = set()
 
@@ -433,9 +434,13 @@ class _Formulation:
           if f >= 0 and rule.reduction[f]:
             if once(clause := [x.Not(), *stored.get((a, f), [])]):
               m.AddBoolOr(clause)
+            # No operand reduced over another factor there: which of two
+            # would win is the cost model's tie-break, not the solver's.
+            forbid = [y for g in range(len(rule.sizes)) if g != f and rule.reduction[g]
+                      for y in stored.get((a, g), [])]
             scatter = strategy.makes[0][a] if strategy.makes else -1
             if scatter >= 0:
-              forbid = stored.get((a, rule.results[0][scatter]), [])
+              forbid += stored.get((a, rule.results[0][scatter]), [])
           elif f >= 0:
             own = stored.get((a, f), [])
             for r in reduced[a]:  # no operand reduced there unless one holds f
