@@ -66,13 +66,12 @@ class ActionSpace:
     # Tactics first, then tilings of the biggest groups: the order in which
     # progressive widening admits actions of equal prior.
     self.tactics: list[Tactic] = []
-    for k in range(len(self.real_axes), 0, -1):
-      for axes in itertools.combinations(self.real_axes, k):
-        self.tactics.append(Tactic("data-parallel", axes))
+    # Every non-empty set of axes, the widest first.
+    combos = [axes for k in range(len(self.real_axes), 0, -1)
+              for axes in itertools.combinations(self.real_axes, k)]
+    self.tactics += [Tactic("data-parallel", axes) for axes in combos]
     self.tactics += [Tactic("megatron", (a,)) for a in self.real_axes]
-    for k in range(len(self.real_axes), 0, -1):
-      for axes in itertools.combinations(self.real_axes, k):
-        self.tactics.append(Tactic("fsdp", axes))
+    self.tactics += [Tactic("fsdp", axes) for axes in combos]
     self.tactics += [Tactic("sequence", (a,)) for a in self.real_axes]
     order = sorted(range(len(self.groups)), key=lambda i: -self.group_bytes(self.groups[i]))
     self.tiles = [Tile(i, d, a) for i in order
