@@ -128,6 +128,15 @@ class _Request:
           f"search must be one of {SEARCHES}, got {method!r}: 'mcts' (tree "
           "search over layer-group tilings and tactics) or 'ilp' (Alpa's "
           "per-op integer program, solved by CP-SAT within the budget's seconds).")
+    if (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)
+        or seed < 0):
+      raise TypeError(f"seed must be a non-negative integer, got {seed!r}.")
+    if memory_limit is not None and (
+        not isinstance(memory_limit, (int, float, np.integer, np.floating))
+        or isinstance(memory_limit, bool)):
+      raise TypeError(
+          f"memory_limit must be a number of bytes per device (or None for "
+          f"no limit), got {memory_limit!r}.")
     if isinstance(policy, os.PathLike):
       policy = os.fspath(policy)
     if not isinstance(policy, str) or not policy:
@@ -136,7 +145,7 @@ class _Request:
           f"shipped weights) or the path of a weights file, got {policy!r}.")
     if policy not in ("learned", "uniform"):
       policy = os.path.abspath(policy)
-    return cls(hints, budget, memory_limit, seed, method, policy)
+    return cls(hints, budget, memory_limit, int(seed), method, policy)
 
   def policy_id(self) -> str:
     """What the policy's priors depend on: none, or its weights' digest."""
@@ -151,7 +160,8 @@ class _Request:
 class _Found:
   state: State
   score: mcts.Score  # (bytes over the memory limit, step seconds)
-  stats: dict
+  stats: dict  # what the inputs determine: saved with the plan
+  timings: dict[str, float]  # wall seconds of this run: kept on the Plan only
 
 
 def _check_memory_limit(program: Program, memory_limit: float | None) -> None:
@@ -202,11 +212,10 @@ def _run_mcts(program: Program, space: ActionSpace, request: _Request,
            "episodes": result.episodes,
            "episode_of_best": result.episode_of_best,
            "evaluations": result.evaluations, "states": result.nodes,
-           "seconds": round(result.seconds, 4),
-           "seconds_to_best": round(result.seconds_to_best, 4),
            "actions": [space.describe(a) for a in result.path],
            "groups": len(space.groups)}
-  return _Found(result.state, result.score, stats)
+  return _Found(result.state, result.score, stats,
+                {"search": result.seconds, "to_best": result.seconds_to_best})
 
 
 # Share of Budget.seconds the ILP's warm start (MCTS) may take.
@@ -223,11 +232,11 @@ def _run_ilp(program: Program, space: ActionSpace, request: _Request) -> _Found:
   result = ilp.solve(program, ilp.Settings(
       seconds=budget.seconds - (time.perf_counter() - t0), memory_limit=limit,
       seed=request.seed), hint=warm.state)
-  stats = {"strategy": "ilp", "status": result.status,
-           "seconds": round(time.perf_counter() - t0, 4), "memory_rounds": result.rounds,
+  timings = {"search": time.perf_counter() - t0, "warm_start": warm.timings["search"]}
+  stats = {"strategy": "ilp", "status": result.status, "memory_rounds": result.rounds,
            "choices": result.ops, "variables": result.variables,
            "objective": result.objective, "bound": result.bound,
-           "warm_start": {k: warm.stats[k] for k in ("episodes", "seconds", "actions")}
+           "warm_start": {k: warm.stats[k] for k in ("episodes", "actions")}
            | {"step_time": warm.score[1]}}
   if result.status == "infeasible":
     least, at = result.least_memory
@@ -243,11 +252,11 @@ def _run_ilp(program: Program, space: ActionSpace, request: _Request) -> _Found:
         f"({result.variables:,} variables); using its warm start, MCTS's best "
         "plan, instead. Give a larger Budget(seconds=...) or use search='mcts'."),
         stacklevel=4)
-    return _Found(warm.state, warm.score, dict(stats, kept="warm start"))
+    return _Found(warm.state, warm.score, dict(stats, kept="warm start"), timings)
   score = mcts.score_of(Tracker(program.model, result.state), limit)
   if warm.score < score:  # the solver's classes could not express the start
-    return _Found(warm.state, warm.score, dict(stats, kept="warm start"))
-  return _Found(result.state, score, stats)
+    return _Found(warm.state, warm.score, dict(stats, kept="warm start"), timings)
+  return _Found(result.state, score, stats, timings)
 
 
 def _plan_of(program: Program, found: _Found, memory_limit: float | None) -> Plan:
@@ -260,7 +269,9 @@ def _plan_of(program: Program, found: _Found, memory_limit: float | None) -> Pla
         "devices, or give a larger search budget.")
   stats = dict(found.stats, graph_values=program.graph.num_values,
                graph_ops=program.graph.num_ops)
-  return program.make_plan(found.state, stats)
+  plan = program.make_plan(found.state, stats)
+  plan.timings.update(found.timings)
+  return plan
 
 
 def _plan(traced: trace_lib.Traced, mesh: MeshSpec, hardware: Hardware,
@@ -479,7 +490,7 @@ class Partitioned:
       t0 = time.perf_counter()
       traced = trace_lib.trace(self.fn, args)
       plan = _plan(traced, self._mesh_spec, self.hardware, self.request, self._cache)
-      plan.stats["plan_seconds"] = round(time.perf_counter() - t0, 4)
+      plan.timings["plan"] = time.perf_counter() - t0
       jitted = apply_lib.jit_with_plan(traced, self.mesh, plan)
       outs = jax.tree.unflatten(traced.out_tree, [
           NamedSharding(self.mesh, s) for s in plan.out_specs])

@@ -55,7 +55,11 @@ class Plan:
     from its own (the constraint to its own layout follows).
   cost: predicted cost under the cost model.
   collectives: predicted (scope, kind, axes, bytes, count) per op scope.
-  stats: search statistics (strategy, evaluations, seconds, ...).
+  stats: search statistics (strategy, episodes, evaluations, actions, ...),
+    what the inputs and seed determine: the saved JSON is the same bytes
+    run after run.
+  timings: wall seconds of the run that made this object ("search",
+    "to_best", "plan": trace to jitted function); not saved.
   """
 
   mesh: MeshSpec
@@ -74,6 +78,8 @@ class Plan:
   stats: dict[str, Any]
   in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
   out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
+  timings: dict[str, float] = dataclasses.field(default_factory=dict, compare=False,
+                                                repr=False)
 
   @property
   def in_shardings(self):

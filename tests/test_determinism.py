@@ -1,0 +1,105 @@
+"""Same inputs and seed, same plan, to the byte; interrupts leave no debris."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import gpt_step, mesh, mlp
+
+import automap
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+PLAN_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_determinism import plan_of
+plan_of({search!r}, {seed}).save(sys.argv[1])
+"""
+
+
+def plan_of(search: str, seed: int) -> automap.Plan:
+  """MCTS on a GPT train step; the ILP where it proves its optimum fast."""
+  if search == "mcts":
+    step, args = gpt_step()
+  else:
+    step = mlp
+    args = tuple(jax.ShapeDtypeStruct(s, jnp.float32)
+                 for s in ((64, 128), (128, 512), (512, 128)))
+  return automap.search(step, *args, mesh=mesh((4, 2)), seed=seed, search=search,
+                        budget=automap.Budget(episodes=120, seconds=600))
+
+
+def _env(**extra) -> dict:
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  env.update(extra)
+  return env
+
+
+def _plan_in_subprocess(path, seed: int, search: str, hash_seed: str) -> bytes:
+  script = PLAN_SCRIPT.format(tests=TESTS, seed=seed, search=search)
+  subprocess.run([sys.executable, "-c", script, str(path)], check=True, timeout=600,
+                 env=_env(PYTHONHASHSEED=hash_seed))
+  return path.read_bytes()
+
+
+@pytest.mark.parametrize("search", ["mcts", "ilp"])
+def test_same_seed_gives_byte_identical_plans_across_processes(tmp_path, search):
+  plan_of(search, seed=3).save(tmp_path / "here.json")
+  # String hashing differs between the two processes: no set or dict order
+  # of strings may leak into the plan.
+  a = _plan_in_subprocess(tmp_path / "a.json", 3, search, hash_seed="1")
+  b = _plan_in_subprocess(tmp_path / "b.json", 3, search, hash_seed="2")
+  assert a == b == (tmp_path / "here.json").read_bytes()
+
+
+def test_other_seeds_may_differ_but_keep_the_memory_limit():
+  step, args = gpt_step()
+  m = mesh((4, 2))
+  free = automap.search(step, *args, mesh=m, hardware="tpu-v4")
+  limit = 0.7 * free.cost.peak_memory
+  for seed in (1, 2, 5):
+    plan = automap.search(step, *args, mesh=m, hardware="tpu-v4", memory_limit=limit,
+                          seed=seed, budget=automap.Budget(episodes=60))
+    assert plan.cost.peak_memory <= limit
+
+
+INTERRUPT_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+import automap
+from automap._src.search import mcts
+from helpers import gpt_step, mesh
+step, args = gpt_step()
+run = mcts.Search.run
+def announced(self, *a, **k):
+  print("searching", flush=True)
+  return run(self, *a, **k)
+mcts.Search.run = announced
+f = automap.partition(step, mesh=mesh((4, 2)), cache=sys.argv[1],
+                      budget=automap.Budget(episodes=10**9, seconds=300))
+f(*args)
+"""
+
+
+def test_ctrl_c_during_a_search_raises_cleanly_and_caches_nothing(tmp_path):
+  cache = tmp_path / "cache"
+  proc = subprocess.Popen(
+      [sys.executable, "-c", INTERRUPT_SCRIPT.format(tests=TESTS), str(cache)],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+  try:
+    assert proc.stdout.readline().strip() == "searching"
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+  finally:
+    proc.kill()
+  assert proc.returncode != 0
+  assert err.rstrip().endswith("KeyboardInterrupt"), err[-2000:]
+  assert not list(cache.glob("*")) if cache.exists() else True
