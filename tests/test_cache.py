@@ -50,7 +50,7 @@ def test_the_key_changes_with_what_the_plan_depends_on(tmp_path):
   assert len(list(tmp_path.glob("*.json"))) == 4
 
 
-@pytest.mark.parametrize("damage", ["truncated", "not json", "other program"])
+@pytest.mark.parametrize("damage", ["truncated", "not json", "other program", "other version"])
 def test_a_damaged_entry_is_reported_once_and_replaced(tmp_path, damage):
   fn, args = _program()
   _partition(tmp_path)(*args)
@@ -60,9 +60,13 @@ def test_a_damaged_entry_is_reported_once_and_replaced(tmp_path, damage):
     entry.write_text(text[: len(text) // 2])
   elif damage == "not json":
     entry.write_bytes(b"\xff\xfe garbage")
-  else:
+  elif damage == "other program":
     d = json.loads(text)
     d["fingerprint"] = "0" * 16
+    entry.write_text(json.dumps(d))
+  else:
+    d = json.loads(text)
+    d["schema"] = "automap.plan/0"
     entry.write_text(json.dumps(d))
   with pytest.warns(cache_lib.PlanCacheWarning, match="ignoring cached plan"):
     again = _partition(tmp_path)

@@ -102,3 +102,92 @@ def test_budget_and_hints_validation():
     automap.Hints(fixed={"w": "model"})
   with pytest.raises(TypeError, match="automap.Budget"):
     automap.partition(mlp, mesh=mesh((8, 1)), budget=10)
+
+
+def test_a_mesh_without_axes_is_refused():
+  no_axes = jax.sharding.Mesh(np.array(jax.devices()[0]), ())
+  with pytest.raises(automap.MeshError, match="at least one axis"):
+    automap.search(mlp, *X, mesh=no_axes)
+
+
+def test_spec_with_more_entries_than_dims_names_the_argument():
+  with pytest.raises(automap.MeshError, match="'0'.*3 entries.*rank 2"):
+    automap.evaluate(mlp, *X, mesh=mesh((4, 2)), in_shardings=(P(None, None, "data"), P(), P()))
+  with pytest.raises(automap.MeshError, match=r"Hints.fixed\['0'\].*rank 2"):
+    automap.search(mlp, *X, mesh=mesh((4, 2)),
+                   hints=automap.Hints(fixed={"0": P(None, None, "data")}))
+
+
+def test_spec_tiling_a_dim_the_axis_does_not_divide():
+  x = jnp.ones((6, 32))
+  with pytest.raises(automap.MeshError, match="size 6 is not divisible by the 4 tiles"):
+    automap.search(mlp, x, X[1], X[2], mesh=mesh((4, 2)),
+                   hints=automap.Hints(fixed={"0": P("data")}))
+
+
+def test_conflicting_fixed_specs_name_both():
+  hints = automap.Hints(fixed={"0": P("data"), "*": P()})
+  with pytest.raises(automap.MeshError, match=r"two different specs.*make the patterns disjoint"):
+    automap.search(mlp, *X, mesh=mesh((4, 2)), hints=hints)
+
+
+def test_specs_not_matching_the_arguments():
+  with pytest.raises(automap.MeshError, match="pytree of PartitionSpecs matching"):
+    automap.evaluate(mlp, *X, mesh=mesh((4, 2)), in_shardings=(P(), P()))
+  with pytest.raises(automap.MeshError, match="expected a PartitionSpec, got 'data'"):
+    automap.evaluate(mlp, *X, mesh=mesh((4, 2)), in_shardings=("data", None, None))
+
+
+@pytest.mark.parametrize("seconds", [0, -1.0, float("nan")])
+def test_a_budget_must_be_positive(seconds):
+  with pytest.raises(ValueError, match="Budget.seconds must be a positive number"):
+    automap.Budget(seconds=seconds)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"memory_limit": "16GB"}, "memory_limit must be a number of bytes"),
+    ({"memory_limit": -5}, "memory_limit must be a positive number"),
+    ({"seed": "a"}, "seed must be a non-negative integer"),
+    ({"search": "genetic"}, "search must be one of"),
+    ({"hardware": "tpu-v9"}, "hardware must be a automap.Hardware or one of"),
+    ({"devices": 8}, "exactly one of mesh="),
+])
+def test_search_options_are_checked_before_searching(kwargs, match):
+  with pytest.raises((TypeError, ValueError), match=match):
+    automap.search(mlp, *X, mesh=mesh((4, 2)), **kwargs)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("flops", 0.0), ("hbm_bandwidth", -1.0), ("link_bandwidth", float("nan")),
+    ("link_latency", -1e-6), ("devices_per_node", 0)])
+def test_hardware_figures_must_be_positive(field, value):
+  import dataclasses
+
+  with pytest.raises(automap.HardwareError, match=f"Hardware.{field} must be a positive"):
+    dataclasses.replace(automap.HARDWARE["h100"], **{field: value})
+
+
+def test_callbacks_rng_and_custom_calls_next_to_sharded_values_keep_numerics():
+  """Effects and opaque ops between sharded neighbours: the callbacks run
+  once per call on whole values, the random draws and a LAPACK custom call
+  (cholesky) give the unpartitioned results."""
+  seen = []
+
+  def f(x, w, key):
+    h = jnp.tanh(x @ w)
+    jax.debug.callback(lambda v: seen.append(float(v)), h.sum())
+    h = h + 0.1 * jax.random.normal(key, h.shape)
+    y = jax.pure_callback(np.sin, jax.ShapeDtypeStruct(h.shape, h.dtype), h)
+    s = jnp.linalg.cholesky(y.T @ y + 64 * jnp.eye(y.shape[1]))
+    return (y @ s).sum(axis=0)
+
+  args = (jax.random.normal(jax.random.key(0), (16, 32)),
+          jax.random.normal(jax.random.key(1), (32, 16)), jax.random.key(2))
+  expected = jax.jit(f)(*args)
+  hints = automap.Hints(fixed={"0": P("data"), "1": P(None, "model")})
+  with pytest.warns(automap.UnknownPrimitiveWarning, match="cholesky"):
+    g = automap.partition(f, mesh=mesh((4, 2)), hints=hints, hardware="cpu")
+    actual = g(*args)
+  assert g.plan.in_specs[:2] == (P("data"), P(None, "model"))
+  np.testing.assert_allclose(actual, expected, rtol=1e-5)
+  assert len(seen) == 2 and seen[1] == pytest.approx(seen[0], rel=1e-4)
