@@ -18,3 +18,15 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 def devices():
   assert len(jax.devices()) == 8, "tests need 8 simulated CPU devices"
   return jax.devices()
+
+
+# Property tests: `ci` is reproducible and sized for CI; `long` explores.
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci", max_examples=150, deadline=None, derandomize=True, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile(
+    "long", max_examples=2000, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

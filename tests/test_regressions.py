@@ -182,3 +182,13 @@ def test_sliced_gradient_reductions_hold_their_results():
   assert ("all-reduce", ("data", "model")) in plan.cost.comm_bytes
   assert report.comm_error < 0.05, report.table()
   assert abs(report.memory_error) < 0.15, report.table()
+
+
+def test_an_axis_of_one_device_in_a_spec_moves_nothing():
+  m = jax.make_mesh((1, 8), ("a", "b"))
+  x = jnp.arange(8.0 * 16).reshape(8, 16)
+  hints = automap.Hints(fixed={"0": P("a", "b")})
+  plan = automap.search(lambda x: jnp.abs(x).T, x, mesh=m, hints=hints, hardware="cpu")
+  report = automap.verify(plan, lambda x: jnp.abs(x).T, x, mesh=m)
+  assert report.max_abs_error == 0.0
+  assert report.comm_error < 0.05, report.table()

@@ -388,45 +388,95 @@ class CostModel:
     """Collectives that move an array from layout `have` to `want` (per-axis
     tiled dims); returns its bytes per device after.
 
-    Axes leaving the array are all-gathered (dim by dim), axes moving between dims
-    exchanged all-to-all, axes arriving sliced for free. Tiles of one dim nest
-    major to minor in mesh order, so keeping a minor axis while dropping a
-    major one, or adding a major axis under a kept minor one, reorders tiles:
-    a collective-permute first.
+    As XLA reshards: where every device's target tile lies within some
+    device's current tile (each dim's tile count only refined), it slices
+    and, unless the tile is its own, collective-permutes the slice. Else axes
+    leaving the array are all-gathered (dim by dim), axes moving between dims
+    exchanged all-to-all, axes arriving sliced for free; a dim whose axes are
+    swapped for others is first permuted, then gathered only as far as the
+    coarser target. Tiles of one dim nest major to minor in mesh order, so
+    keeping a minor axis while dropping a major one, or adding a major axis
+    under a kept minor one, reorders tiles: a collective-permute first.
     """
     sizes = self.mesh.axis_sizes
-    a2a_mask = permute_mask = 0
+    # An axis of one device tiles nothing: which dim it names is moot.
+    have = [UNSHARDED if n == 1 else int(h) for h, n in zip(have, sizes)]
+    want = [UNSHARDED if n == 1 else int(w) for w, n in zip(want, sizes)]
+    a2a_mask = permute_mask = moved = 0
     gathers: dict[int, int] = {}  # dim -> the axes leaving it
+    arrivals: dict[int, int] = {}  # dim -> the axes arriving on it
+    have_tiles: dict[int, int] = {}
+    want_tiles: dict[int, int] = {}
     after = local
     for a in range(len(sizes)):
-      h, w = have[a], want[a]
+      h, w = int(have[a]), int(want[a])
+      if h >= 0:
+        have_tiles[h] = have_tiles.get(h, 1) * sizes[a]
+      if w >= 0:
+        want_tiles[w] = want_tiles.get(w, 1) * sizes[a]
       if h == w:
         continue
+      moved |= 1 << a
       if h >= 0 and w < 0:
-        gathers[int(h)] = gathers.get(int(h), 0) | 1 << a
+        gathers[h] = gathers.get(h, 0) | 1 << a
         after *= sizes[a]
       elif h >= 0:
         a2a_mask |= 1 << a
       else:
+        arrivals[w] = arrivals.get(w, 0) | 1 << a
         after /= sizes[a]
-    for d in {int(x) for x in have if x >= 0}:
+    for d in have_tiles:
       on_h = [a for a in range(len(sizes)) if have[a] == d]
       kept = [a for a in on_h if want[a] == d]
       on_w = [a for a in range(len(sizes)) if want[a] == d]
       if kept != on_h[:len(kept)] or on_w[:len(kept)] != kept:
         for a in on_h + on_w:
           permute_mask |= 1 << a
+    if not (gathers or a2a_mask or permute_mask):
+      return after  # slices of what each device holds
     target = sum((int(w) + 1) << (4 * a) for a, w in enumerate(want))
-    if permute_mask:
+    if all(want_tiles.get(d, 1) % t == 0 for d, t in have_tiles.items()):
+      self.emit(comms, PERMUTE, moved | permute_mask, after, value, target)
+      return after
+    leaving = {int(have[a]) for a in range(len(sizes)) if a2a_mask >> a & 1}
+    incoming = {int(want[a]) for a in range(len(sizes)) if moved >> a & 1}
+    if any(d in leaving and d not in incoming for d in gathers):
+      # A dim losing one axis to another dim and another to a gather, with
+      # none coming in: XLA's partitioner finds no collective for it and
+      # rematerialises the whole array, then slices.
+      whole = local * math.prod(have_tiles.values())
+      self.emit(comms, ALL_GATHER, moved, whole, value, target)
+      return after
+    # What stays on the array after the gathers; if the target's tiles lie
+    # within its tiles, one permute moves them into place before gathering.
+    kept_tiles: dict[int, int] = {}
+    for a in range(len(sizes)):
+      if have[a] >= 0 and want[a] >= 0:
+        kept_tiles[int(have[a])] = kept_tiles.get(int(have[a]), 1) * sizes[a]
+    if (a2a_mask or permute_mask or any(d in arrivals for d in gathers)) and all(
+        want_tiles.get(d, 1) % t == 0 for d, t in kept_tiles.items()):
+      self.emit(comms, PERMUTE, moved | permute_mask, local, value, target)
+      a2a_mask = 0
+    elif permute_mask:
       self.emit(comms, PERMUTE, permute_mask, local, value, target)
     # An all-gather concatenates along one dim: XLA gathers dims one at a
     # time, the last first, each result the input of the next.
     gathered = local
     for d in sorted(gathers, reverse=True):
-      gathered *= self.group_size[gathers[d]]
-      self.emit(comms, ALL_GATHER, gathers[d], gathered, value, target)
-    if a2a_mask:
-      self.emit(comms, ALL_TO_ALL, a2a_mask, local, value, target)
+      grow = self.group_size[gathers[d]]
+      if d in arrivals:  # gathered only to the target's tiles
+        grow /= self.group_size[arrivals[d]]
+      if grow > 1:
+        gathered *= grow
+        self.emit(comms, ALL_GATHER, gathers[d], gathered, value, target)
+    # One all-to-all per (source dim, target dim) of the axes moving.
+    pairs: dict[tuple[int, int], int] = {}
+    for a in range(len(sizes)):
+      if a2a_mask >> a & 1:
+        pair = (int(have[a]), int(want[a]))
+        pairs[pair] = pairs.get(pair, 0) | 1 << a
+    for mask in pairs.values():
+      self.emit(comms, ALL_TO_ALL, mask, local, value, target)
     return after
 
   def op_cost(self, state: State, o: int) -> OpCost:
@@ -523,7 +573,15 @@ class CostModel:
           if reduce_mask >> a & 1:
             self.emit(comms, ALL_REDUCE, 1 << a, natural_bytes)
       elif reduce_mask:
-        self.emit(comms, ALL_REDUCE, reduce_mask, natural_bytes)
+        # One all-reduce per reduced factor (XLA reduces dim by dim), over
+        # every axis that tiles it.
+        by_factor: dict[int, int] = {}
+        for a in range(num_axes):
+          if reduce_mask >> a & 1:
+            f = factor_of_axis[a]
+            by_factor[f] = by_factor.get(f, 0) | 1 << a
+        for mask in by_factor.values():
+          self.emit(comms, ALL_REDUCE, mask, natural_bytes)
       if scatter_mask:
         for a in range(num_axes):
           if scatter_mask >> a & 1:

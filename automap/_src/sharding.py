@@ -228,7 +228,8 @@ class Propagator:
     self._first = np.full(graph.num_values, _NO_OFFER, np.int64)  # scratch
 
   def can_tile(self, state: State, v: int, d: int, a: int) -> bool:
-    if self.fixed[v] or state[v, a] != UNSHARDED or d >= self.graph.rank(v):
+    if (self.fixed[v] or state[v, a] != UNSHARDED or d >= self.graph.rank(v)
+        or self.sizes[a] == 1):
       return False
     tiles = tile_count(state, self.mesh, v, d) * self.sizes[a]
     return self.graph.shapes[v][d] % tiles == 0
