@@ -51,7 +51,10 @@ def test_scan_body_is_walked_once_between_ties():
   body = [i for i, p in enumerate(g.prims) if p in ("add", "mul")]
   assert len(body) == 2 and all(g.trips[i] == 4 for i in body)
   ties = [i for i, p in enumerate(g.prims) if p.startswith("scan_")]
-  assert all(g.trips[i] == 1 and g.sealed[g.results[i][0]] for i in ties)
+  assert all(g.trips[i] == 1 for i in ties)
+  # Slices live inside the loop (XLA lays them out); the final carry and
+  # the stacked results are constrained after it.
+  assert all(g.sealed[g.results[i][0]] == (g.prims[i] == "scan_slice") for i in ties)
   assert {g.prims[i] for i in ties} == {"scan_slice", "scan_carry", "scan_stack"}
 
 

@@ -69,13 +69,18 @@ def interpreter(traced: Traced, constraints: Mapping[int, PartitionSpec],
         outs[i] = jax.lax.with_sharding_constraint(outs[i], sharding)
     return outs
 
+  def after_scan(ids: tuple, outs: list) -> list:
+    return [jax.lax.with_sharding_constraint(x, shardings[v]) if v in shardings else x
+            for v, x in zip(ids, outs)]
+
   def run(*args):
     flat, tree = jax.tree.flatten(args)
     if tree != traced.in_tree:
       raise TypeError(
           f"arguments have structure {tree}, but the plan was made for "
           f"{traced.in_tree}.")
-    walk = Walk(visit, lambda i, c: c, lambda atom: atom.val, open_sealed=False)
+    walk = Walk(visit, lambda i, c: c, lambda atom: atom.val, open_sealed=False,
+                after_scan=after_scan)
     ids = walk.fresh(len(flat))
     # Arguments carry their layout from in_shardings; nothing to insert.
     del ids

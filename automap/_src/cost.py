@@ -229,6 +229,14 @@ class CostModel:
           mixes[v] = True
     self.latency = np.array(
         [[self.comm_time(k, m, 0.0) for m in range(self.masks)] for k in range(len(KINDS))])
+    # Values XLA makes anew in whatever layout a reader wants (an iota, a
+    # broadcast constant scalar): reading one in another layout moves nothing.
+    self.free = np.zeros(graph.num_values, bool)
+    for o, prim in enumerate(graph.prims):
+      scalars = all(v < 0 or (graph.kind[v] == graph_lib.CONST and graph.rank(v) == 0)
+                    for v in graph.operands[o])
+      if prim == "iota" or (prim == "broadcast_in_dim" and scalars):
+        self.free[[v for v in graph.results[o] if v >= 0]] = True
     # Ops that cost the same in the same layouts share a class.
     classes: dict[tuple, int] = {}
     self.op_class = np.empty(graph.num_ops, np.int64)
@@ -240,7 +248,8 @@ class CostModel:
                          else -1 for v in graph.operands[o]),
                    tuple(str(graph.dtypes[v]) for v in values),
                    tuple(graph.shapes[v] for v in graph.results[o] if v >= 0),
-                   float(graph.flops[o]), int(graph.trips[o]), bool(self.dead[o]))
+                   float(graph.flops[o]), int(graph.trips[o]), bool(self.dead[o]),
+                   tuple(bool(self.free[v]) if v >= 0 else False for v in graph.operands[o]))
       self.op_class[o] = classes.setdefault(signature, len(classes))
       members.append(values)
     # Tables for costing many ops at once: members padded by repeating the
@@ -453,30 +462,40 @@ class CostModel:
     for a in range(len(sizes)):
       if have[a] >= 0 and want[a] >= 0:
         kept_tiles[int(have[a])] = kept_tiles.get(int(have[a]), 1) * sizes[a]
+    permuted = True
     if (a2a_mask or permute_mask or any(d in arrivals for d in gathers)) and all(
         want_tiles.get(d, 1) % t == 0 for d, t in kept_tiles.items()):
       self.emit(comms, PERMUTE, moved | permute_mask, local, value, target)
       a2a_mask = 0
     elif permute_mask:
       self.emit(comms, PERMUTE, permute_mask, local, value, target)
+    else:
+      permuted = False
     # An all-gather concatenates along one dim: XLA gathers dims one at a
-    # time, the last first, each result the input of the next.
+    # time, the last first, each result the input of the next. Unpermuted,
+    # each step's result is a layout of its own, which every reader that
+    # passes through it shares (XLA caches reshards per value and layout).
     gathered = local
+    step = list(have)
     for d in sorted(gathers, reverse=True):
       grow = self.group_size[gathers[d]]
       if d in arrivals:  # gathered only to the target's tiles
         grow /= self.group_size[arrivals[d]]
       if grow > 1:
         gathered *= grow
-        self.emit(comms, ALL_GATHER, gathers[d], gathered, value, target)
-    # One all-to-all per (source dim, target dim) of the axes moving.
+        for a in range(len(sizes)):
+          if gathers[d] >> a & 1:
+            step[a] = UNSHARDED
+        key = target if permuted else sum((w + 1) << (4 * a) for a, w in enumerate(step))
+        self.emit(comms, ALL_GATHER, gathers[d], gathered, value, key)
+    # Then one all-to-all per (source dim, target dim) of the axes moving.
     pairs: dict[tuple[int, int], int] = {}
     for a in range(len(sizes)):
       if a2a_mask >> a & 1:
         pair = (int(have[a]), int(want[a]))
         pairs[pair] = pairs.get(pair, 0) | 1 << a
     for mask in pairs.values():
-      self.emit(comms, ALL_TO_ALL, mask, local, value, target)
+      self.emit(comms, ALL_TO_ALL, mask, gathered, value, target)
     return after
 
   def op_cost(self, state: State, o: int) -> OpCost:
@@ -532,10 +551,26 @@ class CostModel:
     hbm = 0.0
     reshards = {}
     for p, (v, want_row) in enumerate(zip(operands, wants)):
-      if want_row is not None:
-        hbm += self.transition(comms, state[v], want_row, self.local_bytes(state, v), p)
-        if any(int(state[v, a]) != w for a, w in enumerate(want_row)):
-          reshards[p] = tuple(want_row)
+      if want_row is None:
+        continue
+      have, local = state[v], self.local_bytes(state, v)
+      if g.prims[o] == "scan_slice" and any(int(d) == 0 for d in have):
+        # XLA makes only the step dim whole before the loop (its axes moved
+        # to the dims they are wanted on where those are free, else
+        # gathered); the rest of the reshard happens to each step's slice.
+        held = {int(d) for d in have if int(d) > 0}
+        whole = [int(d) if int(d) != 0 else
+                 int(w) if int(w) > 0 and int(w) not in held else UNSHARDED
+                 for d, w in zip(have, want_row)]
+        local = self.transition(comms, have, whole, local, p)
+        inner: list = []
+        steps = g.shapes[v][0]
+        hbm += self.transition(inner, whole, want_row, local / steps, p) * steps
+        comms += [(k, m, b, sec * steps, q, t) for k, m, b, sec, q, t in inner]
+      else:
+        hbm += self.transition([] if self.free[v] else comms, have, want_row, local, p)
+      if any(int(state[v, a]) != w for a, w in enumerate(want_row)):
+        reshards[p] = tuple(want_row)
     # Results: combine partial sums, then match the result's own layout.
     footprint, naturals = [], []
     for r, v in enumerate(results):
@@ -556,32 +591,21 @@ class CostModel:
             reduce_mask |= 1 << a
         elif f >= 0 and f in dims:
           natural[a] = dims.index(f)
-      split = False
       if scatter_mask and not self.hw.reduce_scatter:
         # All-reduce the whole partial result, then keep this device's tile.
-        whole = reduce_mask | scatter_mask
-        major = whole & -whole  # the reduced axis first in mesh order
-        split = whole != major and bool(scatter_mask & major) and scatter_mask != whole
         reduce_mask |= scatter_mask
         scatter_mask = 0
       natural_bytes = float(g.nbytes[v]) / math.prod(
           sizes[a] for a in range(num_axes) if natural[a] >= 0)
-      if reduce_mask and split:
-        # Without reduce-scatters XLA reduces over several axes one axis at
-        # a time when the result is then tiled over the major one.
-        for a in range(num_axes):
-          if reduce_mask >> a & 1:
-            self.emit(comms, ALL_REDUCE, 1 << a, natural_bytes)
-      elif reduce_mask:
-        # One all-reduce per reduced factor (XLA reduces dim by dim), over
-        # every axis that tiles it.
-        by_factor: dict[int, int] = {}
-        for a in range(num_axes):
-          if reduce_mask >> a & 1:
-            f = factor_of_axis[a]
-            by_factor[f] = by_factor.get(f, 0) | 1 << a
-        for mask in by_factor.values():
-          self.emit(comms, ALL_REDUCE, mask, natural_bytes)
+      # One all-reduce per reduced factor (XLA reduces dim by dim), over
+      # every axis that tiles it.
+      by_factor: dict[int, int] = {}
+      for a in range(num_axes):
+        if reduce_mask >> a & 1:
+          f = factor_of_axis[a]
+          by_factor[f] = by_factor.get(f, 0) | 1 << a
+      for mask in by_factor.values():
+        self.emit(comms, ALL_REDUCE, mask, natural_bytes)
       if scatter_mask:
         for a in range(num_axes):
           if scatter_mask >> a & 1:

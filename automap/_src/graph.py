@@ -89,13 +89,16 @@ class Walk:
   def __init__(self, visit: Callable[[Step, list], list],
                const: Callable[[int, Any], Any],
                literal: Callable[[Any], Any], open_sealed: bool,
-               tie: Callable[[str, list, tuple, list, str, int], list] | None = None):
+               tie: Callable[[str, list, tuple, list, str, int, bool], list] | None = None,
+               after_scan: Callable[[tuple, list], list] | None = None):
     self.visit, self.const, self.literal = visit, const, literal
     self.open_sealed = open_sealed
     # Scan bodies are walked once. With `tie`, the walk records how a scan's
     # operands and results relate to its body's (see `_scan`); without, it
     # runs the scan, its body re-interpreted by this walk.
     self.tie = tie
+    # Without `tie`: what becomes of a scan's results (by id) after the loop.
+    self.after_scan = after_scan or (lambda ids, outs: outs)
     self.next_id = 0
     self.trips = 1  # iterations of the body being walked, nested scans multiplied
 
@@ -132,7 +135,7 @@ class Walk:
         if sub is not None:  # A sealed call visited whole.
           dry = Walk(lambda s, i: list(s.out_ids), lambda i, c: i,
                      lambda a: -1, open_sealed=True,
-                     tie=lambda name, ins, ids, avals, scope, trips: list(ids))
+                     tie=lambda name, ins, ids, avals, scope, trips, sealed: list(ids))
           dry.next_id = self.next_id
           out_ids = tuple(x if isinstance(x, int) else -1 for x in
                           dry.closed(sub, [-1] * len(ins)))
@@ -168,17 +171,17 @@ class Walk:
       carry, ys = jax.lax.scan(step, list(init), list(xs), length=length,
                                reverse=p["reverse"], unroll=p["unroll"])
       self.next_id = end[0]
-      self.fresh(len(eqn.outvars))
-      return list(carry) + list(ys)
-    sliced = self.tie("scan_slice", list(xs), x_ids, x_avals, scope, self.trips)
+      return self.after_scan(self.fresh(len(eqn.outvars)), list(carry) + list(ys))
+    sliced = self.tie("scan_slice", list(xs), x_ids, x_avals, scope, self.trips, True)
     trips, self.trips = self.trips, self.trips * length
     outs = self.closed(body, list(consts) + list(init) + list(sliced), scope, sealed)
     self.trips = trips
     out_ids = self.fresh(len(eqn.outvars))
     avals = [v.aval for v in eqn.outvars]
-    carry = [self.tie("scan_carry", [a, b], (i,), [v], scope, self.trips)[0]
+    carry = [self.tie("scan_carry", [a, b], (i,), [v], scope, self.trips, sealed)[0]
              for a, b, i, v in zip(init, outs[:nk], out_ids[:nk], avals[:nk])]
-    ys = self.tie("scan_stack", outs[nk:], out_ids[nk:], avals[nk:], scope, self.trips)
+    ys = self.tie("scan_stack", outs[nk:], out_ids[nk:], avals[nk:], scope, self.trips,
+                  sealed)
     return carry + ys
 
 
@@ -336,19 +339,21 @@ class _Builder:
     self.trips.append(trips)
 
   def tie(self, name: str, ins: list, out_ids: tuple, avals: list, scope: str,
-          trips: int) -> list:
+          trips: int, sealed: bool) -> list:
     """Ops that relate a scan to its body, one per operand: "scan_slice"
     (a scanned operand [T, ...] to the body's slice of it), "scan_carry"
     (initial carry and body carry out to the final carry: one layout for
     all three), "scan_stack" (a body result to the stacked [T, ...] one).
-    They compute nothing; their results are sealed (XLA lays them out)."""
+    They compute nothing. Slices live inside the loop, where XLA lays them
+    out: sealed; the final carry and the stacked results are constrained
+    after the loop."""
     if name == "scan_carry":
       pairs = [(list(ins), out_ids[0], avals[0])]
     else:
       pairs = [([x], i, v) for x, i, v in zip(ins, out_ids, avals)]
     for operands, vid, aval in pairs:
       op = len(self.prims)
-      self.value(vid, aval, INTERMEDIATE, op, True, scope)
+      self.value(vid, aval, INTERMEDIATE, op, sealed, scope)
       out = tuple(int(d) for d in aval.shape)
       in_shapes = [x.shape if isinstance(x, Literal) else self.shapes[x] for x in operands]
       self._record(name, operands, in_shapes, (vid,),

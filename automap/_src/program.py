@@ -117,9 +117,13 @@ class Program:
     spec = lambda v: spec_of(state, mesh, v, g.rank(v)) if v >= 0 else PartitionSpec()  # noqa: E731
     # Every intermediate the rewritten program can name is pinned, so XLA
     # partitions exactly the state the cost model priced.
+    # Values XLA makes anew in whatever layout their readers want (a
+    # broadcast constant, an iota) are left to it: pinned, XLA may gather
+    # the constant instead.
+    free = self.model.free
     constraints = {v: spec(v) for v in range(g.num_values)
                    if g.kind[v] == graph_lib.INTERMEDIATE and not g.sealed[v]
-                   and g.rank(v) > 0}
+                   and g.rank(v) > 0 and not free[v]}
     # Operands entering an op in another layout are resharded explicitly, and
     # a result the op computes in another layout than its own is pinned to
     # that layout first: XLA then moves data the way the cost model priced,
@@ -131,7 +135,8 @@ class Program:
         continue
       for p, row in op_costs[o].reshards.items():
         v = g.operands[o][p]
-        reshards[(results[0], p)] = spec_from_row(row, mesh, g.rank(v))
+        if not free[v]:
+          reshards[(results[0], p)] = spec_from_row(row, mesh, g.rank(v))
       for v, row in zip(results, op_costs[o].natural):
         if row is not None and v in constraints and tuple(state[v]) != row:
           natural[v] = spec_from_row(row, mesh, g.rank(v))

@@ -226,16 +226,18 @@ class _Pricer:
       seconds += sec
     return Strategy(factors, tuple(wants), tuple(makes), seconds, tuple(late))
 
-  def move(self, nbytes: int, have: Layout, want: Layout, trips: int) -> float:
-    """Seconds to reshard an array of `nbytes` from `have` to `want`, per call."""
-    key = (nbytes, have, want, trips)
-    seconds = self.moves.get(key)
-    if seconds is None:
+  def steps(self, nbytes: int, have: Layout, want: Layout) -> tuple:
+    """The collectives that reshard an array of `nbytes` from `have` to
+    `want`: ((kind, axes mask, layout after), seconds) each, one run. Readers
+    of one value whose reshards pass through the same step share it."""
+    key = (nbytes, have, want)
+    steps = self.moves.get(key)
+    if steps is None:
       tiles = math.prod(s for s, d in zip(self.sizes, have) if d >= 0)
       comms: list = []
       self.model.transition(comms, have, want, nbytes / tiles, 0)
-      seconds = self.moves[key] = trips * sum(c[3] for c in comms)
-    return seconds
+      steps = self.moves[key] = tuple(((k, m, t), sec) for k, m, _, sec, _, t in comms)
+    return steps
 
 
 def carried_pairs(program: Program) -> list[tuple[int, int]]:
@@ -490,21 +492,49 @@ class _Formulation:
           continue
         wanted.setdefault(w, []).append(x)
         trips[w] = max(trips.get(w, 1), int(g.trips[o]))
+    if self.program.model.free[v]:
+      return  # XLA makes it anew in each layout its readers want
+    nbytes, n_made = int(g.nbytes[v]), len(made)
+    steps = {(row, w): pricer.steps(nbytes, row, w) for row in made for w in wanted}
+    # A step (from a layout, a collective, the layout after) that the
+    # reshards to several wanted layouts pass through is made once.
+    sharing: dict[tuple, list[Layout]] = {}
+    for (row, w), ss in steps.items():
+      for step, _ in ss:
+        sharing.setdefault((row, step), []).append(w)
+    shared = {key: ws for key, ws in sharing.items() if len(ws) > 1}
     lits: dict[Layout, cp_model.IntVar] = {}
-    move, nbytes = pricer.move, int(g.nbytes[v])
+
+    def lit(row):
+      if row not in lits:
+        lits[row] = self.layout_lit(v, row)
+      return lits[row]
+
+    for (row, step), ws in shared.items():
+      sec = dict(steps[(row, ws[0])])[step]
+      k = _ps(sec * max(trips[w] for w in ws) * n)
+      if not k:
+        continue
+      want = self._any([x for w in ws for x in wanted[w]], f"v{v}want")
+      if n_made == 1:
+        terms.append((want, k))
+        continue
+      paid, y = m.NewBoolVar(f"v{v}copy"), lit(row)
+      m.AddBoolOr([want.Not(), y.Not(), paid])
+      self.derived.append((paid, lambda h, want=want, y=y: h[want.Index()] * h[y.Index()]))
+      terms.append((paid, k))
     for w, readers in wanted.items():
-      price = [(row, _ps(move(nbytes, row, w, trips[w]) * n)) for row in made]
+      price = [(row, _ps(sum(sec for step, sec in steps[(row, w)]
+                             if (row, step) not in shared) * trips[w] * n))
+               for row in made]
       price = [(row, k) for row, k in price if k]
       if not price:
         continue
-      if len(made) == 1:  # the value's layout is known: the copy is the readers'
-        terms.extend((x, price[0][1]) for x in readers)
-        continue
       want = self._any(readers, f"v{v}want")
-      for row, _ in price:
-        if row not in lits:
-          lits[row] = self.layout_lit(v, row)
-      costly = [(lits[row], k) for row, k in price]
+      if n_made == 1:  # the value's layout is known: the copy is the readers'
+        terms.append((want, price[0][1]))
+        continue
+      costly = [(lit(row), k) for row, k in price]
       paid = m.NewIntVar(0, max(k for _, k in costly), f"v{v}copy")
       m.Add(paid >= sum(k * y for y, k in costly)).OnlyEnforceIf(want)
       self.derived.append((paid, lambda h, want=want, costly=costly: h[want.Index()] * sum(
