@@ -258,9 +258,3 @@ def _step(draw, kind, i, x, pool):
   if kind == "cond":
     return Step(kind, (i,), ()), x
   raise ValueError(f"unknown step kind {kind!r}")
-
-
-@st.composite
-def meshes(draw) -> tuple[tuple[int, ...], tuple[str, ...]]:
-  shape = draw(st.sampled_from(MESHES))
-  return shape, ("a", "b", "c")[:len(shape)]

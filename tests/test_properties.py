@@ -21,7 +21,7 @@ import jax
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
-from random_programs import RandomProgram, Step, random_programs
+from random_programs import MESHES, RandomProgram, Step, random_programs
 
 import automap
 from automap._src import trace as trace_lib
@@ -58,7 +58,7 @@ def check(prog, mesh_shape, picks, comm: bool = True):
     assert report.comm_error < COMM, (prog, plan.explain(), report.table())
 
 
-MESH = st.sampled_from([(8,), (4, 2), (2, 4), (2, 2, 2), (1, 8), (2, 1, 4)])
+MESH = st.sampled_from(MESHES)
 PICKS = st.lists(st.integers(0, 2**20), min_size=1, max_size=4)
 DATAFLOW = ("unary", "binary", "where", "reduce", "transpose", "split", "merge",
             "dot", "broadcast", "softmax", "iota")

@@ -144,6 +144,11 @@ _RELABELS = frozenset({"reshape", "transpose", "convert_element_type", "copy",
                        "squeeze", "expand_dims"})
 
 
+def _layout_code(row) -> int:
+  """A layout (per-axis tiled dim, -1 for none) as one int: 4 bits an axis."""
+  return sum((d + 1) << (4 * a) for a, d in enumerate(row))
+
+
 class CostModel:
   """Prices ops of one graph on one mesh and hardware.
 
@@ -414,15 +419,19 @@ class CostModel:
     a2a_mask = permute_mask = moved = 0
     gathers: dict[int, int] = {}  # dim -> the axes leaving it
     arrivals: dict[int, int] = {}  # dim -> the axes arriving on it
+    # Tiles per dim: before, after, and of the axes tiling the array both.
     have_tiles: dict[int, int] = {}
     want_tiles: dict[int, int] = {}
+    kept_tiles: dict[int, int] = {}
     after = local
     for a in range(len(sizes)):
-      h, w = int(have[a]), int(want[a])
+      h, w = have[a], want[a]
       if h >= 0:
         have_tiles[h] = have_tiles.get(h, 1) * sizes[a]
       if w >= 0:
         want_tiles[w] = want_tiles.get(w, 1) * sizes[a]
+      if h >= 0 and w >= 0:
+        kept_tiles[h] = kept_tiles.get(h, 1) * sizes[a]
       if h == w:
         continue
       moved |= 1 << a
@@ -443,12 +452,12 @@ class CostModel:
           permute_mask |= 1 << a
     if not (gathers or a2a_mask or permute_mask):
       return after  # slices of what each device holds
-    target = sum((int(w) + 1) << (4 * a) for a, w in enumerate(want))
+    target = _layout_code(want)
     if all(want_tiles.get(d, 1) % t == 0 for d, t in have_tiles.items()):
       self.emit(comms, PERMUTE, moved | permute_mask, after, value, target)
       return after
-    leaving = {int(have[a]) for a in range(len(sizes)) if a2a_mask >> a & 1}
-    incoming = {int(want[a]) for a in range(len(sizes)) if moved >> a & 1}
+    leaving = {have[a] for a in range(len(sizes)) if a2a_mask >> a & 1}
+    incoming = {want[a] for a in range(len(sizes)) if moved >> a & 1}
     if any(d in leaving and d not in incoming for d in gathers):
       # A dim losing one axis to another dim and another to a gather, with
       # none coming in: XLA's partitioner finds no collective for it and
@@ -456,12 +465,8 @@ class CostModel:
       whole = local * math.prod(have_tiles.values())
       self.emit(comms, ALL_GATHER, moved, whole, value, target)
       return after
-    # What stays on the array after the gathers; if the target's tiles lie
-    # within its tiles, one permute moves them into place before gathering.
-    kept_tiles: dict[int, int] = {}
-    for a in range(len(sizes)):
-      if have[a] >= 0 and want[a] >= 0:
-        kept_tiles[int(have[a])] = kept_tiles.get(int(have[a]), 1) * sizes[a]
+    # If the target's tiles lie within those of the axes that stay, one
+    # permute moves them into place before gathering.
     permuted = True
     if (a2a_mask or permute_mask or any(d in arrivals for d in gathers)) and all(
         want_tiles.get(d, 1) % t == 0 for d, t in kept_tiles.items()):
@@ -486,13 +491,13 @@ class CostModel:
         for a in range(len(sizes)):
           if gathers[d] >> a & 1:
             step[a] = UNSHARDED
-        key = target if permuted else sum((w + 1) << (4 * a) for a, w in enumerate(step))
+        key = target if permuted else _layout_code(step)
         self.emit(comms, ALL_GATHER, gathers[d], gathered, value, key)
     # Then one all-to-all per (source dim, target dim) of the axes moving.
     pairs: dict[tuple[int, int], int] = {}
     for a in range(len(sizes)):
       if a2a_mask >> a & 1:
-        pair = (int(have[a]), int(want[a]))
+        pair = (have[a], want[a])
         pairs[pair] = pairs.get(pair, 0) | 1 << a
     for mask in pairs.values():
       self.emit(comms, ALL_TO_ALL, mask, gathered, value, target)

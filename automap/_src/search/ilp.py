@@ -138,7 +138,7 @@ class _Pricer:
     self.graph = program.graph
     self.sizes = program.mesh.axis_sizes
     self.scratch = np.full((self.graph.num_values, len(self.sizes)), UNSHARDED, np.int8)
-    self.moves: dict[tuple, float] = {}
+    self.reshard_steps: dict[tuple, tuple] = {}
     self.costs: dict[tuple, OpCost] = {}  # (op class, member layouts) -> cost
 
   def strategies(self, o: int) -> list[Strategy]:
@@ -231,12 +231,12 @@ class _Pricer:
     `want`: ((kind, axes mask, layout after), seconds) each, one run. Readers
     of one value whose reshards pass through the same step share it."""
     key = (nbytes, have, want)
-    steps = self.moves.get(key)
+    steps = self.reshard_steps.get(key)
     if steps is None:
       tiles = math.prod(s for s, d in zip(self.sizes, have) if d >= 0)
       comms: list = []
       self.model.transition(comms, have, want, nbytes / tiles, 0)
-      steps = self.moves[key] = tuple(((k, m, t), sec) for k, m, _, sec, _, t in comms)
+      steps = self.reshard_steps[key] = tuple(((k, m, t), sec) for k, m, _, sec, _, t in comms)
     return steps
 
 
@@ -478,6 +478,8 @@ class _Formulation:
     return out
 
   def _reshards(self, v: int, n: int, pricer: _Pricer, terms: list) -> None:
+    if self.program.model.free[v]:
+      return  # XLA makes it anew in each layout its readers want
     g, m = self.graph, self.model
     made = list(self.made(v))
     wanted: dict[Layout, list] = {}
@@ -492,8 +494,6 @@ class _Formulation:
           continue
         wanted.setdefault(w, []).append(x)
         trips[w] = max(trips.get(w, 1), int(g.trips[o]))
-    if self.program.model.free[v]:
-      return  # XLA makes it anew in each layout its readers want
     nbytes, n_made = int(g.nbytes[v]), len(made)
     steps = {(row, w): pricer.steps(nbytes, row, w) for row in made for w in wanted}
     # A step (from a layout, a collective, the layout after) that the
@@ -503,13 +503,6 @@ class _Formulation:
       for step, _ in ss:
         sharing.setdefault((row, step), []).append(w)
     shared = {key: ws for key, ws in sharing.items() if len(ws) > 1}
-    lits: dict[Layout, cp_model.IntVar] = {}
-
-    def lit(row):
-      if row not in lits:
-        lits[row] = self.layout_lit(v, row)
-      return lits[row]
-
     for (row, step), ws in shared.items():
       sec = dict(steps[(row, ws[0])])[step]
       k = _ps(sec * max(trips[w] for w in ws) * n)
@@ -519,7 +512,7 @@ class _Formulation:
       if n_made == 1:
         terms.append((want, k))
         continue
-      paid, y = m.NewBoolVar(f"v{v}copy"), lit(row)
+      paid, y = m.NewBoolVar(f"v{v}copy"), self.layout_lit(v, row)
       m.AddBoolOr([want.Not(), y.Not(), paid])
       self.derived.append((paid, lambda h, want=want, y=y: h[want.Index()] * h[y.Index()]))
       terms.append((paid, k))
@@ -534,7 +527,7 @@ class _Formulation:
       if n_made == 1:  # the value's layout is known: the copy is the readers'
         terms.append((want, price[0][1]))
         continue
-      costly = [(lit(row), k) for row, k in price]
+      costly = [(self.layout_lit(v, row), k) for row, k in price]
       paid = m.NewIntVar(0, max(k for _, k in costly), f"v{v}copy")
       m.Add(paid >= sum(k * y for y, k in costly)).OnlyEnforceIf(want)
       self.derived.append((paid, lambda h, want=want, costly=costly: h[want.Index()] * sum(
