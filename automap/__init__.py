@@ -10,6 +10,13 @@ from automap._src.api import partition as partition
 from automap._src.api import search as search
 from automap._src.api import verify as verify
 from automap._src.cache import PlanCacheWarning as PlanCacheWarning
+from automap._src.cluster.placement import Layer as Layer
+from automap._src.cluster.placement import LayerCost as LayerCost
+from automap._src.cluster.placement import LayerGraph as LayerGraph
+from automap._src.cluster.placement import Placement as Placement
+from automap._src.cluster.placement import PlacementError as PlacementError
+from automap._src.cluster.placement import Stage as Stage
+from automap._src.cluster.placement import place as place
 from automap._src.cost import Cost as Cost
 from automap._src.graph import UnknownPrimitiveWarning as UnknownPrimitiveWarning
 from automap._src.groups import GroupError as GroupError
@@ -33,17 +40,24 @@ __all__ = (
     "Hardware",
     "HardwareError",
     "Hints",
+    "Layer",
+    "LayerCost",
+    "LayerGraph",
     "MemoryLimitError",
     "MeshError",
     "Partitioned",
     "Plan",
     "PlanCacheWarning",
     "PlanError",
+    "Placement",
+    "PlacementError",
     "Report",
     "SearchWarning",
+    "Stage",
     "UnknownPrimitiveWarning",
     "evaluate",
     "partition",
+    "place",
     "search",
     "verify",
 )

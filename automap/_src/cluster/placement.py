@@ -1,0 +1,526 @@
+"""Device placement: pipeline stages x tensor x data parallelism over a layer graph.
+
+The placement half of PHAZE, on a layer graph with per-layer costs. A plan
+splits the graph into pipeline stages, contiguous in a topological sense (each
+prefix of stages is a downset: it holds every predecessor of its layers), runs
+each stage on `t` tensor-parallel devices (its own width), replicates the whole
+pipeline `d` ways for data parallelism, and per stage either stashes every
+in-flight microbatch's activations or recomputes them from the stage input.
+
+Schedule and memory follow 1F1B (PipeDream-Flush). With `m` microbatches per
+pipeline and `S` stages, stage `i` (0-based) holds `min(S - i, m)` microbatches
+in flight; a batch takes
+
+    (m + S - 1) * max_i T_i  +  max_i Y_i
+
+where `T_i` is stage i's time per microbatch (forward, backward, recompute,
+transfers to the neighbouring stages, ZeRO collectives) and `Y_i` its data-
+parallel gradient sync after the flush. Units: seconds, bytes (per device).
+
+Collectives are priced as rings over the hardware's links: within a node on
+`link_*`, across nodes on `network_*`, with devices numbered pipeline-major
+(replica r of the pipeline holds devices [r*P, (r+1)*P), its stages in order,
+each stage's tensor-parallel group contiguous), so a group's level follows from
+where its devices sit.
+
+The search is exact: a dynamic program over (downset still to place, stages
+after it) that keeps, per state, the Pareto front of (devices used, max T, max
+Y), inside an outer loop over the data-parallel degree and ZeRO stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+from automap._src.hardware import Hardware, get_hardware
+
+# Optimizer state per parameter byte, in the parameters' dtype.
+OPTIMIZERS: dict[str, float] = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
+# Downsets enumerated at most; wider graphs should be coarsened into layer groups.
+MAX_DOWNSETS = 4096
+
+
+class PlacementError(ValueError):
+  """A layer graph or placement option that cannot be planned."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+  """One layer at one tensor-parallel width, per microbatch and per device.
+
+  forward, backward: seconds, tensor-parallel collectives included.
+  params: bytes of parameters the device holds (gradients are as large).
+  activations: bytes stashed for the backward pass.
+  collectives: seconds of forward + backward spent in tensor-parallel
+    collectives (already inside forward/backward; kept for the breakdown).
+  """
+
+  forward: float
+  backward: float
+  params: float
+  activations: float
+  collectives: float = 0.0
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if (isinstance(value, bool) or not isinstance(value, (int, float))
+          or not math.isfinite(value) or value < 0):
+        raise PlacementError(
+            f"LayerCost.{field.name} must be a finite number >= 0 (seconds or bytes), "
+            f"got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+  """A node of the layer graph: its cost at each tensor-parallel width."""
+
+  name: str
+  widths: Mapping[int, LayerCost]
+
+  @classmethod
+  def of(cls, name: str, forward: float, backward: float, params: float, activations: float,
+         tensor_parallel: Mapping[int, LayerCost] | None = None) -> Layer:
+    """A layer from its width-1 costs, plus optional costs at other widths."""
+    widths = {1: LayerCost(forward, backward, params, activations)}
+    widths.update(tensor_parallel or {})
+    return cls(name, widths)
+
+  def __post_init__(self):
+    if not isinstance(self.name, str) or not self.name:
+      raise PlacementError(f"Layer.name must be a non-empty string, got {self.name!r}.")
+    if not self.widths or any(
+        not isinstance(t, int) or isinstance(t, bool) or t < 1 for t in self.widths):
+      raise PlacementError(
+          f"Layer {self.name!r}: widths must map tensor-parallel widths (int >= 1) to "
+          f"LayerCost, got keys {list(self.widths)}.")
+    for t, cost in self.widths.items():
+      if not isinstance(cost, LayerCost):
+        raise PlacementError(
+            f"Layer {self.name!r}: widths[{t}] must be a LayerCost, got {type(cost).__name__}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGraph:
+  """Layers in any order and edges (src, dst, bytes per microbatch) between them.
+
+  An edge's bytes cross between stages forward (activations) and backward
+  (their gradients) when its ends sit in different stages; they are also what a
+  recomputing stage keeps per in-flight microbatch.
+  """
+
+  layers: tuple[Layer, ...]
+  edges: tuple[tuple[str, str, float], ...] = ()
+
+  @classmethod
+  def chain(cls, layers: Sequence[Layer], edge_bytes: float | Sequence[float] = 0.0) -> LayerGraph:
+    """Layers in sequence; `edge_bytes` per link (one number for all, or one each)."""
+    layers = tuple(layers)
+    links = len(layers) - 1
+    sizes = [edge_bytes] * links if isinstance(edge_bytes, (int, float)) else list(edge_bytes)
+    if len(sizes) != links:
+      raise PlacementError(
+          f"edge_bytes must be one number or {links} numbers (one per link), got {len(sizes)}.")
+    return cls(layers, tuple((a.name, b.name, float(s))
+                             for a, b, s in zip(layers, layers[1:], sizes)))
+
+  def __post_init__(self):
+    if not self.layers:
+      raise PlacementError("LayerGraph needs at least one layer.")
+    names = [layer.name for layer in self.layers]
+    if len(set(names)) != len(names):
+      dup = sorted({n for n in names if names.count(n) > 1})
+      raise PlacementError(f"LayerGraph: layer names must be unique, repeated: {dup}.")
+    for edge in self.edges:
+      if len(edge) != 3 or edge[0] not in names or edge[1] not in names or edge[0] == edge[1]:
+        raise PlacementError(
+            f"LayerGraph edge {edge!r} must be (src, dst, bytes) between two different "
+            f"known layers; layers are {names}.")
+      if not isinstance(edge[2], (int, float)) or not edge[2] >= 0:
+        raise PlacementError(f"LayerGraph edge {edge!r}: bytes must be a number >= 0.")
+    self.order()  # rejects cycles
+
+  def order(self) -> list[int]:
+    """Layer indices in a topological order (Kahn, stable in the given order)."""
+    index = {layer.name: i for i, layer in enumerate(self.layers)}
+    preds = [set() for _ in self.layers]
+    for src, dst, _ in self.edges:
+      preds[index[dst]].add(index[src])
+    done: list[int] = []
+    placed: set[int] = set()
+    while len(done) < len(self.layers):
+      ready = [i for i in range(len(self.layers)) if i not in placed and preds[i] <= placed]
+      if not ready:
+        cycle = [self.layers[i].name for i in range(len(self.layers)) if i not in placed]
+        raise PlacementError(f"LayerGraph edges form a cycle among {cycle}.")
+      done.extend(ready)
+      placed.update(ready)
+    return done
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """One pipeline stage of a placement (costs per microbatch, per device)."""
+
+  layers: tuple[str, ...]
+  width: int                  # tensor-parallel devices
+  recompute: bool
+  first_device: int           # offset within a pipeline replica
+  in_flight: int              # microbatches stashed under 1F1B
+  time: float                 # seconds per microbatch, T_i
+  compute: float              # of which forward + backward (+ recompute)
+  collectives: float          # of which tensor-parallel collectives
+  transfers: float            # of which sends/receives to other stages
+  zero: float                 # of which ZeRO gathers / reduce-scatters
+  sync: float                 # data-parallel sync once per batch, Y_i
+  memory: float               # bytes per device
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """A cluster plan over a layer graph, with its predicted time per batch."""
+
+  data_parallel: int
+  microbatches: int           # per pipeline replica (the batch has data_parallel x this)
+  zero: int
+  stages: tuple[Stage, ...]
+  devices: int                # devices the plan uses (<= the cluster's)
+  time: float                 # seconds per batch
+
+  @property
+  def bubble(self) -> float:
+    return (len(self.stages) - 1) * max(s.time for s in self.stages)
+
+  @property
+  def breakdown(self) -> dict[str, float]:
+    """Seconds per batch: the bottleneck stage's parts over the batch, bubble, sync."""
+    slow = max(self.stages, key=lambda s: s.time)
+    m = self.microbatches
+    return {"compute": m * (slow.compute - slow.collectives),
+            "tensor_parallel": m * slow.collectives,
+            "transfers": m * slow.transfers,
+            "zero": m * slow.zero,
+            "bubble": self.bubble,
+            "data_parallel_sync": max(s.sync for s in self.stages)}
+
+  def to_json(self) -> dict:
+    return {"data_parallel": self.data_parallel, "microbatches": self.microbatches,
+            "zero": self.zero, "devices": self.devices, "time": self.time,
+            "stages": [dataclasses.asdict(s) | {"layers": list(s.layers)} for s in self.stages]}
+
+  @classmethod
+  def from_json(cls, data: Mapping) -> Placement:
+    stages = tuple(Stage(**(dict(s) | {"layers": tuple(s["layers"])})) for s in data["stages"])
+    return cls(int(data["data_parallel"]), int(data["microbatches"]), int(data["zero"]),
+               stages, int(data["devices"]), float(data["time"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+  devices: int
+  microbatches: int
+  memory: float
+  hw: Hardware
+  optimizer: float
+  zero: tuple[int, ...]
+  recompute: tuple[bool, ...]
+  widths: tuple[int, ...] | None
+
+
+class _Ring:
+  """Ring collectives over a set of devices on the hardware's links."""
+
+  def __init__(self, hw: Hardware):
+    self.hw = hw
+
+  def link(self, lo: int, hi: int) -> tuple[float, float]:
+    """(bandwidth, latency) of the link joining devices lo..hi."""
+    node = self.hw.devices_per_node
+    if lo // node == hi // node:
+      return self.hw.link_bandwidth, self.hw.link_latency
+    return self.hw.network_bandwidth, self.hw.network_latency
+
+  def gather(self, nbytes: float, n: int, lo: int, hi: int) -> float:
+    """All-gather (or reduce-scatter) of `nbytes` in all over a ring of n
+    devices spanning lo..hi."""
+    if n == 1 or nbytes == 0:
+      return 0.0
+    bw, lat = self.link(lo, hi)
+    return (n - 1) / n * nbytes / bw + (n - 1) * lat
+
+  def reduce(self, nbytes: float, n: int, lo: int, hi: int) -> float:
+    return 2 * self.gather(nbytes, n, lo, hi)
+
+  def send(self, nbytes: float, a: int, b: int) -> float:
+    if nbytes == 0:
+      return 0.0
+    bw, lat = self.link(min(a, b), max(a, b))
+    return nbytes / bw + lat
+
+
+def _downsets(graph: LayerGraph) -> list[int]:
+  """Every downset of the graph as a bitmask over layer indices (empty first)."""
+  index = {layer.name: i for i, layer in enumerate(graph.layers)}
+  preds = [0] * len(graph.layers)
+  for src, dst, _ in graph.edges:
+    preds[index[dst]] |= 1 << index[src]
+  seen = {0}
+  frontier = [0]
+  while frontier:
+    grown = []
+    for down in frontier:
+      for i, p in enumerate(preds):
+        bit = 1 << i
+        if not down & bit and p & down == p and down | bit not in seen:
+          seen.add(down | bit)
+          grown.append(down | bit)
+      if len(seen) > MAX_DOWNSETS:
+        raise PlacementError(
+            f"the layer graph has more than {MAX_DOWNSETS} downsets (too many parallel "
+            f"branches); group layers into coarser nodes before placing.")
+    frontier = grown
+  return sorted(seen, key=lambda s: (bin(s).count("1"), s))
+
+
+class _StageCosts:
+  """Costs of one candidate stage (a set of layers) under fixed options."""
+
+  def __init__(self, graph: LayerGraph, options: _Options):
+    self.graph, self.options = graph, options
+    self.ring = _Ring(options.hw)
+    self.index = {layer.name: i for i, layer in enumerate(graph.layers)}
+    self.edges = [(self.index[s], self.index[d], float(b)) for s, d, b in graph.edges]
+    self._sums: dict[tuple[int, int], tuple[float, ...]] = {}
+    self._stages: dict[tuple, Stage] = {}
+    self._widths: dict[int, list[int]] = {}
+    self._work: dict[int, float] = {0: 0.0}
+
+  def work(self, members: int) -> float:
+    """Device-seconds per microbatch the layers need at least (over widths)."""
+    if members not in self._work:
+      self._work[members] = sum(
+          min(t * (c.forward + c.backward) for t, c in self.graph.layers[i].widths.items())
+          for i in _bits(members))
+    return self._work[members]
+
+  def widths(self, members: int) -> list[int]:
+    """Tensor-parallel widths every layer of the stage prices (and allowed)."""
+    if members not in self._widths:
+      layers = [self.graph.layers[i] for i in _bits(members)]
+      common = set.intersection(*(set(layer.widths) for layer in layers))
+      if self.options.widths is not None:
+        common &= set(self.options.widths)
+      self._widths[members] = sorted(common)
+    return self._widths[members]
+
+  def sums(self, members: int, t: int) -> tuple[float, ...]:
+    """(forward, backward, params, activations, collectives, largest params,
+    bytes in, bytes out) of a stage, per microbatch per device at width t."""
+    key = (members, t)
+    if key not in self._sums:
+      costs = [self.graph.layers[i].widths[t] for i in _bits(members)]
+      fw = sum(c.forward for c in costs)
+      bw = sum(c.backward for c in costs)
+      params = sum(c.params for c in costs)
+      acts = sum(c.activations for c in costs)
+      coll = sum(c.collectives for c in costs)
+      largest = max(c.params for c in costs)
+      b_in = sum(b for s, d, b in self.edges if members >> d & 1 and not members >> s & 1)
+      b_out = sum(b for s, d, b in self.edges if members >> s & 1 and not members >> d & 1)
+      self._sums[key] = (fw, bw, params, acts, coll, largest, b_in / t, b_out / t)
+    return self._sums[key]
+
+  def memory(self, members: int, t: int, recompute: bool, in_flight: int, d: int,
+             zero: int) -> float:
+    """Bytes per device: parameters, gradients, optimizer state (each sharded
+    over data parallelism from its ZeRO stage on) and activations."""
+    _, _, params, acts, _, largest, b_in, _ = self.sums(members, t)
+    shard = lambda level: d if zero >= level else 1  # noqa: E731
+    memory = (params / shard(3) + params / shard(2) + self.options.optimizer * params / shard(1)
+              + (in_flight * b_in + acts if recompute else in_flight * acts))
+    if zero >= 3:
+      memory += largest * (1 - 1 / d)  # one layer's parameters gathered at a time
+    return memory
+
+  def fits(self, members: int, t: int, recompute: bool, in_flight: int, d: int,
+           zero: int) -> bool:
+    return self.memory(members, t, recompute, in_flight, d, zero) <= self.options.memory
+
+  def stage(self, members: int, t: int, recompute: bool, first: int, in_flight: int,
+            d: int, per_pipeline: int, zero: int) -> Stage:
+    """The stage's costs at device offset `first` of its pipeline replica."""
+    key = (members, t, recompute, first, in_flight, d, zero)
+    if key not in self._stages:
+      self._stages[key] = self._stage(*key, per_pipeline)
+    return self._stages[key]
+
+  def _stage(self, members, t, recompute, first, in_flight, d, zero, per_pipeline) -> Stage:
+    fw, bw, params, acts, coll, largest, b_in, b_out = self.sums(members, t)
+    memory = self.memory(members, t, recompute, in_flight, d, zero)
+    # Rank j of the width-t group syncs with rank j of every replica: d-device
+    # rings whose widest spans from replica 0's first device to the last's end.
+    ring = self.ring
+    group = (d, first, (d - 1) * per_pipeline + first + t - 1)
+    # Activations in and out, forward, and their gradients back: each crosses
+    # once per direction of the pass, not overlapped with compute.
+    transfers = 2 * (ring.send(b_in, first - 1, first) + ring.send(b_out, first + t - 1, first + t))
+    zero_time = 0.0
+    if zero >= 2:  # gradients reduce-scattered every microbatch
+      zero_time += ring.gather(params, *group)
+    if zero >= 3:  # parameters gathered for forward, backward (and recompute)
+      zero_time += (3 if recompute else 2) * ring.gather(params, *group)
+    sync = {0: ring.reduce(params, *group), 1: ring.reduce(params, *group),
+            2: ring.gather(params, *group), 3: 0.0}[zero]
+    compute = fw + bw + (fw if recompute else 0.0)
+    return Stage(
+        layers=tuple(self.graph.layers[i].name for i in _bits(members)), width=t,
+        recompute=recompute, first_device=first, in_flight=in_flight,
+        time=compute + transfers + zero_time, compute=compute,
+        collectives=coll + (coll / 2 if recompute else 0.0), transfers=transfers,
+        zero=zero_time, sync=sync, memory=memory)
+
+
+def _bits(mask: int) -> list[int]:
+  return [i for i in range(mask.bit_length()) if mask >> i & 1]
+
+
+def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, zero: int,
+               bound: float) -> Placement | None:
+  """The best placement with data-parallel degree d and ZeRO stage `zero`
+  taking less than `bound` seconds per batch, if any."""
+  options = costs.options
+  m = options.microbatches // d
+  per_pipeline = options.devices // d
+  # fronts[k][remaining downset] -> Pareto front of (devices used, max T, max Y,
+  # stages), built from the end of the graph backwards: stage positions count
+  # from the pipeline's last device, and the k stages after a state fix the
+  # in-flight count of the next one.
+  fronts: list[dict[int, list[tuple]]] = [{downs[-1]: [(0, 0.0, 0.0, ())]}]
+  best: Placement | None = None
+  if m * costs.work(downs[-1]) / per_pipeline >= bound:
+    return None
+  for k in range(len(graph.layers)):
+    after: dict[int, list[tuple]] = {}
+    in_flight = min(k + 1, m)
+    for rest, front in fronts[k].items():
+      for head in downs:
+        if head & ~rest or head == rest:
+          continue
+        members = rest & ~head
+        for t in costs.widths(members):
+          for recompute in options.recompute:
+            if not costs.fits(members, t, recompute, in_flight, d, zero):
+              continue
+            for used, t_max, y_max, stages in front:
+              if used + t > per_pipeline:
+                continue
+              stage = costs.stage(members, t, recompute, per_pipeline - used - t, in_flight,
+                                  d, per_pipeline, zero)
+              entry = (used + t, max(t_max, stage.time), max(y_max, stage.sync),
+                       (stage, *stages))
+              # Any completion has at least k + 1 stages, these maxima, and
+              # spreads the work left over the devices left at best.
+              spare = per_pipeline - entry[0]
+              floor = max(entry[1], costs.work(head) / spare if spare else (
+                  math.inf if head else 0.0))
+              if (m + k) * floor + entry[2] >= bound:
+                continue
+              target = after.setdefault(head, [])
+              if any(f[0] <= entry[0] and f[1] <= entry[1] and f[2] <= entry[2]
+                     for f in target):
+                continue
+              target[:] = [f for f in target
+                           if not (entry[0] <= f[0] and entry[1] <= f[1] and entry[2] <= f[2])]
+              target.append(entry)
+    for used, t_max, y_max, stages in after.pop(0, []):
+      time = (m + k) * t_max + y_max
+      if time < bound:
+        # Stage offsets were counted from the end; shift onto device 0.
+        shift = per_pipeline - used
+        stages = tuple(dataclasses.replace(s, first_device=s.first_device - shift)
+                       for s in stages)
+        bound, best = time, Placement(d, m, zero, stages, used * d, time)
+    if not after:
+      break
+    fronts.append(after)
+  return best
+
+
+def place(graph: LayerGraph, *, devices: int, microbatches: int,
+          hardware: str | Hardware, memory_limit: float | None = None,
+          optimizer: str | float = "adam", zero: int | Sequence[int] = (0, 1, 2, 3),
+          recompute: bool | None = None, widths: Sequence[int] | None = None) -> Placement:
+  """The fastest placement of `graph` on `devices` devices.
+
+  microbatches: microbatches per batch over all data-parallel replicas (each of
+    d replicas runs microbatches / d of them; d must divide it).
+  hardware: its links price collectives and transfers; its `hbm_capacity` is
+    the memory limit unless `memory_limit` (bytes per device) is given.
+  optimizer: a name in OPTIMIZERS or bytes of optimizer state per parameter byte.
+  zero: ZeRO stage(s) to consider: 1 shards optimizer state over data
+    parallelism, 2 also gradients (reduce-scattered every microbatch), 3 also
+    parameters (gathered for every use).
+  recompute: force recompute (True) or stash (False); None chooses per stage.
+  widths: tensor-parallel widths allowed (default: every width the layers price).
+  """
+  options = _options(devices, microbatches, hardware, memory_limit, optimizer, zero,
+                     recompute, widths)
+  downs = _downsets(graph)
+  costs = _StageCosts(graph, options)
+  best: Placement | None = None
+  # Wide data parallelism first: it is usually good, and a good bound prunes.
+  for d in range(devices, 0, -1):
+    if options.microbatches % d:
+      continue
+    for z in options.zero:
+      if z and d == 1 and 0 in options.zero:
+        continue  # nothing to shard: the same plan as ZeRO 0
+      plan = _place_for(graph, costs, downs, d, z, math.inf if best is None else best.time)
+      best = plan or best
+  if best is None:
+    need = sum(min(c.params * t for t, c in layer.widths.items()) for layer in graph.layers)
+    need /= devices
+    raise PlacementError(
+        f"no placement of the {len(graph.layers)} layers on {devices} devices fits "
+        f"memory_limit={options.memory:.4g} bytes per device (parameters alone need at least "
+        f"{need:.4g} bytes per device when spread over all devices); raise the memory "
+        "limit, allow recompute or ZeRO, or add devices.")
+  return best
+
+
+def _options(devices, microbatches, hardware, memory_limit, optimizer, zero, recompute,
+             widths) -> _Options:
+  for name, value in (("devices", devices), ("microbatches", microbatches)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise PlacementError(f"{name} must be a positive int, got {value!r}.")
+  hw = get_hardware(hardware)
+  memory = hw.hbm_capacity if memory_limit is None else memory_limit
+  if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not memory > 0:
+    raise PlacementError(f"memory_limit must be a positive number of bytes, got {memory!r}.")
+  if isinstance(optimizer, str):
+    if optimizer.lower() not in OPTIMIZERS:
+      raise PlacementError(
+          f"optimizer must be one of {sorted(OPTIMIZERS)} or bytes of state per parameter "
+          f"byte, got {optimizer!r}.")
+    optimizer = OPTIMIZERS[optimizer.lower()]
+  if isinstance(optimizer, bool) or not isinstance(optimizer, (int, float)) or optimizer < 0:
+    raise PlacementError(f"optimizer state factor must be a number >= 0, got {optimizer!r}.")
+  zeros = (zero,) if isinstance(zero, int) else tuple(zero)
+  if not zeros or any(isinstance(z, bool) or z not in (0, 1, 2, 3) for z in zeros):
+    raise PlacementError(f"zero must be a stage in 0..3 or a sequence of them, got {zero!r}.")
+  if recompute is not None and not isinstance(recompute, bool):
+    raise PlacementError(f"recompute must be True, False or None, got {recompute!r}.")
+  choices = (False, True) if recompute is None else (recompute,)
+  if widths is not None:
+    widths = tuple(widths)
+    if not widths or any(isinstance(t, bool) or not isinstance(t, int) or t < 1
+                         for t in widths):
+      raise PlacementError(f"widths must be positive ints, got {widths!r}.")
+  return _Options(devices, microbatches, float(memory), hw, float(optimizer), zeros, choices,
+                  widths)
+
+
+__all__ = ["Layer", "LayerCost", "LayerGraph", "Placement", "PlacementError", "Stage",
+           "place"]

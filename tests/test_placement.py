@@ -1,0 +1,220 @@
+"""The placement DP against a brute force over every plan, written out here."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import automap
+from automap import Layer, LayerCost, LayerGraph
+
+GiB = 2**30
+
+
+def flat(hbm: float, sync: float = 4 * GiB, latency: float = 0.0) -> automap.Hardware:
+  """One flat interconnect; `sync` counts both directions, as PHAZE does."""
+  return automap.Hardware("flat", 1e12, 1e12, 1e12, hbm, sync / 2, latency, sync / 2, latency,
+                          devices_per_node=1 << 20)
+
+
+def downsets(graph: LayerGraph) -> list[frozenset]:
+  names = [layer.name for layer in graph.layers]
+  preds = {n: {s for s, d, _ in graph.edges if d == n} for n in names}
+  return [frozenset(c) for r in range(len(names) + 1) for c in itertools.combinations(names, r)
+          if all(preds[n] <= set(c) for n in c)]
+
+
+def brute_force(graph: LayerGraph, *, devices, microbatches, hbm, sync, latency=0.0,
+                optimizer=0.0, zero=0, recompute=(False, True)):
+  """min over every plan of its time per batch, from the cost rules in place()'s docs."""
+  layers = {layer.name: layer for layer in graph.layers}
+  downs = downsets(graph)
+  full = frozenset(layers)
+  bw = sync / 2
+
+  def send(nbytes):
+    return nbytes / bw + latency if nbytes else 0.0
+
+  def chains(prefix):
+    if prefix[-1] == full:
+      yield prefix
+    for nxt in downs:
+      if prefix[-1] < nxt:
+        yield from chains(prefix + [nxt])
+
+  best = np.inf
+  for d in range(1, devices + 1):
+    if microbatches % d:
+      continue
+    m = microbatches // d
+    for chain in chains([frozenset()]):
+      stages = [b - a for a, b in zip(chain, chain[1:])]
+      s_count = len(stages)
+      options = []
+      for i, stage in enumerate(stages):
+        widths = set.intersection(*(set(layers[n].widths) for n in stage))
+        choices = []
+        for t, r in itertools.product(sorted(widths), recompute):
+          c = [layers[n].widths[t] for n in stage]
+          params = sum(x.params for x in c)
+          acts = sum(x.activations for x in c)
+          b_in = sum(b for s, e, b in graph.edges if e in stage and s not in stage) / t
+          b_out = sum(b for s, e, b in graph.edges if s in stage and e not in stage) / t
+          fw, bwd = sum(x.forward for x in c), sum(x.backward for x in c)
+          n = min(s_count - i, m)
+          opt = optimizer * params / (d if zero >= 1 else 1)
+          mem = 2 * params + opt + (n * b_in + acts if r else n * acts)
+          if mem > hbm:
+            continue
+          time = fw + bwd + (fw if r else 0.0) + 2 * (send(b_in) + send(b_out))
+          sync_time = 2 * ((d - 1) / d * params / bw + (d - 1) * latency) if d > 1 else 0.0
+          choices.append((t, time, sync_time))
+        options.append(choices)
+      for combo in itertools.product(*options):
+        if sum(t for t, _, _ in combo) * d > devices:
+          continue
+        total = (m + s_count - 1) * max(c[1] for c in combo) + max(c[2] for c in combo)
+        best = min(best, total)
+  return best
+
+
+def phaze_chain():
+  """Four layers: forward 1, backward 2, 1e9 bytes of parameters, 0.5e9 of activations."""
+  return LayerGraph.chain([Layer.of(f"layer{i}", 1, 2, 1e9, 0.5e9) for i in range(4)])
+
+
+@pytest.mark.parametrize("hbm, recompute, data_parallel, stages, expected", [
+    (100e9, False, 8, [4], 27.2596),
+    (5e9, False, 2, [1, 1, 1, 1], 33.4657),
+    (5e9, True, 4, [2, 2], 41.3970),
+])
+def test_phaze_cases_match_brute_force(hbm, recompute, data_parallel, stages, expected):
+  graph = phaze_chain()
+  plan = automap.place(graph, devices=8, microbatches=16, hardware=flat(hbm), optimizer="sgd",
+                       zero=0, recompute=recompute)
+  assert plan.data_parallel == data_parallel
+  assert [len(s.layers) for s in plan.stages] == stages
+  assert all(s.recompute == recompute for s in plan.stages)
+  brute = brute_force(graph, devices=8, microbatches=16, hbm=hbm, sync=4 * GiB,
+                      recompute=(recompute,))
+  assert plan.time == pytest.approx(brute, rel=1e-12)
+  assert plan.time == pytest.approx(expected, abs=1e-4)
+
+
+def random_graph(rng, n_layers, branching):
+  layers = []
+  for i in range(n_layers):
+    tp = {}
+    if rng.random() < 0.7:  # a 2-wide version: faster per device, with overheads
+      speed = rng.uniform(1.2, 2.0)
+      tp[2] = LayerCost(rng.uniform(0.5, 1.5) / speed, rng.uniform(1, 3) / speed,
+                        rng.uniform(0.5, 2) * 1e9 / 2, rng.uniform(0.2, 1) * 1e9 / 2)
+    layers.append(Layer.of(f"l{i}", rng.uniform(0.5, 1.5), rng.uniform(1, 3),
+                           rng.uniform(0.5, 2) * 1e9, rng.uniform(0.2, 1) * 1e9, tp))
+  if not branching:
+    return LayerGraph.chain(layers, [float(rng.uniform(0, 2e8)) for _ in layers[1:]])
+  edges = [(f"l{i}", f"l{j}", float(rng.uniform(0, 2e8)))
+           for j in range(1, n_layers) for i in range(j) if i == j - 1 or rng.random() < 0.3]
+  return LayerGraph(tuple(layers), tuple(edges))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_graphs_match_brute_force(seed):
+  rng = np.random.default_rng(seed)
+  graph = random_graph(rng, int(rng.integers(2, 6)), branching=seed % 2 == 1)
+  devices = int(rng.choice([2, 4, 8]))
+  microbatches = int(rng.choice([2, 4, 8]))
+  hbm = float(rng.uniform(4, 12)) * 1e9
+  latency = float(rng.choice([0.0, 1e-3]))
+  optimizer, zero = (2.0, int(rng.integers(0, 2))) if seed % 3 == 0 else (0.0, 0)
+  brute = brute_force(graph, devices=devices, microbatches=microbatches, hbm=hbm, sync=4 * GiB,
+                      latency=latency, optimizer=optimizer, zero=zero)
+  run = lambda: automap.place(  # noqa: E731
+      graph, devices=devices, microbatches=microbatches, optimizer=optimizer, zero=zero,
+      hardware=flat(hbm, latency=latency))
+  if np.isinf(brute):
+    with pytest.raises(automap.PlacementError, match="memory_limit"):
+      run()
+    return
+  plan = run()
+  assert plan.time == pytest.approx(brute, rel=1e-9)
+  assert sum(s.width for s in plan.stages) * plan.data_parallel == plan.devices <= devices
+  assert all(s.memory <= hbm for s in plan.stages)
+  assert sorted(n for s in plan.stages for n in s.layers) == sorted(
+      layer.name for layer in graph.layers)
+
+
+def test_branching_stages_are_downsets():
+  """A diamond a -> (b, c) -> d: stages must keep every predecessor earlier."""
+  layers = [Layer.of(n, 1.0, 2.0, 1e9, 0.4e9) for n in "abcd"]
+  edges = (("a", "b", 1e8), ("a", "c", 1e8), ("b", "d", 1e8), ("c", "d", 1e8))
+  graph = LayerGraph(tuple(layers), edges)
+  plan = automap.place(graph, devices=4, microbatches=8, hardware=flat(4e9), optimizer="sgd",
+                       zero=0, recompute=False)
+  seen: set[str] = set()
+  for stage in plan.stages:
+    for name in stage.layers:
+      assert {s for s, d, _ in edges if d == name} <= seen | set(stage.layers)
+    seen |= set(stage.layers)
+  brute = brute_force(graph, devices=4, microbatches=8, hbm=4e9, sync=4 * GiB,
+                      recompute=(False,))
+  assert plan.time == pytest.approx(brute, rel=1e-12)
+  assert len(plan.stages) > 1  # the memory limit forces a pipeline
+
+
+def test_slow_network_keeps_data_parallel_sync_inside_a_node():
+  """Across nodes the sync is 100x slower: the plan pipelines over nodes instead."""
+  layers = [Layer.of(f"l{i}", 1.0, 2.0, 4e9, 0.1e9) for i in range(4)]
+  graph = LayerGraph.chain(layers, 1e6)
+  hw = automap.Hardware("two-level", 1e12, 1e12, 1e12, 100e9, 10e9, 0.0, 0.1e9, 0.0,
+                        devices_per_node=2)
+  plan = automap.place(graph, devices=8, microbatches=8, hardware=hw, optimizer="sgd", zero=0)
+  assert plan.data_parallel <= 2
+  flat_plan = automap.place(graph, devices=8, microbatches=8, optimizer="sgd", zero=0,
+                            hardware=flat(100e9, sync=20e9))
+  assert flat_plan.data_parallel == 8
+
+
+def test_zero_shards_optimizer_state_to_fit():
+  layers = [Layer.of(f"l{i}", 1.0, 2.0, 2e9, 0.1e9) for i in range(2)]
+  graph = LayerGraph.chain(layers)
+  with pytest.raises(automap.PlacementError, match="memory_limit"):
+    automap.place(graph, devices=4, microbatches=4, hardware=flat(7e9), optimizer="adam",
+                  zero=0)
+  plan = automap.place(graph, devices=4, microbatches=4, hardware=flat(7e9), optimizer="adam")
+  assert plan.zero >= 1
+  assert all(s.memory <= 7e9 for s in plan.stages)
+
+
+def test_placement_round_trips_through_json():
+  plan = automap.place(phaze_chain(), devices=8, microbatches=16, hardware=flat(5e9),
+                       optimizer="sgd", zero=0)
+  assert automap.Placement.from_json(plan.to_json()) == plan
+  assert sum(plan.breakdown.values()) == pytest.approx(plan.time)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"devices": 0}, "devices must be a positive int"),
+    ({"microbatches": 2.5}, "microbatches must be a positive int"),
+    ({"optimizer": "lion"}, "optimizer must be one of"),
+    ({"zero": 4}, "zero must be a stage in 0..3"),
+    ({"memory_limit": -1}, "memory_limit must be a positive number"),
+    ({"hardware": "tpu-v9"}, "hardware must be"),
+    ({"widths": [0]}, "widths must be positive ints"),
+])
+def test_bad_options_name_the_argument(kwargs, match):
+  args = {"devices": 8, "microbatches": 16, "hardware": flat(5e9)} | kwargs
+  with pytest.raises((automap.PlacementError, automap.HardwareError), match=match):
+    automap.place(phaze_chain(), **args)
+
+
+def test_bad_graphs_name_the_problem():
+  with pytest.raises(automap.PlacementError, match="unique"):
+    LayerGraph.chain([Layer.of("a", 1, 1, 1, 1), Layer.of("a", 1, 1, 1, 1)])
+  with pytest.raises(automap.PlacementError, match="cycle"):
+    LayerGraph((Layer.of("a", 1, 1, 1, 1), Layer.of("b", 1, 1, 1, 1)),
+               (("a", "b", 0.0), ("b", "a", 0.0)))
+  with pytest.raises(automap.PlacementError, match="known layers"):
+    LayerGraph((Layer.of("a", 1, 1, 1, 1),), (("a", "z", 0.0),))
+  with pytest.raises(automap.PlacementError, match="LayerCost.forward"):
+    Layer.of("a", -1, 1, 1, 1)
