@@ -17,6 +17,8 @@ from automap._src.cluster.placement import Placement as Placement
 from automap._src.cluster.placement import PlacementError as PlacementError
 from automap._src.cluster.placement import Stage as Stage
 from automap._src.cluster.placement import place as place
+from automap._src.cluster.plan import ClusterPlan as ClusterPlan
+from automap._src.cluster.plan import plan_cluster as plan_cluster
 from automap._src.cost import Cost as Cost
 from automap._src.graph import UnknownPrimitiveWarning as UnknownPrimitiveWarning
 from automap._src.groups import GroupError as GroupError
@@ -34,6 +36,7 @@ __version__ = "0.1.0"
 __all__ = (
     "ArgumentError",
     "Budget",
+    "ClusterPlan",
     "Cost",
     "GroupError",
     "HARDWARE",
@@ -58,6 +61,7 @@ __all__ = (
     "evaluate",
     "partition",
     "place",
+    "plan_cluster",
     "search",
     "verify",
 )

@@ -1,0 +1,213 @@
+"""Layer costs of a JAX program, per tensor-parallel width, from the cost model.
+
+The training step's forward ops are cut into layers where their name scope's
+first component changes (`block_3`, `embed`, `ln_f`), in program order: a
+layer is a run of consecutive ops, so edges only go forward and the layer graph
+is a DAG even when a module is used twice (a tied embedding read at both ends
+becomes two layers). Ops without a scope join the layer before them.
+
+For each width t, the sharding search partitions the whole step over a
+one-axis mesh of t devices; a layer's forward and backward seconds are its
+ops' costs under that plan (tensor-parallel collectives included), its
+parameters the bytes per device of the arguments its forward ops read, its
+activations the bytes per device its forward ops produce that backward ops
+read (what 1F1B stashes), and an edge the bytes one layer's forward hands to
+another's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from automap._src import trace as trace_lib
+from automap._src.cluster.placement import Layer, LayerCost, LayerGraph, PlacementError
+from automap._src.explain import layer_of
+from automap._src.hardware import Hardware
+from automap._src.program import Program
+from automap._src.sharding import MeshSpec
+
+# Name-scope marker of ops JAX's autodiff emits for the backward pass.
+_BACKWARD = "transpose("
+_UNSCOPED = "(top level)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+  """A program's layers at each width, costs for the traced batch.
+
+  graphs: width -> the layer graph (same layers and edges at every width).
+  specs: width -> argument path -> PartitionSpec (as text) of the plan behind it.
+  batch: the batch size the costs were measured at.
+  programs: width -> (program, state) the costs were read from.
+  """
+
+  graphs: dict[int, LayerGraph]
+  specs: dict[int, dict[str, str]]
+  batch: int
+  programs: dict[int, tuple[Program, np.ndarray]] = dataclasses.field(repr=False,
+                                                                      compare=False)
+
+  def scaled(self, batch: int) -> LayerGraph:
+    """The layer graph at every width for microbatches of `batch` samples:
+    times, activations and edges scale linearly, parameters do not."""
+    s = batch / self.batch
+    names = [layer.name for layer in self.graphs[min(self.graphs)].layers]
+    layers = []
+    for i, name in enumerate(names):
+      widths = {}
+      for t, graph in self.graphs.items():
+        c = graph.layers[i].widths[t]
+        widths[t] = LayerCost(c.forward * s, c.backward * s, c.params, c.activations * s,
+                              c.collectives * s)
+      layers.append(Layer(name, widths))
+    edges = tuple((a, b, nbytes * s) for a, b, nbytes in self.graphs[min(self.graphs)].edges)
+    return LayerGraph(tuple(layers), edges)
+
+
+def _labels(graph, forward: np.ndarray) -> list[str | None]:
+  """Per op, its layer label (first scope component), forward-filled over
+  unscoped ops within the forward and within the backward pass."""
+  labels: list[str | None] = [None] * graph.num_ops
+  last = {True: None, False: None}
+  for o, scope in enumerate(graph.scopes):
+    label = layer_of(scope)
+    if label == _UNSCOPED:
+      label = last[bool(forward[o])]
+    labels[o] = label
+    last[bool(forward[o])] = label
+  # Unscoped ops before any scoped one join the first layer of their pass.
+  for is_fw in (True, False):
+    first = next((labels[o] for o in range(graph.num_ops)
+                  if bool(forward[o]) == is_fw and labels[o] is not None), _UNSCOPED)
+    for o in range(graph.num_ops):
+      if bool(forward[o]) == is_fw and labels[o] is None:
+        labels[o] = first
+  return labels
+
+
+def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
+                 params_count: int) -> dict[int, LayerGraph]:
+  """Per width, the layer graph of one traced gradient program (built for a
+  mesh of that width) under that width's state.
+
+  params_count: how many leading flat arguments are parameters.
+  """
+  some = next(iter(width_states.values()))[0]
+  g = some.graph
+  forward = np.array([_BACKWARD not in s for s in g.scopes])
+  labels = _labels(g, forward)
+  # Forward ops cut into runs of one label: the layers, in program order.
+  segment = np.full(g.num_ops, -1)
+  names: list[str] = []
+  seen: dict[str, int] = defaultdict(int)
+  previous = None
+  for o in np.flatnonzero(forward):
+    if labels[o] != previous:
+      previous = labels[o]
+      seen[previous] += 1
+      names.append(previous if seen[previous] == 1 else f"{previous}#{seen[previous]}")
+    segment[o] = len(names) - 1
+  if not names:
+    raise PlacementError("the loss function has no forward ops to place.")
+  runs_of: dict[str, list[int]] = defaultdict(list)
+  for i, name in enumerate(names):
+    runs_of[name.split("#")[0]].append(i)
+  params = set(g.inputs[:params_count])
+  graphs = {}
+  for t, (program, state) in width_states.items():
+    model = program.model
+    fw = np.zeros(len(names))
+    bw_by_label: dict[str, float] = defaultdict(float)
+    coll = np.zeros(len(names))
+    coll_bw: dict[str, float] = defaultdict(float)
+    copies: set[tuple] = set()
+    combined: dict[tuple[int, int], int] = {}  # (kind, mask) -> last op combined
+    for o in range(g.num_ops):
+      c = model.op_cost(state, o)
+      comm = 0.0
+      for kind, mask, nbytes, secs, position, target in c.comms:
+        if position >= 0:  # one resharded copy serves every reader: the first pays
+          key = model.copy_key(o, position, kind, mask, target, nbytes)
+          if key in copies:
+            continue
+          copies.add(key)
+        elif model.late[o]:  # combined with its kind into one: latency paid once, below
+          secs -= model.latency[kind, mask]
+          combined[(kind, mask)] = o
+        comm += secs
+      seconds = c.time + comm
+      if forward[o]:
+        fw[segment[o]] += seconds
+        coll[segment[o]] += comm
+      else:
+        bw_by_label[labels[o]] += seconds
+        coll_bw[labels[o]] += comm
+    for (kind, mask), o in combined.items():
+      if forward[o]:
+        fw[segment[o]] += model.latency[kind, mask]
+      else:
+        bw_by_label[labels[o]] += model.latency[kind, mask]
+    # A label's backward splits over its runs as their forward does.
+    bw = np.zeros(len(names))
+    for label, runs in runs_of.items():
+      total = fw[runs].sum()
+      share = fw[runs] / total if total > 0 else np.full(len(runs), 1 / len(runs))
+      bw[runs] += share * bw_by_label.pop(label, 0.0)
+      coll[runs] += share * coll_bw.pop(label, 0.0)
+    # Backward ops of labels with no forward run (rare): the last layer's.
+    bw[-1] += sum(bw_by_label.values())
+    coll[-1] += sum(coll_bw.values())
+    param_bytes = np.zeros(len(names))
+    acts = np.zeros(len(names))
+    edges: dict[tuple[int, int], float] = defaultdict(float)
+    for v in range(g.num_values):
+      readers = {segment[o] for o, _ in g.uses[v] if forward[o]}
+      if v in params:
+        for r in readers:
+          param_bytes[r] += model.local_bytes(state, v)
+        continue
+      p = g.producer[v]
+      if p < 0 or not forward[p]:
+        continue
+      src = segment[p]
+      if any(not forward[o] for o, _ in g.uses[v]):
+        acts[src] += model.local_bytes(state, v)
+      for r in readers - {src}:
+        edges[(src, r)] += float(g.nbytes[v])
+    layers = tuple(Layer(n, {t: LayerCost(fw[i], bw[i], param_bytes[i], acts[i], coll[i])})
+                   for i, n in enumerate(names))
+    graphs[t] = LayerGraph(layers, tuple((names[a], names[b], nbytes)
+                                         for (a, b), nbytes in sorted(edges.items())))
+  return graphs
+
+
+def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int],
+            hardware: Hardware, search: Callable[[Program], np.ndarray]) -> Profile:
+  """Profiles `jax.value_and_grad(loss_fn)(params, *batch)` at each width.
+
+  search(program) -> state: the intra-stage sharding for a program on a
+  one-axis mesh ("model") of some width.
+  """
+  sizes = {leaf.shape[0] for leaf in jax.tree.leaves(batch) if np.ndim(leaf)}
+  if len(sizes) != 1:
+    raise PlacementError(
+        "batch arguments must share one leading (batch) dimension, got sizes "
+        f"{sorted(sizes)}; pass the batch as the arguments after params.")
+  traced = trace_lib.trace(jax.value_and_grad(loss_fn), (params, *batch))
+  params_count = len(jax.tree.leaves(params))
+  width_states = {}
+  specs = {}
+  for t in widths:
+    program = Program.build(traced, MeshSpec(("model",), (t,)), hardware)
+    state = search(program)
+    width_states[t] = (program, state)
+    plan = program.make_plan(state, {})
+    specs[t] = {p: str(tuple(s)) for p, s in zip(plan.in_paths[:params_count],
+                                                 plan.in_specs[:params_count])}
+  graphs = layer_graphs(width_states, params_count)
+  return Profile(graphs, specs, sizes.pop(), width_states)

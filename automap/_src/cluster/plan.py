@@ -1,0 +1,178 @@
+"""plan_cluster: a JAX training step planned over a whole cluster.
+
+Layer costs come from the cost model at each tensor-parallel width (the
+sharding search picks the intra-stage sharding), scaled to each candidate
+microbatch size; the placement DP picks stages, widths, data parallelism,
+ZeRO and recompute for each; the fastest wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+
+from automap._src import api
+from automap._src.cluster import layers as layers_lib
+from automap._src.cluster.placement import Placement, PlacementError, place
+from automap._src.explain import _fmt_bytes
+from automap._src.hardware import Hardware, get_hardware
+
+SCHEMA = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterPlan:
+  """A cluster plan and its predicted time per batch.
+
+  placement: stages, widths, data parallelism, ZeRO, recompute (seconds per batch).
+  microbatch: samples per microbatch; global_batch: samples per batch.
+  shardings: width -> parameter path -> PartitionSpec (text) of the intra-stage
+    sharding at that width, for the widths the placement uses.
+  """
+
+  placement: Placement
+  microbatch: int
+  global_batch: int
+  devices: int
+  hardware: str
+  shardings: dict[int, dict[str, str]]
+  timings: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
+
+  @property
+  def time(self) -> float:
+    """Seconds per batch."""
+    return self.placement.time
+
+  @property
+  def throughput(self) -> float:
+    """Samples per second."""
+    return self.global_batch / self.placement.time
+
+  def to_json(self) -> dict:
+    return {"schema": SCHEMA, "placement": self.placement.to_json(),
+            "microbatch": self.microbatch, "global_batch": self.global_batch,
+            "devices": self.devices, "hardware": self.hardware,
+            "shardings": {str(t): s for t, s in sorted(self.shardings.items())}}
+
+  @classmethod
+  def from_json(cls, data: dict) -> ClusterPlan:
+    if data.get("schema") != SCHEMA:
+      raise PlacementError(
+          f"cluster plan schema {data.get('schema')!r} is not {SCHEMA}; plan it again.")
+    return cls(Placement.from_json(data["placement"]), int(data["microbatch"]),
+               int(data["global_batch"]), int(data["devices"]), str(data["hardware"]),
+               {int(t): dict(s) for t, s in data["shardings"].items()})
+
+  def save(self, path: str | os.PathLike) -> None:
+    with open(path, "w") as f:
+      json.dump(self.to_json(), f, indent=1, sort_keys=True)
+
+  @classmethod
+  def load(cls, path: str | os.PathLike) -> ClusterPlan:
+    with open(path) as f:
+      return cls.from_json(json.load(f))
+
+  def explain(self) -> str:
+    p = self.placement
+    lines = [
+        f"automap cluster plan: {self.devices} devices ({self.hardware}), global batch "
+        f"{self.global_batch}",
+        f"  {p.data_parallel} data-parallel x {len(p.stages)} pipeline stage(s), "
+        f"microbatch {self.microbatch} ({p.microbatches} per replica), ZeRO {p.zero}, "
+        f"{p.devices} devices used",
+        f"  time per batch {_seconds(p.time)}, throughput {self.throughput:,.1f} samples/s",
+        "  breakdown per batch: " + ", ".join(
+            f"{k.replace('_', ' ')} {_seconds(v)}" for k, v in p.breakdown.items()),
+        "",
+        f"  {'stage':<6}{'layers':<34}{'TP':>4}  {'recompute':<10}{'in flight':>9}"
+        f"{'time/microbatch':>17}{'sync':>12}{'memory':>14}"]
+    for i, s in enumerate(p.stages):
+      names = s.layers[0] if len(s.layers) == 1 else (
+          f"{s.layers[0]} .. {s.layers[-1]} ({len(s.layers)})")
+      lines.append(
+          f"  {i:<6}{names:<34}{s.width:>4}  {'yes' if s.recompute else 'no':<10}"
+          f"{s.in_flight:>9}{_seconds(s.time):>17}{_seconds(s.sync):>12}"
+          f"{_fmt_bytes(s.memory):>14}")
+    return "\n".join(lines)
+
+
+def _seconds(x: float) -> str:
+  return f"{x:.3f} s" if x >= 1 else f"{x * 1e3:.3f} ms"
+
+
+def _divisors(n: int) -> list[int]:
+  return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def plan_cluster(loss_fn: Callable, params, *batch, devices: int, global_batch: int,
+                 hardware: str | Hardware = "tpu-v4", memory_limit: float | None = None,
+                 optimizer: str | float = "adam", zero: int | Sequence[int] = (0, 1, 2, 3),
+                 recompute: bool | None = None, widths: Sequence[int] | None = None,
+                 microbatches: Sequence[int] | None = None,
+                 budget: api.Budget | None = None, seed: int = 0) -> ClusterPlan:
+  """Plans training `loss_fn(params, *batch) -> scalar` on `devices` devices.
+
+  The example `batch` may be any size (its leading dimension); costs are
+  scaled to each microbatch size. Leaves may be `jax.ShapeDtypeStruct`s.
+  global_batch: samples per optimizer step over the whole cluster.
+  widths: tensor-parallel widths to consider (default: powers of two up to a
+    node, at most 8).
+  microbatches: microbatch sizes to consider (default: every divisor of
+    global_batch that leaves at most 512 microbatches).
+  budget: the sharding search's budget for each width.
+  Other knobs as in `automap.place`.
+  """
+  t0 = time.perf_counter()
+  hw = get_hardware(hardware)
+  for name, value in (("devices", devices), ("global_batch", global_batch)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise PlacementError(f"{name} must be a positive int, got {value!r}.")
+  if widths is None:
+    widths = [t for t in (1, 2, 4, 8) if t <= min(devices, hw.devices_per_node)]
+  widths = sorted(set(widths))
+  if not widths or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 or t > devices
+                       for t in widths):
+    raise PlacementError(f"widths must be ints in 1..devices={devices}, got {widths!r}.")
+  if microbatches is None:
+    microbatches = [b for b in _divisors(global_batch) if global_batch // b <= 512]
+  microbatches = sorted(set(microbatches))
+  if not microbatches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
+                             or global_batch % b for b in microbatches):
+    raise PlacementError(
+        f"microbatches must be sizes that divide global_batch={global_batch}, "
+        f"got {microbatches!r}.")
+  request = api._Request.of(None, budget, None, seed, "mcts")
+
+  def search(program):
+    if program.mesh.num_devices == 1:
+      return program.initial_state()
+    return api._run_search(program, request).state
+
+  profile = layers_lib.measure(loss_fn, params, batch, widths=widths, hardware=hw,
+                               search=search)
+  t1 = time.perf_counter()
+  best: tuple[Placement, int] | None = None
+  errors = []
+  for b in microbatches:
+    try:
+      found = place(profile.scaled(b), devices=devices, microbatches=global_batch // b,
+                    hardware=hw, memory_limit=memory_limit, optimizer=optimizer, zero=zero,
+                    recompute=recompute, widths=widths)
+    except PlacementError as e:
+      errors.append(e)
+      continue
+    if best is None or found.time < best[0].time:
+      best = (found, b)
+  if best is None:
+    raise errors[-1]
+  placement, b = best
+  used = {s.width for s in placement.stages}
+  return ClusterPlan(placement, b, global_batch, devices, hw.name,
+                     {t: profile.specs[t] for t in sorted(used)},
+                     {"profile": t1 - t0, "placement": time.perf_counter() - t1})
+
+
+__all__ = ["ClusterPlan", "plan_cluster"]

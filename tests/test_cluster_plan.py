@@ -1,0 +1,144 @@
+"""plan_cluster on a real flax model: layer costs from the cost model, placed."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import automap
+from automap._src.cluster import layers as layers_lib
+from automap._src.cost import Tracker
+from automap._src.models import gpt
+from automap._src.program import Program
+
+CONFIG = gpt.GPTConfig(vocab=256, seq=32, hidden=64, heads=4, layers=4)
+BUDGET = automap.Budget(episodes=12, seconds=20, progress=False)
+
+
+def gpt_loss():
+  model = gpt.GPT(CONFIG)
+  _, (params, _, batch) = gpt.make_train_step(CONFIG, 8, abstract=True)
+
+  def loss(params, batch):
+    logits = model.apply({"params": params}, batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+  return loss, params, batch
+
+
+def param_bytes(params) -> float:
+  return float(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params)))
+
+
+def test_layers_follow_the_model_in_program_order():
+  loss, params, batch = gpt_loss()
+  profile = layers_lib.measure(loss, params, (batch,), widths=[1, 2], hardware=automap.HARDWARE[
+      "tpu-v4"], search=lambda program: program.initial_state())
+  graph = profile.graphs[1]
+  names = [layer.name for layer in graph.layers]
+  blocks = [n for n in names if n.startswith("block_")]
+  assert blocks == [f"block_{i}" for i in range(CONFIG.layers)]
+  assert names.index("embed") < names.index("block_0") and names.index("ln_f") > names.index(
+      "block_3")
+  # Edges only run forward, and each block hands the next one [B, S, H] floats.
+  order = {n: i for i, n in enumerate(names)}
+  assert all(order[a] < order[b] for a, b, _ in graph.edges)
+  hidden = 8 * CONFIG.seq * CONFIG.hidden * 4
+  assert dict(((a, b), n) for a, b, n in graph.edges)[("block_1", "block_2")] == hidden
+  # Each block's parameters are read by that block alone.
+  block = param_bytes(params["block_0"])
+  for i in range(CONFIG.layers):
+    assert graph.layers[order[f"block_{i}"]].widths[1].params == block
+  costs = [layer.widths[1] for layer in graph.layers if layer.name.startswith("block_")]
+  assert all(c.forward > 0 and c.backward > c.forward and c.activations > 0 for c in costs)
+  assert profile.batch == 8
+
+
+def test_wider_tensor_parallel_groups_step_faster():
+  loss, params, batch = gpt_loss()
+  hw = automap.HARDWARE["tpu-v4"]
+
+  def search(program: Program):
+    if program.mesh.num_devices == 1:
+      return program.initial_state()
+    return automap._src.api._run_search(
+        program, automap._src.api._Request.of(None, BUDGET, None, 0, "mcts")).state
+
+  profile = layers_lib.measure(loss, params, (batch,), widths=[1, 4], hardware=hw, search=search)
+  one, four = profile.graphs[1], profile.graphs[4]
+  # The layers' seconds add up to the cost model's step time of the searched
+  # sharding, which beats one device's step.
+  step = lambda g, t: sum(c.widths[t].forward + c.widths[t].backward for c in g.layers)  # noqa: E731
+  program, state = profile.programs[4]
+  assert step(four, 4) == pytest.approx(Tracker(program.model, state).step_time, rel=0.02)
+  assert step(four, 4) < step(one, 1)
+  assert sum(c.widths[4].params for c in four.layers) <= sum(c.widths[1].params
+                                                             for c in one.layers)
+  doubled = profile.scaled(16)
+  for a, b in zip(doubled.layers, one.layers):
+    assert a.widths[1].forward == pytest.approx(2 * b.widths[1].forward)
+    assert a.widths[1].params == b.widths[1].params
+
+
+def test_plan_cluster_pipelines_when_memory_is_short():
+  loss, params, batch = gpt_loss()
+  total = param_bytes(params)
+  # Adam: parameters, gradients and two moments are 4x the parameters; a
+  # quarter of that per device leaves no room for one replica of everything.
+  limit = total * 1.6
+  plan = automap.plan_cluster(loss, params, batch, devices=8, global_batch=32, hardware="tpu-v4",
+                              memory_limit=limit, optimizer="adam", zero=0, budget=BUDGET)
+  p = plan.placement
+  assert len(p.stages) > 1
+  assert all(s.memory <= limit for s in p.stages)
+  layers = [n for s in p.stages for n in s.layers]
+  assert layers[0] == "embed" and [n for n in layers if n.startswith("block_")] == [
+      f"block_{i}" for i in range(CONFIG.layers)]
+  assert p.devices <= 8 and 32 % plan.microbatch == 0
+  assert plan.throughput == pytest.approx(32 / plan.time)
+  text = plan.explain()
+  assert "pipeline stage(s)" in text and "block_0" in text and "recompute" in text
+  # With the memory to spare, the same program goes data parallel.
+  roomy = automap.plan_cluster(loss, params, batch, devices=8, global_batch=32,
+                               hardware="tpu-v4", optimizer="adam", budget=BUDGET)
+  assert roomy.time <= plan.time
+
+
+def test_cluster_plan_round_trips(tmp_path):
+  loss, params, batch = gpt_loss()
+  plan = automap.plan_cluster(loss, params, batch, devices=4, global_batch=16, widths=[1, 2],
+                              budget=BUDGET)
+  plan.save(tmp_path / "cluster.json")
+  assert automap.ClusterPlan.load(tmp_path / "cluster.json") == plan
+  assert set(plan.shardings) == {s.width for s in plan.placement.stages}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"global_batch": 0}, "global_batch must be a positive int"),
+    ({"widths": [16]}, "widths must be ints in 1..devices=8"),
+    ({"microbatches": [3]}, "divide global_batch=32"),
+])
+def test_plan_cluster_bad_arguments(kwargs, match):
+  loss, params, batch = gpt_loss()
+  args = {"devices": 8, "global_batch": 32} | kwargs
+  with pytest.raises(automap.PlacementError, match=match):
+    automap.plan_cluster(loss, params, batch, budget=BUDGET, **args)
+
+
+def mlp_loss(params, x, y):
+  for i, (w, b) in enumerate(params):
+    with jax.named_scope(f"dense_{i}"):
+      x = jnp.tanh(x @ w + b[None, :])
+  return jnp.mean((x - y) ** 2)
+
+
+def test_plain_jax_function_with_named_scopes():
+  params = [(jnp.zeros((32, 32)), jnp.zeros(32)) for _ in range(3)]
+  x = jnp.zeros((16, 32))
+  plan = automap.plan_cluster(mlp_loss, params, x, x, devices=4, global_batch=64,
+                              widths=[1, 2], budget=BUDGET)
+  assert [n for s in plan.placement.stages for n in s.layers] == ["dense_0", "dense_1",
+                                                                  "dense_2"]
+  with pytest.raises(automap.PlacementError, match="leading .batch. dimension"):
+    automap.plan_cluster(mlp_loss, params, x, x[:8], devices=4, global_batch=64, budget=BUDGET)
