@@ -218,3 +218,18 @@ def test_bad_graphs_name_the_problem():
     LayerGraph((Layer.of("a", 1, 1, 1, 1),), (("a", "z", 0.0),))
   with pytest.raises(automap.PlacementError, match="LayerCost.forward"):
     Layer.of("a", -1, 1, 1, 1)
+
+
+def test_a_fixed_split_is_priced_as_given():
+  """Megatron-style p x d: the DP only splits the layers, so free search never loses."""
+  graph = phaze_chain()
+  fixed = automap.place(graph, devices=8, microbatches=16, hardware=flat(100e9),
+                        optimizer="sgd", zero=0, data_parallel=2, stages=4, recompute=False)
+  assert (fixed.data_parallel, len(fixed.stages)) == (2, 4)
+  # (8 microbatches + 3) x 3 s per layer + the 2-way sync of one layer.
+  assert fixed.time == pytest.approx(11 * 3 + 2 * 0.5 * 1e9 / (2 * GiB))
+  free = automap.place(graph, devices=8, microbatches=16, hardware=flat(100e9),
+                       optimizer="sgd", zero=0, recompute=False)
+  assert free.time < fixed.time
+  with pytest.raises(automap.PlacementError, match="in 5 stages"):
+    automap.place(graph, devices=8, microbatches=16, hardware=flat(100e9), stages=5)

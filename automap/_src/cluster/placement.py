@@ -227,6 +227,7 @@ class _Options:
   zero: tuple[int, ...]
   recompute: tuple[bool, ...]
   widths: tuple[int, ...] | None
+  stages: int | None
 
 
 class _Ring:
@@ -293,9 +294,13 @@ class _StageCosts:
     self.index = {layer.name: i for i, layer in enumerate(graph.layers)}
     self.edges = [(self.index[s], self.index[d], float(b)) for s, d, b in graph.edges]
     self._sums: dict[tuple[int, int], tuple[float, ...]] = {}
-    self._stages: dict[tuple, Stage] = {}
+    self._fits: dict[tuple, bool] = {}
+    self._least: dict[tuple, float] = {}
+    self._times: dict[tuple, tuple[float, float]] = {}
+    self._inside: dict[int, list[int]] = {}
     self._widths: dict[int, list[int]] = {}
     self._work: dict[int, float] = {0: 0.0}
+    self._longest: dict[int, float] = {}
 
   def work(self, members: int) -> float:
     """Device-seconds per microbatch the layers need at least (over widths)."""
@@ -304,6 +309,15 @@ class _StageCosts:
           min(t * (c.forward + c.backward) for t, c in self.graph.layers[i].widths.items())
           for i in _bits(members))
     return self._work[members]
+
+  def longest(self, members: int) -> float:
+    """The slowest layer's seconds per microbatch at its fastest width: no
+    stage holding it is faster."""
+    if members not in self._longest:
+      self._longest[members] = max(
+          (min(c.forward + c.backward for c in self.graph.layers[i].widths.values())
+           for i in _bits(members)), default=0.0)
+    return self._longest[members]
 
   def widths(self, members: int) -> list[int]:
     """Tensor-parallel widths every layer of the stage prices (and allowed)."""
@@ -344,23 +358,41 @@ class _StageCosts:
       memory += largest * (1 - 1 / d)  # one layer's parameters gathered at a time
     return memory
 
+  def least_memory(self, members: int, d: int, zero: int) -> float:
+    """A lower bound on `memory` over widths, recompute and in-flight counts
+    (it grows with the stage: a stage too big stays too big)."""
+    key = (members, d, zero)
+    if key not in self._least:
+      self._least[key] = min(self.memory(members, t, True, 0, d, zero)
+                             for t in self.widths(members)) if self.widths(members) else math.inf
+    return self._least[key]
+
   def fits(self, members: int, t: int, recompute: bool, in_flight: int, d: int,
            zero: int) -> bool:
-    return self.memory(members, t, recompute, in_flight, d, zero) <= self.options.memory
+    key = (members, t, recompute, in_flight, d, zero)
+    if key not in self._fits:
+      self._fits[key] = self.memory(*key) <= self.options.memory
+    return self._fits[key]
 
-  def stage(self, members: int, t: int, recompute: bool, first: int, in_flight: int,
-            d: int, per_pipeline: int, zero: int) -> Stage:
-    """The stage's costs at device offset `first` of its pipeline replica."""
-    key = (members, t, recompute, first, in_flight, d, zero)
-    if key not in self._stages:
-      self._stages[key] = self._stage(*key, per_pipeline)
-    return self._stages[key]
-
-  def _stage(self, members, t, recompute, first, in_flight, d, zero, per_pipeline) -> Stage:
-    fw, bw, params, acts, coll, largest, b_in, b_out = self.sums(members, t)
-    memory = self.memory(members, t, recompute, in_flight, d, zero)
+  def times(self, members: int, t: int, recompute: bool, first: int, d: int,
+            per_pipeline: int, zero: int) -> tuple[float, float]:
+    """(T, Y): seconds per microbatch and data-parallel sync per batch of the
+    stage at device offset `first` of its pipeline replica."""
     # Rank j of the width-t group syncs with rank j of every replica: d-device
     # rings whose widest spans from replica 0's first device to the last's end.
+    node = self.options.hw.devices_per_node
+    levels = (first // node != ((d - 1) * per_pipeline + first + t - 1) // node,
+              first // node != (first - 1) // node,
+              (first + t - 1) // node != (first + t) // node)
+    key = (members, t, recompute, d, zero, levels)
+    if key not in self._times:
+      parts = self.parts(members, t, recompute, first, d, per_pipeline, zero)
+      self._times[key] = (parts[0] + parts[1] + parts[2], parts[3])
+    return self._times[key]
+
+  def parts(self, members, t, recompute, first, d, per_pipeline, zero) -> tuple[float, ...]:
+    """(compute, transfers, ZeRO collectives, sync) of a stage, seconds."""
+    fw, bw, params, _, _, _, b_in, b_out = self.sums(members, t)
     ring = self.ring
     group = (d, first, (d - 1) * per_pipeline + first + t - 1)
     # Activations in and out, forward, and their gradients back: each crosses
@@ -373,13 +405,27 @@ class _StageCosts:
       zero_time += (3 if recompute else 2) * ring.gather(params, *group)
     sync = {0: ring.reduce(params, *group), 1: ring.reduce(params, *group),
             2: ring.gather(params, *group), 3: 0.0}[zero]
-    compute = fw + bw + (fw if recompute else 0.0)
+    return fw + bw + (fw if recompute else 0.0), transfers, zero_time, sync
+
+  def stage(self, members: int, t: int, recompute: bool, first: int, in_flight: int, d: int,
+            per_pipeline: int, zero: int) -> Stage:
+    """The stage at device offset `first`, with its breakdown."""
+    compute, transfers, zero_time, sync = self.parts(members, t, recompute, first, d,
+                                                     per_pipeline, zero)
+    coll = self.sums(members, t)[4]
     return Stage(
         layers=tuple(self.graph.layers[i].name for i in _bits(members)), width=t,
         recompute=recompute, first_device=first, in_flight=in_flight,
         time=compute + transfers + zero_time, compute=compute,
         collectives=coll + (coll / 2 if recompute else 0.0), transfers=transfers,
-        zero=zero_time, sync=sync, memory=memory)
+        zero=zero_time, sync=sync,
+        memory=self.memory(members, t, recompute, in_flight, d, zero))
+
+  def inside(self, rest: int, downs: list[int]) -> list[int]:
+    """The downsets strictly inside `rest`."""
+    if rest not in self._inside:
+      self._inside[rest] = [h for h in downs if not h & ~rest and h != rest]
+    return self._inside[rest]
 
 
 def _bits(mask: int) -> list[int]:
@@ -397,34 +443,42 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
   # stages), built from the end of the graph backwards: stage positions count
   # from the pipeline's last device, and the k stages after a state fix the
   # in-flight count of the next one.
-  fronts: list[dict[int, list[tuple]]] = [{downs[-1]: [(0, 0.0, 0.0, ())]}]
+  # choices: a linked list ((members, width, recompute, first device,
+  # in flight), rest of the list) of the stages chosen so far.
+  fronts: list[dict[int, list[tuple]]] = [{downs[-1]: [(0, 0.0, 0.0, None)]}]
   best: Placement | None = None
-  if m * costs.work(downs[-1]) / per_pipeline >= bound:
+  if m * max(costs.work(downs[-1]) / per_pipeline, costs.longest(downs[-1])) >= bound:
     return None
   for k in range(len(graph.layers)):
     after: dict[int, list[tuple]] = {}
     in_flight = min(k + 1, m)
     for rest, front in fronts[k].items():
-      for head in downs:
-        if head & ~rest or head == rest:
-          continue
+      least_used = min(f[0] for f in front)
+      least_t, least_y = min(f[1] for f in front), min(f[2] for f in front)
+      for head in costs.inside(rest, downs):
         members = rest & ~head
+        longest, work = costs.longest(head), costs.work(head)
+        spare = per_pipeline - least_used - 1
+        if ((m + k) * max(least_t, longest, work / spare if spare > 0 else (
+            math.inf if head else 0.0)) + least_y >= bound
+            or costs.least_memory(members, d, zero) > options.memory):
+          continue
         for t in costs.widths(members):
           for recompute in options.recompute:
             if not costs.fits(members, t, recompute, in_flight, d, zero):
               continue
-            for used, t_max, y_max, stages in front:
+            for used, t_max, y_max, chosen in front:
               if used + t > per_pipeline:
                 continue
-              stage = costs.stage(members, t, recompute, per_pipeline - used - t, in_flight,
-                                  d, per_pipeline, zero)
-              entry = (used + t, max(t_max, stage.time), max(y_max, stage.sync),
-                       (stage, *stages))
+              first = per_pipeline - used - t
+              time, sync = costs.times(members, t, recompute, first, d, per_pipeline, zero)
+              entry = (used + t, max(t_max, time), max(y_max, sync),
+                       ((members, t, recompute, first, in_flight), chosen))
               # Any completion has at least k + 1 stages, these maxima, and
               # spreads the work left over the devices left at best.
-              spare = per_pipeline - entry[0]
-              floor = max(entry[1], costs.work(head) / spare if spare else (
-                  math.inf if head else 0.0))
+              spare = first
+              floor = max(entry[1], longest,
+                          work / spare if spare else (math.inf if head else 0.0))
               if (m + k) * floor + entry[2] >= bound:
                 continue
               target = after.setdefault(head, [])
@@ -434,15 +488,18 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
               target[:] = [f for f in target
                            if not (entry[0] <= f[0] and entry[1] <= f[1] and entry[2] <= f[2])]
               target.append(entry)
-    for used, t_max, y_max, stages in after.pop(0, []):
+    for used, t_max, y_max, chosen in after.pop(0, []):
       time = (m + k) * t_max + y_max
-      if time < bound:
+      if time < bound and options.stages in (None, k + 1):
         # Stage offsets were counted from the end; shift onto device 0.
         shift = per_pipeline - used
-        stages = tuple(dataclasses.replace(s, first_device=s.first_device - shift)
-                       for s in stages)
-        bound, best = time, Placement(d, m, zero, stages, used * d, time)
-    if not after:
+        stages = []
+        while chosen is not None:
+          (members, t, recompute, first, n), chosen = chosen
+          stage = costs.stage(members, t, recompute, first, n, d, per_pipeline, zero)
+          stages.append(dataclasses.replace(stage, first_device=first - shift))
+        bound, best = time, Placement(d, m, zero, tuple(stages), used * d, time)
+    if not after or (options.stages is not None and k + 1 >= options.stages):
       break
     fronts.append(after)
   return best
@@ -451,7 +508,8 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
 def place(graph: LayerGraph, *, devices: int, microbatches: int,
           hardware: str | Hardware, memory_limit: float | None = None,
           optimizer: str | float = "adam", zero: int | Sequence[int] = (0, 1, 2, 3),
-          recompute: bool | None = None, widths: Sequence[int] | None = None) -> Placement:
+          recompute: bool | None = None, widths: Sequence[int] | None = None,
+          data_parallel: int | None = None, stages: int | None = None) -> Placement:
   """The fastest placement of `graph` on `devices` devices.
 
   microbatches: microbatches per batch over all data-parallel replicas (each of
@@ -464,34 +522,70 @@ def place(graph: LayerGraph, *, devices: int, microbatches: int,
     parameters (gathered for every use).
   recompute: force recompute (True) or stash (False); None chooses per stage.
   widths: tensor-parallel widths allowed (default: every width the layers price).
+  data_parallel, stages: fix the data-parallel degree or the stage count (to
+    price a hand-written split such as Megatron's p x d x t).
   """
-  options = _options(devices, microbatches, hardware, memory_limit, optimizer, zero,
-                     recompute, widths)
-  downs = _downsets(graph)
-  costs = _StageCosts(graph, options)
-  best: Placement | None = None
-  # Wide data parallelism first: it is usually good, and a good bound prunes.
-  for d in range(devices, 0, -1):
-    if options.microbatches % d:
-      continue
-    for z in options.zero:
-      if z and d == 1 and 0 in options.zero:
-        continue  # nothing to shard: the same plan as ZeRO 0
-      plan = _place_for(graph, costs, downs, d, z, math.inf if best is None else best.time)
-      best = plan or best
+  return place_any([(graph, microbatches)], devices=devices, hardware=hardware,
+                   memory_limit=memory_limit, optimizer=optimizer, zero=zero,
+                   recompute=recompute, widths=widths, data_parallel=data_parallel,
+                   stages=stages)[0]
+
+
+def place_any(candidates: Sequence[tuple[LayerGraph, int]], *, devices: int,
+              hardware: str | Hardware, memory_limit: float | None = None,
+              optimizer: str | float = "adam", zero: int | Sequence[int] = (0, 1, 2, 3),
+              recompute: bool | None = None, widths: Sequence[int] | None = None,
+              data_parallel: int | None = None, stages: int | None = None,
+              ) -> tuple[Placement, int]:
+  """The fastest placement of any of (graph, microbatches) candidates (a model
+  at several microbatch sizes), and the index of the one it places; the
+  candidates share one bound, so the later ones are mostly pruned."""
+  best: tuple[Placement, int] | None = None
+  for i, (graph, microbatches) in enumerate(candidates):
+    options = _options(devices, microbatches, hardware, memory_limit, optimizer, zero,
+                       recompute, widths, stages)
+    for name, value in (("data_parallel", data_parallel), ("stages", stages)):
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                or not 1 <= value <= devices):
+        raise PlacementError(f"{name} must be None or an int in 1..devices={devices}, "
+                             f"got {value!r}.")
+    found = _search(graph, options, data_parallel, math.inf if best is None else best[0].time)
+    if found is not None:
+      best = (found, i)
   if best is None:
+    graph = candidates[0][0]
     need = sum(min(c.params * t for t, c in layer.widths.items()) for layer in graph.layers)
     need /= devices
     raise PlacementError(
-        f"no placement of the {len(graph.layers)} layers on {devices} devices fits "
+        f"no placement of the {len(graph.layers)} layers on {devices} devices"
+        f"{'' if data_parallel is None else f' with data_parallel={data_parallel}'}"
+        f"{'' if stages is None else f' in {stages} stages'} fits "
         f"memory_limit={options.memory:.4g} bytes per device (parameters alone need at least "
         f"{need:.4g} bytes per device when spread over all devices); raise the memory "
         "limit, allow recompute or ZeRO, or add devices.")
   return best
 
 
+def _search(graph: LayerGraph, options: _Options, data_parallel: int | None,
+            bound: float) -> Placement | None:
+  """The fastest placement under `bound` seconds per batch, if any."""
+  downs = _downsets(graph)
+  costs = _StageCosts(graph, options)
+  best: Placement | None = None
+  # Wide data parallelism first: it is usually good, and a good bound prunes.
+  for d in range(options.devices, 0, -1):
+    if options.microbatches % d or data_parallel not in (None, d):
+      continue
+    for z in options.zero:
+      if z and d == 1 and 0 in options.zero:
+        continue  # nothing to shard: the same plan as ZeRO 0
+      plan = _place_for(graph, costs, downs, d, z, bound if best is None else best.time)
+      best = plan or best
+  return best
+
+
 def _options(devices, microbatches, hardware, memory_limit, optimizer, zero, recompute,
-             widths) -> _Options:
+             widths, stages) -> _Options:
   for name, value in (("devices", devices), ("microbatches", microbatches)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise PlacementError(f"{name} must be a positive int, got {value!r}.")
@@ -519,7 +613,7 @@ def _options(devices, microbatches, hardware, memory_limit, optimizer, zero, rec
                          for t in widths):
       raise PlacementError(f"widths must be positive ints, got {widths!r}.")
   return _Options(devices, microbatches, float(memory), hw, float(optimizer), zeros, choices,
-                  widths)
+                  widths, stages)
 
 
 __all__ = ["Layer", "LayerCost", "LayerGraph", "Placement", "PlacementError", "Stage",

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from automap._src import api
 from automap._src.cluster import layers as layers_lib
-from automap._src.cluster.placement import Placement, PlacementError, place
+from automap._src.cluster.placement import Placement, PlacementError, place_any
 from automap._src.explain import _fmt_bytes
 from automap._src.hardware import Hardware, get_hardware
 
@@ -154,21 +154,11 @@ def plan_cluster(loss_fn: Callable, params, *batch, devices: int, global_batch: 
   profile = layers_lib.measure(loss_fn, params, batch, widths=widths, hardware=hw,
                                search=search)
   t1 = time.perf_counter()
-  best: tuple[Placement, int] | None = None
-  errors = []
-  for b in microbatches:
-    try:
-      found = place(profile.scaled(b), devices=devices, microbatches=global_batch // b,
-                    hardware=hw, memory_limit=memory_limit, optimizer=optimizer, zero=zero,
-                    recompute=recompute, widths=widths)
-    except PlacementError as e:
-      errors.append(e)
-      continue
-    if best is None or found.time < best[0].time:
-      best = (found, b)
-  if best is None:
-    raise errors[-1]
-  placement, b = best
+  placement, i = place_any(
+      [(profile.scaled(b), global_batch // b) for b in microbatches], devices=devices,
+      hardware=hw, memory_limit=memory_limit, optimizer=optimizer, zero=zero,
+      recompute=recompute, widths=widths)
+  b = microbatches[i]
   used = {s.width for s in placement.stages}
   return ClusterPlan(placement, b, global_batch, devices, hw.name,
                      {t: profile.specs[t] for t in sorted(used)},

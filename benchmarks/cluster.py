@@ -1,0 +1,158 @@
+"""Cluster planning: automap's placement against the fixed splits PHAZE compared with.
+
+For GPT2-XL-, OPT-30B-, BERT-Large-, Llama2-7B- and GPT3-shaped models
+(bf16, Adam with fp32 master weights and moments), the layer costs of one
+transformer block (and of the embedding and head) come from the cost model at
+tensor-parallel widths 1-8, each under the sharding search's plan for that
+width, and are repeated for the model's depth (nothing is compiled). The
+planner then searches stages, widths, data parallelism, ZeRO, recompute and
+the microbatch size on 64 to 1024 devices; the Megatron-style baselines
+(p stages x d data x t tensor) get the same search with p, d and t fixed.
+Throughput is samples per second; "planner" is the placement's wall time
+(the per-width profiling of the block is listed apart).
+
+  python benchmarks/cluster.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import automap
+from automap._src.api import Budget, _Request, _run_search
+from automap._src.cluster import layers as layers_lib
+from automap._src.cluster.placement import Layer, LayerGraph, PlacementError, place_any
+from automap._src.models.gpt import GPT, GPTConfig
+
+# name: (layers, hidden, heads, seq, vocab, global batch, baseline (p, d, t))
+MODELS = {
+    "GPT2-XL": (48, 1600, 25, 1024, 50257, 512, (32, 32, 1)),
+    "OPT-30B": (48, 7168, 56, 2048, 50272, 1360, (12, 85, 1)),
+    "BERT-Large": (24, 1024, 16, 512, 30522, 1024, (8, 128, 1)),
+    "Llama2-7B": (32, 4096, 32, 4096, 32000, 1024, (8, 128, 1)),
+    "GPT3-175B": (96, 12288, 96, 2048, 50257, 1536, (32, 8, 4)),
+}
+WIDTHS = (1, 2, 4, 8)
+# Adam in mixed precision: fp32 master weights and two moments per bf16 parameter.
+OPTIMIZER = 6.0
+
+
+def block_profile(name: str, hardware: str, episodes: int) -> layers_lib.Profile:
+  """Layer costs of a 2-block model of the named shape, microbatch of one."""
+  layers, hidden, heads, seq, vocab, _, _ = MODELS[name]
+  config = GPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=2,
+                     dtype=jnp.bfloat16)
+  model = GPT(config)
+  tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, seq),
+                                                                         jnp.int32)))["params"]
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)
+
+  def loss(params, inputs, targets):
+    logits = model.apply({"params": params}, inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+  request = _Request.of(None, Budget(episodes=episodes, seconds=120, progress=False), None, 0,
+                        "mcts")
+
+  def search(program):
+    if program.mesh.num_devices == 1:
+      return program.initial_state()
+    return _run_search(program, request).state
+
+  return layers_lib.measure(loss, params, (tokens, tokens), widths=WIDTHS,
+                            hardware=automap.HARDWARE[hardware], search=search)
+
+
+def model_graph(profile: layers_lib.Profile, depth: int, batch: int) -> LayerGraph:
+  """The 2-block profile at microbatch `batch`, its block_1 repeated `depth` times."""
+  small = profile.scaled(batch)
+  by_name = {layer.name: layer for layer in small.layers}
+  names = [layer.name for layer in small.layers]
+  first, second = names.index("block_0"), names.index("block_1")
+  before, after = names[:first], names[second + 1:]
+  blocks = [Layer(f"block_{i}", by_name["block_1"].widths) for i in range(depth)]
+  layers = [by_name[n] for n in before] + blocks + [by_name[n] for n in after]
+  edge = {(a, b): n for a, b, n in small.edges}
+  hand = edge[("block_0", "block_1")]
+  edges = [(a, b, n) for (a, b), n in edge.items() if a in before and b in before]
+  edges += [(a, "block_0", n) for (a, b), n in edge.items() if b == "block_0"]
+  edges += [(f"block_{i}", f"block_{i + 1}", hand) for i in range(depth - 1)]
+  edges += [(f"block_{depth - 1}", b, n) for (a, b), n in edge.items() if a == "block_1"]
+  edges += [(a, b, n) for (a, b), n in edge.items() if a in after and b in after]
+  # Parameters read at both ends (a tied embedding) keep their edge too.
+  edges += [(a, b, n) for (a, b), n in edge.items() if a in before and b in after]
+  return LayerGraph(tuple(layers), tuple(edges))
+
+
+def best(profile, depth, devices, global_batch, hardware, microbatches, **fixed):
+  sizes = [b for b in microbatches if global_batch % b == 0]
+  try:
+    plan, i = place_any([(model_graph(profile, depth, b), global_batch // b) for b in sizes],
+                        devices=devices, hardware=hardware, optimizer=OPTIMIZER, **fixed)
+  except PlacementError:
+    return None
+  return plan, sizes[i]
+
+
+def describe(plan, b) -> str:
+  widths = sorted({s.width for s in plan.stages})
+  recompute = sum(s.recompute for s in plan.stages)
+  return (f"p{len(plan.stages)} d{plan.data_parallel} t{'/'.join(map(str, widths))} "
+          f"mb{b} z{plan.zero} rc{recompute}")
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--quick", action="store_true")
+  opts = parser.parse_args()
+  models = ["GPT2-XL", "BERT-Large"] if opts.quick else list(MODELS)
+  hardwares = ["tpu-v4"] if opts.quick else ["tpu-v4", "h100"]
+  device_counts = (64, 1024) if opts.quick else (64, 256, 1024)
+  microbatches = (1, 2, 4, 8)
+  print("| model | hardware | devices | automap plan | samples/s | baseline | baseline "
+        "samples/s | automap / baseline | planner s |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  ratios, planner = [], []
+  for hardware in hardwares:
+    for name in models:
+      depth, *_, global_batch, (p, d, t) = MODELS[name]
+      t0 = time.perf_counter()
+      profile = block_profile(name, hardware, episodes=10 if opts.quick else 30)
+      profiled = time.perf_counter() - t0
+      for devices in device_counts:
+        t0 = time.perf_counter()
+        found = best(profile, depth, devices, global_batch, hardware, microbatches)
+        seconds = time.perf_counter() - t0
+        planner.append(seconds)
+        plan_text, tput = ("no plan fits", float("nan"))
+        if found:
+          plan_text, tput = describe(*found), global_batch / found[0].time
+        base_text, base_tput, ratio = "", float("nan"), ""
+        if devices == 1024:
+          base = best(profile, depth, p * d * t, global_batch, hardware, microbatches,
+                      data_parallel=d, stages=p, widths=(t,))
+          base_text = f"p{p} d{d} t{t}" + ("" if base else " (does not fit)")
+          if base:
+            base_tput = global_batch / base[0].time
+            base_text += f" (mb{base[1]} z{base[0].zero})"
+            ratios.append(tput / base_tput)
+            ratio = f"{tput / base_tput:.2f}x"
+        print(f"| {name} | {hardware} | {devices} | {plan_text} | {tput:,.1f} | {base_text} | "
+              f"{base_tput:,.1f} | {ratio} | {seconds:.2f} |")
+      print(f"<!-- {name} on {hardware}: per-width block profile {profiled:.1f} s -->")
+  print()
+  print(f"automap / baseline throughput: median {statistics.median(ratios):.2f}x, "
+        f"min {min(ratios):.2f}x over {len(ratios)} baselines. Planner: median "
+        f"{statistics.median(planner):.2f} s, max {max(planner):.2f} s per model and "
+        "device count (microbatch sizes 1, 2, 4, 8 each).")
+
+
+if __name__ == "__main__":
+  main()
