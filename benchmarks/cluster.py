@@ -43,8 +43,9 @@ WIDTHS = (1, 2, 4, 8)
 OPTIMIZER = 6.0
 
 
-def block_profile(name: str, hardware: str, episodes: int) -> layers_lib.Profile:
-  """Layer costs of a 2-block model of the named shape, microbatch of one."""
+def block_profile(name: str, hardware: str, episodes: int,
+                  sizes: tuple[int, ...]) -> layers_lib.Profile:
+  """Layer costs of a 2-block model of the named shape at each microbatch size."""
   layers, hidden, heads, seq, vocab, _, _ = MODELS[name]
   config = GPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=2,
                      dtype=jnp.bfloat16)
@@ -67,12 +68,12 @@ def block_profile(name: str, hardware: str, episodes: int) -> layers_lib.Profile
     return _run_search(program, request).state
 
   return layers_lib.measure(loss, params, (tokens, tokens), widths=WIDTHS,
-                            hardware=automap.HARDWARE[hardware], search=search)
+                            hardware=automap.HARDWARE[hardware], search=search, sizes=sizes)
 
 
 def model_graph(profile: layers_lib.Profile, depth: int, batch: int) -> LayerGraph:
   """The 2-block profile at microbatch `batch`, its block_1 repeated `depth` times."""
-  small = profile.scaled(batch)
+  small = profile.at(batch)
   by_name = {layer.name: layer for layer in small.layers}
   names = [layer.name for layer in small.layers]
   first, second = names.index("block_0"), names.index("block_1")
@@ -124,7 +125,7 @@ def main():
     for name in models:
       depth, *_, global_batch, (p, d, t) = MODELS[name]
       t0 = time.perf_counter()
-      profile = block_profile(name, hardware, episodes=10 if opts.quick else 30)
+      profile = block_profile(name, hardware, 10 if opts.quick else 30, microbatches)
       profiled = time.perf_counter() - t0
       for devices in device_counts:
         t0 = time.perf_counter()

@@ -38,35 +38,36 @@ _UNSCOPED = "(top level)"
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
-  """A program's layers at each width, costs for the traced batch.
+  """A program's layers per batch size and width.
 
-  graphs: width -> the layer graph (same layers and edges at every width).
-  specs: width -> argument path -> PartitionSpec (as text) of the plan behind it.
-  batch: the batch size the costs were measured at.
-  programs: width -> (program, state) the costs were read from.
+  graphs: batch size -> width -> the layer graph (the same layers and edges
+    at every width).
+  specs: width -> argument path -> PartitionSpec (as text) of the searched plan.
+  programs: (batch size, width) -> (program, state) the costs were read from.
   """
 
-  graphs: dict[int, LayerGraph]
+  graphs: dict[int, dict[int, LayerGraph]]
   specs: dict[int, dict[str, str]]
-  batch: int
-  programs: dict[int, tuple[Program, np.ndarray]] = dataclasses.field(repr=False,
-                                                                      compare=False)
+  programs: dict[tuple[int, int], tuple[Program, np.ndarray]] = dataclasses.field(
+      repr=False, compare=False)
 
-  def scaled(self, batch: int) -> LayerGraph:
-    """The layer graph at every width for microbatches of `batch` samples:
-    times, activations and edges scale linearly, parameters do not."""
-    s = batch / self.batch
-    names = [layer.name for layer in self.graphs[min(self.graphs)].layers]
+  def at(self, batch: int) -> LayerGraph:
+    """The layer graph with every width's costs for microbatches of `batch`
+    samples: as measured, or scaled linearly (times, activations, edges; not
+    parameters) from the nearest measured size."""
+    near = min(self.graphs, key=lambda b: (abs(b - batch), b))
+    s = batch / near
+    per_width = self.graphs[near]
+    some = next(iter(per_width.values()))
     layers = []
-    for i, name in enumerate(names):
+    for i, layer in enumerate(some.layers):
       widths = {}
-      for t, graph in self.graphs.items():
+      for t, graph in per_width.items():
         c = graph.layers[i].widths[t]
         widths[t] = LayerCost(c.forward * s, c.backward * s, c.params, c.activations * s,
                               c.collectives * s)
-      layers.append(Layer(name, widths))
-    edges = tuple((a, b, nbytes * s) for a, b, nbytes in self.graphs[min(self.graphs)].edges)
-    return LayerGraph(tuple(layers), edges)
+      layers.append(Layer(layer.name, widths))
+    return LayerGraph(tuple(layers), tuple((a, b, n * s) for a, b, n in some.edges))
 
 
 def _labels(graph, forward: np.ndarray) -> list[str | None]:
@@ -186,28 +187,58 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
   return graphs
 
 
+def _fits(program: Program, state: np.ndarray) -> bool:
+  """Whether every tiled dimension of `state` divides on `program`'s shapes."""
+  g, sizes = program.graph, program.mesh.axis_sizes
+  if state.shape[0] != g.num_values:
+    return False
+  for v, a in zip(*np.nonzero(state >= 0)):
+    if g.shapes[v][state[v, a]] % sizes[a]:
+      return False
+  return True
+
+
 def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int],
-            hardware: Hardware, search: Callable[[Program], np.ndarray]) -> Profile:
-  """Profiles `jax.value_and_grad(loss_fn)(params, *batch)` at each width.
+            hardware: Hardware, search: Callable[[Program], np.ndarray],
+            sizes: Sequence[int] = ()) -> Profile:
+  """Profiles `jax.value_and_grad(loss_fn)(params, *batch)` at each width, for
+  the example batch and for each of `sizes` (the batch's leading dimension
+  changed).
 
   search(program) -> state: the intra-stage sharding for a program on a
-  one-axis mesh ("model") of some width.
+  one-axis mesh ("model") of some width; searched at the example's size and
+  reused at the others where it divides their shapes.
   """
-  sizes = {leaf.shape[0] for leaf in jax.tree.leaves(batch) if np.ndim(leaf)}
-  if len(sizes) != 1:
+  found = {leaf.shape[0] for leaf in jax.tree.leaves(batch) if np.ndim(leaf)}
+  if len(found) != 1:
     raise PlacementError(
         "batch arguments must share one leading (batch) dimension, got sizes "
-        f"{sorted(sizes)}; pass the batch as the arguments after params.")
-  traced = trace_lib.trace(jax.value_and_grad(loss_fn), (params, *batch))
+        f"{sorted(found)}; pass the batch as the arguments after params.")
+  example = found.pop()
   params_count = len(jax.tree.leaves(params))
-  width_states = {}
+  grad = jax.value_and_grad(loss_fn)
+  traced = trace_lib.trace(grad, (params, *batch))
+  searched: dict[int, np.ndarray] = {}
   specs = {}
-  for t in widths:
-    program = Program.build(traced, MeshSpec(("model",), (t,)), hardware)
-    state = search(program)
-    width_states[t] = (program, state)
-    plan = program.make_plan(state, {})
-    specs[t] = {p: str(tuple(s)) for p, s in zip(plan.in_paths[:params_count],
-                                                 plan.in_specs[:params_count])}
-  graphs = layer_graphs(width_states, params_count)
-  return Profile(graphs, specs, sizes.pop(), width_states)
+  graphs: dict[int, dict[int, LayerGraph]] = {}
+  programs = {}
+  for size in [example, *sorted(set(sizes) - {example})]:
+    if size != example:
+      resized = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype) if np.ndim(x) else x,
+          batch)
+      traced = trace_lib.trace(grad, (params, *resized))
+    for t in widths:
+      program = Program.build(traced, MeshSpec(("model",), (t,)), hardware)
+      if t in searched and _fits(program, searched[t]):
+        state = searched[t]
+      else:
+        state = search(program)
+      if size == example:
+        searched[t] = state
+        plan = program.make_plan(state, {})
+        specs[t] = {p: str(tuple(s)) for p, s in zip(plan.in_paths[:params_count],
+                                                     plan.in_specs[:params_count])}
+      programs[(size, t)] = (program, state)
+    graphs[size] = layer_graphs({t: programs[(size, t)] for t in widths}, params_count)
+  return Profile(graphs, specs, programs)

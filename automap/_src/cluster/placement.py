@@ -310,6 +310,26 @@ class _StageCosts:
           for i in _bits(members))
     return self._work[members]
 
+  def lower_bound(self, d: int, zero: int) -> float:
+    """Seconds per batch no placement with d replicas and this ZeRO stage
+    beats. With S stages on at most P devices the slowest stage takes at
+    least the layers' fastest times summed over S, their device-seconds over
+    P, and the slowest layer; the largest stage holds at least 1/P of the
+    parameters' device-bytes, which the sync moves over the fastest link."""
+    o = self.options
+    m, per_pipeline = o.microbatches // d, o.devices // d
+    layers = self.graph.layers
+    everything = (1 << len(layers)) - 1
+    work, longest = self.work(everything), self.longest(everything)
+    fastest = sum(min(c.forward + c.backward for c in layer.widths.values()) for layer in layers)
+    param_work = sum(min(t * c.params for t, c in layer.widths.items()) for layer in layers)
+    bandwidth = max(o.hw.link_bandwidth, o.hw.network_bandwidth)
+    ring = {0: 2.0, 1: 2.0, 2: 1.0, 3: 0.0}[zero] * (d - 1) / d
+    floor = max(work / per_pipeline, longest)
+    return ring * param_work / per_pipeline / bandwidth + min(
+        (m + s - 1) * max(fastest / s, floor)
+        for s in range(1, min(len(layers), per_pipeline) + 1))
+
   def longest(self, members: int) -> float:
     """The slowest layer's seconds per microbatch at its fastest width: no
     stage holding it is faster."""
@@ -447,7 +467,7 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
   # in flight), rest of the list) of the stages chosen so far.
   fronts: list[dict[int, list[tuple]]] = [{downs[-1]: [(0, 0.0, 0.0, None)]}]
   best: Placement | None = None
-  if m * max(costs.work(downs[-1]) / per_pipeline, costs.longest(downs[-1])) >= bound:
+  if costs.lower_bound(d, zero) >= bound:
     return None
   for k in range(len(graph.layers)):
     after: dict[int, list[tuple]] = {}

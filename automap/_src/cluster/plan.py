@@ -103,10 +103,6 @@ def _seconds(x: float) -> str:
   return f"{x:.3f} s" if x >= 1 else f"{x * 1e3:.3f} ms"
 
 
-def _divisors(n: int) -> list[int]:
-  return [k for k in range(1, n + 1) if n % k == 0]
-
-
 def plan_cluster(loss_fn: Callable, params, *batch, devices: int, global_batch: int,
                  hardware: str | Hardware = "tpu-v4", memory_limit: float | None = None,
                  optimizer: str | float = "adam", zero: int | Sequence[int] = (0, 1, 2, 3),
@@ -120,8 +116,9 @@ def plan_cluster(loss_fn: Callable, params, *batch, devices: int, global_batch: 
   global_batch: samples per optimizer step over the whole cluster.
   widths: tensor-parallel widths to consider (default: powers of two up to a
     node, at most 8).
-  microbatches: microbatch sizes to consider (default: every divisor of
-    global_batch that leaves at most 512 microbatches).
+  microbatches: microbatch sizes to consider (default: the powers of two that
+    divide global_batch and leave at most 512 microbatches); the step is
+    traced and priced at each.
   budget: the sharding search's budget for each width.
   Other knobs as in `automap.place`.
   """
@@ -137,7 +134,9 @@ def plan_cluster(loss_fn: Callable, params, *batch, devices: int, global_batch: 
                        for t in widths):
     raise PlacementError(f"widths must be ints in 1..devices={devices}, got {widths!r}.")
   if microbatches is None:
-    microbatches = [b for b in _divisors(global_batch) if global_batch // b <= 512]
+    microbatches = [1 << k for k in range(global_batch.bit_length())
+                    if global_batch % (1 << k) == 0 and global_batch >> k <= 512
+                    ] or [global_batch]
   microbatches = sorted(set(microbatches))
   if not microbatches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
                              or global_batch % b for b in microbatches):
@@ -152,10 +151,10 @@ def plan_cluster(loss_fn: Callable, params, *batch, devices: int, global_batch: 
     return api._run_search(program, request).state
 
   profile = layers_lib.measure(loss_fn, params, batch, widths=widths, hardware=hw,
-                               search=search)
+                               search=search, sizes=microbatches)
   t1 = time.perf_counter()
   placement, i = place_any(
-      [(profile.scaled(b), global_batch // b) for b in microbatches], devices=devices,
+      [(profile.at(b), global_batch // b) for b in microbatches], devices=devices,
       hardware=hw, memory_limit=memory_limit, optimizer=optimizer, zero=zero,
       recompute=recompute, widths=widths)
   b = microbatches[i]
