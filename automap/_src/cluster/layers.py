@@ -225,7 +225,7 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
   for size in [example, *sorted(set(sizes) - {example})]:
     if size != example:
       resized = jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype) if np.ndim(x) else x,
+          lambda x, n=size: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype) if np.ndim(x) else x,
           batch)
       traced = trace_lib.trace(grad, (params, *resized))
     for t in widths:
