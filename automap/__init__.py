@@ -10,6 +10,9 @@ from automap._src.api import partition as partition
 from automap._src.api import search as search
 from automap._src.api import verify as verify
 from automap._src.cache import PlanCacheWarning as PlanCacheWarning
+from automap._src.cluster.pipeline import PipelineError as PipelineError
+from automap._src.cluster.pipeline import pipelined as pipelined
+from automap._src.cluster.pipeline import pipelined_loss as pipelined_loss
 from automap._src.cluster.placement import Layer as Layer
 from automap._src.cluster.placement import LayerCost as LayerCost
 from automap._src.cluster.placement import LayerGraph as LayerGraph
@@ -49,17 +52,20 @@ __all__ = (
     "MemoryLimitError",
     "MeshError",
     "Partitioned",
+    "PipelineError",
+    "Placement",
+    "PlacementError",
     "Plan",
     "PlanCacheWarning",
     "PlanError",
-    "Placement",
-    "PlacementError",
     "Report",
     "SearchWarning",
     "Stage",
     "UnknownPrimitiveWarning",
     "evaluate",
     "partition",
+    "pipelined",
+    "pipelined_loss",
     "place",
     "plan_cluster",
     "search",
