@@ -39,6 +39,7 @@ SECTIONS = {
                ["--seconds", "1", "--ilp-seconds"]),
     "cache": ("Plan cache", ["--layers", "4", "24"], ["--layers", "4"]),
     "policy": ("Learned policy against uniform priors", ["--seeds", "5"], ["--quick"]),
+    "cluster": ("Cluster planning against fixed Megatron-style splits", [], ["--quick"]),
 }
 
 

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import automap
+from automap._src import cli
 from automap._src.cluster import layers as layers_lib
 from automap._src.cost import Tracker
 from automap._src.models import gpt
@@ -110,13 +111,15 @@ def test_plan_cluster_pipelines_when_memory_is_short():
   assert roomy.time <= plan.time
 
 
-def test_cluster_plan_round_trips(tmp_path):
+def test_cluster_plan_round_trips(tmp_path, capsys):
   loss, params, batch = gpt_loss()
   plan = automap.plan_cluster(loss, params, batch, devices=4, global_batch=16, widths=[1, 2],
                               budget=BUDGET)
   plan.save(tmp_path / "cluster.json")
   assert automap.ClusterPlan.load(tmp_path / "cluster.json") == plan
   assert set(plan.shardings) == {s.width for s in plan.placement.stages}
+  assert cli.main(["explain", str(tmp_path / "cluster.json")]) == 0
+  assert "automap cluster plan" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("kwargs, match", [

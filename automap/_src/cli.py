@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
   demo.add_argument("--seconds", type=float, default=60.0,
                     help="search budget in seconds")
   explain = sub.add_parser("explain", help="print a saved plan (JSON) readably")
-  explain.add_argument("plan", help="path of a plan saved with Plan.save")
+  explain.add_argument("plan", help="path of a plan saved with Plan.save or ClusterPlan.save")
   return p
 
 
@@ -58,10 +58,15 @@ def main(argv: list[str] | None = None) -> int:
                                       hardware=args.hardware, seconds=args.seconds))
     return 0 if result["ok"] else 1
   if args.command == "explain":
+    import json
+
     import automap
     try:
-      print(automap.Plan.load(args.plan).explain())
-    except (OSError, automap.PlanError) as e:
+      with open(args.plan) as f:
+        cluster = "placement" in json.load(f)
+      kind = automap.ClusterPlan if cluster else automap.Plan
+      print(kind.load(args.plan).explain())
+    except (OSError, ValueError, KeyError, TypeError) as e:
       print(f"automap explain: {e}", file=sys.stderr)
       return 2
     return 0
