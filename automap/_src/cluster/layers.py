@@ -91,6 +91,88 @@ def _labels(graph, forward: np.ndarray) -> list[str | None]:
   return labels
 
 
+@dataclasses.dataclass(frozen=True)
+class Cut:
+  """A gradient program's ops cut into layers.
+
+  forward: [O] bool, the op belongs to the forward pass.
+  labels: [O] each op's layer label (first scope component, filled).
+  segment: [O] the layer (index into names) of each forward op, -1 for backward.
+  names: the layers in program order ("embed", "block_0", ..., a repeated
+    label gets "#2", "#3").
+  runs: label -> the layers carrying it (a label's backward ops split over them).
+  """
+
+  forward: np.ndarray
+  labels: list[str]
+  segment: np.ndarray
+  names: list[str]
+  runs: dict[str, list[int]]
+
+  @classmethod
+  def of(cls, g) -> Cut:
+    forward = np.array([_BACKWARD not in s for s in g.scopes])
+    labels = _labels(g, forward)
+    segment = np.full(g.num_ops, -1)
+    names: list[str] = []
+    seen: dict[str, int] = defaultdict(int)
+    previous = None
+    for o in np.flatnonzero(forward):
+      if labels[o] != previous:
+        previous = labels[o]
+        seen[previous] += 1
+        names.append(previous if seen[previous] == 1 else f"{previous}#{seen[previous]}")
+      segment[o] = len(names) - 1
+    if not names:
+      raise PlacementError("the loss function has no forward ops to place.")
+    runs: dict[str, list[int]] = defaultdict(list)
+    for i, name in enumerate(names):
+      runs[name.split("#")[0]].append(i)
+    return cls(forward, labels, segment, names, dict(runs))
+
+  def split(self, per_op: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) per layer of a per-op quantity: a label's
+    backward split over its layers as their forward is."""
+    n = len(self.names)
+    fw = np.bincount(self.segment[self.forward], per_op[self.forward], n)
+    by_label: dict[str, float] = defaultdict(float)
+    for o in np.flatnonzero(~self.forward):
+      by_label[self.labels[o]] += per_op[o]
+    bw = np.zeros(n)
+    for label, layers in self.runs.items():
+      total = fw[layers].sum()
+      share = fw[layers] / total if total > 0 else np.full(len(layers), 1 / len(layers))
+      bw[layers] += share * by_label.pop(label, 0.0)
+    bw[-1] += sum(by_label.values())  # labels with no forward run (rare): the last layer's
+    return fw, bw
+
+
+def op_seconds(model, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Per op, (compute, communication) seconds as the Tracker counts them: a
+  resharded copy paid by its first reader, combined reductions' latency once
+  (on the last op of the combination)."""
+  g = model.graph
+  compute, comm = np.zeros(g.num_ops), np.zeros(g.num_ops)
+  copies: set[tuple] = set()
+  combined: dict[tuple[int, int], int] = {}  # (kind, mask) -> last op combined
+  for o in range(g.num_ops):
+    c = model.op_cost(state, o)
+    compute[o] = c.time
+    for kind, mask, nbytes, secs, position, target in c.comms:
+      if position >= 0:  # one resharded copy serves every reader: the first pays
+        key = model.copy_key(o, position, kind, mask, target, nbytes)
+        if key in copies:
+          continue
+        copies.add(key)
+      elif model.late[o]:
+        secs -= model.latency[kind, mask]
+        combined[(kind, mask)] = o
+      comm[o] += secs
+  for (kind, mask), o in combined.items():
+    comm[o] += model.latency[kind, mask]
+  return compute, comm
+
+
 def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
                  params_count: int) -> dict[int, LayerGraph]:
   """Per width, the layer graph of one traced gradient program (built for a
@@ -98,71 +180,16 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
 
   params_count: how many leading flat arguments are parameters.
   """
-  some = next(iter(width_states.values()))[0]
-  g = some.graph
-  forward = np.array([_BACKWARD not in s for s in g.scopes])
-  labels = _labels(g, forward)
-  # Forward ops cut into runs of one label: the layers, in program order.
-  segment = np.full(g.num_ops, -1)
-  names: list[str] = []
-  seen: dict[str, int] = defaultdict(int)
-  previous = None
-  for o in np.flatnonzero(forward):
-    if labels[o] != previous:
-      previous = labels[o]
-      seen[previous] += 1
-      names.append(previous if seen[previous] == 1 else f"{previous}#{seen[previous]}")
-    segment[o] = len(names) - 1
-  if not names:
-    raise PlacementError("the loss function has no forward ops to place.")
-  runs_of: dict[str, list[int]] = defaultdict(list)
-  for i, name in enumerate(names):
-    runs_of[name.split("#")[0]].append(i)
+  g = next(iter(width_states.values()))[0].graph
+  cut = Cut.of(g)
+  forward, segment, names = cut.forward, cut.segment, cut.names
   params = set(g.inputs[:params_count])
   graphs = {}
   for t, (program, state) in width_states.items():
     model = program.model
-    fw = np.zeros(len(names))
-    bw_by_label: dict[str, float] = defaultdict(float)
-    coll = np.zeros(len(names))
-    coll_bw: dict[str, float] = defaultdict(float)
-    copies: set[tuple] = set()
-    combined: dict[tuple[int, int], int] = {}  # (kind, mask) -> last op combined
-    for o in range(g.num_ops):
-      c = model.op_cost(state, o)
-      comm = 0.0
-      for kind, mask, nbytes, secs, position, target in c.comms:
-        if position >= 0:  # one resharded copy serves every reader: the first pays
-          key = model.copy_key(o, position, kind, mask, target, nbytes)
-          if key in copies:
-            continue
-          copies.add(key)
-        elif model.late[o]:  # combined with its kind into one: latency paid once, below
-          secs -= model.latency[kind, mask]
-          combined[(kind, mask)] = o
-        comm += secs
-      seconds = c.time + comm
-      if forward[o]:
-        fw[segment[o]] += seconds
-        coll[segment[o]] += comm
-      else:
-        bw_by_label[labels[o]] += seconds
-        coll_bw[labels[o]] += comm
-    for (kind, mask), o in combined.items():
-      if forward[o]:
-        fw[segment[o]] += model.latency[kind, mask]
-      else:
-        bw_by_label[labels[o]] += model.latency[kind, mask]
-    # A label's backward splits over its runs as their forward does.
-    bw = np.zeros(len(names))
-    for label, runs in runs_of.items():
-      total = fw[runs].sum()
-      share = fw[runs] / total if total > 0 else np.full(len(runs), 1 / len(runs))
-      bw[runs] += share * bw_by_label.pop(label, 0.0)
-      coll[runs] += share * coll_bw.pop(label, 0.0)
-    # Backward ops of labels with no forward run (rare): the last layer's.
-    bw[-1] += sum(bw_by_label.values())
-    coll[-1] += sum(coll_bw.values())
+    compute, comm = op_seconds(model, state)
+    fw, bw = cut.split(compute + comm)
+    coll = sum(cut.split(comm))
     param_bytes = np.zeros(len(names))
     acts = np.zeros(len(names))
     edges: dict[tuple[int, int], float] = defaultdict(float)
