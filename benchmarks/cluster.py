@@ -27,7 +27,7 @@ import optax
 import automap
 from automap._src.api import Budget, _Request, _run_search
 from automap._src.cluster import layers as layers_lib
-from automap._src.cluster.placement import Layer, LayerGraph, PlacementError, place_any
+from automap._src.cluster.placement import LayerGraph, PlacementError, place_any
 from automap._src.models.gpt import GPT, GPTConfig
 
 # name: (layers, hidden, heads, seq, vocab, global batch, baseline (p, d, t))
@@ -72,24 +72,8 @@ def block_profile(name: str, hardware: str, episodes: int,
 
 
 def model_graph(profile: layers_lib.Profile, depth: int, batch: int) -> LayerGraph:
-  """The 2-block profile at microbatch `batch`, its block_1 repeated `depth` times."""
-  small = profile.at(batch)
-  by_name = {layer.name: layer for layer in small.layers}
-  names = [layer.name for layer in small.layers]
-  first, second = names.index("block_0"), names.index("block_1")
-  before, after = names[:first], names[second + 1:]
-  blocks = [Layer(f"block_{i}", by_name["block_1"].widths) for i in range(depth)]
-  layers = [by_name[n] for n in before] + blocks + [by_name[n] for n in after]
-  edge = {(a, b): n for a, b, n in small.edges}
-  hand = edge[("block_0", "block_1")]
-  edges = [(a, b, n) for (a, b), n in edge.items() if a in before and b in before]
-  edges += [(a, "block_0", n) for (a, b), n in edge.items() if b == "block_0"]
-  edges += [(f"block_{i}", f"block_{i + 1}", hand) for i in range(depth - 1)]
-  edges += [(f"block_{depth - 1}", b, n) for (a, b), n in edge.items() if a == "block_1"]
-  edges += [(a, b, n) for (a, b), n in edge.items() if a in after and b in after]
-  # Parameters read at both ends (a tied embedding) keep their edge too.
-  edges += [(a, b, n) for (a, b), n in edge.items() if a in before and b in after]
-  return LayerGraph(tuple(layers), tuple(edges))
+  """The 2-block profile at microbatch `batch`, its second block repeated to `depth` blocks."""
+  return profile.at(batch).repeat("block_1", depth - 1)
 
 
 def best(profile, depth, devices, global_batch, hardware, microbatches, **fixed):

@@ -233,3 +233,15 @@ def test_a_fixed_split_is_priced_as_given():
   assert free.time < fixed.time
   with pytest.raises(automap.PlacementError, match="in 5 stages"):
     automap.place(graph, devices=8, microbatches=16, hardware=flat(100e9), stages=5)
+
+
+def test_repeat_stands_a_block_for_many():
+  graph = LayerGraph.chain([Layer.of("embed", 1, 1, 1e9, 0.1e9),
+                            Layer.of("block", 1, 2, 1e9, 0.5e9),
+                            Layer.of("head", 1, 1, 1e9, 0.1e9)], [3e6, 5e6])
+  deep = graph.repeat("block", 3)
+  assert [layer.name for layer in deep.layers] == ["embed", "block", "block*2", "block*3", "head"]
+  assert sorted(deep.edges) == sorted([("embed", "block", 3e6), ("block", "block*2", 3e6),
+                                       ("block*2", "block*3", 3e6), ("block*3", "head", 5e6)])
+  with pytest.raises(automap.PlacementError, match="no layer 'tail'"):
+    graph.repeat("tail", 2)

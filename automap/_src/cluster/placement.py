@@ -126,6 +126,27 @@ class LayerGraph:
     return cls(layers, tuple((a.name, b.name, float(s))
                              for a, b, s in zip(layers, layers[1:], sizes)))
 
+  def repeat(self, name: str, times: int) -> LayerGraph:
+    """The graph with layer `name` replaced by `times` copies in a chain
+    ("name", "name*2", ...): a model profiled with few blocks standing for a
+    deep one. Edges into the layer enter the first copy, edges out leave the
+    last, and consecutive copies pass what enters the original."""
+    names = [layer.name for layer in self.layers]
+    if name not in names:
+      raise PlacementError(f"repeat: no layer {name!r}; layers are {names}.")
+    if isinstance(times, bool) or not isinstance(times, int) or times < 1:
+      raise PlacementError(f"repeat: times must be a positive int, got {times!r}.")
+    copies = [name] + [f"{name}*{i}" for i in range(2, times + 1)]
+    i = names.index(name)
+    template = self.layers[i]
+    layers = (self.layers[:i] + tuple(Layer(c, template.widths) for c in copies)
+              + self.layers[i + 1:])
+    handed = sum(b for _, d, b in self.edges if d == name)
+    edges = [(s, d if d != name else copies[0], b) if s != name else (copies[-1], d, b)
+             for s, d, b in self.edges]
+    edges += [(a, b, handed) for a, b in zip(copies, copies[1:])]
+    return LayerGraph(layers, tuple(edges))
+
   def __post_init__(self):
     if not self.layers:
       raise PlacementError("LayerGraph needs at least one layer.")
