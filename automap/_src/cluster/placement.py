@@ -315,13 +315,15 @@ class _StageCosts:
     self.index = {layer.name: i for i, layer in enumerate(graph.layers)}
     self.edges = [(self.index[s], self.index[d], float(b)) for s, d, b in graph.edges]
     self._sums: dict[tuple[int, int], tuple[float, ...]] = {}
-    self._fits: dict[tuple, bool] = {}
     self._least: dict[tuple, float] = {}
+    self._terms: dict[tuple, tuple[float, float, float]] = {}
+    self._levels: dict[tuple[int, int, int], tuple[bool, bool, bool]] = {}
     self._times: dict[tuple, tuple[float, float]] = {}
     self._inside: dict[int, list[int]] = {}
     self._widths: dict[int, list[int]] = {}
     self._work: dict[int, float] = {0: 0.0}
     self._longest: dict[int, float] = {}
+    self._fastest: dict[int, float] = {0: 0.0}
 
   def work(self, members: int) -> float:
     """Device-seconds per microbatch the layers need at least (over widths)."""
@@ -346,10 +348,21 @@ class _StageCosts:
     param_work = sum(min(t * c.params for t, c in layer.widths.items()) for layer in layers)
     bandwidth = max(o.hw.link_bandwidth, o.hw.network_bandwidth)
     ring = {0: 2.0, 1: 2.0, 2: 1.0, 3: 0.0}[zero] * (d - 1) / d
-    floor = max(work / per_pipeline, longest)
+    # ZeRO 2 reduce-scatters gradients every microbatch, ZeRO 3 also gathers
+    # parameters twice: device-seconds on top of the compute.
+    per_microbatch = {0: 0.0, 1: 0.0, 2: 1.0, 3: 3.0}[zero] * (d - 1) / d
+    floor = max((work + per_microbatch * param_work / bandwidth) / per_pipeline, longest)
     return ring * param_work / per_pipeline / bandwidth + min(
         (m + s - 1) * max(fastest / s, floor)
         for s in range(1, min(len(layers), per_pipeline) + 1))
+
+  def fastest(self, members: int) -> float:
+    """The layers' seconds per microbatch at their fastest widths, summed."""
+    if members not in self._fastest:
+      self._fastest[members] = sum(
+          min(c.forward + c.backward for c in self.graph.layers[i].widths.values())
+          for i in _bits(members))
+    return self._fastest[members]
 
   def longest(self, members: int) -> float:
     """The slowest layer's seconds per microbatch at its fastest width: no
@@ -387,17 +400,26 @@ class _StageCosts:
       self._sums[key] = (fw, bw, params, acts, coll, largest, b_in / t, b_out / t)
     return self._sums[key]
 
+  def memory_terms(self, members: int, t: int, d: int, zero: int) -> tuple[float, ...]:
+    """(fixed, bytes in, activations): a stage's memory per device is
+    fixed + in_flight * activations when stashing, fixed + in_flight * bytes in
+    + activations when recomputing. Fixed: parameters, gradients and optimizer
+    state, each sharded over data parallelism from its ZeRO stage on."""
+    key = (members, t, d, zero)
+    if key not in self._terms:
+      _, _, params, acts, _, largest, b_in, _ = self.sums(members, t)
+      shard = lambda level: d if zero >= level else 1  # noqa: E731
+      fixed = params / shard(3) + params / shard(2) + self.options.optimizer * params / shard(1)
+      if zero >= 3:
+        fixed += largest * (1 - 1 / d)  # one layer's parameters gathered at a time
+      self._terms[key] = (fixed, b_in, acts)
+    return self._terms[key]
+
   def memory(self, members: int, t: int, recompute: bool, in_flight: int, d: int,
              zero: int) -> float:
-    """Bytes per device: parameters, gradients, optimizer state (each sharded
-    over data parallelism from its ZeRO stage on) and activations."""
-    _, _, params, acts, _, largest, b_in, _ = self.sums(members, t)
-    shard = lambda level: d if zero >= level else 1  # noqa: E731
-    memory = (params / shard(3) + params / shard(2) + self.options.optimizer * params / shard(1)
-              + (in_flight * b_in + acts if recompute else in_flight * acts))
-    if zero >= 3:
-      memory += largest * (1 - 1 / d)  # one layer's parameters gathered at a time
-    return memory
+    """Bytes per device."""
+    fixed, b_in, acts = self.memory_terms(members, t, d, zero)
+    return fixed + (in_flight * b_in + acts if recompute else in_flight * acts)
 
   def least_memory(self, members: int, d: int, zero: int) -> float:
     """A lower bound on `memory` over widths, recompute and in-flight counts
@@ -408,23 +430,20 @@ class _StageCosts:
                              for t in self.widths(members)) if self.widths(members) else math.inf
     return self._least[key]
 
-  def fits(self, members: int, t: int, recompute: bool, in_flight: int, d: int,
-           zero: int) -> bool:
-    key = (members, t, recompute, in_flight, d, zero)
-    if key not in self._fits:
-      self._fits[key] = self.memory(*key) <= self.options.memory
-    return self._fits[key]
-
   def times(self, members: int, t: int, recompute: bool, first: int, d: int,
             per_pipeline: int, zero: int) -> tuple[float, float]:
     """(T, Y): seconds per microbatch and data-parallel sync per batch of the
     stage at device offset `first` of its pipeline replica."""
     # Rank j of the width-t group syncs with rank j of every replica: d-device
     # rings whose widest spans from replica 0's first device to the last's end.
-    node = self.options.hw.devices_per_node
-    levels = (first // node != ((d - 1) * per_pipeline + first + t - 1) // node,
-              first // node != (first - 1) // node,
-              (first + t - 1) // node != (first + t) // node)
+    spot = (first, t, d)
+    levels = self._levels.get(spot)
+    if levels is None:
+      node = self.options.hw.devices_per_node
+      levels = self._levels[spot] = (
+          first // node != ((d - 1) * per_pipeline + first + t - 1) // node,
+          first // node != (first - 1) // node,
+          (first + t - 1) // node != (first + t) // node)
     key = (members, t, recompute, d, zero, levels)
     if key not in self._times:
       parts = self.parts(members, t, recompute, first, d, per_pipeline, zero)
@@ -469,6 +488,23 @@ class _StageCosts:
     return self._inside[rest]
 
 
+def _floor(before: int, t_max: float, longest: float, work: float, fastest: float, spare: int,
+           head: int) -> float:
+  """A lower bound on (m + S - 1) * max T with `before` = m + (stages so far)
+  and `head` still to place on at most `spare` devices in S' >= 1 more stages:
+  min over S' of (before + S') * max(T so far, the slowest layer, the work
+  over the devices, the layers' fastest times over S'), at the S' where the
+  last two cross."""
+  if not head:
+    return before * t_max
+  if spare <= 0:
+    return math.inf
+  floor = max(t_max, longest, work / spare)
+  cross = fastest / floor
+  options = {max(1, min(spare, math.floor(cross))), max(1, min(spare, math.ceil(cross)))}
+  return min((before + s) * max(floor, fastest / s) for s in options)
+
+
 def _bits(mask: int) -> list[int]:
   return [i for i in range(mask.bit_length()) if mask >> i & 1]
 
@@ -490,6 +526,7 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
   best: Placement | None = None
   if costs.lower_bound(d, zero) >= bound:
     return None
+  flat = options.hw.devices_per_node >= options.devices
   for k in range(len(graph.layers)):
     after: dict[int, list[tuple]] = {}
     in_flight = min(k + 1, m)
@@ -500,34 +537,36 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
         members = rest & ~head
         longest, work = costs.longest(head), costs.work(head)
         spare = per_pipeline - least_used - 1
-        if ((m + k) * max(least_t, longest, work / spare if spare > 0 else (
-            math.inf if head else 0.0)) + least_y >= bound
-            or costs.least_memory(members, d, zero) > options.memory):
+        if (costs.least_memory(members, d, zero) > options.memory
+            or _floor(m + k, least_t, longest, work, costs.fastest(head), spare, head)
+            + least_y >= bound):
           continue
         for t in costs.widths(members):
+          fixed, b_in, acts = costs.memory_terms(members, t, d, zero)
           for recompute in options.recompute:
-            if not costs.fits(members, t, recompute, in_flight, d, zero):
+            memory = fixed + (in_flight * b_in + acts if recompute else in_flight * acts)
+            if memory > options.memory:
               continue
+            if flat:  # one link level: the stage's position changes nothing
+              time, sync = costs.times(members, t, recompute, 0, d, per_pipeline, zero)
             for used, t_max, y_max, chosen in front:
               if used + t > per_pipeline:
                 continue
               first = per_pipeline - used - t
-              time, sync = costs.times(members, t, recompute, first, d, per_pipeline, zero)
-              entry = (used + t, max(t_max, time), max(y_max, sync),
-                       ((members, t, recompute, first, in_flight), chosen))
+              if not flat:
+                time, sync = costs.times(members, t, recompute, first, d, per_pipeline, zero)
+              t_new, y_new = max(t_max, time), max(y_max, sync)
               # Any completion has at least k + 1 stages, these maxima, and
               # spreads the work left over the devices left at best.
-              spare = first
-              floor = max(entry[1], longest,
-                          work / spare if spare else (math.inf if head else 0.0))
-              if (m + k) * floor + entry[2] >= bound:
+              if (m + k) * max(t_new, longest, work / first if first else (
+                  math.inf if head else 0.0)) + y_new >= bound:
                 continue
+              entry = (used + t, t_new, y_new, ((members, t, recompute, first, in_flight), chosen))
               target = after.setdefault(head, [])
-              if any(f[0] <= entry[0] and f[1] <= entry[1] and f[2] <= entry[2]
-                     for f in target):
+              if any(f[0] <= entry[0] and f[1] <= t_new and f[2] <= y_new for f in target):
                 continue
               target[:] = [f for f in target
-                           if not (entry[0] <= f[0] and entry[1] <= f[1] and entry[2] <= f[2])]
+                           if not (entry[0] <= f[0] and t_new <= f[1] and y_new <= f[2])]
               target.append(entry)
     for used, t_max, y_max, chosen in after.pop(0, []):
       time = (m + k) * t_max + y_max
