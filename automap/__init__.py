@@ -10,6 +10,13 @@ from automap._src.api import partition as partition
 from automap._src.api import search as search
 from automap._src.api import verify as verify
 from automap._src.cache import PlanCacheWarning as PlanCacheWarning
+from automap._src.cluster.accelerator import AREA_BUDGET as AREA_BUDGET
+from automap._src.cluster.accelerator import TPU_V4_LIKE as TPU_V4_LIKE
+from automap._src.cluster.accelerator import Accelerator as Accelerator
+from automap._src.cluster.accelerator import AcceleratorError as AcceleratorError
+from automap._src.cluster.cosearch import AcceleratorPlan as AcceleratorPlan
+from automap._src.cluster.cosearch import Workload as Workload
+from automap._src.cluster.cosearch import search_accelerator as search_accelerator
 from automap._src.cluster.pipeline import PipelineError as PipelineError
 from automap._src.cluster.pipeline import pipelined as pipelined
 from automap._src.cluster.pipeline import pipelined_loss as pipelined_loss
@@ -37,6 +44,10 @@ from automap._src.verify import Report as Report
 __version__ = "0.1.0"
 
 __all__ = (
+    "AREA_BUDGET",
+    "Accelerator",
+    "AcceleratorError",
+    "AcceleratorPlan",
     "ArgumentError",
     "Budget",
     "ClusterPlan",
@@ -61,7 +72,9 @@ __all__ = (
     "Report",
     "SearchWarning",
     "Stage",
+    "TPU_V4_LIKE",
     "UnknownPrimitiveWarning",
+    "Workload",
     "evaluate",
     "partition",
     "pipelined",
@@ -69,5 +82,6 @@ __all__ = (
     "place",
     "plan_cluster",
     "search",
+    "search_accelerator",
     "verify",
 )

@@ -1,0 +1,448 @@
+"""search_accelerator: the accelerator architecture and the placement, together.
+
+For each workload (a loss function, its arguments and a global batch) the
+gradient program is profiled once per tensor-parallel width and microbatch
+size (`layers.measure`): per layer, the ops of its forward and backward
+passes with their per-device shapes under that width's sharding, plus the
+tensor-parallel collectives, parameters, activations and edges the cost model
+reads. An architecture then prices each layer pass by scheduling its ops on
+its cores (`accelerator.schedule`, one CP-SAT solve per distinct pass), and
+the placement DP finds the best cluster plan on it.
+
+The architecture space is a grid of powers of two within the area budget.
+Every point is first priced optimistically (each layer pass at the larger of
+its critical path and its work spread over all cores, both at each op's best
+latency), then points are scheduled exactly in order of that bound until no
+remaining bound beats the best schedule found: the answer is the grid's
+best, without scheduling most of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from automap._src import api
+from automap._src.cluster import accelerator as acc_lib
+from automap._src.cluster import layers as layers_lib
+from automap._src.cluster.placement import (
+  Layer,
+  LayerCost,
+  LayerGraph,
+  Placement,
+  PlacementError,
+  place_any,
+)
+from automap._src.hardware import Hardware, get_hardware
+
+# The grid: each field's candidate values.
+SPACE: dict[str, tuple] = {
+    "tensor_units": (1, 2, 4, 8, 16, 32),
+    "array": (32, 64, 128, 256),
+    "vector_units": (1, 2, 4, 8, 16),
+    "vector_width": (64, 128, 256),
+    "buffer": tuple(m * 2**20 for m in (16, 32, 64, 128, 256)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """A model to train: `loss_fn(params, *batch) -> scalar`, `global_batch`
+  samples per step (batch leaves may be `jax.ShapeDtypeStruct`s).
+
+  repeat: layer name -> copies, to let a few profiled blocks stand for a deep
+    model (see `LayerGraph.repeat`), e.g. {"block_1": 47} for 48 blocks.
+  """
+
+  loss_fn: Callable
+  params: object
+  batch: tuple
+  global_batch: int
+  name: str = "model"
+  repeat: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pass:
+  ops: tuple[acc_lib.Op, ...]
+  edges: tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Profiled:
+  """A workload's layers per (microbatch size, width): ops per pass, and the
+  cost model's layer graph for everything the accelerator does not change."""
+
+  workload: Workload
+  graphs: dict[int, dict[int, LayerGraph]]
+  # (size, width) -> per layer (forward pass, backward share), backward
+  # passes per label with the layers they split over and their shares.
+  forward: dict[tuple[int, int], list[_Pass]]
+  backward: dict[tuple[int, int], list[tuple[_Pass, list[int]]]]
+  comm: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]
+
+
+def _tiles(state: np.ndarray, sizes: Sequence[int], v: int, dim: int) -> int:
+  return int(np.prod([sizes[a] for a in np.flatnonzero(state[v] == dim)] or [1]))
+
+
+def _op(program, state, o: int) -> acc_lib.Op | None:
+  """The accelerator's view of op o under `state` (per device), or None when
+  the cost model charges it nothing (fused, free, or a relabel)."""
+  g, model = program.graph, program.model
+  if model.op_cost(state, o).time <= 0:
+    return None
+  sizes = program.mesh.axis_sizes
+  values = [v for v in g.operands[o] if v >= 0] + list(g.results[o])
+  nbytes = sum(model.local_bytes(state, v) for v in values) * g.trips[o]
+  prim, rule = g.prims[o], g.rules[o]
+  if prim == "dot_general" and not rule.replicated and len(rule.operands) >= 2:
+    local: dict[int, int] = {}
+    for position in (0, 1):
+      v, factors = g.operands[o][position], rule.operands[position]
+      for dim, f in enumerate(factors or ()):
+        if f >= 0:
+          local[f] = max(1, rule.sizes[f] // (_tiles(state, sizes, v, dim) if v >= 0 else 1))
+    lhs = {f for f in rule.operands[0] or () if f >= 0}
+    rhs = {f for f in rule.operands[1] or () if f >= 0}
+    prod = lambda fs: int(np.prod([local[f] for f in fs] or [1]))  # noqa: E731
+    return acc_lib.Op(
+        prim, "tensor", m=prod(lhs - rhs), n=prod(rhs - lhs),
+        k=prod({f for f in lhs & rhs if rule.reduction[f]}),
+        batch=prod({f for f in lhs & rhs if not rule.reduction[f]}) * int(g.trips[o]),
+        bytes=nbytes)
+  if prim.startswith("conv"):
+    # A convolution as a square matmul of its FLOPs.
+    side = max(1, round((model.op_cost(state, o).flops / 2) ** (1 / 3)))
+    return acc_lib.Op(prim, "tensor", m=side, n=side, k=side,
+                      batch=int(g.trips[o]), bytes=nbytes)
+  elements = max(model.local_bytes(state, v) / g.dtypes[v].itemsize
+                 if hasattr(g.dtypes[v], "itemsize") else 0.0 for v in values)
+  return acc_lib.Op(prim, "vector", elements=elements * g.trips[o], bytes=nbytes)
+
+
+def _passes(program, state, group: list[int]) -> _Pass:
+  """The ops of `group` (op indices in program order) the accelerator runs,
+  with precedence from their data flow (through ops it skips)."""
+  g = program.graph
+  members = set(group)
+  kept: dict[int, int] = {}
+  ops = []
+  for o in group:
+    op = _op(program, state, o)
+    if op is not None:
+      kept[o] = len(ops)
+      ops.append(op)
+  # Nearest kept ancestors of each op's operands, within the group.
+  near: dict[int, frozenset] = {}
+  edges = set()
+  for o in group:
+    deps: set[int] = set()
+    for v in g.operands[o]:
+      p = g.producer[v] if v >= 0 else -1
+      if p in members:
+        deps |= {kept[p]} if p in kept else near.get(p, frozenset())
+    near[o] = frozenset(deps)
+    if o in kept:
+      edges |= {(d, kept[o]) for d in deps}
+  return _Pass(tuple(ops), tuple(sorted(edges)))
+
+
+def _profile(workload: Workload, hardware: Hardware, widths, sizes, request) -> _Profiled:
+  def search(program):
+    if program.mesh.num_devices == 1:
+      return program.initial_state()
+    return api._run_search(program, request).state
+
+  profile = layers_lib.measure(workload.loss_fn, workload.params, workload.batch, widths=widths,
+                               hardware=hardware, search=search, sizes=sizes)
+  forward, backward, comm = {}, {}, {}
+  for (size, t), (program, state) in profile.programs.items():
+    cut = layers_lib.Cut.of(program.graph)
+    fw_ops = [[] for _ in cut.names]
+    bw_ops: dict[str, list[int]] = {}
+    for o in range(program.graph.num_ops):
+      if cut.forward[o]:
+        fw_ops[cut.segment[o]].append(o)
+      else:
+        bw_ops.setdefault(cut.labels[o], []).append(o)
+    forward[(size, t)] = [_passes(program, state, ops) for ops in fw_ops]
+    backward[(size, t)] = [(_passes(program, state, ops), cut.runs.get(label, [len(cut.names) - 1]))
+                           for label, ops in bw_ops.items()]
+    comm[(size, t)] = cut.split(layers_lib.op_seconds(program.model, state)[1])
+  return _Profiled(workload, profile.graphs, forward, backward, comm)
+
+
+class _Pricer:
+  """Layer graphs of profiled workloads on one accelerator."""
+
+  def __init__(self, acc: acc_lib.Accelerator, seconds: float, exact: bool):
+    self.acc, self.seconds, self.exact = acc, seconds, exact
+    self.cache: dict[_Pass, float] = {}
+
+  def makespan(self, p: _Pass) -> float:
+    if p not in self.cache:
+      if not p.ops:
+        self.cache[p] = 0.0
+      elif self.exact:
+        self.cache[p] = acc_lib.schedule(p.ops, p.edges, self.acc, seconds=self.seconds).makespan
+      else:
+        self.cache[p] = _lower_bound(p, self.acc)
+    return self.cache[p]
+
+  def graph(self, profiled: _Profiled, size: int) -> LayerGraph:
+    widths = sorted(t for s, t in profiled.forward if s == size)
+    base = profiled.graphs[size][widths[0]]
+    per_width: dict[int, list[LayerCost]] = {}
+    for t in widths:
+      fw = np.array([self.makespan(p) for p in profiled.forward[(size, t)]])
+      bw = np.zeros(len(fw))
+      for p, layers in profiled.backward[(size, t)]:
+        share = fw[layers] / fw[layers].sum() if fw[layers].sum() > 0 else np.full(
+            len(layers), 1 / len(layers))
+        bw[layers] += share * self.makespan(p)
+      comm_fw, comm_bw = profiled.comm[(size, t)]
+      graph = profiled.graphs[size][t]
+      per_width[t] = [
+          LayerCost(fw[i] + comm_fw[i], bw[i] + comm_bw[i], c.params, c.activations,
+                    comm_fw[i] + comm_bw[i])
+          for i, c in enumerate(layer.widths[t] for layer in graph.layers)]
+    layers = tuple(Layer(layer.name, {t: per_width[t][i] for t in widths})
+                   for i, layer in enumerate(base.layers))
+    graph = LayerGraph(layers, base.edges)
+    for name, times in profiled.workload.repeat.items():
+      graph = graph.repeat(name, times)
+    return graph
+
+
+def _lower_bound(p: _Pass, acc: acc_lib.Accelerator) -> float:
+  """No schedule of the pass is shorter: its critical path at each op's best
+  latency, and its work spread over every core."""
+  cores = acc.tensor_units
+  single = [acc_lib.latency(op, acc, 1) for op in p.ops]
+  spread = [acc_lib.latency(op, acc, cores) for op in p.ops]
+  best = [min(a, b) for a, b in zip(single, spread)]
+  finish = list(best)
+  for i, j in p.edges:  # edges are sorted by source; ops are in program order
+    finish[j] = max(finish[j], finish[i] + best[j])
+  work = sum(min(a, b * cores) for a, b in zip(single, spread)) / cores
+  return max(max(finish, default=0.0), work)
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  """One workload on one architecture."""
+
+  workload: str
+  placement: Placement
+  microbatch: int
+  throughput: float  # samples/s
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceleratorPlan:
+  """The best architecture found, its plans, and the baseline's.
+
+  score: geometric mean over workloads of throughput / the baseline's.
+  history: (architecture, score, scheduled exactly?) of every architecture
+    priced: all by their optimistic bound, the most promising exactly.
+  """
+
+  accelerator: acc_lib.Accelerator
+  results: tuple[Result, ...]
+  baseline: acc_lib.Accelerator
+  baseline_results: tuple[Result, ...]
+  score: float
+  area_budget: float
+  history: tuple[tuple[acc_lib.Accelerator, float, bool], ...]
+  seconds: float = dataclasses.field(default=0.0, compare=False)
+
+  def to_json(self) -> dict:
+    result = lambda r: {"workload": r.workload, "placement": r.placement.to_json(),  # noqa: E731
+                        "microbatch": r.microbatch, "throughput": r.throughput}
+    return {"accelerator": dataclasses.asdict(self.accelerator),
+            "baseline": dataclasses.asdict(self.baseline),
+            "results": [result(r) for r in self.results],
+            "baseline_results": [result(r) for r in self.baseline_results],
+            "score": self.score, "area_budget": self.area_budget,
+            "history": [[dataclasses.asdict(a), s, e] for a, s, e in self.history]}
+
+  @classmethod
+  def from_json(cls, d: dict) -> AcceleratorPlan:
+    result = lambda r: Result(r["workload"], Placement.from_json(r["placement"]),  # noqa: E731
+                              int(r["microbatch"]), float(r["throughput"]))
+    return cls(acc_lib.Accelerator(**d["accelerator"]), tuple(map(result, d["results"])),
+               acc_lib.Accelerator(**d["baseline"]), tuple(map(result, d["baseline_results"])),
+               float(d["score"]), float(d["area_budget"]),
+               tuple((acc_lib.Accelerator(**a), float(s), bool(e)) for a, s, e in d["history"]))
+
+  def save(self, path: str | os.PathLike) -> None:
+    with open(path, "w") as f:
+      json.dump(self.to_json(), f, indent=1, sort_keys=True)
+
+  @classmethod
+  def load(cls, path: str | os.PathLike) -> AcceleratorPlan:
+    with open(path) as f:
+      return cls.from_json(json.load(f))
+
+  def explain(self) -> str:
+    a = self.accelerator
+    lines = [
+        f"automap accelerator: {a.tensor_units} tensor units of {a.array}x{a.array}, "
+        f"{a.vector_units} vector units of {a.vector_width}, {a.buffer / 2**20:.0f} MiB on chip, "
+        f"{a.area():.0f} of {self.area_budget:.0f} mm^2",
+        f"  throughput {self.score:.3f}x the baseline (geometric mean over workloads)"]
+    for r, b in zip(self.results, self.baseline_results):
+      p = r.placement
+      lines.append(
+          f"  {r.workload}: {r.throughput:,.1f} samples/s (baseline {b.throughput:,.1f}); "
+          f"{p.data_parallel} data-parallel x {len(p.stages)} stage(s), TP "
+          f"{sorted({s.width for s in p.stages})}, microbatch {r.microbatch}")
+    return "\n".join(lines)
+
+  def plot(self, path: str | os.PathLike) -> None:
+    """Throughput against area of every architecture priced (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for exact, marker, label in ((False, ".", "bound"), (True, "o", "scheduled")):
+      pts = [(a.area(), s) for a, s, e in self.history if e == exact]
+      if pts:
+        ax.scatter(*zip(*pts), marker=marker, label=label, alpha=0.6)
+    ax.axvline(self.area_budget, color="grey", ls="--", lw=1)
+    ax.scatter([self.accelerator.area()], [self.score], marker="*", s=200, color="red",
+               label="best")
+    ax.set_xlabel("area (mm$^2$)")
+    ax.set_ylabel("throughput / baseline")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _candidates(budget: float, base: acc_lib.Accelerator,
+                space: dict[str, tuple]) -> list[acc_lib.Accelerator]:
+  """Grid points within the area budget, largest area first. Not only the
+  maximal ones: more tensor units shrink each core's share of bandwidth and
+  buffer, and larger arrays waste cycles on small matmuls, so a smaller point
+  can win."""
+  names = list(space)
+  points = [dataclasses.replace(base, **dict(zip(names, values)))
+            for values in itertools.product(*(space[n] for n in names))]
+  return sorted((p for p in points if p.area() <= budget), key=lambda p: -p.area())
+
+
+def _place(pricer: _Pricer, profiled: _Profiled, acc: acc_lib.Accelerator, hw: Hardware,
+           devices: int, sizes: Sequence[int], knobs: dict) -> Result | None:
+  wl = profiled.workload
+  hardware = dataclasses.replace(hw, name=f"{hw.name}-links", hbm_capacity=acc.hbm_capacity,
+                                 flops=acc.peak_flops, fp32_flops=acc.peak_flops / 4,
+                                 hbm_bandwidth=acc.hbm_bandwidth)
+  try:
+    placement, i = place_any([(pricer.graph(profiled, b), wl.global_batch // b) for b in sizes],
+                             devices=devices, hardware=hardware, **knobs)
+  except PlacementError:
+    return None
+  return Result(wl.name, placement, sizes[i], wl.global_batch / placement.time)
+
+
+def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int,
+                       hardware: str | Hardware = "tpu-v4",
+                       area_budget: float | None = None,
+                       baseline: acc_lib.Accelerator | None = None,
+                       space: dict[str, tuple] | None = None,
+                       widths: Sequence[int] = (1, 2, 4, 8),
+                       microbatches: Sequence[int] = (1, 2, 4, 8),
+                       optimizer: str | float = "adam", zero: int | Sequence[int] = (0, 1, 2, 3),
+                       schedule_seconds: float = 2.0, budget: api.Budget | None = None,
+                       progress: bool | None = None, seed: int = 0) -> AcceleratorPlan:
+  """The architecture (within `area_budget`, default the baseline's area) and
+  the placements that together train `workloads` fastest on `devices`
+  accelerators linked like `hardware` (its links; compute and memory come
+  from the architecture). Several workloads share one architecture: the score
+  is the geometric mean of their throughputs relative to the baseline's.
+
+  space: field -> candidate values (default SPACE); other fields as `baseline`.
+  schedule_seconds: CP-SAT time limit per distinct layer pass.
+  budget: the sharding search's budget per width (intra-stage sharding).
+  """
+  t0 = time.perf_counter()
+  workloads = [workloads] if isinstance(workloads, Workload) else list(workloads)
+  if not workloads or not all(isinstance(w, Workload) for w in workloads):
+    raise PlacementError("workloads must be an automap.Workload or a non-empty list of them.")
+  hw = get_hardware(hardware)
+  base = baseline or acc_lib.TPU_V4_LIKE
+  budget_area = base.area() if area_budget is None else float(area_budget)
+  if not budget_area > 0:
+    raise PlacementError(f"area_budget must be a positive area in mm^2, got {area_budget!r}.")
+  for w in workloads:
+    if any(w.global_batch % b for b in microbatches):
+      raise PlacementError(
+          f"microbatches {tuple(microbatches)} must divide workload {w.name!r}'s global_batch "
+          f"{w.global_batch}.")
+  request = api._Request.of(None, budget or api.Budget(episodes=20, seconds=30, progress=False),
+                            None, seed, "mcts")
+  profiled = [_profile(w, hw, widths, microbatches, request) for w in workloads]
+  knobs = {"optimizer": optimizer, "zero": zero}
+
+  def price(acc, exact) -> tuple[float, list[Result | None]]:
+    pricer = _Pricer(acc, schedule_seconds, exact)
+    results = [_place(pricer, p, acc, hw, devices, microbatches, knobs) for p in profiled]
+    return pricer, results
+
+  _, base_results = price(base, True)
+  if any(r is None for r in base_results):
+    missing = [w.name for w, r in zip(workloads, base_results) if r is None]
+    raise PlacementError(f"the baseline accelerator cannot train {missing} on {devices} "
+                         "devices: it runs out of memory; add devices or shrink the models.")
+
+  def score(results) -> float:
+    if any(r is None for r in results):
+      return 0.0
+    return math.exp(np.mean([math.log(r.throughput / b.throughput)
+                             for r, b in zip(results, base_results)]))
+
+  points = _candidates(budget_area, base, space or SPACE)
+  bounds = []
+  history: list[tuple[acc_lib.Accelerator, float, bool]] = []
+  for acc in points:
+    s = score(price(acc, False)[1])
+    bounds.append((s, acc))
+    history.append((acc, s, False))
+  bounds.sort(key=lambda x: -x[0])
+  best = (1.0, base, base_results)
+  show = progress if progress is not None else sys.stderr.isatty()
+  bar = None
+  if show:
+    from rich import progress as progress_lib
+    bar = progress_lib.Progress(transient=True)
+    bar.start()
+    task = bar.add_task("automap: scheduling architectures", total=len(bounds))
+  try:
+    for bound, acc in bounds:
+      if bound <= best[0]:
+        break  # the optimistic score of every remaining point is no better
+      _, results = price(acc, True)
+      s = score(results)
+      history.append((acc, s, True))
+      if s > best[0]:
+        best = (s, acc, results)
+      if bar is not None:
+        bar.update(task, advance=1, description=f"automap: best {best[0]:.3f}x")
+  finally:
+    if bar is not None:
+      bar.stop()
+  s, acc, results = best
+  return AcceleratorPlan(acc, tuple(results), base, tuple(base_results), s, budget_area,
+                         tuple(history), time.perf_counter() - t0)

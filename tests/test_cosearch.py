@@ -1,0 +1,96 @@
+"""search_accelerator: architecture and placement searched together on a real program."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import automap
+from automap._src.cluster import accelerator as acc_lib
+from automap._src.cluster import cosearch
+from automap._src.models import gpt
+
+CONFIG = gpt.GPTConfig(vocab=256, seq=32, hidden=64, heads=4, layers=2)
+BUDGET = automap.Budget(episodes=8, seconds=10, progress=False)
+# A small grid around the baseline keeps the test quick.
+SPACE = {"tensor_units": (4, 8, 16), "array": (64, 128), "vector_units": (2, 4),
+         "vector_width": (128,), "buffer": (64 * 2**20, 128 * 2**20)}
+
+
+def gpt_workload(name="gpt", depth=None):
+  model = gpt.GPT(CONFIG)
+  _, (params, _, batch) = gpt.make_train_step(CONFIG, 4, abstract=True)
+
+  def loss(params, batch):
+    logits = model.apply({"params": params}, batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+  repeat = {} if depth is None else {"block_1": depth - 1}
+  return cosearch.Workload(loss, params, (batch,), global_batch=64, name=name, repeat=repeat)
+
+
+def mlp_workload():
+  def loss(params, x):
+    for i, w in enumerate(params):
+      with jax.named_scope(f"dense_{i}"):
+        x = jax.nn.relu(x @ w)
+    return jnp.mean(x**2)
+
+  params = [jax.ShapeDtypeStruct((256, 256), jnp.float32) for _ in range(3)]
+  return cosearch.Workload(loss, params, (jax.ShapeDtypeStruct((16, 256), jnp.float32),),
+                           global_batch=64, name="mlp")
+
+
+def test_the_search_never_loses_to_the_baseline_and_stays_in_budget():
+  plan = cosearch.search_accelerator(
+      gpt_workload(depth=6), devices=8, space=SPACE, widths=(1, 2), microbatches=(2, 4),
+      schedule_seconds=0.2, budget=BUDGET, progress=False)
+  assert plan.score >= 1.0
+  assert plan.accelerator.area() <= plan.area_budget * (1 + 1e-9)
+  (result,), (base,) = plan.results, plan.baseline_results
+  assert result.throughput == pytest.approx(plan.score * base.throughput)
+  names = [n for s in result.placement.stages for n in s.layers]
+  assert sum(n.startswith("block_1") for n in names) == 5  # the repeated block, 5 copies
+  # Every point was bounded; the ones scheduled exactly never beat their bound.
+  bounds = {a: s for a, s, exact in plan.history if not exact}
+  assert set(bounds) == set(cosearch._candidates(plan.area_budget, acc_lib.TPU_V4_LIKE, SPACE))
+  assert all(s <= bounds[a] * (1 + 1e-9) for a, s, exact in plan.history if exact)
+  assert automap.AcceleratorPlan.from_json(plan.to_json()) == plan
+  assert "tensor units" in plan.explain()
+
+
+def test_more_area_never_hurts():
+  small = cosearch.search_accelerator(
+      mlp_workload(), devices=4, space=SPACE, widths=(1, 2), microbatches=(4,),
+      schedule_seconds=0.2, budget=BUDGET, progress=False)
+  large = cosearch.search_accelerator(
+      mlp_workload(), devices=4, space=SPACE, widths=(1, 2), microbatches=(4,),
+      schedule_seconds=0.2, budget=BUDGET, progress=False,
+      area_budget=2 * acc_lib.AREA_BUDGET)
+  assert large.score >= small.score * (1 - 1e-9)
+
+
+def test_one_architecture_for_two_models():
+  plan = cosearch.search_accelerator(
+      [gpt_workload(), mlp_workload()], devices=4, space=SPACE, widths=(1, 2),
+      microbatches=(4,), schedule_seconds=0.2, budget=BUDGET, progress=False)
+  assert [r.workload for r in plan.results] == ["gpt", "mlp"]
+  ratios = [r.throughput / b.throughput for r, b in zip(plan.results, plan.baseline_results)]
+  assert plan.score == pytest.approx((ratios[0] * ratios[1]) ** 0.5)
+
+
+def test_candidates_are_the_grid_within_budget():
+  points = cosearch._candidates(acc_lib.AREA_BUDGET, acc_lib.TPU_V4_LIKE, SPACE)
+  assert acc_lib.TPU_V4_LIKE in points
+  assert all(p.area() <= acc_lib.AREA_BUDGET for p in points)
+  grid = 1
+  for options in SPACE.values():
+    grid *= len(options)
+  assert 1 < len(points) < grid
+
+
+def test_bad_arguments():
+  with pytest.raises(automap.PlacementError, match="workloads must be"):
+    cosearch.search_accelerator([], devices=8)
+  with pytest.raises(automap.PlacementError, match="must divide"):
+    cosearch.search_accelerator(gpt_workload(), devices=8, microbatches=(3,))
