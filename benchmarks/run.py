@@ -40,6 +40,9 @@ SECTIONS = {
     "cache": ("Plan cache", ["--layers", "4", "24"], ["--layers", "4"]),
     "policy": ("Learned policy against uniform priors", ["--seeds", "5"], ["--quick"]),
     "cluster": ("Cluster planning against fixed Megatron-style splits", [], ["--quick"]),
+    "accelerator": ("Accelerator co-search against a TPUv4-like baseline",
+                    ["--plot", "benchmarks/accelerator.png"],
+                    ["--quick", "--plot", "benchmarks/accelerator.png"]),
 }
 
 
@@ -93,7 +96,7 @@ def main():
     lines += [run.stdout.rstrip(), ""]
     if run.returncode:
       lines += ["**The command failed:**", "", "```", run.stderr.strip()[-3000:], "```", ""]
-    for plot in ("search", "scale"):
+    for plot in ("search", "scale", "accelerator"):
       if name == plot and f"benchmarks/{plot}.png" in argv:
         lines += [f"![{title}]({plot}.png)", ""]
   lines += [f"Suite wall time: {(time.perf_counter() - total) / 60:.1f} min.", ""]
