@@ -66,7 +66,7 @@ def main():
   for name in models:
     plan = cosearch.search_accelerator(
         workload(name), devices=1024, hardware="tpu-v4", optimizer=OPTIMIZER,
-        microbatches=(1, 2, 4), schedule_seconds=1.0 if opts.quick else 2.0,
+        microbatches=(1, 2, 4), schedule_seconds=0.5 if opts.quick else 1.0,
         budget=automap.Budget(episodes=10 if opts.quick else 20, seconds=60, progress=False),
         progress=False)
     a, (r,), (b,) = plan.accelerator, plan.results, plan.baseline_results

@@ -12,9 +12,10 @@ the placement DP finds the best cluster plan on it.
 The architecture space is a grid of powers of two within the area budget.
 Every point is first priced optimistically (each layer pass at the larger of
 its critical path and its work spread over all cores, both at each op's best
-latency), then points are scheduled exactly in order of that bound until no
-remaining bound beats the best schedule found: the answer is the grid's
-best, without scheduling most of it.
+latency); in that order, points are list-scheduled (greedy, a floor on what
+CP-SAT finds) until no bound beats the best greedy score, then scheduled by
+CP-SAT until no bound beats the best exact score: the answer is the grid's
+best, without solving most of it.
 """
 
 from __future__ import annotations
@@ -184,18 +185,19 @@ def _profile(workload: Workload, hardware: Hardware, widths, sizes, request) -> 
 class _Pricer:
   """Layer graphs of profiled workloads on one accelerator."""
 
-  def __init__(self, acc: acc_lib.Accelerator, seconds: float, exact: bool):
-    self.acc, self.seconds, self.exact = acc, seconds, exact
+  def __init__(self, acc: acc_lib.Accelerator, seconds: float, mode: str):
+    self.acc, self.seconds, self.mode = acc, seconds, mode
     self.cache: dict[_Pass, float] = {}
 
   def makespan(self, p: _Pass) -> float:
     if p not in self.cache:
       if not p.ops:
         self.cache[p] = 0.0
-      elif self.exact:
-        self.cache[p] = acc_lib.schedule(p.ops, p.edges, self.acc, seconds=self.seconds).makespan
-      else:
+      elif self.mode == "bound":
         self.cache[p] = _lower_bound(p, self.acc)
+      else:  # a greedy list schedule is the solver's start (no time: only it)
+        seconds = self.seconds if self.mode == "exact" else 0.0
+        self.cache[p] = acc_lib.schedule(p.ops, p.edges, self.acc, seconds=seconds).makespan
     return self.cache[p]
 
   def graph(self, profiled: _Profiled, size: int) -> LayerGraph:
@@ -252,8 +254,8 @@ class AcceleratorPlan:
   """The best architecture found, its plans, and the baseline's.
 
   score: geometric mean over workloads of throughput / the baseline's.
-  history: (architecture, score, scheduled exactly?) of every architecture
-    priced: all by their optimistic bound, the most promising exactly.
+  history: (architecture, score, how) of every pricing: "bound" (every point,
+    optimistically), "greedy" (list-scheduled), "exact" (CP-SAT scheduled).
   """
 
   accelerator: acc_lib.Accelerator
@@ -262,7 +264,7 @@ class AcceleratorPlan:
   baseline_results: tuple[Result, ...]
   score: float
   area_budget: float
-  history: tuple[tuple[acc_lib.Accelerator, float, bool], ...]
+  history: tuple[tuple[acc_lib.Accelerator, float, str], ...]
   seconds: float = dataclasses.field(default=0.0, compare=False)
 
   def to_json(self) -> dict:
@@ -282,7 +284,7 @@ class AcceleratorPlan:
     return cls(acc_lib.Accelerator(**d["accelerator"]), tuple(map(result, d["results"])),
                acc_lib.Accelerator(**d["baseline"]), tuple(map(result, d["baseline_results"])),
                float(d["score"]), float(d["area_budget"]),
-               tuple((acc_lib.Accelerator(**a), float(s), bool(e)) for a, s, e in d["history"]))
+               tuple((acc_lib.Accelerator(**a), float(s), str(e)) for a, s, e in d["history"]))
 
   def save(self, path: str | os.PathLike) -> None:
     with open(path, "w") as f:
@@ -316,10 +318,10 @@ class AcceleratorPlan:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for exact, marker, label in ((False, ".", "bound"), (True, "o", "scheduled")):
-      pts = [(a.area(), s) for a, s, e in self.history if e == exact]
+    for how, marker in (("bound", "."), ("greedy", "x"), ("exact", "o")):
+      pts = [(a.area(), s) for a, s, e in self.history if e == how]
       if pts:
-        ax.scatter(*zip(*pts), marker=marker, label=label, alpha=0.6)
+        ax.scatter(*zip(*pts), marker=marker, label=how, alpha=0.6)
     ax.axvline(self.area_budget, color="grey", ls="--", lw=1)
     ax.scatter([self.accelerator.area()], [self.score], marker="*", s=200, color="red",
                label="best")
@@ -396,12 +398,12 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
   profiled = [_profile(w, hw, widths, microbatches, request) for w in workloads]
   knobs = {"optimizer": optimizer, "zero": zero}
 
-  def price(acc, exact) -> tuple[float, list[Result | None]]:
-    pricer = _Pricer(acc, schedule_seconds, exact)
+  def price(acc, mode) -> tuple[_Pricer, list[Result | None]]:
+    pricer = _Pricer(acc, schedule_seconds, mode)
     results = [_place(pricer, p, acc, hw, devices, microbatches, knobs) for p in profiled]
     return pricer, results
 
-  _, base_results = price(base, True)
+  _, base_results = price(base, "exact")
   if any(r is None for r in base_results):
     missing = [w.name for w, r in zip(workloads, base_results) if r is None]
     raise PlacementError(f"the baseline accelerator cannot train {missing} on {devices} "
@@ -414,13 +416,24 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
                              for r, b in zip(results, base_results)]))
 
   points = _candidates(budget_area, base, space or SPACE)
-  bounds = []
-  history: list[tuple[acc_lib.Accelerator, float, bool]] = []
-  for acc in points:
-    s = score(price(acc, False)[1])
-    bounds.append((s, acc))
-    history.append((acc, s, False))
-  bounds.sort(key=lambda x: -x[0])
+  history: list[tuple[acc_lib.Accelerator, float, str]] = []
+
+  def priced(acc, mode) -> tuple[float, list[Result | None]]:
+    results = price(acc, mode)[1]
+    history.append((acc, score(results), mode))
+    return history[-1][1], results
+
+  # Exact schedules lie between the greedy ones and the bounds. Greedy scores
+  # in bound order give a floor; then CP-SAT in bound order until no bound
+  # beats the best exact score.
+  bounds = sorted(((priced(acc, "bound")[0], i) for i, acc in enumerate(points)), reverse=True)
+  floor, greedy = 1.0, []
+  for bound, i in bounds:
+    if bound <= floor:
+      break
+    g = priced(points[i], "greedy")[0]
+    floor = max(floor, g)
+    greedy.append((bound, i))
   best = (1.0, base, base_results)
   show = progress if progress is not None else sys.stderr.isatty()
   bar = None
@@ -428,16 +441,14 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
     from rich import progress as progress_lib
     bar = progress_lib.Progress(transient=True)
     bar.start()
-    task = bar.add_task("automap: scheduling architectures", total=len(bounds))
+    task = bar.add_task("automap: scheduling architectures", total=len(greedy))
   try:
-    for bound, acc in bounds:
+    for bound, i in greedy:
       if bound <= best[0]:
-        break  # the optimistic score of every remaining point is no better
-      _, results = price(acc, True)
-      s = score(results)
-      history.append((acc, s, True))
+        break  # no remaining point can beat the best
+      s, results = priced(points[i], "exact")
       if s > best[0]:
-        best = (s, acc, results)
+        best = (s, points[i], results)
       if bar is not None:
         bar.update(task, advance=1, description=f"automap: best {best[0]:.3f}x")
   finally:
