@@ -652,15 +652,16 @@ def _search(graph: LayerGraph, options: _Options, data_parallel: int | None,
   downs = _downsets(graph)
   costs = _StageCosts(graph, options)
   best: Placement | None = None
-  # Wide data parallelism first: it is usually good, and a good bound prunes.
-  for d in range(options.devices, 0, -1):
-    if options.microbatches % d or data_parallel not in (None, d):
-      continue
-    for z in options.zero:
-      if z and d == 1 and 0 in options.zero:
-        continue  # nothing to shard: the same plan as ZeRO 0
-      plan = _place_for(graph, costs, downs, d, z, bound if best is None else best.time)
-      best = plan or best
+  # Most promising first (by lower bound): a good plan early prunes the rest.
+  tries = sorted((costs.lower_bound(d, z), -d, z) for d in range(1, options.devices + 1)
+                 for z in options.zero
+                 if not options.microbatches % d and data_parallel in (None, d)
+                 and not (z and d == 1 and 0 in options.zero))  # d = 1: nothing to shard
+  for floor, d, z in tries:
+    if floor >= (bound if best is None else best.time):
+      break
+    plan = _place_for(graph, costs, downs, -d, z, bound if best is None else best.time)
+    best = plan or best
   return best
 
 
