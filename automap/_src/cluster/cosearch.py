@@ -12,15 +12,18 @@ the placement DP finds the best cluster plan on it.
 The architecture space is a grid of powers of two within the area budget.
 Every point is first priced optimistically (each layer pass at the larger of
 its critical path and its work spread over all cores, both at each op's best
-latency); in that order, points are list-scheduled (greedy, a floor on what
-CP-SAT finds) until no bound beats the best greedy score, then scheduled by
-CP-SAT until no bound beats the best exact score: the answer is the grid's
-best, without solving most of it.
+latency). Bounds come in two strengths: a ratio (no pass on the point can
+beat its baseline schedule by more than 1/rho, so neither can the training
+step) for every point, and a placement with every pass at its bound for the
+points whose ratio stays promising. Best-first on these bounds, points are
+then scheduled by CP-SAT and placed, until no bound beats the best score
+found: the answer is the grid's best, without solving most of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import json
 import math
@@ -195,9 +198,9 @@ class _Pricer:
         self.cache[p] = 0.0
       elif self.mode == "bound":
         self.cache[p] = _lower_bound(p, self.acc)
-      else:  # a greedy list schedule is the solver's start (no time: only it)
-        seconds = self.seconds if self.mode == "exact" else 0.0
-        self.cache[p] = acc_lib.schedule(p.ops, p.edges, self.acc, seconds=seconds).makespan
+      else:
+        self.cache[p] = acc_lib.schedule(p.ops, p.edges, self.acc,
+                                         seconds=self.seconds).makespan
     return self.cache[p]
 
   def graph(self, profiled: _Profiled, size: int) -> LayerGraph:
@@ -223,6 +226,26 @@ class _Pricer:
     for name, times in profiled.workload.repeat.items():
       graph = graph.repeat(name, times)
     return graph
+
+
+def _all_passes(profiled: _Profiled) -> list[_Pass]:
+  return list({p for ps in profiled.forward.values() for p in ps}
+              | {p for ps in profiled.backward.values() for p, _ in ps})
+
+
+def _ratio_bound(acc: acc_lib.Accelerator, passes: list[list[_Pass]], base: _Pricer) -> float:
+  """An upper bound on the score without placing: if every pass takes at
+  least rho times its baseline schedule (rho <= 1), every placement takes at
+  least rho times as long as on the baseline (its other terms do not
+  change), so a workload runs at most 1/rho times faster."""
+  if acc.hbm_capacity > base.acc.hbm_capacity:
+    return math.inf  # more memory can enable placements the baseline has not
+  logs = []
+  for ps in passes:
+    rho = min((_lower_bound(p, acc) / base.makespan(p) for p in ps if base.makespan(p) > 0),
+              default=1.0)
+    logs.append(-math.log(min(rho, 1.0)) if rho > 0 else math.inf)
+  return math.exp(np.mean(logs))
 
 
 def _lower_bound(p: _Pass, acc: acc_lib.Accelerator) -> float:
@@ -254,8 +277,9 @@ class AcceleratorPlan:
   """The best architecture found, its plans, and the baseline's.
 
   score: geometric mean over workloads of throughput / the baseline's.
-  history: (architecture, score, how) of every pricing: "bound" (every point,
-    optimistically), "greedy" (list-scheduled), "exact" (CP-SAT scheduled).
+  history: (architecture, score, how) of every pricing: "ratio" (every point:
+    its passes' bounds against the baseline's schedules), "bound" (placed with
+    every pass at its bound), "exact" (placed with CP-SAT schedules).
   """
 
   accelerator: acc_lib.Accelerator
@@ -318,7 +342,7 @@ class AcceleratorPlan:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for how, marker in (("bound", "."), ("greedy", "x"), ("exact", "o")):
+    for how, marker in (("ratio", "."), ("bound", "x"), ("exact", "o")):
       pts = [(a.area(), s) for a, s, e in self.history if e == how]
       if pts:
         ax.scatter(*zip(*pts), marker=marker, label=how, alpha=0.6)
@@ -403,7 +427,7 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
     results = [_place(pricer, p, acc, hw, devices, microbatches, knobs) for p in profiled]
     return pricer, results
 
-  _, base_results = price(base, "exact")
+  base_pricer, base_results = price(base, "exact")
   if any(r is None for r in base_results):
     missing = [w.name for w, r in zip(workloads, base_results) if r is None]
     raise PlacementError(f"the baseline accelerator cannot train {missing} on {devices} "
@@ -417,23 +441,15 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
 
   points = _candidates(budget_area, base, space or SPACE)
   history: list[tuple[acc_lib.Accelerator, float, str]] = []
-
-  def priced(acc, mode) -> tuple[float, list[Result | None]]:
-    results = price(acc, mode)[1]
-    history.append((acc, score(results), mode))
-    return history[-1][1], results
-
-  # Exact schedules lie between the greedy ones and the bounds. Greedy scores
-  # in bound order give a floor; then CP-SAT in bound order until no bound
-  # beats the best exact score.
-  bounds = sorted(((priced(acc, "bound")[0], i) for i, acc in enumerate(points)), reverse=True)
-  floor, greedy = 1.0, []
-  for bound, i in bounds:
-    if bound <= floor:
-      break
-    g = priced(points[i], "greedy")[0]
-    floor = max(floor, g)
-    greedy.append((bound, i))
+  passes = [_all_passes(p) for p in profiled]
+  # Best-first over upper bounds on each point's score, refined lazily:
+  # "ratio", then "bound", then the exact score, until no bound beats the
+  # best exact score.
+  heap = []
+  for i, acc in enumerate(points):
+    ub = _ratio_bound(acc, passes, base_pricer)
+    history.append((acc, ub, "ratio"))
+    heapq.heappush(heap, (-ub, i, "ratio"))
   best = (1.0, base, base_results)
   show = progress if progress is not None else sys.stderr.isatty()
   bar = None
@@ -441,14 +457,19 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
     from rich import progress as progress_lib
     bar = progress_lib.Progress(transient=True)
     bar.start()
-    task = bar.add_task("automap: scheduling architectures", total=len(greedy))
+    task = bar.add_task("automap: searching architectures", total=None)
   try:
-    for bound, i in greedy:
-      if bound <= best[0]:
-        break  # no remaining point can beat the best
-      s, results = priced(points[i], "exact")
-      if s > best[0]:
-        best = (s, points[i], results)
+    while heap and -heap[0][0] > best[0]:
+      _, i, level = heapq.heappop(heap)
+      acc = points[i]
+      mode = "bound" if level == "ratio" else "exact"
+      _, results = price(acc, mode)
+      s = score(results)
+      history.append((acc, s, mode))
+      if mode == "bound":
+        heapq.heappush(heap, (-s, i, "bound"))
+      elif s > best[0]:
+        best = (s, acc, results)
       if bar is not None:
         bar.update(task, advance=1, description=f"automap: best {best[0]:.3f}x")
   finally:
