@@ -20,36 +20,20 @@ import os
 import statistics
 import sys
 
-import jax
-import jax.numpy as jnp
-import optax
-
 import automap
 from automap._src.cluster import cosearch
-from automap._src.models.gpt import GPT, GPTConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster import MODELS, OPTIMIZER  # noqa: E402
+from cluster import MODELS, OPTIMIZER, block_model  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def workload(name: str) -> cosearch.Workload:
-  """A 2-block model of the named shape whose second block stands for the rest."""
-  layers, hidden, heads, seq, vocab, global_batch, _ = MODELS[name]
-  config = GPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=2,
-                     dtype=jnp.bfloat16)
-  model = GPT(config)
-  tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
-  params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, seq),
-                                                                         jnp.int32)))["params"]
-  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)
-
-  def loss(params, inputs, targets):
-    logits = model.apply({"params": params}, inputs)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-  return cosearch.Workload(loss, params, (tokens, tokens), global_batch, name,
+  """The 2-block model of the named shape, its second block standing for the rest."""
+  loss, params, batch = block_model(name)
+  layers, *_, global_batch, _ = MODELS[name]
+  return cosearch.Workload(loss, params, batch, global_batch, name,
                            repeat={"block_1": layers - 1})
 
 

@@ -43,10 +43,10 @@ WIDTHS = (1, 2, 4, 8)
 OPTIMIZER = 6.0
 
 
-def block_profile(name: str, hardware: str, episodes: int,
-                  sizes: tuple[int, ...]) -> layers_lib.Profile:
-  """Layer costs of a 2-block model of the named shape at each microbatch size."""
-  layers, hidden, heads, seq, vocab, _, _ = MODELS[name]
+def block_model(name: str):
+  """(loss, params, (inputs, targets)) of a 2-block bf16 model of the named
+  shape, microbatch of one, all abstract."""
+  _, hidden, heads, seq, vocab, _, _ = MODELS[name]
   config = GPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=2,
                      dtype=jnp.bfloat16)
   model = GPT(config)
@@ -59,6 +59,13 @@ def block_profile(name: str, hardware: str, episodes: int,
     logits = model.apply({"params": params}, inputs)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
+  return loss, params, (tokens, tokens)
+
+
+def block_profile(name: str, hardware: str, episodes: int,
+                  sizes: tuple[int, ...]) -> layers_lib.Profile:
+  """Layer costs of the 2-block model of the named shape at each microbatch size."""
+  loss, params, batch = block_model(name)
   request = _Request.of(None, Budget(episodes=episodes, seconds=120, progress=False), None, 0,
                         "mcts")
 
@@ -67,7 +74,7 @@ def block_profile(name: str, hardware: str, episodes: int,
       return program.initial_state()
     return _run_search(program, request).state
 
-  return layers_lib.measure(loss, params, (tokens, tokens), widths=WIDTHS,
+  return layers_lib.measure(loss, params, batch, widths=WIDTHS,
                             hardware=automap.HARDWARE[hardware], search=search, sizes=sizes)
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-import json
 import math
 import os
 import sys
@@ -38,6 +37,7 @@ from automap._src import api
 from automap._src.cluster import accelerator as acc_lib
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster.placement import (
+  JsonFile,
   Layer,
   LayerCost,
   LayerGraph,
@@ -273,7 +273,7 @@ class Result:
 
 
 @dataclasses.dataclass(frozen=True)
-class AcceleratorPlan:
+class AcceleratorPlan(JsonFile):
   """The best architecture found, its plans, and the baseline's.
 
   score: geometric mean over workloads of throughput / the baseline's.
@@ -309,15 +309,6 @@ class AcceleratorPlan:
                acc_lib.Accelerator(**d["baseline"]), tuple(map(result, d["baseline_results"])),
                float(d["score"]), float(d["area_budget"]),
                tuple((acc_lib.Accelerator(**a), float(s), str(e)) for a, s, e in d["history"]))
-
-  def save(self, path: str | os.PathLike) -> None:
-    with open(path, "w") as f:
-      json.dump(self.to_json(), f, indent=1, sort_keys=True)
-
-  @classmethod
-  def load(cls, path: str | os.PathLike) -> AcceleratorPlan:
-    with open(path) as f:
-      return cls.from_json(json.load(f))
 
   def explain(self) -> str:
     a = self.accelerator

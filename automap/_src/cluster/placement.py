@@ -31,7 +31,9 @@ Y), inside an outer loop over the data-parallel degree and ZeRO stage.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 
 from automap._src.hardware import Hardware, get_hardware
@@ -44,6 +46,19 @@ MAX_DOWNSETS = 4096
 
 class PlacementError(ValueError):
   """A layer graph or placement option that cannot be planned."""
+
+
+class JsonFile:
+  """`save(path)` / `load(path)` for a type with `to_json` / `from_json`."""
+
+  def save(self, path: str | os.PathLike) -> None:
+    with open(path, "w") as f:
+      json.dump(self.to_json(), f, indent=1, sort_keys=True)
+
+  @classmethod
+  def load(cls, path: str | os.PathLike):
+    with open(path) as f:
+      return cls.from_json(json.load(f))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,14 +9,12 @@ ZeRO and recompute for each; the fastest wins.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import time
 from collections.abc import Callable, Sequence
 
 from automap._src import api
 from automap._src.cluster import layers as layers_lib
-from automap._src.cluster.placement import Placement, PlacementError, place_any
+from automap._src.cluster.placement import JsonFile, Placement, PlacementError, place_any
 from automap._src.explain import _fmt_bytes
 from automap._src.hardware import Hardware, get_hardware
 
@@ -24,7 +22,7 @@ SCHEMA = 1
 
 
 @dataclasses.dataclass(frozen=True)
-class ClusterPlan:
+class ClusterPlan(JsonFile):
   """A cluster plan and its predicted time per batch.
 
   placement: stages, widths, data parallelism, ZeRO, recompute (seconds per batch).
@@ -65,15 +63,6 @@ class ClusterPlan:
     return cls(Placement.from_json(data["placement"]), int(data["microbatch"]),
                int(data["global_batch"]), int(data["devices"]), str(data["hardware"]),
                {int(t): dict(s) for t, s in data["shardings"].items()})
-
-  def save(self, path: str | os.PathLike) -> None:
-    with open(path, "w") as f:
-      json.dump(self.to_json(), f, indent=1, sort_keys=True)
-
-  @classmethod
-  def load(cls, path: str | os.PathLike) -> ClusterPlan:
-    with open(path) as f:
-      return cls.from_json(json.load(f))
 
   def explain(self) -> str:
     p = self.placement
