@@ -44,7 +44,7 @@ def main():
   opts = parser.parse_args()
   models = ["BERT-Large"] if opts.quick else ["GPT2-XL", "OPT-30B", "BERT-Large", "Llama2-7B"]
   print("| model | best architecture | area mm^2 | placement | samples/s | TPUv4-like "
-        "samples/s | ratio | architectures bounded / scheduled | search s |")
+        "samples/s | ratio | points / placed at bound / scheduled | search s |")
   print("|---|---|---|---|---|---|---|---|---|")
   ratios, times = [], []
   for name in models:
@@ -55,13 +55,13 @@ def main():
         progress=False)
     a, (r,), (b,) = plan.accelerator, plan.results, plan.baseline_results
     p = r.placement
-    bounded = sum(not e for _, _, e in plan.history)
-    scheduled = sum(e for _, _, e in plan.history)
+    hows = [h for _, _, h in plan.history]
+    points, bounded, scheduled = hows.count("ratio"), hows.count("bound"), hows.count("exact")
     print(f"| {name} | {a.tensor_units}x{a.array}^2 TU, {a.vector_units}x{a.vector_width} VU, "
           f"{a.buffer / 2**20:.0f} MiB | {a.area():.0f} | p{len(p.stages)} d{p.data_parallel} "
           f"t{'/'.join(str(t) for t in sorted({s.width for s in p.stages}))} mb{r.microbatch} "
-          f"| {r.throughput:,.1f} | {b.throughput:,.1f} | {plan.score:.3f}x | {bounded} / "
-          f"{scheduled} | {plan.seconds:.0f} |")
+          f"| {r.throughput:,.1f} | {b.throughput:,.1f} | {plan.score:.3f}x | "
+          f"{points} / {bounded} / {scheduled} | {plan.seconds:.0f} |")
     ratios.append(plan.score)
     times.append(plan.seconds)
     if opts.plot and name == models[0]:
