@@ -14,15 +14,18 @@ Every point is first priced optimistically (each layer pass at the larger of
 its critical path and its work spread over all cores, both at each op's best
 latency). Bounds come in two strengths: a ratio (no pass on the point can
 beat its baseline schedule by more than 1/rho, so neither can the training
-step) for every point, and a placement with every pass at its bound for the
-points whose ratio stays promising. Best-first on these bounds, points are
-then scheduled by CP-SAT and placed, until no bound beats the best score
-found: the answer is the grid's best, without solving most of it.
+step), and a placement with every pass at its bound for the points whose
+ratio stays promising. Best-first on these bounds, points are scheduled by
+CP-SAT and placed until no bound beats the best score found: within the area
+visited the answer is the best, without solving most of it. Area is visited
+in buckets from the budget down, and a bucket that improves nothing ends the
+search (PHAZE's stopping rule: more area stopped helping, so less will not).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
@@ -248,12 +251,18 @@ def _ratio_bound(acc: acc_lib.Accelerator, passes: list[list[_Pass]], base: _Pri
   return math.exp(np.mean(logs))
 
 
+@functools.lru_cache(maxsize=1 << 20)
+def _latency(op: acc_lib.Op, acc: acc_lib.Accelerator, cores: int) -> float:
+  return acc_lib.latency(op, acc, cores)  # passes repeat ops: price each once
+
+
+@functools.lru_cache(maxsize=1 << 16)
 def _lower_bound(p: _Pass, acc: acc_lib.Accelerator) -> float:
   """No schedule of the pass is shorter: its critical path at each op's best
   latency, and its work spread over every core."""
   cores = acc.tensor_units
-  single = [acc_lib.latency(op, acc, 1) for op in p.ops]
-  spread = [acc_lib.latency(op, acc, cores) for op in p.ops]
+  single = [_latency(op, acc, 1) for op in p.ops]
+  spread = [_latency(op, acc, cores) for op in p.ops]
   best = [min(a, b) for a, b in zip(single, spread)]
   finish = list(best)
   for i, j in p.edges:  # edges are sorted by source; ops are in program order
@@ -382,7 +391,8 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
                        widths: Sequence[int] = (1, 2, 4, 8),
                        microbatches: Sequence[int] = (1, 2, 4, 8),
                        optimizer: str | float = "adam", zero: int | Sequence[int] = (0, 1, 2, 3),
-                       schedule_seconds: float = 2.0, budget: api.Budget | None = None,
+                       schedule_seconds: float = 2.0, bucket: float = 0.1,
+                       budget: api.Budget | None = None,
                        progress: bool | None = None, seed: int = 0) -> AcceleratorPlan:
   """The architecture (within `area_budget`, default the baseline's area) and
   the placements that together train `workloads` fastest on `devices`
@@ -392,6 +402,8 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
 
   space: field -> candidate values (default SPACE); other fields as `baseline`.
   schedule_seconds: CP-SAT time limit per distinct layer pass.
+  bucket: width of the area buckets, as a share of the budget; the search
+    stops at the first bucket (below the largest) that improves nothing.
   budget: the sharding search's budget per width (intra-stage sharding).
   """
   t0 = time.perf_counter()
@@ -433,14 +445,16 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
   points = _candidates(budget_area, base, space or SPACE)
   history: list[tuple[acc_lib.Accelerator, float, str]] = []
   passes = [_all_passes(p) for p in profiled]
-  # Best-first over upper bounds on each point's score, refined lazily:
-  # "ratio", then "bound", then the exact score, until no bound beats the
-  # best exact score.
-  heap = []
+  # Area buckets from the largest down (a tenth of the budget each); within
+  # and across them, best-first over upper bounds on each point's score,
+  # refined lazily: "ratio", then "bound", then the exact score, until no
+  # bound beats the best. A bucket that improves nothing ends the search:
+  # smaller chips stopped helping.
+  width = budget_area * bucket
+  buckets: dict[int, list[int]] = {}
   for i, acc in enumerate(points):
-    ub = _ratio_bound(acc, passes, base_pricer)
-    history.append((acc, ub, "ratio"))
-    heapq.heappush(heap, (-ub, i, "ratio"))
+    buckets.setdefault(int((budget_area - acc.area()) // width), []).append(i)
+  heap: list[tuple[float, int, str]] = []
   best = (1.0, base, base_results)
   show = progress if progress is not None else sys.stderr.isatty()
   bar = None
@@ -448,21 +462,31 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
     from rich import progress as progress_lib
     bar = progress_lib.Progress(transient=True)
     bar.start()
-    task = bar.add_task("automap: searching architectures", total=None)
+    task = bar.add_task("automap: searching architectures", total=len(points))
   try:
-    while heap and -heap[0][0] > best[0]:
-      _, i, level = heapq.heappop(heap)
-      acc = points[i]
-      mode = "bound" if level == "ratio" else "exact"
-      _, results = price(acc, mode)
-      s = score(results)
-      history.append((acc, s, mode))
-      if mode == "bound":
-        heapq.heappush(heap, (-s, i, "bound"))
-      elif s > best[0]:
-        best = (s, acc, results)
-      if bar is not None:
-        bar.update(task, advance=1, description=f"automap: best {best[0]:.3f}x")
+    for b in sorted(buckets):
+      before = best[0]
+      for i in buckets[b]:
+        ub = _ratio_bound(points[i], passes, base_pricer)
+        history.append((points[i], ub, "ratio"))
+        heapq.heappush(heap, (-ub, i, "ratio"))
+        if bar is not None:
+          bar.update(task, advance=1)
+      while heap and -heap[0][0] > best[0]:
+        _, i, level = heapq.heappop(heap)
+        acc = points[i]
+        mode = "bound" if level == "ratio" else "exact"
+        _, results = price(acc, mode)
+        s = score(results)
+        history.append((acc, s, mode))
+        if mode == "bound":
+          heapq.heappush(heap, (-s, i, "bound"))
+        elif s > best[0]:
+          best = (s, acc, results)
+        if bar is not None:
+          bar.update(task, description=f"automap: best {best[0]:.3f}x")
+      if b > min(buckets) and best[0] <= before:
+        break
   finally:
     if bar is not None:
       bar.stop()
