@@ -64,13 +64,13 @@ def test_the_search_never_loses_to_the_baseline_and_stays_in_budget():
 
 
 def test_more_area_never_hurts_a_search_of_the_whole_grid():
-  """One area bucket (the whole budget): no early stop, so the search is exact."""
+  """One area bucket (the whole budget) and no gap: the search is exact."""
   small = cosearch.search_accelerator(
       mlp_workload(), devices=4, space=SPACE, widths=(1, 2), microbatches=(4,),
-      schedule_seconds=0.2, budget=BUDGET, progress=False, bucket=1.0)
+      schedule_seconds=0.2, budget=BUDGET, progress=False, bucket=1.0, gap=0.0)
   large = cosearch.search_accelerator(
       mlp_workload(), devices=4, space=SPACE, widths=(1, 2), microbatches=(4,),
-      schedule_seconds=0.2, budget=BUDGET, progress=False, bucket=1.0,
+      schedule_seconds=0.2, budget=BUDGET, progress=False, bucket=1.0, gap=0.0,
       area_budget=2 * acc_lib.AREA_BUDGET)
   assert large.score >= small.score * (1 - 1e-9)
 

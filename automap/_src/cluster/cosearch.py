@@ -16,8 +16,9 @@ latency). Bounds come in two strengths: a ratio (no pass on the point can
 beat its baseline schedule by more than 1/rho, so neither can the training
 step), and a placement with every pass at its bound for the points whose
 ratio stays promising. Best-first on these bounds, points are scheduled by
-CP-SAT and placed until no bound beats the best score found: within the area
-visited the answer is the best, without solving most of it. Area is visited
+CP-SAT and placed until no bound beats the best score found by more than
+`gap`: within the area visited the answer is that close to the best, without
+solving most of it. Area is visited
 in buckets from the budget down, and a bucket that improves nothing ends the
 search (PHAZE's stopping rule: more area stopped helping, so less will not).
 """
@@ -391,7 +392,7 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
                        widths: Sequence[int] = (1, 2, 4, 8),
                        microbatches: Sequence[int] = (1, 2, 4, 8),
                        optimizer: str | float = "adam", zero: int | Sequence[int] = (0, 1, 2, 3),
-                       schedule_seconds: float = 2.0, bucket: float = 0.1,
+                       schedule_seconds: float = 2.0, bucket: float = 0.1, gap: float = 0.01,
                        budget: api.Budget | None = None,
                        progress: bool | None = None, seed: int = 0) -> AcceleratorPlan:
   """The architecture (within `area_budget`, default the baseline's area) and
@@ -404,6 +405,8 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
   schedule_seconds: CP-SAT time limit per distinct layer pass.
   bucket: width of the area buckets, as a share of the budget; the search
     stops at the first bucket (below the largest) that improves nothing.
+  gap: stop once no bound beats the best score by more than this share:
+    the answer is within it of the best of the buckets visited (0: exact).
   budget: the sharding search's budget per width (intra-stage sharding).
   """
   t0 = time.perf_counter()
@@ -472,7 +475,7 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
         heapq.heappush(heap, (-ub, i, "ratio"))
         if bar is not None:
           bar.update(task, advance=1)
-      while heap and -heap[0][0] > best[0]:
+      while heap and -heap[0][0] > best[0] * (1 + gap):
         _, i, level = heapq.heappop(heap)
         acc = points[i]
         mode = "bound" if level == "ratio" else "exact"
