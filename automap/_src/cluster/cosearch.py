@@ -15,10 +15,11 @@ its critical path and its work spread over all cores, both at each op's best
 latency). Bounds come in two strengths: a ratio (no pass on the point can
 beat its baseline schedule by more than 1/rho, so neither can the training
 step), and a placement with every pass at its bound for the points whose
-ratio stays promising. Best-first on these bounds, points are scheduled by
-CP-SAT and placed until no bound beats the best score found by more than
-`gap`: within the area visited the answer is that close to the best, without
-solving most of it. Area is visited
+ratio stays promising. Best-first on these bounds, points are list-scheduled
+(greedy, a floor on what CP-SAT finds) and placed until no bound beats the
+best by more than `gap`: within the area visited that best is that close to
+the best any list schedule reaches, without pricing most points. The few best
+are then scheduled by CP-SAT, which only shortens their schedules. Area is visited
 in buckets from the budget down, and a bucket that improves nothing ends the
 search (PHAZE's stopping rule: more area stopped helping, so less will not).
 """
@@ -202,9 +203,9 @@ class _Pricer:
         self.cache[p] = 0.0
       elif self.mode == "bound":
         self.cache[p] = _lower_bound(p, self.acc)
-      else:
-        self.cache[p] = acc_lib.schedule(p.ops, p.edges, self.acc,
-                                         seconds=self.seconds).makespan
+      else:  # a greedy list schedule starts the solver; without time, it stands
+        seconds = self.seconds if self.mode == "exact" else 0.0
+        self.cache[p] = acc_lib.schedule(p.ops, p.edges, self.acc, seconds=seconds).makespan
     return self.cache[p]
 
   def graph(self, profiled: _Profiled, size: int) -> LayerGraph:
@@ -287,9 +288,10 @@ class AcceleratorPlan(JsonFile):
   """The best architecture found, its plans, and the baseline's.
 
   score: geometric mean over workloads of throughput / the baseline's.
-  history: (architecture, score, how) of every pricing: "ratio" (every point:
-    its passes' bounds against the baseline's schedules), "bound" (placed with
-    every pass at its bound), "exact" (placed with CP-SAT schedules).
+  history: (architecture, score, how) of every pricing: "ratio" (its passes'
+    bounds against the baseline's schedules), "bound" (placed with every pass
+    at its bound), "greedy" (placed with list schedules), "exact" (placed
+    with CP-SAT schedules).
   """
 
   accelerator: acc_lib.Accelerator
@@ -343,7 +345,7 @@ class AcceleratorPlan(JsonFile):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for how, marker in (("ratio", "."), ("bound", "x"), ("exact", "o")):
+    for how, marker in (("ratio", "."), ("bound", "x"), ("greedy", "+"), ("exact", "o")):
       pts = [(a.area(), s) for a, s, e in self.history if e == how]
       if pts:
         ax.scatter(*zip(*pts), marker=marker, label=how, alpha=0.6)
@@ -393,6 +395,7 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
                        microbatches: Sequence[int] = (1, 2, 4, 8),
                        optimizer: str | float = "adam", zero: int | Sequence[int] = (0, 1, 2, 3),
                        schedule_seconds: float = 2.0, bucket: float = 0.1, gap: float = 0.01,
+                       finalists: int = 3,
                        budget: api.Budget | None = None,
                        progress: bool | None = None, seed: int = 0) -> AcceleratorPlan:
   """The architecture (within `area_budget`, default the baseline's area) and
@@ -405,8 +408,9 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
   schedule_seconds: CP-SAT time limit per distinct layer pass.
   bucket: width of the area buckets, as a share of the budget; the search
     stops at the first bucket (below the largest) that improves nothing.
-  gap: stop once no bound beats the best score by more than this share:
-    the answer is within it of the best of the buckets visited (0: exact).
+  gap: stop once no bound beats the best list-scheduled score by more than
+    this share (0: every point that might win is list-scheduled).
+  finalists: how many of the best list-scheduled points CP-SAT schedules.
   budget: the sharding search's budget per width (intra-stage sharding).
   """
   t0 = time.perf_counter()
@@ -457,8 +461,12 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
   buckets: dict[int, list[int]] = {}
   for i, acc in enumerate(points):
     buckets.setdefault(int((budget_area - acc.area()) // width), []).append(i)
+  def priced(acc, mode) -> float:
+    history.append((acc, score(price(acc, mode)[1]), mode))
+    return history[-1][1]
+
   heap: list[tuple[float, int, str]] = []
-  best = (1.0, base, base_results)
+  floor, listed = 1.0, []  # the best greedy score; (greedy score, point) listed
   show = progress if progress is not None else sys.stderr.isatty()
   bar = None
   if show:
@@ -468,31 +476,36 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
     task = bar.add_task("automap: searching architectures", total=len(points))
   try:
     for b in sorted(buckets):
-      before = best[0]
+      before = floor
       for i in buckets[b]:
         ub = _ratio_bound(points[i], passes, base_pricer)
         history.append((points[i], ub, "ratio"))
         heapq.heappush(heap, (-ub, i, "ratio"))
         if bar is not None:
           bar.update(task, advance=1)
-      while heap and -heap[0][0] > best[0] * (1 + gap):
+      while heap and -heap[0][0] > floor * (1 + gap):
         _, i, level = heapq.heappop(heap)
-        acc = points[i]
-        mode = "bound" if level == "ratio" else "exact"
-        _, results = price(acc, mode)
-        s = score(results)
-        history.append((acc, s, mode))
+        mode = "bound" if level == "ratio" else "greedy"
+        s = priced(points[i], mode)
         if mode == "bound":
           heapq.heappush(heap, (-s, i, "bound"))
-        elif s > best[0]:
-          best = (s, acc, results)
+        else:
+          listed.append((s, i))
+          floor = max(floor, s)
         if bar is not None:
-          bar.update(task, description=f"automap: best {best[0]:.3f}x")
-      if b > min(buckets) and best[0] <= before:
+          bar.update(task, description=f"automap: best {floor:.3f}x")
+      if b > min(buckets) and floor <= before:
         break
   finally:
     if bar is not None:
       bar.stop()
+  # The few best by list schedule, scheduled by CP-SAT (never worse).
+  best = (1.0, base, base_results)
+  for _, i in sorted(listed, reverse=True)[:finalists]:
+    results = price(points[i], "exact")[1]
+    history.append((points[i], score(results), "exact"))
+    if history[-1][1] > best[0]:
+      best = (history[-1][1], points[i], results)
   s, acc, results = best
   return AcceleratorPlan(acc, tuple(results), base, tuple(base_results), s, budget_area,
                          tuple(history), time.perf_counter() - t0)
