@@ -333,6 +333,7 @@ class _StageCosts:
     self._least: dict[tuple, float] = {}
     self._terms: dict[tuple, tuple[float, float, float]] = {}
     self._levels: dict[tuple[int, int, int], tuple[bool, bool, bool]] = {}
+    self._tables: dict[tuple, dict[int, tuple[float, float]]] = {}
     self._times: dict[tuple, tuple[float, float]] = {}
     self._inside: dict[int, list[int]] = {}
     self._widths: dict[int, list[int]] = {}
@@ -465,6 +466,10 @@ class _StageCosts:
       self._times[key] = (parts[0] + parts[1] + parts[2], parts[3])
     return self._times[key]
 
+  def table(self, members: int, t: int, recompute: bool, d: int, zero: int) -> dict:
+    """A memo of `times` by first device for one stage choice."""
+    return self._tables.setdefault((members, t, recompute, d, zero), {})
+
   def parts(self, members, t, recompute, first, d, per_pipeline, zero) -> tuple[float, ...]:
     """(compute, transfers, ZeRO collectives, sync) of a stage, seconds."""
     fw, bw, params, _, _, _, b_in, b_out = self.sums(members, t)
@@ -564,17 +569,28 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
               continue
             if flat:  # one link level: the stage's position changes nothing
               time, sync = costs.times(members, t, recompute, 0, d, per_pipeline, zero)
+            else:
+              table = costs.table(members, t, recompute, d, zero)  # first device -> (T, Y)
             for used, t_max, y_max, chosen in front:
               if used + t > per_pipeline:
                 continue
               first = per_pipeline - used - t
               if not flat:
-                time, sync = costs.times(members, t, recompute, first, d, per_pipeline, zero)
-              t_new, y_new = max(t_max, time), max(y_max, sync)
+                found = table.get(first)
+                if found is None:
+                  found = table[first] = costs.times(members, t, recompute, first, d,
+                                                     per_pipeline, zero)
+                time, sync = found
+              t_new = t_max if t_max > time else time
+              y_new = y_max if y_max > sync else sync
               # Any completion has at least k + 1 stages, these maxima, and
               # spreads the work left over the devices left at best.
-              if (m + k) * max(t_new, longest, work / first if first else (
-                  math.inf if head else 0.0)) + y_new >= bound:
+              floor = t_new if t_new > longest else longest
+              if first:
+                floor = floor if floor > work / first else work / first
+              elif head:
+                continue
+              if (m + k) * floor + y_new >= bound:
                 continue
               entry = (used + t, t_new, y_new, ((members, t, recompute, first, in_flight), chosen))
               target = after.setdefault(head, [])
