@@ -362,7 +362,11 @@ class _StageCosts:
     work, longest = self.work(everything), self.longest(everything)
     fastest = sum(min(c.forward + c.backward for c in layer.widths.values()) for layer in layers)
     param_work = sum(min(t * c.params for t, c in layer.widths.items()) for layer in layers)
+    # A replica's stage and its copies span (d - 1) * P + 1 devices at least:
+    # more than a node, and the sync crosses nodes.
     bandwidth = max(o.hw.link_bandwidth, o.hw.network_bandwidth)
+    if (d - 1) * per_pipeline + 1 > o.hw.devices_per_node:
+      bandwidth = o.hw.network_bandwidth
     ring = {0: 2.0, 1: 2.0, 2: 1.0, 3: 0.0}[zero] * (d - 1) / d
     # ZeRO 2 reduce-scatters gradients every microbatch, ZeRO 3 also gathers
     # parameters twice: device-seconds on top of the compute.
