@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 
 import automap
-from automap._src.api import Budget, _Request, _run_search
+from automap import Budget
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster.placement import LayerGraph, PlacementError, place_any
 from automap._src.models.gpt import GPT, GPTConfig
@@ -66,14 +66,7 @@ def block_profile(name: str, hardware: str, episodes: int,
                   sizes: tuple[int, ...]) -> layers_lib.Profile:
   """Layer costs of the 2-block model of the named shape at each microbatch size."""
   loss, params, batch = block_model(name)
-  request = _Request.of(None, Budget(episodes=episodes, seconds=120, progress=False), None, 0,
-                        "mcts")
-
-  def search(program):
-    if program.mesh.num_devices == 1:
-      return program.initial_state()
-    return _run_search(program, request).state
-
+  search = layers_lib.sharding_search(Budget(episodes=episodes, seconds=120, progress=False))
   return layers_lib.measure(loss, params, batch, widths=WIDTHS,
                             hardware=automap.HARDWARE[hardware], search=search, sizes=sizes)
 

@@ -11,7 +11,6 @@ from automap._src import cli
 from automap._src.cluster import layers as layers_lib
 from automap._src.cost import Tracker
 from automap._src.models import gpt
-from automap._src.program import Program
 
 CONFIG = gpt.GPTConfig(vocab=256, seq=32, hidden=64, heads=4, layers=4)
 BUDGET = automap.Budget(episodes=12, seconds=20, progress=False)
@@ -59,14 +58,8 @@ def test_wider_tensor_parallel_groups_step_faster():
   loss, params, batch = gpt_loss()
   hw = automap.HARDWARE["tpu-v4"]
 
-  def search(program: Program):
-    if program.mesh.num_devices == 1:
-      return program.initial_state()
-    return automap._src.api._run_search(
-        program, automap._src.api._Request.of(None, BUDGET, None, 0, "mcts")).state
-
-  profile = layers_lib.measure(loss, params, (batch,), widths=[1, 4], hardware=hw, search=search,
-                               sizes=[16])
+  profile = layers_lib.measure(loss, params, (batch,), widths=[1, 4], hardware=hw,
+                               search=layers_lib.sharding_search(BUDGET), sizes=[16])
   one, four = profile.graphs[8][1], profile.graphs[8][4]
   # The layers' seconds add up to the cost model's step time of the searched
   # sharding, which beats one device's step.

@@ -165,12 +165,7 @@ def _passes(program, state, group: list[int]) -> _Pass:
   return _Pass(tuple(ops), tuple(sorted(edges)))
 
 
-def _profile(workload: Workload, hardware: Hardware, widths, sizes, request) -> _Profiled:
-  def search(program):
-    if program.mesh.num_devices == 1:
-      return program.initial_state()
-    return api._run_search(program, request).state
-
+def _profile(workload: Workload, hardware: Hardware, widths, sizes, search) -> _Profiled:
   profile = layers_lib.measure(workload.loss_fn, workload.params, workload.batch, widths=widths,
                                hardware=hardware, search=search, sizes=sizes)
   forward, backward, comm = {}, {}, {}
@@ -216,9 +211,7 @@ class _Pricer:
       fw = np.array([self.makespan(p) for p in profiled.forward[(size, t)]])
       bw = np.zeros(len(fw))
       for p, layers in profiled.backward[(size, t)]:
-        share = fw[layers] / fw[layers].sum() if fw[layers].sum() > 0 else np.full(
-            len(layers), 1 / len(layers))
-        bw[layers] += share * self.makespan(p)
+        bw[layers] += layers_lib.backward_share(fw, layers) * self.makespan(p)
       comm_fw, comm_bw = profiled.comm[(size, t)]
       graph = profiled.graphs[size][t]
       per_width[t] = [
@@ -427,9 +420,9 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
       raise PlacementError(
           f"microbatches {tuple(microbatches)} must divide workload {w.name!r}'s global_batch "
           f"{w.global_batch}.")
-  request = api._Request.of(None, budget or api.Budget(episodes=20, seconds=30, progress=False),
-                            None, seed, "mcts")
-  profiled = [_profile(w, hw, widths, microbatches, request) for w in workloads]
+  search = layers_lib.sharding_search(
+      budget or api.Budget(episodes=20, seconds=30, progress=False), seed)
+  profiled = [_profile(w, hw, widths, microbatches, search) for w in workloads]
   knobs = {"optimizer": optimizer, "zero": zero}
 
   def price(acc, mode) -> tuple[_Pricer, list[Result | None]]:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from automap._src import api
 from automap._src import trace as trace_lib
 from automap._src.cluster.placement import Layer, LayerCost, LayerGraph, PlacementError
 from automap._src.explain import layer_of
@@ -140,11 +141,29 @@ class Cut:
       by_label[self.labels[o]] += per_op[o]
     bw = np.zeros(n)
     for label, layers in self.runs.items():
-      total = fw[layers].sum()
-      share = fw[layers] / total if total > 0 else np.full(len(layers), 1 / len(layers))
-      bw[layers] += share * by_label.pop(label, 0.0)
+      bw[layers] += backward_share(fw, layers) * by_label.pop(label, 0.0)
     bw[-1] += sum(by_label.values())  # labels with no forward run (rare): the last layer's
     return fw, bw
+
+
+def backward_share(fw: np.ndarray, layers: list[int]) -> np.ndarray:
+  """How a label's backward splits over its `layers`: as their forward
+  seconds `fw` do (evenly when those are all zero)."""
+  total = fw[layers].sum()
+  return fw[layers] / total if total > 0 else np.full(len(layers), 1 / len(layers))
+
+
+def sharding_search(budget, seed: int = 0) -> Callable[[Program], np.ndarray]:
+  """`search(program) -> state` for `measure`: the sharding search's plan
+  under `budget` (an automap.Budget), or everything whole on one device."""
+  request = api._Request.of(None, budget, None, seed, "mcts")
+
+  def search(program: Program) -> np.ndarray:
+    if program.mesh.num_devices == 1:
+      return program.initial_state()
+    return api._run_search(program, request).state
+
+  return search
 
 
 def op_seconds(model, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -360,7 +360,7 @@ class _StageCosts:
     layers = self.graph.layers
     everything = (1 << len(layers)) - 1
     work, longest = self.work(everything), self.longest(everything)
-    fastest = sum(min(c.forward + c.backward for c in layer.widths.values()) for layer in layers)
+    fastest = self.fastest(everything)
     param_work = sum(min(t * c.params for t, c in layer.widths.items()) for layer in layers)
     # A replica's stage and its copies span (d - 1) * P + 1 devices at least:
     # more than a node, and the sync crosses nodes.
@@ -548,8 +548,6 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
   # in flight), rest of the list) of the stages chosen so far.
   fronts: list[dict[int, list[tuple]]] = [{downs[-1]: [(0, 0.0, 0.0, None)]}]
   best: Placement | None = None
-  if costs.lower_bound(d, zero) >= bound:
-    return None
   flat = options.hw.devices_per_node >= options.devices
   for k in range(len(graph.layers)):
     after: dict[int, list[tuple]] = {}
@@ -655,15 +653,15 @@ def place_any(candidates: Sequence[tuple[LayerGraph, int]], *, devices: int,
   """The fastest placement of any of (graph, microbatches) candidates (a model
   at several microbatch sizes), and the index of the one it places; the
   candidates share one bound, so the later ones are mostly pruned."""
+  for name, value in (("data_parallel", data_parallel), ("stages", stages)):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or not 1 <= value <= devices):
+      raise PlacementError(f"{name} must be None or an int in 1..devices={devices}, "
+                           f"got {value!r}.")
   best: tuple[Placement, int] | None = None
   for i, (graph, microbatches) in enumerate(candidates):
     options = _options(devices, microbatches, hardware, memory_limit, optimizer, zero,
                        recompute, widths, stages)
-    for name, value in (("data_parallel", data_parallel), ("stages", stages)):
-      if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                or not 1 <= value <= devices):
-        raise PlacementError(f"{name} must be None or an int in 1..devices={devices}, "
-                             f"got {value!r}.")
     found = _search(graph, options, data_parallel, math.inf if best is None else best[0].time)
     if found is not None:
       best = (found, i)

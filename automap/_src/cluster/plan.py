@@ -132,15 +132,9 @@ def plan_cluster(loss_fn: Callable, params, *batch, devices: int, global_batch: 
     raise PlacementError(
         f"microbatches must be sizes that divide global_batch={global_batch}, "
         f"got {microbatches!r}.")
-  request = api._Request.of(None, budget, None, seed, "mcts")
-
-  def search(program):
-    if program.mesh.num_devices == 1:
-      return program.initial_state()
-    return api._run_search(program, request).state
-
   profile = layers_lib.measure(loss_fn, params, batch, widths=widths, hardware=hw,
-                               search=search, sizes=microbatches)
+                               search=layers_lib.sharding_search(budget, seed),
+                               sizes=microbatches)
   t1 = time.perf_counter()
   placement, i = place_any(
       [(profile.at(b), global_batch // b) for b in microbatches], devices=devices,
