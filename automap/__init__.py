@@ -30,6 +30,8 @@ from automap._src.cluster.placement import place as place
 from automap._src.cluster.plan import ClusterPlan as ClusterPlan
 from automap._src.cluster.plan import plan_cluster as plan_cluster
 from automap._src.cost import Cost as Cost
+from automap._src.export import LogicalRules as LogicalRules
+from automap._src.export import shard_like as shard_like
 from automap._src.graph import UnknownPrimitiveWarning as UnknownPrimitiveWarning
 from automap._src.groups import GroupError as GroupError
 from automap._src.hardware import CATALOGUE as HARDWARE
@@ -60,6 +62,7 @@ __all__ = (
     "Layer",
     "LayerCost",
     "LayerGraph",
+    "LogicalRules",
     "MemoryLimitError",
     "MeshError",
     "Partitioned",
@@ -83,5 +86,6 @@ __all__ = (
     "plan_cluster",
     "search",
     "search_accelerator",
+    "shard_like",
     "verify",
 )

@@ -165,6 +165,19 @@ class Plan:
       raise PlanError(f"{os.fspath(path)!r} is not valid JSON: {e}") from e
     return cls.from_json(d)
 
+  def specs(self, tree, at: int | str | None = None):
+    """PartitionSpecs shaped like `tree`: one argument of the planned
+    function (params, an optimizer state) or a sub-tree of one; `at` picks
+    the argument by index or path prefix when the leaves alone don't."""
+    from automap._src import export
+    return export.specs(self, tree, at)
+
+  def logical_rules(self, names, at: int | str | None = None):
+    """The plan as flax/MaxText logical-axis rules, given each parameter's
+    logical dimension names; a `LogicalRules` with the leaves they miss."""
+    from automap._src import export
+    return export.logical_rules(self, names, at)
+
   def explain(self) -> str:
     """A readable account: parameter layouts, collectives and cost."""
     from automap._src import explain
