@@ -111,6 +111,27 @@ def test_partitioned_function_behaves_like_jit():
   assert f.plan is not plan
 
 
+def test_donated_params_and_optimizer_state_are_updated_in_place():
+  step, shared = gpt_step()
+  args = jax.tree.map(jnp.copy, shared)  # donation must not reach the shared ones
+  f = automap.partition(step, mesh=mesh((4, 2)), hardware="cpu", donate_argnums=(0, 1))
+  expected = jax.jit(step)(*args)
+  f.lower(*args)  # plans: placing needs the plan's shardings
+  params, opt_state = (automap.shard_like(a, f.plan, f.mesh, at=i)
+                       for i, a in enumerate(args[:2]))
+  out = f(params, opt_state, args[2])
+  # Placed on the plan, the arguments reach the program as they are: donated.
+  assert all(x.is_deleted() for x in jax.tree.leaves((params, opt_state)))
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(expected)):
+    # Adam's first step, lr * g / |g|, shows summation order where g ~ 0.
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-5)
+  with pytest.raises(TypeError, match="donate_argnums"):
+    automap.partition(step, mesh=mesh((4, 2)), donate_argnums=("params",))
+  g = automap.partition(step, mesh=mesh((4, 2)), hardware="cpu", donate_argnums=3)
+  with pytest.raises(ValueError, match="passes 3 arguments"):
+    g(*args)
+
+
 def test_decorator_with_auto_mesh():
   m = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 

@@ -438,14 +438,16 @@ class Partitioned:
 
   The first call with a new argument signature traces, searches and
   compiles; later calls with that signature reuse the plan. Results come
-  back sharded on the user's mesh.
+  back sharded on the user's mesh. Arguments in `donate_argnums` are donated
+  as `jax.jit` donates them: their buffers may back the results.
   """
 
   def __init__(self, fn: Callable, *, mesh, hints: Hints | None = None,
                hardware: str | Hardware = "tpu-v4", budget: Budget | None = None,
                memory_limit: float | None = None, seed: int = 0,
                cache: bool | str | os.PathLike = True, search: str = "mcts",
-               policy: str | os.PathLike = "uniform"):
+               policy: str | os.PathLike = "uniform",
+               donate_argnums: int | tuple[int, ...] = ()):
     self._mesh_spec = MeshSpec.of(mesh)
     if not isinstance(mesh, jax.sharding.Mesh):
       raise MeshError(
@@ -462,6 +464,7 @@ class Partitioned:
           if name is not None:
             self._mesh_spec.axis_index(name, f"Hints.fixed[{pattern!r}]")
     self.hardware = get_hardware(hardware)
+    self.donate_argnums = _argnums(donate_argnums)
     self.cache = cache
     folder = cache_lib.resolve(cache)
     self._cache = None if folder is None else cache_lib.PlanCache(folder)
@@ -491,7 +494,11 @@ class Partitioned:
       traced = trace_lib.trace(self.fn, args)
       plan = _plan(traced, self._mesh_spec, self.hardware, self.request, self._cache)
       plan.timings["plan"] = time.perf_counter() - t0
-      jitted = apply_lib.jit_with_plan(traced, self.mesh, plan)
+      if self.donate_argnums and max(self.donate_argnums) >= len(args):
+        raise ValueError(
+            f"donate_argnums={self.donate_argnums} names argument "
+            f"{max(self.donate_argnums)}, but the call passes {len(args)} arguments.")
+      jitted = apply_lib.jit_with_plan(traced, self.mesh, plan, self.donate_argnums)
       outs = jax.tree.unflatten(traced.out_tree, [
           NamedSharding(self.mesh, s) for s in plan.out_specs])
       entry = _Entry(plan, jitted,
@@ -523,6 +530,20 @@ class Partitioned:
     return None if self._last is None else self._last.plan
 
 
+def _argnums(donate_argnums) -> tuple[int, ...]:
+  nums = (donate_argnums,) if isinstance(donate_argnums, (int, np.integer)) else donate_argnums
+  try:
+    nums = tuple(sorted(set(nums)))
+  except TypeError:
+    nums = None
+  if nums is None or not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool)
+                             and n >= 0 for n in nums):
+    raise TypeError(
+        f"donate_argnums must be a non-negative argument index or a tuple of them, "
+        f"got {donate_argnums!r}.")
+  return tuple(int(n) for n in nums)
+
+
 def _signature_of(fn) -> inspect.Signature | None:
   try:
     return inspect.signature(fn)
@@ -534,7 +555,8 @@ def partition(fn: Callable | None = None, *, mesh, hints: Hints | None = None,
               hardware: str | Hardware = "tpu-v4", budget: Budget | None = None,
               memory_limit: float | None = None, seed: int = 0,
               cache: bool | str | os.PathLike = True, search: str = "mcts",
-              policy: str | os.PathLike = "uniform"):
+              policy: str | os.PathLike = "uniform",
+              donate_argnums: int | tuple[int, ...] = ()):
   """Partitions `fn` automatically over `mesh`.
 
   Use as `@automap.partition(mesh=mesh)` or `automap.partition(fn, mesh=mesh)`.
@@ -542,10 +564,13 @@ def partition(fn: Callable | None = None, *, mesh, hints: Hints | None = None,
   ~/.cache/automap; a folder path; or False for none), keyed by the
   program, mesh, hardware, hints, budget, memory limit, seed, search
   policy and versions. `search` and `policy` are as for `automap.search`.
+  `donate_argnums` donates arguments as `jax.jit` does (a train step's
+  params and optimizer state, so the update happens in place).
   """
   make = functools.partial(Partitioned, mesh=mesh, hints=hints, hardware=hardware,
                            budget=budget, memory_limit=memory_limit, seed=seed,
-                           cache=cache, search=search, policy=policy)
+                           cache=cache, search=search, policy=policy,
+                           donate_argnums=donate_argnums)
   if fn is None:
     return make
   if not callable(fn):
