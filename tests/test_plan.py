@@ -2,9 +2,11 @@
 
 import json
 
+import jax
 import jax.numpy as jnp
 import pytest
-from helpers import gpt_step, mesh, mlp
+from helpers import gpt_step, megatron_specs, mesh, mlp
+from jax.sharding import PartitionSpec as P
 
 import automap
 
@@ -49,6 +51,53 @@ def test_explain_lists_layouts_collectives_and_cost():
   assert "step time" in text and "peak memory" in text
   assert "0/block_0/mlp/wi/kernel" in text
   assert "block_0" in text and "all-" in text
+
+
+@pytest.mark.parametrize("shape", [(4, 2), (1, 8)])
+def test_per_layer_time_and_memory_add_up_to_the_cost(shape):
+  step, args = gpt_step()
+  plan = automap.search(step, *args, mesh=mesh(shape), hardware="cpu")
+  rows, c = plan.layers, plan.cost
+  assert [r.name for r in rows][:4] == ["embed", "GPT", "block_0", "block_1"]
+  assert sum(r.compute for r in rows) == pytest.approx(c.compute_time, rel=1e-9)
+  assert sum(r.comm for r in rows) == pytest.approx(c.comm_time, rel=1e-9)
+  # Memory is the peak's make-up: resident buffers and what is alive there.
+  assert sum(r.resident + r.temporary for r in rows) == pytest.approx(
+      c.peak_memory, rel=1e-9)
+  # Repeated blocks cost alike; their optimizer state is charged to them.
+  b0, b1 = rows[2], rows[3]
+  assert b0.compute == pytest.approx(b1.compute) and b0.resident == b1.resident
+  params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[0]["block_0"]))
+  assert b0.resident >= 3 * params / 8  # params, mu, nu; at most 8-way split
+
+
+def test_yardsticks_are_the_expert_strategies_under_the_same_model():
+  step, args = gpt_step()
+  m = mesh((4, 2))
+  plan = automap.search(step, *args, mesh=m, hardware="cpu")
+  dp = automap.evaluate(step, *args, mesh=m, hardware="cpu", in_shardings=megatron_specs(
+      args, data=("data", "model"), model=None))
+  assert plan.yardsticks["data parallel"].cost == dp
+  megatron = plan.yardsticks["Megatron + data parallel"]
+  assert megatron.cost.step_time > plan.cost.step_time
+  # `differs` names exactly the arguments laid out otherwise than the plan.
+  specs = dict(zip(plan.in_paths, plan.in_specs))
+  assert megatron.differs and all(specs[p] != s for p, s in megatron.differs.items())
+  assert megatron.differs["0/block_0/mlp/wi/kernel"] == P(None, "model")
+  text = plan.explain()
+  assert "Megatron + data parallel" in text and "x faster" in text
+  assert "communication over data" in text
+  assert "per layer" in text and "block_1" in text
+
+
+def test_explain_reports_memory_against_the_limit_and_plots(tmp_path):
+  step, args = gpt_step()
+  plan = automap.search(step, *args, mesh=mesh((4, 2)), hardware="cpu",
+                        memory_limit=64e6)
+  assert plan.memory_limit == 64e6
+  assert "of the 61.0 MiB limit" in plan.explain()
+  plan.plot(tmp_path / "plan.png")
+  assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_per_layer_collectives_add_up_to_the_cost():

@@ -269,7 +269,7 @@ def _plan_of(program: Program, found: _Found, memory_limit: float | None) -> Pla
         "devices, or give a larger search budget.")
   stats = dict(found.stats, graph_values=program.graph.num_values,
                graph_ops=program.graph.num_ops)
-  plan = program.make_plan(found.state, stats)
+  plan = program.make_plan(found.state, stats, memory_limit)
   plan.timings.update(found.timings)
   return plan
 

@@ -52,6 +52,7 @@ class Cost:
   comm_count: {(kind, axes): number of collectives}.
   peak_memory: bytes live at the peak, per device.
   argument_memory: bytes of arguments per device (part of peak_memory).
+  comm_seconds: {(kind, axes): seconds} of comm_time.
   """
 
   step_time: float
@@ -62,6 +63,8 @@ class Cost:
   comm_count: dict[tuple[str, tuple[str, ...]], int]
   peak_memory: float
   argument_memory: float
+  comm_seconds: dict[tuple[str, tuple[str, ...]], float] = dataclasses.field(
+      default_factory=dict)
 
   @property
   def total_comm_bytes(self) -> float:
@@ -75,6 +78,7 @@ class Cost:
         "comm_count": [[k, list(a), n] for (k, a), n in self.comm_count.items()],
         "peak_memory": self.peak_memory,
         "argument_memory": self.argument_memory,
+        "comm_seconds": [[k, list(a), t] for (k, a), t in self.comm_seconds.items()],
     }
 
   @classmethod
@@ -84,7 +88,8 @@ class Cost:
         comm_time=d["comm_time"], flops=d["flops"],
         comm_bytes={(k, tuple(a)): b for k, a, b in d["comm_bytes"]},
         comm_count={(k, tuple(a)): n for k, a, n in d["comm_count"]},
-        peak_memory=d["peak_memory"], argument_memory=d["argument_memory"])
+        peak_memory=d["peak_memory"], argument_memory=d["argument_memory"],
+        comm_seconds={(k, tuple(a)): t for k, a, t in d.get("comm_seconds", ())})
 
 
 class OpCost:
@@ -854,13 +859,16 @@ class Tracker:
 
   def cost(self) -> Cost:
     names = self.model.mesh.axis_names
-    comm_bytes, comm_count = {}, {}
+    comm_bytes, comm_count, comm_seconds = {}, {}, {}
     for kind, mask in zip(*np.nonzero(self.count > 0)):
       key = (KINDS[kind], tuple(n for a, n in enumerate(names) if mask >> a & 1))
       comm_bytes[key] = float(self.bytes[kind, mask])
       comm_count[key] = int(self.count[kind, mask])
+      comm_seconds[key] = float(self.seconds[kind, mask] + (
+          self.model.latency[kind, mask] if self.combined[kind, mask] else 0.0))
     return Cost(
         step_time=self.step_time, compute_time=float(self.compute),
         comm_time=self.comm_time, flops=float(self.flops),
         comm_bytes=comm_bytes, comm_count=comm_count,
-        peak_memory=self.peak_memory, argument_memory=self.args)
+        peak_memory=self.peak_memory, argument_memory=self.args,
+        comm_seconds=comm_seconds)

@@ -31,18 +31,82 @@ def format_spec(spec: PartitionSpec) -> str:
   return "P(" + ", ".join("None" if e is None else repr(e) for e in spec) + ")"
 
 
-def explain(plan) -> str:
-  mesh = ", ".join(f"{n}={s}" for n, s in zip(plan.mesh.axis_names,
-                                              plan.mesh.axis_sizes))
+def _ms(seconds: float) -> str:
+  return f"{seconds * 1e3:.3f} ms"
+
+
+def _axes_of(plan) -> dict[str, tuple[float, float]]:
+  """Mesh axes (joined by "+" where a collective spans several) -> their
+  (seconds, bytes)."""
+  c = plan.cost
+  out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+  for key, nbytes in c.comm_bytes.items():
+    row = out["+".join(key[1]) or "-"]
+    row[0] += c.comm_seconds.get(key, 0.0)
+    row[1] += nbytes
+  return {k: (t, b) for k, (t, b) in sorted(out.items())}
+
+
+def _summary(plan) -> list[str]:
+  mesh = ", ".join(f"{n}={s}" for n, s in zip(plan.mesh.axis_names, plan.mesh.axis_sizes))
   c = plan.cost
   lines = [
       f"automap plan for mesh ({mesh}) on {plan.hardware.name}",
-      f"  step time {c.step_time * 1e3:.3f} ms = compute "
-      f"{c.compute_time * 1e3:.3f} ms + communication {c.comm_time * 1e3:.3f} ms",
-      f"  peak memory {_fmt_bytes(c.peak_memory)} per device "
-      f"(arguments {_fmt_bytes(c.argument_memory)}), "
-      f"{c.flops / 1e9:.3f} GFLOP per device",
-      "", "arguments (grouped by layer):"]
+      f"  step time {_ms(c.step_time)} = compute {_ms(c.compute_time)} "
+      f"+ communication {_ms(c.comm_time)}; {c.flops / 1e9:.3f} GFLOP per device"]
+  for axes, (t, nbytes) in _axes_of(plan).items():
+    lines.append(f"    communication over {axes:<14} {_ms(t)}, {_fmt_bytes(nbytes)}")
+  limit = ("no memory limit" if plan.memory_limit is None else
+           f"{c.peak_memory / plan.memory_limit:.0%} of the "
+           f"{_fmt_bytes(plan.memory_limit)} limit")
+  lines.append(f"  peak memory {_fmt_bytes(c.peak_memory)} per device ({limit}), "
+               f"arguments {_fmt_bytes(c.argument_memory)}")
+  return lines
+
+
+def _yardsticks(plan) -> list[str]:
+  if not plan.yardsticks:
+    return []
+  c = plan.cost
+  lines = ["", "against the expert strategies (same cost model):",
+           f"  {'strategy':<26} {'step time':>12} {'compute':>12} {'comm':>12} "
+           f"{'peak memory':>12}  layouts",
+           f"  {'automap':<26} {_ms(c.step_time):>12} {_ms(c.compute_time):>12} "
+           f"{_ms(c.comm_time):>12} {_fmt_bytes(c.peak_memory):>12}"]
+  n = len(plan.in_paths)
+  for name, y in plan.yardsticks.items():
+    k = y.cost
+    speed = k.step_time / c.step_time if c.step_time else float("nan")
+    lines.append(
+        f"  {name:<26} {_ms(k.step_time):>12} {_ms(k.compute_time):>12} "
+        f"{_ms(k.comm_time):>12} {_fmt_bytes(k.peak_memory):>12}  "
+        f"{len(y.differs)} of {n} differ; automap {speed:.2f}x faster")
+  for name, y in plan.yardsticks.items():
+    if not y.differs:
+      continue
+    lines += ["", f"where automap differs from {name} (first 12):",
+              f"  {'argument':<48} {'automap':<24} {name}"]
+    specs = dict(zip(plan.in_paths, plan.in_specs))
+    for path, spec in list(y.differs.items())[:12]:
+      lines.append(f"  {path:<48} {format_spec(specs[path]):<24} {format_spec(spec)}")
+  return lines
+
+
+def _layers(plan) -> list[str]:
+  if not plan.layers:
+    return []
+  lines = ["", "per layer (per device; memory is the peak's make-up):",
+           f"  {'layer':<24} {'compute':>12} {'comm':>12} {'resident':>12} "
+           f"{'temporaries':>12}"]
+  for r in plan.layers:
+    lines.append(f"  {r.name:<24} {_ms(r.compute):>12} {_ms(r.comm):>12} "
+                 f"{_fmt_bytes(r.resident):>12} {_fmt_bytes(r.temporary):>12}")
+  return lines
+
+
+def explain(plan) -> str:
+  lines = _summary(plan) + _yardsticks(plan) + _layers(plan)
+  lines += ["", "arguments (grouped by layer):"]
   groups: dict[str, list[str]] = defaultdict(list)
   for path, shape, spec in zip(plan.in_paths, plan.in_shapes, plan.in_specs):
     parts = path.split("/")
@@ -69,3 +133,41 @@ def explain(plan) -> str:
   if actions:
     lines += ["actions taken:"] + [f"  {i + 1}. {a}" for i, a in enumerate(actions)]
   return "\n".join(lines)
+
+
+def plot(plan, path) -> None:
+  """Writes a PNG of per-layer time (compute, communication) and memory
+  (resident, temporaries at the peak) per device."""
+  try:
+    import matplotlib
+  except ImportError:
+    raise ImportError(
+        "Plan.plot needs matplotlib: pip install matplotlib (or automap[bench]).") from None
+  matplotlib.use("Agg")  # files only: no display needed
+  from matplotlib import pyplot as plt
+
+  if not plan.layers:
+    raise ValueError("this plan has no per-layer breakdown; search it again to plot it.")
+  names = [r.name for r in plan.layers]
+  x = range(len(names))
+  fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(6.0, 0.45 * len(names) + 2), 6),
+                                    sharex=True)
+  compute = [r.compute * 1e3 for r in plan.layers]
+  comm = [r.comm * 1e3 for r in plan.layers]
+  top.bar(x, compute, label="compute")
+  top.bar(x, comm, bottom=compute, label="communication")
+  top.set_ylabel("ms per step")
+  top.legend()
+  resident = [r.resident / 2**20 for r in plan.layers]
+  temporary = [r.temporary / 2**20 for r in plan.layers]
+  bottom.bar(x, resident, label="resident (params, optimizer state)")
+  bottom.bar(x, temporary, bottom=resident, label="temporaries at the peak")
+  bottom.set_ylabel("MiB per device")
+  bottom.legend()
+  bottom.set_xticks(list(x), names, rotation=60, ha="right", fontsize=8)
+  mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.mesh.axis_names, plan.mesh.axis_sizes))
+  top.set_title(f"automap plan on {mesh} ({plan.hardware.name}): "
+                f"{plan.cost.step_time * 1e3:.3f} ms per step")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

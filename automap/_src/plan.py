@@ -19,6 +19,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
+from automap._src.breakdown import LayerRow
 from automap._src.cost import Cost
 from automap._src.hardware import Hardware
 from automap._src.sharding import MeshSpec
@@ -39,6 +40,27 @@ def spec_from_json(entries: list) -> PartitionSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class Yardstick:
+  """An expert strategy priced on the plan's program and mesh.
+
+  cost: its predicted cost.
+  differs: argument path -> its PartitionSpec, where it differs from the plan's.
+  """
+
+  cost: Cost
+  differs: dict[str, PartitionSpec]
+
+  def to_json(self) -> dict:
+    return {"cost": self.cost.to_json(),
+            "differs": [[p, spec_to_json(s)] for p, s in self.differs.items()]}
+
+  @classmethod
+  def from_json(cls, d: dict) -> Yardstick:
+    return cls(Cost.from_json(d["cost"]),
+               {p: spec_from_json(s) for p, s in d["differs"]})
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
   """Shardings for one program signature on one mesh.
 
@@ -55,6 +77,11 @@ class Plan:
     from its own (the constraint to its own layout follows).
   cost: predicted cost under the cost model.
   collectives: predicted (scope, kind, axes, bytes, count) per op scope.
+  memory_limit: the bytes per device the search was held to (None: none).
+  layers: per layer, its compute and communication seconds and its share
+    of the peak memory (`breakdown.LayerRow`), in program order.
+  yardsticks: expert strategy name -> its cost on the same program and
+    mesh, and the argument layouts where it differs from the plan.
   stats: search statistics (strategy, episodes, evaluations, actions, ...),
     what the inputs and seed determine: the saved JSON is the same bytes
     run after run.
@@ -76,6 +103,9 @@ class Plan:
   cost: Cost
   collectives: tuple[tuple[str, str, tuple[str, ...], float, int], ...]
   stats: dict[str, Any]
+  memory_limit: float | None = None
+  layers: tuple[LayerRow, ...] = ()
+  yardsticks: dict[str, Yardstick] = dataclasses.field(default_factory=dict)
   in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
   out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
   timings: dict[str, float] = dataclasses.field(default_factory=dict, compare=False,
@@ -109,6 +139,9 @@ class Plan:
         "cost": self.cost.to_json(),
         "collectives": [[s, k, list(a), b, n] for s, k, a, b, n in self.collectives],
         "stats": self.stats,
+        "memory_limit": self.memory_limit,
+        "layers": [r.to_json() for r in self.layers],
+        "yardsticks": {k: y.to_json() for k, y in self.yardsticks.items()},
     }
 
   @classmethod
@@ -135,7 +168,10 @@ class Plan:
           cost=Cost.from_json(d["cost"]),
           collectives=tuple((s, k, tuple(a), b, n)
                             for s, k, a, b, n in d["collectives"]),
-          stats=dict(d["stats"]))
+          stats=dict(d["stats"]), memory_limit=d.get("memory_limit"),
+          layers=tuple(LayerRow.from_json(r) for r in d.get("layers", ())),
+          yardsticks={k: Yardstick.from_json(y)
+                      for k, y in d.get("yardsticks", {}).items()})
     except (KeyError, TypeError, ValueError, AttributeError) as e:
       raise PlanError(f"malformed plan: {e!r}") from e
 
@@ -182,6 +218,11 @@ class Plan:
     """A readable account: parameter layouts, collectives and cost."""
     from automap._src import explain
     return explain.explain(self)
+
+  def plot(self, path: str | os.PathLike) -> None:
+    """Writes a PNG of per-layer time and memory (needs matplotlib)."""
+    from automap._src import explain
+    explain.plot(self, path)
 
 
 def _tree(tree, paths, specs):

@@ -13,12 +13,13 @@ from collections.abc import Mapping
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from automap._src import breakdown
 from automap._src import graph as graph_lib
 from automap._src.cost import KINDS, CostModel, Tracker
 from automap._src.explain import layer_of
 from automap._src.graph import Graph
 from automap._src.hardware import Hardware
-from automap._src.plan import Plan
+from automap._src.plan import Plan, Yardstick
 from automap._src.sharding import (
   MeshError,
   MeshSpec,
@@ -110,7 +111,8 @@ class Program:
     total = float(g.nbytes[list(g.inputs)].sum() + g.nbytes[outs].sum())
     return total / self.mesh.num_devices
 
-  def make_plan(self, state: State, stats: dict) -> Plan:
+  def make_plan(self, state: State, stats: dict,
+                memory_limit: float | None = None) -> Plan:
     g, mesh = self.graph, self.mesh
     tracker = Tracker(self.model, state)
     op_costs = tracker.ops
@@ -164,4 +166,19 @@ class Program:
         cost=tracker.cost(),
         collectives=tuple((s, KINDS[k], a, b, n)
                           for (s, k, a), (b, n) in collectives.items()),
-        stats=stats, in_tree=self.traced.in_tree, out_tree=self.traced.out_tree)
+        stats=stats, memory_limit=memory_limit,
+        layers=breakdown.layers(self, tracker), yardsticks=self.yardsticks(state),
+        in_tree=self.traced.in_tree, out_tree=self.traced.out_tree)
+
+  def yardsticks(self, state: State) -> dict[str, Yardstick]:
+    """The expert strategies' costs, and where their argument layouts
+    differ from `state`'s."""
+    g, mesh = self.graph, self.mesh
+    out = {}
+    for name, other in breakdown.yardsticks(self).items():
+      differs = {}
+      for v, path in zip(g.inputs, self.traced.in_paths):
+        if (state[v] != other[v]).any():
+          differs[path] = spec_of(other, mesh, v, g.rank(v))
+      out[name] = Yardstick(Tracker(self.model, other).cost(), differs)
+    return out
