@@ -33,11 +33,15 @@ def state_arguments(traced: Traced) -> np.ndarray:
   Carried arguments, and arguments mirrored by a result of the same type
   under the same path below its top-level position: the parameters of a
   (loss, grads) function, whose gradients come back as `1/<path>` for
-  `0/<path>`. The rest (the batch) is data.
+  `0/<path>`, or those of a step returning its new parameters alone as
+  `<path>`. The rest (the batch) is data.
   """
   tail = lambda p: p.split("/", 1)[1] if "/" in p else ""  # noqa: E731
   outs = {(tail(p), tuple(a.shape), str(a.dtype))
           for p, a in zip(traced.out_paths, traced.out_avals) if tail(p)}
+  # A step returning its new params alone (not in a tuple) gives `<path>`.
+  outs |= {(p, tuple(a.shape), str(a.dtype))
+           for p, a in zip(traced.out_paths, traced.out_avals) if p}
   mirrored = np.array([(tail(p), tuple(a.shape), str(a.dtype)) in outs
                        for p, a in zip(traced.in_paths, traced.in_avals)], bool)
   return carried_arguments(traced) | mirrored
