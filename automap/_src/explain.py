@@ -85,10 +85,10 @@ def _yardsticks(plan) -> list[str]:
     if not y.differs:
       continue
     lines += ["", f"where automap differs from {name} (first 12):",
-              f"  {'argument':<48} {'automap':<24} {name}"]
+              f"  {'argument':<48} {'automap':<30} {name}"]
     specs = dict(zip(plan.in_paths, plan.in_specs))
     for path, spec in list(y.differs.items())[:12]:
-      lines.append(f"  {path:<48} {format_spec(specs[path]):<24} {format_spec(spec)}")
+      lines.append(f"  {path:<48} {format_spec(specs[path]):<30} {format_spec(spec)}")
   return lines
 
 
