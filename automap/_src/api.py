@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 from rich import progress as progress_lib
 
@@ -353,6 +354,14 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
   return _plan_of(*best, request.memory_limit)
 
 
+def _abstract(args: tuple) -> tuple:
+  """`args` as ShapeDtypeStructs, for `lower`: jit refuses host (numpy)
+  arguments whose shardings span devices of other processes."""
+  _, tree, _, avals = trace_lib.flatten_args(args)
+  return jax.tree.unflatten(tree, [
+      jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals])
+
+
 def _is_spec_leaf(x) -> bool:
   return x is None or isinstance(x, (PartitionSpec, NamedSharding))
 
@@ -406,7 +415,7 @@ def verify(plan: Plan, fn: Callable, *args, mesh=None,
   predicted = Tracker(program.model, program.state_from_plan(plan)).cost()
   jitted = apply_lib.jit_with_plan(traced, mesh, plan)
   with jax.set_mesh(apply_lib.auto_mesh(mesh)):
-    compiled = jitted.lower(*args).compile()
+    compiled = jitted.lower(*_abstract(args)).compile()
   found = verify_lib.collectives(compiled.as_text(), mesh)
   memory, stats = verify_lib.compiled_memory(compiled)
   max_abs = max_rel = None
@@ -418,6 +427,9 @@ def verify(plan: Plan, fn: Callable, *args, mesh=None,
       placed = jax.device_put(
           args, apply_lib.plan_shardings(mesh, plan.in_specs, traced.in_tree))
       actual = jitted(*placed)
+    if not all(x.is_fully_addressable for x in jax.tree.leaves(actual)):
+      # The mesh spans processes: every process compares the whole result.
+      actual = multihost_utils.process_allgather(actual, tiled=True)
     max_abs, max_rel = verify_lib.compare_numerics(expected, actual)
   return verify_lib.Report(
       predicted=predicted, compiled_comm_bytes=verify_lib.summarize(found),
@@ -522,7 +534,7 @@ class Partitioned:
     args = self._positional(args, kwargs)
     entry = self._entry(args)  # Traced outside the mesh context, like calls.
     with jax.set_mesh(self._auto):
-      return entry.jitted.lower(*args)
+      return entry.jitted.lower(*_abstract(args))
 
   @property
   def plan(self) -> Plan | None:
