@@ -31,6 +31,7 @@ Y), inside an outer loop over the data-parallel degree and ZeRO stage.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -341,6 +342,38 @@ class _StageCosts:
     self._longest: dict[int, float] = {}
     self._fastest: dict[int, float] = {0: 0.0}
 
+  @functools.cached_property
+  def cut(self) -> float:
+    """Seconds every stage of a pipeline of two or more spends at least on
+    transfers: a connected graph's stage has an edge crossing its border,
+    sent forward and its gradient back, at the widest width on the fastest
+    link."""
+    graph, hw = self.graph, self.options.hw
+    if len(graph.layers) < 2 or not self._connected():
+      return 0.0
+    widest = max(max(layer.widths) for layer in graph.layers)
+    if self.options.widths is not None:
+      widest = min(widest, max(self.options.widths))
+    least = min(b for _, _, b in self.edges)
+    if not least:
+      return 0.0
+    return 2 * (least / widest / max(hw.link_bandwidth, hw.network_bandwidth)
+                + min(hw.link_latency, hw.network_latency))
+
+  def _connected(self) -> bool:
+    n = len(self.graph.layers)
+    parent = list(range(n))
+
+    def root(i: int) -> int:
+      while parent[i] != i:
+        parent[i] = parent[parent[i]]
+        i = parent[i]
+      return i
+
+    for a, b, _ in self.edges:
+      parent[root(a)] = root(b)
+    return len({root(i) for i in range(n)}) == 1
+
   def work(self, members: int) -> float:
     """Device-seconds per microbatch the layers need at least (over widths)."""
     if members not in self._work:
@@ -372,8 +405,10 @@ class _StageCosts:
     # parameters twice: device-seconds on top of the compute.
     per_microbatch = {0: 0.0, 1: 0.0, 2: 1.0, 3: 3.0}[zero] * (d - 1) / d
     floor = max((work + per_microbatch * param_work / bandwidth) / per_pipeline, longest)
+    # Two stages or more: each also sends and receives across its border.
+    cut = self.cut
     return ring * param_work / per_pipeline / bandwidth + min(
-        (m + s - 1) * max(fastest / s, floor)
+        (m + s - 1) * (max(fastest / s, floor) + (cut if s > 1 else 0.0))
         for s in range(1, min(len(layers), per_pipeline) + 1))
 
   def fastest(self, members: int) -> float:
@@ -513,20 +548,20 @@ class _StageCosts:
 
 
 def _floor(before: int, t_max: float, longest: float, work: float, fastest: float, spare: int,
-           head: int) -> float:
+           head: int, cut: float) -> float:
   """A lower bound on (m + S - 1) * max T with `before` = m + (stages so far)
   and `head` still to place on at most `spare` devices in S' >= 1 more stages:
   min over S' of (before + S') * max(T so far, the slowest layer, the work
   over the devices, the layers' fastest times over S'), at the S' where the
-  last two cross."""
+  last two cross; each new stage also pays the least transfer `cut`."""
   if not head:
     return before * t_max
   if spare <= 0:
     return math.inf
-  floor = max(t_max, longest, work / spare)
+  floor = max(longest, work / spare)
   cross = fastest / floor
   options = {max(1, min(spare, math.floor(cross))), max(1, min(spare, math.ceil(cross)))}
-  return min((before + s) * max(floor, fastest / s) for s in options)
+  return min((before + s) * max(t_max, max(floor, fastest / s) + cut) for s in options)
 
 
 def _bits(mask: int) -> list[int]:
@@ -560,7 +595,8 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
         longest, work = costs.longest(head), costs.work(head)
         spare = per_pipeline - least_used - 1
         if (costs.least_memory(members, d, zero) > options.memory
-            or _floor(m + k, least_t, longest, work, costs.fastest(head), spare, head)
+            or _floor(m + k, least_t, longest, work, costs.fastest(head), spare, head,
+                      costs.cut)
             + least_y >= bound):
           continue
         for t in costs.widths(members):
@@ -685,17 +721,36 @@ def _search(graph: LayerGraph, options: _Options, data_parallel: int | None,
   downs = _downsets(graph)
   costs = _StageCosts(graph, options)
   best: Placement | None = None
+  # ZeRO 1 costs what ZeRO 0 does (one all-reduce per batch) in less memory:
+  # with both allowed only ZeRO 1 is searched, and its plan is reported as
+  # ZeRO 0 when it fits unsharded too.
+  either = 0 in options.zero and 1 in options.zero
   # Most promising first (by lower bound): a good plan early prunes the rest.
   tries = sorted((costs.lower_bound(d, z), -d, z) for d in range(1, options.devices + 1)
                  for z in options.zero
                  if not options.microbatches % d and data_parallel in (None, d)
-                 and not (z and d == 1 and 0 in options.zero))  # d = 1: nothing to shard
+                 and not (z and d == 1 and 0 in options.zero)  # d = 1: nothing to shard
+                 and not (z == 0 and d > 1 and either))
   for floor, d, z in tries:
     if floor >= (bound if best is None else best.time):
       break
     plan = _place_for(graph, costs, downs, -d, z, bound if best is None else best.time)
     best = plan or best
+  if best is not None and best.zero == 1 and either:
+    best = _unsharded(costs, best) or best
   return best
+
+
+def _unsharded(costs: _StageCosts, plan: Placement) -> Placement | None:
+  """`plan` under ZeRO 0 (the same times), if every stage still fits."""
+  stages = []
+  for s in plan.stages:
+    members = sum(1 << costs.index[name] for name in s.layers)
+    memory = costs.memory(members, s.width, s.recompute, s.in_flight, plan.data_parallel, 0)
+    if memory > costs.options.memory:
+      return None
+    stages.append(dataclasses.replace(s, memory=memory))
+  return dataclasses.replace(plan, zero=0, stages=tuple(stages))
 
 
 def _options(devices, microbatches, hardware, memory_limit, optimizer, zero, recompute,
