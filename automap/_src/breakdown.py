@@ -44,6 +44,32 @@ class LayerRow:
     return cls(*row)
 
 
+def op_seconds(model, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Per op, (compute, communication) seconds as the Tracker counts them: a
+  resharded copy paid by its first reader, combined reductions' latency once
+  (on the last op of the combination)."""
+  g = model.graph
+  compute, comm = np.zeros(g.num_ops), np.zeros(g.num_ops)
+  copies: set[tuple] = set()
+  combined: dict[tuple[int, int], int] = {}  # (kind, mask) -> last op combined
+  for o in range(g.num_ops):
+    c = model.op_cost(state, o)
+    compute[o] = c.time
+    for kind, mask, nbytes, secs, position, target in c.comms:
+      if position >= 0:  # one resharded copy serves every reader: the first pays
+        key = model.copy_key(o, position, kind, mask, target, nbytes)
+        if key in copies:
+          continue
+        copies.add(key)
+      elif model.late[o]:
+        secs -= model.latency[kind, mask]
+        combined[(kind, mask)] = o
+      comm[o] += secs
+  for (kind, mask), o in combined.items():
+    comm[o] += model.latency[kind, mask]
+  return compute, comm
+
+
 def layers(program, tracker: Tracker) -> tuple[LayerRow, ...]:
   """Per layer, in program order, its compute, communication and memory."""
   g, model = program.graph, program.model
@@ -54,22 +80,10 @@ def layers(program, tracker: Tracker) -> tuple[LayerRow, ...]:
   comm = dict.fromkeys(names, 0.0)
   resident = dict.fromkeys(names, 0.0)
   temporary = dict.fromkeys(names, 0.0)
-  copies = set()
-  for o, c in enumerate(tracker.ops):
-    if model.dead[o]:
-      continue
-    compute[of_op[o]] += c.time
-    for kind, mask, nbytes, seconds, position, target in c.comms:
-      if position >= 0:
-        key = model.copy_key(o, position, kind, mask, target, nbytes)
-        if key in copies:
-          continue
-        copies.add(key)
-      elif model.late[o]:
-        # Combined with the others of its kind and axes: latency paid once,
-        # by the combined collective (a row of its own).
-        seconds -= model.latency[kind, mask]
-      comm[of_op[o]] += seconds
+  seconds = op_seconds(model, tracker.state)
+  for o in np.flatnonzero(~model.dead):
+    compute[of_op[o]] += float(seconds[0][o])
+    comm[of_op[o]] += float(seconds[1][o])
 
   out_paths = {v: p for v, p in zip(g.outputs, program.traced.out_paths) if v >= 0}
 
@@ -104,12 +118,7 @@ def layers(program, tracker: Tracker) -> tuple[LayerRow, ...]:
           temporary[of_op[o]] += nbytes
         if peak == last and end < last:
           temporary[of_op[o]] += early
-  rows = [LayerRow(n, float(compute[n]), float(comm[n]), resident[n], temporary[n])
-          for n in names]
-  combined = float(model.latency[tracker.combined > 0].sum())
-  if combined:
-    rows.append(LayerRow("(combined reductions)", 0.0, combined, 0.0, 0.0))
-  return tuple(rows)
+  return tuple(LayerRow(n, compute[n], comm[n], resident[n], temporary[n]) for n in names)
 
 
 # The expert strategies a plan is measured against.

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from automap._src import api
+from automap._src import api, breakdown
 from automap._src.cluster import accelerator as acc_lib
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster.placement import (
@@ -181,7 +181,7 @@ def _profile(workload: Workload, hardware: Hardware, widths, sizes, search) -> _
     forward[(size, t)] = [_passes(program, state, ops) for ops in fw_ops]
     backward[(size, t)] = [(_passes(program, state, ops), cut.runs.get(label, [len(cut.names) - 1]))
                            for label, ops in bw_ops.items()]
-    comm[(size, t)] = cut.split(layers_lib.op_seconds(program.model, state)[1])
+    comm[(size, t)] = cut.split(breakdown.op_seconds(program.model, state)[1])
   return _Profiled(workload, profile.graphs, forward, backward, comm)
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from automap._src import api
+from automap._src import api, breakdown
 from automap._src import trace as trace_lib
 from automap._src.cluster.placement import Layer, LayerCost, LayerGraph, PlacementError
 from automap._src.explain import layer_of
@@ -166,32 +166,6 @@ def sharding_search(budget, seed: int = 0) -> Callable[[Program], np.ndarray]:
   return search
 
 
-def op_seconds(model, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Per op, (compute, communication) seconds as the Tracker counts them: a
-  resharded copy paid by its first reader, combined reductions' latency once
-  (on the last op of the combination)."""
-  g = model.graph
-  compute, comm = np.zeros(g.num_ops), np.zeros(g.num_ops)
-  copies: set[tuple] = set()
-  combined: dict[tuple[int, int], int] = {}  # (kind, mask) -> last op combined
-  for o in range(g.num_ops):
-    c = model.op_cost(state, o)
-    compute[o] = c.time
-    for kind, mask, nbytes, secs, position, target in c.comms:
-      if position >= 0:  # one resharded copy serves every reader: the first pays
-        key = model.copy_key(o, position, kind, mask, target, nbytes)
-        if key in copies:
-          continue
-        copies.add(key)
-      elif model.late[o]:
-        secs -= model.latency[kind, mask]
-        combined[(kind, mask)] = o
-      comm[o] += secs
-  for (kind, mask), o in combined.items():
-    comm[o] += model.latency[kind, mask]
-  return compute, comm
-
-
 def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
                  params_count: int) -> dict[int, LayerGraph]:
   """Per width, the layer graph of one traced gradient program (built for a
@@ -206,7 +180,7 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
   graphs = {}
   for t, (program, state) in width_states.items():
     model = program.model
-    compute, comm = op_seconds(model, state)
+    compute, comm = breakdown.op_seconds(model, state)
     fw, bw = cut.split(compute + comm)
     coll = sum(cut.split(comm))
     param_bytes = np.zeros(len(names))
