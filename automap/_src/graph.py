@@ -10,7 +10,7 @@ trip count, linked to the scan's operands and results by tie ops that keep
 the step dimension whole; the rewritten program runs the scan with its body
 re-interpreted, constraints inside. `while` and `cond` stay single opaque
 ops whose operands and results are kept whole: conservative and always
-correct.
+correct (operands no branch of a `cond` reads take no layout: XLA drops them).
 
 Shape letters: V values, O ops.
 """
@@ -219,6 +219,19 @@ def eqn_flops(eqn) -> float:
   return rules.flops(name, ins, outs, params)
 
 
+def _unread_cond_operands(eqn) -> set[int]:
+  """Operand positions of a `cond` that no branch reads (nor returns); the
+  first operand, the branch index, is always read."""
+  unread = None
+  for branch in eqn.params["branches"]:
+    jaxpr = branch.jaxpr if isinstance(branch, jex.ClosedJaxpr) else branch
+    read = {id(v) for e in jaxpr.eqns for v in e.invars}
+    read |= {id(v) for v in jaxpr.outvars}
+    mine = {p + 1 for p, v in enumerate(jaxpr.invars) if id(v) not in read}
+    unread = mine if unread is None else unread & mine
+  return unread or set()
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Graph:
   """The partitioning IR of one traced program.
@@ -318,6 +331,11 @@ class _Builder:
                          _is_numpy(v.aval.dtype) for v in eqn.outvars)
     if name in DELIBERATELY_REPLICATED or exotic:
       rule = rules.replicated_rule(in_shapes, out_shapes)
+      if name == "cond":
+        # XLA drops operands no branch reads instead of gathering them.
+        unread = _unread_cond_operands(eqn)
+        rule = rule._replace(operands=tuple(
+            None if p in unread else dims for p, dims in enumerate(rule.operands)))
     else:
       if not rules.has_rule(name):
         self.unknown[name] = self.unknown.get(name, 0) + 1
