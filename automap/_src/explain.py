@@ -12,6 +12,8 @@ _TRANSFORMS = re.compile(r"^(?:[a-z_]+\(|\))+|\)+")
 
 def layer_of(scope: str, depth: int = 1) -> str:
   """`transpose(jvp(GPT))/block_1/mlp/wi` -> `block_1` (depth 1)."""
+  if scope == "(top level)":  # already a layer name
+    return scope
   parts = [p for p in (_TRANSFORMS.sub("", s) for s in scope.split("/")) if p]
   # Drop a leading model-class name (GPT, Model...) that every op shares.
   if len(parts) > 1 and parts[0][:1].isupper():
