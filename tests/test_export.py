@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import gpt_step, mesh
 from jax.sharding import NamedSharding, PartitionSpec
 
 import automap
 from automap._src.plan import Plan, PlanError
-from tests.helpers import gpt_step, mesh
 
 P = PartitionSpec
 
