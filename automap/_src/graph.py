@@ -330,12 +330,11 @@ class _Builder:
                      if not isinstance(x, Literal)) or not all(
                          _is_numpy(v.aval.dtype) for v in eqn.outvars)
     if name in DELIBERATELY_REPLICATED or exotic:
-      rule = rules.replicated_rule(in_shapes, out_shapes)
-      if name == "cond":
-        # XLA drops operands no branch reads instead of gathering them.
-        unread = _unread_cond_operands(eqn)
-        rule = rule._replace(operands=tuple(
-            None if p in unread else dims for p, dims in enumerate(rule.operands)))
+      # XLA drops a cond's operands no branch reads instead of gathering
+      # them: they take no layout.
+      unread = _unread_cond_operands(eqn) if name == "cond" else set()
+      rule = rules.replicated_rule(
+          [None if p in unread else s for p, s in enumerate(in_shapes)], out_shapes)
     else:
       if not rules.has_rule(name):
         self.unknown[name] = self.unknown.get(name, 0) + 1
