@@ -7,6 +7,7 @@ import pytest
 
 import automap
 from automap import Layer, LayerCost, LayerGraph
+from automap._src.cluster import placement
 
 GiB = 2**30
 
@@ -142,6 +143,60 @@ def test_random_graphs_match_brute_force(seed):
   assert all(s.memory <= hbm for s in plan.stages)
   assert sorted(n for s in plan.stages for n in s.layers) == sorted(
       layer.name for layer in graph.layers)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_repeated_blocks_under_tight_memory_match_brute_force(seed):
+  # Stages of a repeated block share their costs, and the memory bounds
+  # prune: both must leave the optimum where the brute force finds it.
+  rng = np.random.default_rng(100 + seed)
+  block = random_graph(rng, 1, branching=False).layers[0]
+  ends = random_graph(rng, 2, branching=False).layers
+  graph = LayerGraph.chain([ends[0], Layer("block", block.widths), ends[1]],
+                           float(rng.uniform(0, 2e8))).repeat("block", int(rng.integers(2, 5)))
+  devices, microbatches = int(rng.choice([4, 8])), int(rng.choice([4, 8, 16]))
+  # From roomy to barely enough: stashing, recompute and ZeRO each decide.
+  hbm = float(rng.uniform(5, 14)) * 1e9
+  zero = int(rng.integers(0, 2))
+  brute = brute_force(graph, devices=devices, microbatches=microbatches, hbm=hbm, sync=4 * GiB,
+                      optimizer=2.0, zero=zero)
+  run = lambda: automap.place(  # noqa: E731
+      graph, devices=devices, microbatches=microbatches, optimizer=2.0, zero=zero,
+      hardware=flat(hbm))
+  if np.isinf(brute):
+    with pytest.raises(automap.PlacementError, match="memory_limit"):
+      run()
+    return
+  plan = run()
+  assert plan.time == pytest.approx(brute, rel=1e-9)
+  assert all(s.memory <= hbm for s in plan.stages)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_memory_bound_never_exceeds_the_best_assignment(seed):
+  # The planner prunes with `packed`: a relaxation of choosing each layer's
+  # width and recompute within a memory budget. It must never exceed the
+  # best such choice, or the search would discard optimal plans.
+  rng = np.random.default_rng(200 + seed)
+  graph = random_graph(rng, 4, branching=False)
+  options = placement._options(8, 8, flat(4e9), None, 2.0, (0, 1), None, None, None)
+  costs = placement._StageCosts(graph, options)
+  in_flight, d, zero = int(rng.integers(1, 5)), int(rng.choice([1, 2])), int(rng.integers(0, 2))
+  menus = []
+  for layer in graph.layers:
+    menu = []
+    for t, c in layer.widths.items():
+      fixed = 2 * c.params + 2.0 * c.params / (d if zero else 1)
+      menu += [(t * (c.forward + c.backward), t * (fixed + in_flight * c.activations)),
+               (t * (2 * c.forward + c.backward), t * (fixed + c.activations))]
+    menus.append(menu)
+  everything = (1 << len(graph.layers)) - 1
+  for devices in (1, 2, 4, 5, 6, 7, 8, 10, 12, 16):
+    best = min((sum(w for w, _ in pick) for pick in itertools.product(*menus)
+                if sum(b for _, b in pick) <= devices * 4e9), default=np.inf)
+    bound = costs.packed(everything, in_flight, d, zero, devices)
+    assert bound <= best * (1 + 1e-12)
+    assert bound >= sum(min(w for w, _ in menu) for menu in menus) * (1 - 1e-12)
 
 
 def test_branching_stages_are_downsets():

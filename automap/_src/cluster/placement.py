@@ -330,17 +330,31 @@ class _StageCosts:
     self.ring = _Ring(options.hw)
     self.index = {layer.name: i for i, layer in enumerate(graph.layers)}
     self.edges = [(self.index[s], self.index[d], float(b)) for s, d, b in graph.edges]
-    self._sums: dict[tuple[int, int], tuple[float, ...]] = {}
-    self._least: dict[tuple, float] = {}
+    self._ins: list[list[tuple[int, float]]] = [[] for _ in graph.layers]
+    self._outs: list[list[tuple[int, float]]] = [[] for _ in graph.layers]
+    for s, d, b in self.edges:
+      self._ins[d].append((s, b))
+      self._outs[s].append((d, b))
+    self._signatures: dict[int, tuple] = {}
+    self._sums: dict[tuple, tuple[float, ...]] = {}
+    self._menu_of: dict[tuple, tuple[float, list]] = {}
     self._terms: dict[tuple, tuple[float, float, float]] = {}
     self._levels: dict[tuple[int, int, int], tuple[bool, bool, bool]] = {}
     self._tables: dict[tuple, dict[int, tuple[float, float]]] = {}
     self._times: dict[tuple, tuple[float, float]] = {}
     self._inside: dict[int, list[int]] = {}
-    self._widths: dict[int, list[int]] = {}
-    self._work: dict[int, float] = {0: 0.0}
+    self._widths: dict[tuple, list[int]] = {}
     self._longest: dict[int, float] = {}
     self._fastest: dict[int, float] = {0: 0.0}
+    # Layers priced alike (a repeated block) share one template.
+    kinds: dict[tuple, int] = {}
+    self.kind = [kinds.setdefault(tuple(sorted(layer.widths.items())), len(kinds))
+                 for layer in graph.layers]
+    self.example: dict[int, Layer] = {}
+    for layer, kind in zip(graph.layers, self.kind):
+      self.example.setdefault(kind, layer)
+    self._hulls: dict[tuple, tuple[float, float, list[tuple[float, float]]]] = {}
+    self._packs: dict[tuple, tuple[float, float, list[tuple[float, float]]]] = {}
 
   @functools.cached_property
   def cut(self) -> float:
@@ -374,25 +388,19 @@ class _StageCosts:
       parent[root(a)] = root(b)
     return len({root(i) for i in range(n)}) == 1
 
-  def work(self, members: int) -> float:
-    """Device-seconds per microbatch the layers need at least (over widths)."""
-    if members not in self._work:
-      self._work[members] = sum(
-          min(t * (c.forward + c.backward) for t, c in self.graph.layers[i].widths.items())
-          for i in _bits(members))
-    return self._work[members]
-
   def lower_bound(self, d: int, zero: int) -> float:
     """Seconds per batch no placement with d replicas and this ZeRO stage
     beats. With S stages on at most P devices the slowest stage takes at
     least the layers' fastest times summed over S, their device-seconds over
-    P, and the slowest layer; the largest stage holds at least 1/P of the
-    parameters' device-bytes, which the sync moves over the fastest link."""
+    P (as they fit in P devices' memory), and the slowest layer; the largest
+    stage holds at least 1/P of the parameters' device-bytes, which the sync
+    moves over the fastest link."""
     o = self.options
     m, per_pipeline = o.microbatches // d, o.devices // d
     layers = self.graph.layers
     everything = (1 << len(layers)) - 1
-    work, longest = self.work(everything), self.longest(everything)
+    # Each stage keeps a microbatch in flight at least, on P devices' memory.
+    work, longest = self.packed(everything, 1, d, zero, per_pipeline), self.longest(everything)
     fastest = self.fastest(everything)
     param_work = sum(min(t * c.params for t, c in layer.widths.items()) for layer in layers)
     # A replica's stage and its copies span (d - 1) * P + 1 devices at least:
@@ -410,6 +418,66 @@ class _StageCosts:
     return ring * param_work / per_pipeline / bandwidth + min(
         (m + s - 1) * (max(fastest / s, floor) + (cut if s > 1 else 0.0))
         for s in range(1, min(len(layers), per_pipeline) + 1))
+
+  def packed(self, members: int, in_flight: int, d: int, zero: int, devices: int) -> float:
+    """Device-seconds per microbatch the layers need at least when every
+    stage holding them keeps `in_flight` microbatches or more and they share
+    `devices` devices' memory: each layer takes a (width, recompute) option
+    priced in device-seconds and device-bytes, and the fractional relaxation
+    of that multiple-choice knapsack is solved exactly (each layer starts at
+    its fastest option and trades time for bytes along its convex hull,
+    cheapest trades first). Infinite when even the smallest options overflow."""
+    kinds = self.signature(members)[0]
+    key = (kinds, in_flight, d, zero)
+    pack = self._packs.get(key)
+    if pack is None:
+      work = size = 0.0
+      trades = []
+      for kind, count in kinds:
+        w, b, hull = self._hull(kind, in_flight, d, zero)
+        work, size = work + count * w, size + count * b
+        trades += [(rate, count * saved) for rate, saved in hull]
+      pack = self._packs[key] = (work, size, sorted(trades))
+    work, size, trades = pack
+    excess = size - devices * self.options.memory
+    for rate, saved in trades:
+      if excess <= 0:
+        break
+      work += rate * min(saved, excess)
+      excess -= saved
+    return work if excess <= 0 else math.inf
+
+  def _hull(self, kind: int, in_flight: int, d: int, zero: int):
+    """(device-seconds, device-bytes) of a layer kind's fastest option and
+    the trades (extra seconds per byte saved, bytes saved) down its convex
+    hull, rates increasing."""
+    key = (kind, in_flight, d, zero)
+    if key not in self._hulls:
+      o = self.options
+      layer = self.example[kind]
+      shard = lambda level: d if zero >= level else 1  # noqa: E731
+      points = []
+      for t, c in layer.widths.items():
+        if o.widths is not None and t not in o.widths:
+          continue
+        fixed = c.params / shard(3) + c.params / shard(2) + o.optimizer * c.params / shard(1)
+        for recompute in o.recompute:
+          points.append((t * (c.forward + c.backward + (c.forward if recompute else 0.0)),
+                         t * (fixed + (c.activations if recompute else in_flight * c.activations))))
+      if not points:
+        self._hulls[key] = (math.inf, math.inf, [])
+        return self._hulls[key]
+      w, b = min(points)
+      hull = []
+      while True:
+        lower = [((pw - w) / (b - pb), -pb, pw) for pw, pb in points if pb < b]
+        if not lower:
+          break
+        rate, neg_b, pw = min(lower)
+        hull.append((rate, b + neg_b))
+        w, b = pw, -neg_b
+      self._hulls[key] = (*min(points), hull)
+    return self._hulls[key]
 
   def fastest(self, members: int) -> float:
     """The layers' seconds per microbatch at their fastest widths, summed."""
@@ -430,37 +498,52 @@ class _StageCosts:
 
   def widths(self, members: int) -> list[int]:
     """Tensor-parallel widths every layer of the stage prices (and allowed)."""
-    if members not in self._widths:
-      layers = [self.graph.layers[i] for i in _bits(members)]
-      common = set.intersection(*(set(layer.widths) for layer in layers))
+    kinds = self.signature(members)[0]
+    if kinds not in self._widths:
+      common = set.intersection(*(set(self.example[kind].widths) for kind, _ in kinds))
       if self.options.widths is not None:
         common &= set(self.options.widths)
-      self._widths[members] = sorted(common)
-    return self._widths[members]
+      self._widths[kinds] = sorted(common)
+    return self._widths[kinds]
 
   def sums(self, members: int, t: int) -> tuple[float, ...]:
     """(forward, backward, params, activations, collectives, largest params,
     bytes in, bytes out) of a stage, per microbatch per device at width t."""
-    key = (members, t)
+    sig = self.signature(members)
+    key = (sig, t)
     if key not in self._sums:
-      costs = [self.graph.layers[i].widths[t] for i in _bits(members)]
-      fw = sum(c.forward for c in costs)
-      bw = sum(c.backward for c in costs)
-      params = sum(c.params for c in costs)
-      acts = sum(c.activations for c in costs)
-      coll = sum(c.collectives for c in costs)
-      largest = max(c.params for c in costs)
-      b_in = sum(b for s, d, b in self.edges if members >> d & 1 and not members >> s & 1)
-      b_out = sum(b for s, d, b in self.edges if members >> s & 1 and not members >> d & 1)
+      kinds, b_in, b_out = sig
+      costs = [(n, self.example[kind].widths[t]) for kind, n in kinds]
+      fw = sum(n * c.forward for n, c in costs)
+      bw = sum(n * c.backward for n, c in costs)
+      params = sum(n * c.params for n, c in costs)
+      acts = sum(n * c.activations for n, c in costs)
+      coll = sum(n * c.collectives for n, c in costs)
+      largest = max(c.params for _, c in costs)
       self._sums[key] = (fw, bw, params, acts, coll, largest, b_in / t, b_out / t)
     return self._sums[key]
+
+  def signature(self, members: int) -> tuple:
+    """What a stage's costs depend on: how many layers of each kind it
+    holds, and the bytes per microbatch on edges into and out of it. Stages
+    of a repeated block that hold as many blocks share their costs."""
+    sig = self._signatures.get(members)
+    if sig is None:
+      counts: dict[int, int] = {}
+      into = out = 0.0
+      for i in _bits(members):
+        counts[self.kind[i]] = counts.get(self.kind[i], 0) + 1
+        into += sum(b for s, b in self._ins[i] if not members >> s & 1)
+        out += sum(b for d, b in self._outs[i] if not members >> d & 1)
+      sig = self._signatures[members] = (tuple(sorted(counts.items())), into, out)
+    return sig
 
   def memory_terms(self, members: int, t: int, d: int, zero: int) -> tuple[float, ...]:
     """(fixed, bytes in, activations): a stage's memory per device is
     fixed + in_flight * activations when stashing, fixed + in_flight * bytes in
     + activations when recomputing. Fixed: parameters, gradients and optimizer
     state, each sharded over data parallelism from its ZeRO stage on."""
-    key = (members, t, d, zero)
+    key = (self.signature(members), t, d, zero)
     if key not in self._terms:
       _, _, params, acts, _, largest, b_in, _ = self.sums(members, t)
       shard = lambda level: d if zero >= level else 1  # noqa: E731
@@ -476,14 +559,27 @@ class _StageCosts:
     fixed, b_in, acts = self.memory_terms(members, t, d, zero)
     return fixed + (in_flight * b_in + acts if recompute else in_flight * acts)
 
-  def least_memory(self, members: int, d: int, zero: int) -> float:
-    """A lower bound on `memory` over widths, recompute and in-flight counts
-    (it grows with the stage: a stage too big stays too big)."""
-    key = (members, d, zero)
-    if key not in self._least:
-      self._least[key] = min(self.memory(members, t, True, 0, d, zero)
-                             for t in self.widths(members)) if self.widths(members) else math.inf
-    return self._least[key]
+  def menu(self, members: int, d: int, zero: int, per_pipeline: int) -> tuple[float, list]:
+    """A stage's choices: (the most microbatches any keeps in flight within
+    the memory limit, [(width, recompute, bytes, bytes per microbatch in
+    flight, timing)]), timing being (T, Y) where the stage's position changes
+    nothing (one link level) and else a memo of them by first device."""
+    key = (self.signature(members), d, zero)
+    if key not in self._menu_of:
+      limit, flat = self.options.memory, self.options.hw.devices_per_node >= self.options.devices
+      most, menu = -math.inf, []
+      for t in self.widths(members):
+        fixed, b_in, acts = self.memory_terms(members, t, d, zero)
+        for recompute in self.options.recompute:
+          base, per_flight = (fixed + acts, b_in) if recompute else (fixed, acts)
+          if base + per_flight > limit:  # not even one microbatch in flight fits
+            continue
+          most = max(most, (limit - base) / per_flight * (1 + 1e-9) if per_flight else math.inf)
+          timing = (self.times(members, t, recompute, 0, d, per_pipeline, zero) if flat
+                    else self.table(members, t, recompute, d, zero))
+          menu.append((t, recompute, base, per_flight, timing))
+      self._menu_of[key] = (most, menu)
+    return self._menu_of[key]
 
   def times(self, members: int, t: int, recompute: bool, first: int, d: int,
             per_pipeline: int, zero: int) -> tuple[float, float]:
@@ -499,7 +595,7 @@ class _StageCosts:
           first // node != ((d - 1) * per_pipeline + first + t - 1) // node,
           first // node != (first - 1) // node,
           (first + t - 1) // node != (first + t) // node)
-    key = (members, t, recompute, d, zero, levels)
+    key = (self.signature(members), t, recompute, d, zero, levels)
     if key not in self._times:
       parts = self.parts(members, t, recompute, first, d, per_pipeline, zero)
       self._times[key] = (parts[0] + parts[1] + parts[2], parts[3])
@@ -507,7 +603,7 @@ class _StageCosts:
 
   def table(self, members: int, t: int, recompute: bool, d: int, zero: int) -> dict:
     """A memo of `times` by first device for one stage choice."""
-    return self._tables.setdefault((members, t, recompute, d, zero), {})
+    return self._tables.setdefault((self.signature(members), t, recompute, d, zero), {})
 
   def parts(self, members, t, recompute, first, d, per_pipeline, zero) -> tuple[float, ...]:
     """(compute, transfers, ZeRO collectives, sync) of a stage, seconds."""
@@ -583,6 +679,7 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
   # in flight), rest of the list) of the stages chosen so far.
   fronts: list[dict[int, list[tuple]]] = [{downs[-1]: [(0, 0.0, 0.0, None)]}]
   best: Placement | None = None
+  earlier: dict[int, list[tuple]] = {}
   flat = options.hw.devices_per_node >= options.devices
   for k in range(len(graph.layers)):
     after: dict[int, list[tuple]] = {}
@@ -592,51 +689,58 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
       least_t, least_y = min(f[1] for f in front), min(f[2] for f in front)
       for head in costs.inside(rest, downs):
         members = rest & ~head
-        longest, work = costs.longest(head), costs.work(head)
-        spare = per_pipeline - least_used - 1
-        if (costs.least_memory(members, d, zero) > options.memory
-            or _floor(m + k, least_t, longest, work, costs.fastest(head), spare, head,
-                      costs.cut)
-            + least_y >= bound):
+        most, menu = costs.menu(members, d, zero, per_pipeline)
+        if in_flight > most:
           continue
-        for t in costs.widths(members):
-          fixed, b_in, acts = costs.memory_terms(members, t, d, zero)
-          for recompute in options.recompute:
-            memory = fixed + (in_flight * b_in + acts if recompute else in_flight * acts)
-            if memory > options.memory:
+        spare = per_pipeline - least_used - 1
+        # The head's stages come earlier and keep more microbatches in flight.
+        longest, work = costs.longest(head), (
+            costs.packed(head, min(k + 2, m), d, zero, spare) if head and spare > 0 else 0.0)
+        if _floor(m + k, least_t, longest, work, costs.fastest(head), spare, head,
+                  costs.cut) + least_y >= bound:
+          continue
+        for t, recompute, base, per_flight, timing in menu:
+          if base + in_flight * per_flight > options.memory:
+            continue
+          if flat:  # one link level: the stage's position changes nothing
+            time, sync = timing
+          else:
+            table = timing  # first device -> (T, Y)
+          for used, t_max, y_max, chosen in front:
+            if used + t > per_pipeline:
               continue
-            if flat:  # one link level: the stage's position changes nothing
-              time, sync = costs.times(members, t, recompute, 0, d, per_pipeline, zero)
-            else:
-              table = costs.table(members, t, recompute, d, zero)  # first device -> (T, Y)
-            for used, t_max, y_max, chosen in front:
-              if used + t > per_pipeline:
+            first = per_pipeline - used - t
+            if not flat:
+              found = table.get(first)
+              if found is None:
+                found = table[first] = costs.times(members, t, recompute, first, d,
+                                                   per_pipeline, zero)
+              time, sync = found
+            t_new = t_max if t_max > time else time
+            y_new = y_max if y_max > sync else sync
+            # Any completion has at least k + 1 stages, these maxima, and
+            # spreads the work left over the devices left at best.
+            floor = t_new if t_new > longest else longest
+            if first:
+              floor = floor if floor > work / first else work / first
+            elif head:
+              continue
+            if (m + k) * floor + y_new >= bound:
+              continue
+            if head and first < spare:  # the head's memory on fewer devices
+              packed = costs.packed(head, min(k + 2, m), d, zero, first) / first
+              if (m + k) * packed + y_new >= bound:
                 continue
-              first = per_pipeline - used - t
-              if not flat:
-                found = table.get(first)
-                if found is None:
-                  found = table[first] = costs.times(members, t, recompute, first, d,
-                                                     per_pipeline, zero)
-                time, sync = found
-              t_new = t_max if t_max > time else time
-              y_new = y_max if y_max > sync else sync
-              # Any completion has at least k + 1 stages, these maxima, and
-              # spreads the work left over the devices left at best.
-              floor = t_new if t_new > longest else longest
-              if first:
-                floor = floor if floor > work / first else work / first
-              elif head:
-                continue
-              if (m + k) * floor + y_new >= bound:
-                continue
-              entry = (used + t, t_new, y_new, ((members, t, recompute, first, in_flight), chosen))
-              target = after.setdefault(head, [])
-              if any(f[0] <= entry[0] and f[1] <= t_new and f[2] <= y_new for f in target):
-                continue
-              target[:] = [f for f in target
-                           if not (entry[0] <= f[0] and t_new <= f[1] and y_new <= f[2])]
-              target.append(entry)
+            entry = (used + t, t_new, y_new, ((members, t, recompute, first, in_flight), chosen))
+            if any(f[0] <= entry[0] and f[1] <= t_new and f[2] <= y_new
+                   for f in earlier.get(head, ())):
+              continue
+            target = after.setdefault(head, [])
+            if any(f[0] <= entry[0] and f[1] <= t_new and f[2] <= y_new for f in target):
+              continue
+            target[:] = [f for f in target
+                         if not (entry[0] <= f[0] and t_new <= f[1] and y_new <= f[2])]
+            target.append(entry)
     for used, t_max, y_max, chosen in after.pop(0, []):
       time = (m + k) * t_max + y_max
       if time < bound and options.stages in (None, k + 1):
@@ -650,6 +754,11 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
         bound, best = time, Placement(d, m, zero, tuple(stages), used * d, time)
     if not after or (options.stages is not None and k + 1 >= options.stages):
       break
+    if options.stages is None:  # keep what no later entry can beat
+      for rest, front in after.items():
+        kept = [f for f in earlier.get(rest, ())
+                if not any(e[0] <= f[0] and e[1] <= f[1] and e[2] <= f[2] for e in front)]
+        earlier[rest] = kept + front
     fronts.append(after)
   return best
 
@@ -731,11 +840,22 @@ def _search(graph: LayerGraph, options: _Options, data_parallel: int | None,
                  if not options.microbatches % d and data_parallel in (None, d)
                  and not (z and d == 1 and 0 in options.zero)  # d = 1: nothing to shard
                  and not (z == 0 and d > 1 and either))
-  for floor, d, z in tries:
-    if floor >= (bound if best is None else best.time):
+  # A tight bound prunes hard: with none given, plans are first sought under
+  # a guess a little above the most promising floor, raised until some plan
+  # beats it. A round that finds one is exact, as every try ran under the
+  # guess or the best.
+  slack = 0.25 if bound == math.inf else math.inf
+  while tries:
+    least = tries[0][0]
+    limit = min(bound, least * (1 + slack)) if 0 < least < math.inf else bound
+    for floor, d, z in tries:
+      if floor >= (limit if best is None else best.time):
+        break
+      plan = _place_for(graph, costs, downs, -d, z, limit if best is None else best.time)
+      best = plan or best
+    if best is not None or limit >= bound:
       break
-    plan = _place_for(graph, costs, downs, -d, z, bound if best is None else best.time)
-    best = plan or best
+    slack = slack * 2 if slack < 2 else math.inf
   if best is not None and best.zero == 1 and either:
     best = _unsharded(costs, best) or best
   return best
