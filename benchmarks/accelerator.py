@@ -10,7 +10,7 @@ The baseline is the TPUv4-like point (8 tensor units of 128x128, 2 vector
 units of 128 lanes, 128 MiB on chip) with its own best placement. Search time
 is wall seconds on this machine for one model, profiling included.
 
-  python benchmarks/accelerator.py [--quick]
+  python benchmarks/accelerator.py [--quick] [--models NAME ...] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -41,8 +41,11 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--plot", default=None)
+  parser.add_argument("--models", nargs="+", choices=["GPT2-XL", "OPT-30B", "BERT-Large",
+                                                      "Llama2-7B"], default=None)
   opts = parser.parse_args()
-  models = ["BERT-Large"] if opts.quick else ["GPT2-XL", "OPT-30B", "BERT-Large", "Llama2-7B"]
+  models = opts.models or (
+      ["BERT-Large"] if opts.quick else ["GPT2-XL", "OPT-30B", "BERT-Large", "Llama2-7B"])
   print("| model | best architecture | area mm^2 | placement | samples/s | TPUv4-like "
         "samples/s | ratio | points / placed at bound / scheduled | search s |")
   print("|---|---|---|---|---|---|---|---|---|")

@@ -283,8 +283,9 @@ class AcceleratorPlan(JsonFile):
   score: geometric mean over workloads of throughput / the baseline's.
   history: (architecture, score, how) of every pricing: "ratio" (its passes'
     bounds against the baseline's schedules), "bound" (placed with every pass
-    at its bound), "greedy" (placed with list schedules), "exact" (placed
-    with CP-SAT schedules).
+    at its bound; for one workload, where that placement cannot beat the
+    best found by the gap, the score it failed to beat), "greedy" (placed
+    with list schedules), "exact" (placed with CP-SAT schedules).
   """
 
   accelerator: acc_lib.Accelerator
@@ -366,14 +367,17 @@ def _candidates(budget: float, base: acc_lib.Accelerator,
 
 
 def _place(pricer: _Pricer, profiled: _Profiled, acc: acc_lib.Accelerator, hw: Hardware,
-           devices: int, sizes: Sequence[int], knobs: dict) -> Result | None:
+           devices: int, sizes: Sequence[int], knobs: dict,
+           bound: float = math.inf) -> Result | None:
+  """The best placement on `acc`; None when none fits (or beats `bound`
+  seconds per batch)."""
   wl = profiled.workload
   hardware = dataclasses.replace(hw, name=f"{hw.name}-links", hbm_capacity=acc.hbm_capacity,
                                  flops=acc.peak_flops, fp32_flops=acc.peak_flops / 4,
                                  hbm_bandwidth=acc.hbm_bandwidth)
   try:
     placement, i = place_any([(pricer.graph(profiled, b), wl.global_batch // b) for b in sizes],
-                             devices=devices, hardware=hardware, **knobs)
+                             devices=devices, hardware=hardware, bound=bound, **knobs)
   except PlacementError:
     return None
   return Result(wl.name, placement, sizes[i], wl.global_batch / placement.time)
@@ -425,9 +429,11 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
   profiled = [_profile(w, hw, widths, microbatches, search) for w in workloads]
   knobs = {"optimizer": optimizer, "zero": zero}
 
-  def price(acc, mode) -> tuple[_Pricer, list[Result | None]]:
+  def price(acc, mode, bounds=None) -> tuple[_Pricer, list[Result | None]]:
     pricer = _Pricer(acc, schedule_seconds, mode)
-    results = [_place(pricer, p, acc, hw, devices, microbatches, knobs) for p in profiled]
+    bounds = bounds or [math.inf] * len(profiled)  # seconds per batch, per workload
+    results = [_place(pricer, p, acc, hw, devices, microbatches, knobs, bound)
+               for p, bound in zip(profiled, bounds)]
     return pricer, results
 
   base_pricer, base_results = price(base, "exact")
@@ -454,9 +460,18 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
   buckets: dict[int, list[int]] = {}
   for i, acc in enumerate(points):
     buckets.setdefault(int((budget_area - acc.area()) // width), []).append(i)
-  def priced(acc, mode) -> float:
-    history.append((acc, score(price(acc, mode)[1]), mode))
-    return history[-1][1]
+  def priced(acc, mode, cut: float = 0.0) -> float:
+    """The point's score; with one workload and a `cut`, the placement only
+    seeks plans scoring above it (pruning from the start) and the cut stands
+    in, as an upper bound, for a score no higher."""
+    if cut and len(profiled) == 1:
+      (w,), (b,) = workloads, base_results
+      results = price(acc, mode, [w.global_batch / (cut * b.throughput)])[1]
+      s = cut if results[0] is None else score(results)
+    else:
+      s = score(price(acc, mode)[1])
+    history.append((acc, s, mode))
+    return s
 
   heap: list[tuple[float, int, str]] = []
   floor, listed = 1.0, []  # the best greedy score; (greedy score, point) listed
@@ -479,7 +494,8 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
       while heap and -heap[0][0] > floor * (1 + gap):
         _, i, level = heapq.heappop(heap)
         mode = "bound" if level == "ratio" else "greedy"
-        s = priced(points[i], mode)
+        # A bound only matters if it beats the best found by the gap.
+        s = priced(points[i], mode, floor * (1 + gap) if mode == "bound" else 0.0)
         if mode == "bound":
           heapq.heappush(heap, (-s, i, "bound"))
         else:

@@ -794,10 +794,12 @@ def place_any(candidates: Sequence[tuple[LayerGraph, int]], *, devices: int,
               optimizer: str | float = "adam", zero: int | Sequence[int] = (0, 1, 2, 3),
               recompute: bool | None = None, widths: Sequence[int] | None = None,
               data_parallel: int | None = None, stages: int | None = None,
-              ) -> tuple[Placement, int]:
+              bound: float = math.inf) -> tuple[Placement, int]:
   """The fastest placement of any of (graph, microbatches) candidates (a model
   at several microbatch sizes), and the index of the one it places; the
-  candidates share one bound, so the later ones are mostly pruned."""
+  candidates share one bound, so the later ones are mostly pruned. Only
+  plans faster than `bound` seconds per batch count: a caller that needs no
+  slower one says so and the search prunes from the start."""
   for name, value in (("data_parallel", data_parallel), ("stages", stages)):
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                               or not 1 <= value <= devices):
@@ -807,9 +809,11 @@ def place_any(candidates: Sequence[tuple[LayerGraph, int]], *, devices: int,
   for i, (graph, microbatches) in enumerate(candidates):
     options = _options(devices, microbatches, hardware, memory_limit, optimizer, zero,
                        recompute, widths, stages)
-    found = _search(graph, options, data_parallel, math.inf if best is None else best[0].time)
+    found = _search(graph, options, data_parallel, bound if best is None else best[0].time)
     if found is not None:
       best = (found, i)
+  if best is None and bound < math.inf:
+    raise PlacementError(f"no placement takes less than bound={bound:.4g} s per batch.")
   if best is None:
     graph = candidates[0][0]
     need = sum(min(c.params * t for t, c in layer.widths.items()) for layer in graph.layers)
