@@ -3,12 +3,11 @@
 For any program built from the primitives automap has rules for, any mesh of
 1-3 axes over 8 devices and any sequence of tiling actions the search could
 take, the partitioned program computes what the unpartitioned one does. On
-dataflow programs XLA's compiled collectives also move the bytes the cost
-model predicted. With gathers, concatenates and scans XLA sometimes routes
-data otherwise (it gathers a value once and recomputes elementwise ops on
-the gathered copy; it reshards some scanned operands in other steps), so
-there the collectives are checked on the examples kept below, not on every
-random one.
+dataflow and indexing programs XLA's compiled collectives also move the bytes
+the cost model predicted (within 5%). With scans XLA sometimes reshards a
+scanned operand by another route than the one priced (see the xfail below),
+so control-flow programs are checked for collectives on the examples kept
+below, not on every random one.
 
 Profiles (`HYPOTHESIS_PROFILE=...`): `ci` (the default, derandomized, a few
 hundred programs over the tests here) and `long` (thousands, random).
@@ -97,7 +96,7 @@ def test_dataflow_programs(prog, mesh_shape, picks):
 
 @given(random_programs(kinds=INDEXING), MESH, PICKS)
 def test_indexing_programs(prog, mesh_shape, picks):
-  check(prog, mesh_shape, picks, comm=False)
+  check(prog, mesh_shape, picks)
 
 
 @given(random_programs(kinds=CONTROL), MESH, PICKS)
@@ -123,3 +122,23 @@ KEPT = [
 @pytest.mark.parametrize("prog, mesh_shape, picks", KEPT)
 def test_kept_examples_price_collectives_exactly(prog, mesh_shape, picks):
   check(prog, mesh_shape, picks)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "XLA gathers one operand twice: the same all-gather over 'a' of the take's operand, once "
+    "from its sharding constraint and once for the gather, written with different replica "
+    "groups and not merged; the compiled bytes over 'a' are twice the prediction"))
+def test_a_value_gathered_twice_by_xla():
+  take = lambda axis, n: Step("take", (0,), (axis, n))  # noqa: E731
+  prog = RandomProgram(((2, 8, 2), (12, 6)), (), (take(2, 3), Step("take", (2,), (0, 1))), (3,),
+                       grad=True)
+  check(prog, (2, 2, 2), [1975, 1024])
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a scanned operand tiled on its step dim and another: priced as made whole on the step "
+    "dim before the loop and each slice gathered inside it (20 B); XLA gathers it to a "
+    "half-tiled layout before the loop instead (28 B)"))
+def test_a_scanned_operand_tiled_on_two_dims():
+  prog = RandomProgram(((2, 4),), (), (SCAN,), (1, 0), grad=False)
+  check(prog, (4, 2), [0, 2, 0])
