@@ -71,6 +71,21 @@ def test_keyword_arguments_are_bound_positionally():
   np.testing.assert_allclose(f(X[0], w1=X[1], w2=X[2]), mlp(*X), rtol=1e-5)
 
 
+def test_keyword_only_arguments_are_planned_and_sharded_like_the_others():
+  def scaled(x, w1, w2, *, scale, bias=None):
+    out = mlp(x, w1, w2) * scale
+    return out if bias is None else out + bias
+
+  f = automap.partition(scaled, mesh=mesh((4, 2)), hardware="cpu")
+  np.testing.assert_allclose(f(*X, scale=2.0), mlp(*X) * 2.0, rtol=1e-5)
+  bias = jnp.ones(mlp(*X).shape)
+  np.testing.assert_allclose(f(*X, scale=jnp.float32(3), bias=bias), mlp(*X) * 3 + bias,
+                             rtol=1e-5)
+  # The keyword arguments are the plan's last argument, one dict.
+  assert len(f.plan.in_specs) == len(X) + 2
+  assert f.lower(*X, scale=2.0, bias=bias).compile() is not None
+
+
 def test_partition_refuses_an_abstract_mesh():
   abstract = jax.sharding.AbstractMesh((4, 2), ("data", "model"))
   with pytest.raises(automap.MeshError, match="automap.search"):

@@ -484,26 +484,31 @@ class Partitioned:
     self._last: _Entry | None = None
     functools.update_wrapper(self, fn)
 
-  def _positional(self, args: tuple, kwargs: dict) -> tuple:
+  def _positional(self, args: tuple, kwargs: dict) -> tuple[tuple, Callable]:
+    """The call's arguments as positional ones, and the function taking them:
+    keyword-only arguments travel as one trailing dict (its entries are
+    arguments like any other, planned and sharded)."""
     if not kwargs:
-      return args
+      return args, self.fn
     if self._signature is None:
       raise TypeError(f"{self.fn!r} takes no keyword arguments automap can bind.")
     bound = self._signature.bind(*args, **kwargs)
     bound.apply_defaults()
-    if bound.kwargs:
-      raise TypeError(
-          f"keyword-only arguments {sorted(bound.kwargs)} cannot be partitioned; "
-          "make them positional or close over them.")
-    return bound.args
+    if not bound.kwargs:
+      return bound.args, self.fn
+    return bound.args + (dict(bound.kwargs),), self._keywords_last
 
-  def _entry(self, args: tuple) -> _Entry:
+  def _keywords_last(self, *args):
+    *positional, keywords = args
+    return self.fn(*positional, **keywords)
+
+  def _entry(self, args: tuple, fn: Callable) -> _Entry:
     _, tree, _, avals = trace_lib.flatten_args(args)
-    key = trace_lib.signature_of(tree, avals)
+    key = (fn is self.fn, trace_lib.signature_of(tree, avals))
     entry = self._entries.get(key)
     if entry is None:
       t0 = time.perf_counter()
-      traced = trace_lib.trace(self.fn, args)
+      traced = trace_lib.trace(fn, args)
       plan = _plan(traced, self._mesh_spec, self.hardware, self.request, self._cache)
       plan.timings["plan"] = time.perf_counter() - t0
       if self.donate_argnums and max(self.donate_argnums) >= len(args):
@@ -521,8 +526,8 @@ class Partitioned:
     return entry
 
   def __call__(self, *args, **kwargs):
-    args = self._positional(args, kwargs)
-    entry = self._entry(args)
+    args, fn = self._positional(args, kwargs)
+    entry = self._entry(args, fn)
     with jax.set_mesh(self._auto):
       out = entry.jitted(*jax.device_put(args, entry.in_shardings))
     if self._auto is self.mesh:
@@ -531,8 +536,8 @@ class Partitioned:
 
   def lower(self, *args, **kwargs):
     """The partitioned program lowered for these arguments."""
-    args = self._positional(args, kwargs)
-    entry = self._entry(args)  # Traced outside the mesh context, like calls.
+    args, fn = self._positional(args, kwargs)
+    entry = self._entry(args, fn)  # Traced outside the mesh context, like calls.
     with jax.set_mesh(self._auto):
       return entry.jitted.lower(*_abstract(args))
 
