@@ -3,6 +3,7 @@
 import jax
 from helpers import mesh
 
+import automap
 from automap._src import verify
 
 M = mesh((4, 2))
@@ -60,6 +61,19 @@ def test_numerics_tolerate_rounding_noise_but_not_small_real_errors():
   assert rel == 1.0
   _, rel = verify.compare_numerics({"i": np.arange(3)}, {"i": np.arange(3) + 1})
   assert rel == float("inf")
+
+
+def test_the_report_names_the_leaf_with_the_largest_error():
+  import numpy as np
+
+  expected = {"params": {"w": np.ones((4, 4), np.float32), "b": np.full(4, 1e-3, np.float32)}}
+  actual = {"params": {"w": np.ones((4, 4), np.float32), "b": np.full(4, 2e-3, np.float32)}}
+  errors = {name: rel for name, _, rel in verify.leaf_errors(expected, actual)}
+  assert errors == {"['params']['b']": 1.0, "['params']['w']": 0.0}
+  double = lambda x: {"y": 2 * x}  # noqa: E731
+  x = np.ones((8, 4), np.float32)
+  report = automap.verify(automap.search(double, x, mesh=M, hardware="cpu"), double, x, mesh=M)
+  assert report.worst_leaf == "['y']" and report.max_rel_error == 0.0
 
 
 def test_numerics_catch_nans_and_compare_bfloat16_as_floats():

@@ -418,7 +418,7 @@ def verify(plan: Plan, fn: Callable, *args, mesh=None,
     compiled = jitted.lower(*_abstract(args)).compile()
   found = verify_lib.collectives(compiled.as_text(), mesh)
   memory, stats = verify_lib.compiled_memory(compiled)
-  max_abs = max_rel = None
+  max_abs = max_rel = worst = None
   concrete = all(isinstance(x, (jax.Array, np.ndarray, np.generic, int, float,
                                 complex)) for x in jax.tree.leaves(args))
   if check_numerics and concrete:
@@ -430,11 +430,14 @@ def verify(plan: Plan, fn: Callable, *args, mesh=None,
     if not all(x.is_fully_addressable for x in jax.tree.leaves(actual)):
       # The mesh spans processes: every process compares the whole result.
       actual = multihost_utils.process_allgather(actual, tiled=True)
-    max_abs, max_rel = verify_lib.compare_numerics(expected, actual)
+    errors = verify_lib.leaf_errors(expected, actual)
+    max_abs = max((d for _, d, _ in errors), default=0.0)
+    worst, max_rel = max(((name, r) for name, _, r in errors), key=lambda x: x[1],
+                         default=(None, 0.0))
   return verify_lib.Report(
       predicted=predicted, compiled_comm_bytes=verify_lib.summarize(found),
       collectives=tuple(found), compiled_memory=memory, memory_stats=stats,
-      max_abs_error=max_abs, max_rel_error=max_rel)
+      max_abs_error=max_abs, max_rel_error=max_rel, worst_leaf=worst)
 
 
 @dataclasses.dataclass

@@ -8,6 +8,7 @@ the partitioned and unpartitioned functions to compare numerics.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -139,7 +140,8 @@ class Report:
   collectives: each compiled collective.
   compiled_memory: argument + output + temp bytes per device
     (`memory_analysis()`), predicted_memory: the cost model's peak.
-  max_abs_error / max_rel_error: over every output leaf, None if not run.
+  max_abs_error / max_rel_error: over every output leaf, None if not run;
+    worst_leaf: the path of the leaf with the largest relative error.
   """
 
   predicted: Cost
@@ -149,6 +151,7 @@ class Report:
   memory_stats: Any
   max_abs_error: float | None
   max_rel_error: float | None
+  worst_leaf: str | None = None
 
   @property
   def predicted_comm_bytes(self) -> float:
@@ -181,7 +184,9 @@ class Report:
                 f"{self.compiled_memory:>14,.0f}")
     if self.max_rel_error is not None:
       rows.append(f"numerics: max abs error {self.max_abs_error:.3g}, "
-                  f"max rel error {self.max_rel_error:.3g}")
+                  f"max rel error {self.max_rel_error:.3g}"
+                  + (f" (at {self.worst_leaf})" if self.max_rel_error and self.worst_leaf
+                     else ""))
     return "\n".join(rows)
 
 
@@ -194,44 +199,53 @@ def compiled_memory(compiled) -> tuple[float, Any]:
   return float(total), stats
 
 
-def compare_numerics(expected, actual) -> tuple[float, float]:
-  """Max abs and relative (to each leaf's scale, floored at rounding of the
-  largest result) error between two pytrees.
+def leaf_errors(expected, actual) -> list[tuple[str, float, float]]:
+  """(path, max abs error, relative error) of each output leaf.
 
-  Integer, boolean and PRNG-key leaves must match exactly; a mismatch counts
-  as an infinite error.
+  Relative to the leaf's scale, floored at rounding of the largest result.
+  Integer, boolean and PRNG-key leaves must match exactly; a mismatch (or a
+  NaN on one side only) counts as an infinite error.
   """
-  e_leaves, e_tree = jax.tree.flatten(expected)
+  e_leaves, e_tree = jax.tree_util.tree_flatten_with_path(expected)
   a_leaves, a_tree = jax.tree.flatten(actual)
-  if e_tree != a_tree:
-    raise ValueError(f"output structures differ: {e_tree} vs {a_tree}")
+  if jax.tree.structure(expected) != a_tree:
+    raise ValueError(f"output structures differ: {jax.tree.structure(expected)} vs {a_tree}")
   pairs = []
-  for e, a in zip(e_leaves, a_leaves):
+  for (path, e), a in zip(e_leaves, a_leaves):
+    name = jax.tree_util.keystr(path) or "(the output)"
     if jax.dtypes.issubdtype(getattr(e, "dtype", np.float64), jax.dtypes.prng_key):
       e, a = jax.random.key_data(e), jax.random.key_data(a)
     e, a = np.asarray(e), np.asarray(a)
     if e.size == 0:
       continue
     if not jnp.issubdtype(e.dtype, jnp.inexact):
-      if not np.array_equal(e, a):
-        return float("inf"), float("inf")
+      pairs.append((name, None, None, 0.0 if np.array_equal(e, a) else math.inf))
       continue
     eps = float(jnp.finfo(e.dtype).eps)
     e, a = e.astype(np.float64), a.astype(np.float64)
     if not np.array_equal(np.isnan(e), np.isnan(a)):
-      return float("inf"), float("inf")  # a NaN one side only
-    e, a = np.nan_to_num(e, nan=0.0), np.nan_to_num(a, nan=0.0)
-    pairs.append((e, a, eps))
+      pairs.append((name, None, None, math.inf))  # a NaN one side only
+      continue
+    pairs.append((name, np.nan_to_num(e, nan=0.0), np.nan_to_num(a, nan=0.0), eps))
   # Relative to each leaf's scale (elementwise ratios explode near zero),
   # but no finer than rounding (64 ulps) at the scale of the largest result:
   # a leaf that is pure rounding noise (a gradient that is zero in exact
   # arithmetic, like an attention key bias's) differs between any two
   # summation orders.
-  overall = max((float(np.abs(e).max()) for e, _, _ in pairs), default=0.0)
-  max_abs = max_rel = 0.0
-  for e, a, eps in pairs:
+  overall = max((float(np.abs(e).max()) for _, e, _, _ in pairs if e is not None), default=0.0)
+  out = []
+  for name, e, a, eps in pairs:
+    if e is None:  # exact leaves: eps holds their error
+      out.append((name, eps, eps))
+      continue
     diff = float(np.abs(e - a).max())
-    max_abs = max(max_abs, diff)
     scale = max(float(np.abs(e).max()), 64 * overall * eps, 1e-30)
-    max_rel = max(max_rel, diff / scale)
-  return max_abs, max_rel
+    out.append((name, diff, diff / scale))
+  return out
+
+
+def compare_numerics(expected, actual) -> tuple[float, float]:
+  """Max abs and relative error over the output leaves (`leaf_errors`)."""
+  errors = leaf_errors(expected, actual)
+  return (max((d for _, d, _ in errors), default=0.0),
+          max((r for _, _, r in errors), default=0.0))
