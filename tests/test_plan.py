@@ -109,3 +109,52 @@ def test_per_layer_collectives_add_up_to_the_cost():
   assert totals.keys() == plan.cost.comm_bytes.keys()
   for key, nbytes in plan.cost.comm_bytes.items():
     assert totals[key] == pytest.approx(nbytes)
+
+
+def test_a_plan_reprices_as_searched_inside_scanned_and_rematerialised_layers():
+  # Transformer layers scanned with nn.scan and rematerialised: values inside
+  # the remat call cannot be constrained, so the plan records the layouts
+  # the search priced for them. Re-pricing the plan (as verify does) gives
+  # the searched cost, not that of another propagation order (here 10% off).
+  import flax.linen as nn
+  import optax
+
+  from automap._src import trace
+  from automap._src.cost import Tracker
+  from automap._src.program import Program
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      x = x + nn.SelfAttention(num_heads=4, deterministic=True)(nn.LayerNorm()(x))
+      return x + nn.Dense(256)(nn.gelu(nn.Dense(1024)(nn.LayerNorm()(x)))), None
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, tok):
+      x = nn.Embed(256, 256)(tok)
+      x, _ = nn.scan(nn.remat(Block), variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=2)()(x, None)
+      return nn.Dense(256)(x)
+
+  model, tx = Model(), optax.adamw(1e-3)
+  tok = jax.ShapeDtypeStruct((32, 128), jnp.int32)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((32, 128), jnp.int32)))
+  params = params["params"]
+
+  def step(params, opt, tok):
+    def loss(p):
+      logits = model.apply({"params": p}, tok)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, tok).mean()
+    grads = jax.grad(loss)(params)
+    updates, opt = tx.update(grads, opt, params)
+    return optax.apply_updates(params, updates), opt
+
+  args = (params, jax.eval_shape(tx.init, params), tok)
+  plan = automap.search(step, *args, mesh=jax.sharding.AbstractMesh((4, 2), ("data", "model")),
+                        hardware="tpu-v4", cache=False)
+  assert plan.inferred  # the remat call's values
+  program = Program.build(trace.trace(step, args), plan.mesh, plan.hardware)
+  again = Tracker(program.model, program.state_from_plan(plan)).cost()
+  assert again.step_time == pytest.approx(plan.cost.step_time, rel=1e-9)
+  assert again.comm_bytes == pytest.approx(plan.cost.comm_bytes, rel=1e-9)

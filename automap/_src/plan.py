@@ -75,6 +75,10 @@ class Plan:
     operand takes on entry to the op, where it differs from its own.
   natural: value id -> the layout its op computes it in, where that differs
     from its own (the constraint to its own layout follows).
+  inferred: value id -> the layout the search priced for an intermediate
+    the rewritten program cannot constrain (inside a custom-derivative or
+    rematerialised call, bound whole): XLA infers those; `verify`
+    re-prices the plan with them as searched.
   cost: predicted cost under the cost model.
   collectives: predicted (scope, kind, axes, bytes, count) per op scope.
   memory_limit: the bytes per device the search was held to (None: none).
@@ -106,6 +110,7 @@ class Plan:
   memory_limit: float | None = None
   layers: tuple[LayerRow, ...] = ()
   yardsticks: dict[str, Yardstick] = dataclasses.field(default_factory=dict)
+  inferred: dict[int, PartitionSpec] = dataclasses.field(default_factory=dict)
   in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
   out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
   timings: dict[str, float] = dataclasses.field(default_factory=dict, compare=False,
@@ -136,6 +141,7 @@ class Plan:
         "reshards": [[v, p, spec_to_json(s)]
                      for (v, p), s in sorted(self.reshards.items())],
         "natural": [[v, spec_to_json(s)] for v, s in sorted(self.natural.items())],
+        "inferred": [[v, spec_to_json(s)] for v, s in sorted(self.inferred.items())],
         "cost": self.cost.to_json(),
         "collectives": [[s, k, list(a), b, n] for s, k, a, b, n in self.collectives],
         "stats": self.stats,
@@ -165,6 +171,7 @@ class Plan:
           reshards={(int(v), int(p)): spec_from_json(s)
                     for v, p, s in d["reshards"]},
           natural={int(v): spec_from_json(s) for v, s in d["natural"]},
+          inferred={int(v): spec_from_json(s) for v, s in d.get("inferred", ())},
           cost=Cost.from_json(d["cost"]),
           collectives=tuple((s, k, tuple(a), b, n)
                             for s, k, a, b, n in d["collectives"]),

@@ -100,6 +100,7 @@ class Program:
     """The state a plan pins: its argument, result and intermediate layouts."""
     g = self.graph
     layouts = list(zip(g.inputs, plan.in_specs)) + list(plan.constraints.items())
+    layouts += list(plan.inferred.items())
     layouts += [(v, s) for v, s in zip(g.outputs, plan.out_specs) if v >= 0]
     return self.pinned_state(layouts, "plan layout")
 
@@ -126,6 +127,10 @@ class Program:
     constraints = {v: spec(v) for v in range(g.num_values)
                    if g.kind[v] == graph_lib.INTERMEDIATE and not g.sealed[v]
                    and g.rank(v) > 0 and not free[v]}
+    # Those it cannot name are recorded, so the plan re-prices as searched.
+    inferred = {v: spec(v) for v in range(g.num_values)
+                if g.kind[v] == graph_lib.INTERMEDIATE and g.sealed[v]
+                and g.rank(v) > 0 and not free[v]}
     # Operands entering an op in another layout are resharded explicitly, and
     # a result the op computes in another layout than its own is pinned to
     # that layout first: XLA then moves data the way the cost model priced,
@@ -163,7 +168,7 @@ class Program:
         in_specs=tuple(spec(v) for v in g.inputs),
         out_specs=tuple(spec(v) for v in g.outputs),
         constraints=constraints, reshards=reshards, natural=natural,
-        cost=tracker.cost(),
+        inferred=inferred, cost=tracker.cost(),
         collectives=tuple((s, KINDS[k], a, b, n)
                           for (s, k, a), (b, n) in collectives.items()),
         stats=stats, memory_limit=memory_limit,
