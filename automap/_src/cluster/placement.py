@@ -25,7 +25,11 @@ where its devices sit.
 
 The search is exact: a dynamic program over (downset still to place, stages
 after it) that keeps, per state, the Pareto front of (devices used, max T, max
-Y), inside an outer loop over the data-parallel degree and ZeRO stage.
+Y), inside an outer loop over the data-parallel degree and ZeRO stage. It
+prunes with lower bounds on what a partial plan can still reach (the work
+left over the devices left, in their memory: `_StageCosts.packed`), and
+prices stages by what their costs depend on (`_StageCosts.signature`), so the
+stages of a repeated block are priced once.
 """
 
 from __future__ import annotations
