@@ -111,6 +111,16 @@ def test_partitioned_function_behaves_like_jit():
   assert f.plan is not plan
 
 
+def test_a_partitioned_function_verifies_its_own_plan():
+  step, args = gpt_step()
+  f = automap.partition(step, mesh=mesh((4, 2)), hardware="cpu")
+  report = f.verify(*args)  # plans first: no call needed
+  assert f.plan is not None and report.predicted.step_time == pytest.approx(
+      f.plan.cost.step_time, rel=1e-9)
+  assert report.comm_error < 0.05 and report.max_rel_error < 1e-3
+  assert f.verify(*args, check_numerics=False).max_rel_error is None
+
+
 def test_donated_params_and_optimizer_state_are_updated_in_place():
   step, shared = gpt_step()
   args = jax.tree.map(jnp.copy, shared)  # donation must not reach the shared ones

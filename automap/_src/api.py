@@ -544,6 +544,14 @@ class Partitioned:
     with jax.set_mesh(self._auto):
       return entry.jitted.lower(*_abstract(args))
 
+  def verify(self, *args, check_numerics: bool = True, **kwargs) -> verify_lib.Report:
+    """`automap.verify` of the plan for these arguments (planned first if
+    their signature is new): compiled collectives and memory against the
+    prediction, and the numerics against the unpartitioned function."""
+    args, fn = self._positional(args, kwargs)
+    entry = self._entry(args, fn)
+    return verify(entry.plan, fn, *args, mesh=self.mesh, check_numerics=check_numerics)
+
   @property
   def plan(self) -> Plan | None:
     """The plan of the most recent call's signature."""
