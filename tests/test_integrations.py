@@ -228,11 +228,9 @@ def test_nnx_hints_match_state_paths():
                    hints=automap.Hints(fixed={"0/head/kernel": head}))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "groups.py matches the shortest leading run of path components: '*layers*' "
-    "matches '0/layers' (and '1/0/mu/layers'), so the layer index stays in the role "
-    "and layers are not grouped (params and moments are instead); 'layers/*' works"))
 def test_nnx_star_pattern_groups_the_layers():
+  # '*layers*' also matches '0/layers'; the match that takes in the layer
+  # index ('layers/0') is the one that groups the layers.
   step, args = nnx_split_step()
   traced = trace_lib.trace(step, args)
   graph = graph_lib.build(traced)

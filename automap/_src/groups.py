@@ -49,13 +49,17 @@ class Group:
 
 
 def _match(parts: Sequence[str], patterns: Sequence[str]) -> tuple[str, int, int] | None:
-  """The first (pattern, start, stop) such that parts[start:stop], joined by
-  "/", matches the pattern; patterns in the order given."""
+  """(pattern, start, stop) such that parts[start:stop], joined by "/",
+  matches the pattern; patterns in the order given. Of a pattern's matches,
+  one ending in an index component ("layers/3") comes first, as the index
+  is what tells the layers apart; then the shortest, then the earliest."""
   for pattern in patterns:
-    for start in range(len(parts)):
-      for stop in range(start + 1, len(parts) + 1):
-        if fnmatch.fnmatchcase("/".join(parts[start:stop]), pattern):
-          return pattern, start, stop
+    spans = [(not parts[stop - 1].isdigit(), stop - start, start, stop)
+             for start in range(len(parts)) for stop in range(start + 1, len(parts) + 1)
+             if fnmatch.fnmatchcase("/".join(parts[start:stop]), pattern)]
+    if spans:
+      *_, start, stop = min(spans)
+      return pattern, start, stop
   return None
 
 
