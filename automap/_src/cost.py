@@ -186,6 +186,10 @@ class CostModel:
                           key=lambda s: (-s[1], s[2]))
                    for m in range(self.masks)]
     self.itemsize = np.array([graph_lib._itemsize(d) for d in graph.dtypes])
+    # [V] bytes per element an all-reduce of the value moves.
+    self.reduced_itemsize = np.array([
+        4 if hardware.reduce_in_f32 and size == 2 and graph_lib.is_float(d) else size
+        for size, d in zip(self.itemsize, graph.dtypes)])
     self.program_end = graph.num_ops
     # Liveness interval of each value over op indices.
     self.start = np.where(graph.producer >= 0, graph.producer, 0).astype(np.int64)
@@ -614,8 +618,9 @@ class CostModel:
         if reduce_mask >> a & 1:
           f = factor_of_axis[a]
           by_factor[f] = by_factor.get(f, 0) | 1 << a
+      widen = self.reduced_itemsize[v] / self.itemsize[v]
       for mask in by_factor.values():
-        self.emit(comms, ALL_REDUCE, mask, natural_bytes)
+        self.emit(comms, ALL_REDUCE, mask, natural_bytes * widen)
       if scatter_mask:
         for a in range(num_axes):
           if scatter_mask >> a & 1:
@@ -758,6 +763,8 @@ class Tracker:
       return
     if kind == REDUCE_SCATTER:
       nbytes *= model.group_size[mask]
+    else:  # Buffers at the value's own dtype, however wide the wire.
+      nbytes *= model.itemsize[v] / model.reduced_itemsize[v]
     # A reduced result then sliced (stored smaller than reduced) leaves the
     # unreduced input a buffer of its own.
     separate = nbytes > model.local_bytes(self.state, v) * (1 + 1e-9)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
 
@@ -376,6 +377,14 @@ class _Builder:
       self._record(name, operands, in_shapes, (vid,),
                    rules.scan_tie_rule(name, in_shapes, out), 0.0, scope, trips)
     return list(out_ids)
+
+
+def is_float(dtype) -> bool:
+  """A floating-point dtype, bfloat16 and float16 included."""
+  try:
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+  except TypeError:
+    return False
 
 
 def _is_numpy(dtype) -> bool:

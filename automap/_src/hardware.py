@@ -32,6 +32,8 @@ class Hardware:
   devices_per_node: devices that share the fast fabric.
   reduce_scatter: whether the compiler turns an all-reduce whose result is
     then tiled into a reduce-scatter (XLA does on TPU and GPU, not on CPU).
+  reduce_in_f32: whether the compiler all-reduces 16-bit floats in float32,
+    moving twice their bytes (XLA:CPU does).
   """
 
   name: str
@@ -45,9 +47,12 @@ class Hardware:
   network_latency: float
   devices_per_node: int
   reduce_scatter: bool = True
+  reduce_in_f32: bool = False
 
   def __post_init__(self):
-    for field in dataclasses.fields(self)[1:-1]:
+    for field in dataclasses.fields(self):
+      if field.name in ("name", "reduce_scatter", "reduce_in_f32"):
+        continue
       value = getattr(self, field.name)
       # Latencies may be zero (an ideal fabric); nothing else may.
       least_ok = 0.0 if field.name.endswith("latency") else math.ulp(0.0)
@@ -91,7 +96,8 @@ CATALOGUE: dict[str, Hardware] = {
     # memory): ~100 GFLOP/s of AVX2 per core pair, ~20 GB/s DRAM, copies
     # between simulated devices at memory speed.
     "cpu": Hardware("cpu", 100 * _G, 100 * _G, 20 * _G, 16 * _GiB,
-                    10 * _G, 1e-5, 10 * _G, 1e-5, 8, reduce_scatter=False),
+                    10 * _G, 1e-5, 10 * _G, 1e-5, 8, reduce_scatter=False,
+                    reduce_in_f32=True),
 }
 
 
