@@ -431,10 +431,7 @@ def verify(plan: Plan, fn: Callable, *args, mesh=None,
     if not all(x.is_fully_addressable for x in jax.tree.leaves(actual)):
       # The mesh spans processes: every process compares the whole result.
       actual = multihost_utils.process_allgather(actual, tiled=True)
-    errors = verify_lib.leaf_errors(expected, actual)
-    max_abs = max((d for _, d, _ in errors), default=0.0)
-    worst, max_rel = max(((name, r) for name, _, r in errors), key=lambda x: x[1],
-                         default=(None, 0.0))
+    max_abs, max_rel, worst = verify_lib.worst_error(verify_lib.leaf_errors(expected, actual))
   return verify_lib.Report(
       predicted=predicted, compiled_comm_bytes=verify_lib.summarize(found),
       collectives=tuple(found), compiled_memory=memory, memory_stats=stats,

@@ -244,8 +244,12 @@ def leaf_errors(expected, actual) -> list[tuple[str, float, float]]:
   return out
 
 
+def worst_error(errors: list[tuple[str, float, float]]) -> tuple[float, float, str | None]:
+  """(max abs error, max relative error, the leaf it is in) of `leaf_errors`."""
+  worst, _, max_rel = max(errors, key=lambda e: e[2], default=(None, 0.0, 0.0))
+  return max((d for _, d, _ in errors), default=0.0), max_rel, worst
+
+
 def compare_numerics(expected, actual) -> tuple[float, float]:
   """Max abs and relative error over the output leaves (`leaf_errors`)."""
-  errors = leaf_errors(expected, actual)
-  return (max((d for _, d, _ in errors), default=0.0),
-          max((r for _, _, r in errors), default=0.0))
+  return worst_error(leaf_errors(expected, actual))[:2]

@@ -361,6 +361,11 @@ class _StageCosts:
     self._packs: dict[tuple, tuple[float, float, list[tuple[float, float]]]] = {}
 
   @functools.cached_property
+  def flat(self) -> bool:
+    """One link level: a stage's position changes none of its times."""
+    return self.options.hw.devices_per_node >= self.options.devices
+
+  @functools.cached_property
   def cut(self) -> float:
     """Seconds every stage of a pipeline of two or more spends at least on
     transfers: a connected graph's stage has an edge crossing its border,
@@ -459,12 +464,11 @@ class _StageCosts:
     if key not in self._hulls:
       o = self.options
       layer = self.example[kind]
-      shard = lambda level: d if zero >= level else 1  # noqa: E731
       points = []
       for t, c in layer.widths.items():
         if o.widths is not None and t not in o.widths:
           continue
-        fixed = c.params / shard(3) + c.params / shard(2) + o.optimizer * c.params / shard(1)
+        fixed = self.state_bytes(c.params, d, zero)
         for recompute in o.recompute:
           points.append((t * (c.forward + c.backward + (c.forward if recompute else 0.0)),
                          t * (fixed + (c.activations if recompute else in_flight * c.activations))))
@@ -542,6 +546,12 @@ class _StageCosts:
       sig = self._signatures[members] = (tuple(sorted(counts.items())), into, out)
     return sig
 
+  def state_bytes(self, params: float, d: int, zero: int) -> float:
+    """Bytes per device of parameters, their gradients and optimizer state,
+    each sharded over the d replicas from its ZeRO stage on."""
+    shard = lambda level: d if zero >= level else 1  # noqa: E731
+    return params / shard(3) + params / shard(2) + self.options.optimizer * params / shard(1)
+
   def memory_terms(self, members: int, t: int, d: int, zero: int) -> tuple[float, ...]:
     """(fixed, bytes in, activations): a stage's memory per device is
     fixed + in_flight * activations when stashing, fixed + in_flight * bytes in
@@ -550,8 +560,7 @@ class _StageCosts:
     key = (self.signature(members), t, d, zero)
     if key not in self._terms:
       _, _, params, acts, _, largest, b_in, _ = self.sums(members, t)
-      shard = lambda level: d if zero >= level else 1  # noqa: E731
-      fixed = params / shard(3) + params / shard(2) + self.options.optimizer * params / shard(1)
+      fixed = self.state_bytes(params, d, zero)
       if zero >= 3:
         fixed += largest * (1 - 1 / d)  # one layer's parameters gathered at a time
       self._terms[key] = (fixed, b_in, acts)
@@ -570,8 +579,7 @@ class _StageCosts:
     nothing (one link level) and else a memo of them by first device."""
     key = (self.signature(members), d, zero)
     if key not in self._menu_of:
-      limit, flat = self.options.memory, self.options.hw.devices_per_node >= self.options.devices
-      most, menu = -math.inf, []
+      limit, most, menu = self.options.memory, -math.inf, []
       for t in self.widths(members):
         fixed, b_in, acts = self.memory_terms(members, t, d, zero)
         for recompute in self.options.recompute:
@@ -579,7 +587,7 @@ class _StageCosts:
           if base + per_flight > limit:  # not even one microbatch in flight fits
             continue
           most = max(most, (limit - base) / per_flight * (1 + 1e-9) if per_flight else math.inf)
-          timing = (self.times(members, t, recompute, 0, d, per_pipeline, zero) if flat
+          timing = (self.times(members, t, recompute, 0, d, per_pipeline, zero) if self.flat
                     else self.table(members, t, recompute, d, zero))
           menu.append((t, recompute, base, per_flight, timing))
       self._menu_of[key] = (most, menu)
@@ -684,10 +692,11 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
   fronts: list[dict[int, list[tuple]]] = [{downs[-1]: [(0, 0.0, 0.0, None)]}]
   best: Placement | None = None
   earlier: dict[int, list[tuple]] = {}
-  flat = options.hw.devices_per_node >= options.devices
+  flat = costs.flat
   for k in range(len(graph.layers)):
     after: dict[int, list[tuple]] = {}
-    in_flight = min(k + 1, m)
+    # This stage's microbatches in flight; the head's stages keep more.
+    in_flight, ahead = min(k + 1, m), min(k + 2, m)
     for rest, front in fronts[k].items():
       least_used = min(f[0] for f in front)
       least_t, least_y = min(f[1] for f in front), min(f[2] for f in front)
@@ -697,9 +706,8 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
         if in_flight > most:
           continue
         spare = per_pipeline - least_used - 1
-        # The head's stages come earlier and keep more microbatches in flight.
         longest, work = costs.longest(head), (
-            costs.packed(head, min(k + 2, m), d, zero, spare) if head and spare > 0 else 0.0)
+            costs.packed(head, ahead, d, zero, spare) if head and spare > 0 else 0.0)
         if _floor(m + k, least_t, longest, work, costs.fastest(head), spare, head,
                   costs.cut) + least_y >= bound:
           continue
@@ -732,7 +740,7 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
             if (m + k) * floor + y_new >= bound:
               continue
             if head and first < spare:  # the head's memory on fewer devices
-              packed = costs.packed(head, min(k + 2, m), d, zero, first) / first
+              packed = costs.packed(head, ahead, d, zero, first) / first
               if (m + k) * packed + y_new >= bound:
                 continue
             entry = (used + t, t_new, y_new, ((members, t, recompute, first, in_flight), chosen))
