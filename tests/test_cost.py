@@ -138,3 +138,34 @@ def test_collective_over_several_axes_runs_axis_by_axis():
   # One axis: one ring.
   assert g.comm_time(cost.ALL_REDUCE, 0b10, nbytes) == pytest.approx(
       2 * (1e-6 + nbytes / 2 / 1e9), rel=1e-12)
+
+
+def test_layout_hash_collisions_never_merge_two_layouts(monkeypatch):
+  """The memo finds entries by a hash of the layouts; when every layout
+  hashes alike, costs still come out as the exact memo gives them."""
+  from automap._src import kernels
+
+  step, args = gpt_step()
+  traced = trace.trace(step, args)
+  mesh_spec = sharding.MeshSpec(("data", "model"), (4, 2))
+  hw = hardware.get_hardware("tpu-v4")
+  exact = program.Program.build(traced, mesh_spec, hw)
+  monkeypatch.setattr(kernels, "_layout_hash", lambda *_: np.uint64(7))
+  monkeypatch.setattr(kernels, "find_entries", kernels.find_entries.py_func)
+  monkeypatch.setattr(kernels, "insert_entries", kernels.insert_entries.py_func)
+  colliding = program.Program.build(traced, mesh_spec, hw)
+  prop = exact.propagator()
+  state = exact.initial_state()
+  trackers = [cost.Tracker(p.model, state) for p in (exact, colliding)]
+  rng = np.random.default_rng(0)
+  g = exact.graph
+  for _ in range(6):
+    v = int(rng.choice(g.inputs))
+    if g.rank(v):
+      changed = prop.tile(state, v, int(rng.integers(g.rank(v))), int(rng.integers(2)))
+      for t in trackers:
+        t.update(changed)
+      a, b = (t.cost() for t in trackers)
+      assert (a.step_time, a.peak_memory, a.comm_bytes) == (
+          b.step_time, b.peak_memory, b.comm_bytes)
+  assert len(colliding.model.memo) == len(exact.model.memo) > 1

@@ -142,3 +142,12 @@ def test_a_value_gathered_twice_by_xla():
 def test_a_scanned_operand_tiled_on_two_dims():
   prog = RandomProgram(((2, 4),), (), (SCAN,), (1, 0), grad=False)
   check(prog, (4, 2), [0, 2, 0])
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "XLA simplifies a slice that lies within one operand of a concatenate to a slice of that "
+    "operand: only that operand is gathered (8 B), where the model gathers both (16 B)"))
+def test_a_slice_of_one_concatenated_operand():
+  prog = RandomProgram(((2,),), (), (ABS, ABS, Step("concat", (0, 1), (0,)),
+                                     Step("slice", (3,), (0, 0, 1))), (4,), grad=False)
+  check(prog, (4, 2), [0])

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from automap._src import graph as graph_lib
-from automap._src import rules
+from automap._src import kernels, rules
 from automap._src.graph import Graph
 from automap._src.hardware import Hardware
 from automap._src.sharding import UNSHARDED, MeshSpec, State
@@ -289,6 +289,22 @@ class CostModel:
     self._e_flops = np.zeros(256)
     self._e_foot = np.zeros((256, slots))
     self._e_comms = np.zeros(256, bool)
+    # ... and its key (class, members' state rows) and the key's hash, with
+    # the open-addressing table of hashes `kernels.find_entries` searches.
+    self._e_class = np.zeros(256, np.int64)
+    self._e_rows = np.zeros((256, self.member_table.shape[1] * n), np.int8)
+    self._e_hash = np.zeros(256, np.uint64)
+    self._slot_hash = np.zeros(1024, np.uint64)
+    self._slot_entry = np.full(1024, -1, np.int64)
+    # ... and its collectives, rows _c_start[e] to _c_end[e] of the _c_*
+    # columns, and whether one is a reshard (`Tracker._talk` shares those).
+    self._e_reshard = np.zeros(256, bool)
+    self._c_start = np.zeros(256, np.int64)
+    self._c_end = np.zeros(256, np.int64)
+    self._c_kind = np.zeros(256, np.int64)
+    self._c_mask = np.zeros(256, np.int64)
+    self._c_bytes = np.zeros(256)
+    self._c_seconds = np.zeros(256)
 
   # -- collectives ---------------------------------------------------------
 
@@ -520,35 +536,59 @@ class CostModel:
     """Memo entry ids of the costs of `ops` [n] under `state`.
 
     Ops of one class in the same layouts share an entry, so the repeated
-    layers of a model are costed once; keys are built for all ops at once.
+    layers of a model are costed once. Entries are found by a compiled
+    lookup (`kernels.find_entries`); what it misses is looked up, and
+    priced if new, by its exact key.
     """
-    n = len(ops)
-    rows = state[self.member_table[ops]].reshape(n, -1)
-    keys = np.concatenate(
-        [self.op_class[ops].astype(np.int64)[:, None].view(np.uint8),
-         rows.view(np.uint8)], axis=1)
-    keys = np.ascontiguousarray(keys).view(f"V{keys.shape[1]}").ravel()
-    unique, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-    ids = np.empty(len(unique), np.int64)
-    for i, key in enumerate(unique):
-      key = key.tobytes()
+    ops = np.asarray(ops, np.int64)
+    ids, hashes = kernels.find_entries(
+        state, self.member_table, self.op_class, ops, self._slot_hash, self._slot_entry,
+        self._e_class, self._e_rows)
+    for i in np.flatnonzero(ids < 0).tolist():
+      o = int(ops[i])
+      rows = state[self.member_table[o]]
+      key = self.op_class[o].tobytes() + rows.tobytes()
       entry = self.memo.get(key)
       if entry is None:
-        entry = self.memo[key] = self._register(self._op_cost(state, int(ops[first[i]])))
+        entry = self.memo[key] = self._register(self._op_cost(state, o), o, rows, hashes[i])
       ids[i] = entry
-    return ids[inverse.ravel()]
+    return ids
 
-  def _register(self, c: OpCost) -> int:
+  def _register(self, c: OpCost, o: int, rows: np.ndarray, key_hash: np.uint64) -> int:
     k = len(self.entries)
     if k == len(self._e_time):  # grow geometrically
       self._e_time = np.resize(self._e_time, 2 * k)
       self._e_flops = np.resize(self._e_flops, 2 * k)
       self._e_foot = np.resize(self._e_foot, (2 * k, self._e_foot.shape[1]))
       self._e_comms = np.resize(self._e_comms, 2 * k)
+      self._e_class = np.resize(self._e_class, 2 * k)
+      self._e_rows = np.resize(self._e_rows, (2 * k, self._e_rows.shape[1]))
+      self._e_hash = np.resize(self._e_hash, 2 * k)
+      self._e_reshard = np.resize(self._e_reshard, 2 * k)
+      self._c_start = np.resize(self._c_start, 2 * k)
+      self._c_end = np.resize(self._c_end, 2 * k)
+    rows_at = int(self._c_end[k - 1]) if k else 0
+    while rows_at + len(c.comms) > len(self._c_kind):
+      for name in ("_c_kind", "_c_mask", "_c_bytes", "_c_seconds"):
+        setattr(self, name, np.resize(getattr(self, name), 2 * len(getattr(self, name))))
+    for r, (kind, mask, nbytes, seconds, _, _) in enumerate(c.comms, rows_at):
+      self._c_kind[r], self._c_mask[r], self._c_bytes[r], self._c_seconds[r] = (
+          kind, mask, nbytes, seconds)
+    self._c_start[k], self._c_end[k] = rows_at, rows_at + len(c.comms)
+    self._e_reshard[k] = any(position >= 0 for *_, position, _ in c.comms)
     self.entries.append(c)
     self._e_time[k], self._e_flops[k], self._e_comms[k] = c.time, c.flops, bool(c.comms)
     self._e_foot[k] = 0.0
     self._e_foot[k, :len(c.footprint)] = c.footprint
+    self._e_class[k], self._e_rows[k], self._e_hash[k] = self.op_class[o], rows.ravel(), key_hash
+    if 2 * (k + 1) > len(self._slot_hash):  # keep the table at most half full
+      self._slot_hash = np.zeros(4 * len(self._slot_hash), np.uint64)
+      self._slot_entry = np.full(len(self._slot_hash), -1, np.int64)
+      kernels.insert_entries(self._slot_hash, self._slot_entry, self._e_hash[:k + 1],
+                             np.arange(k + 1))
+    else:
+      kernels.insert_entries(self._slot_hash, self._slot_entry, self._e_hash[k:k + 1],
+                             np.array([k]))
     return k
 
   def _op_cost(self, state: State, o: int) -> OpCost:
@@ -691,14 +731,14 @@ class Tracker:
     self.args = float(self.held[model.is_input].sum())
     ops = np.arange(g.num_ops)
     self.op_ids = model.entry_ids(state, ops) if g.num_ops else np.zeros(0, np.int64)
+    self._mark = np.zeros(g.num_ops, bool)  # `kernels.gather`'s scratch
     self.compute = float(model._e_time[self.op_ids].sum())
     self.flops = float(model._e_flops[self.op_ids].sum())
     # [V] footprint of each temporary, and the timeline they make.
     self.foot = np.zeros(g.num_values)
     self.live = np.zeros(g.num_ops + 1)
-    for o in np.nonzero(model._e_comms[self.op_ids])[0]:
-      self._talk(int(o), model.entries[self.op_ids[o]], 1)
-    self._settle()
+    none = np.zeros(0, np.int64)
+    self._retalk(ops, none, self.op_ids)
     self._feet(ops, self.op_ids)
 
   @property
@@ -708,6 +748,26 @@ class Tracker:
 
   def _span(self, ops: list[int], nbytes: float) -> None:
     self.live[min(ops):max(ops) + 1] += nbytes
+
+  def _retalk(self, ops: np.ndarray, old: np.ndarray, new: np.ndarray) -> None:
+    """Swaps the collectives of `ops` from entries `old` (none if empty) to
+    `new`. Plain ones are tallied at once; reshards (shared between
+    readers) and late reductions (combined) are settled op by op."""
+    model = self.model
+    talks = model._e_comms[new] if not len(old) else model._e_comms[old] | model._e_comms[new]
+    special = model.late[ops] | model._e_reshard[new]
+    if len(old):
+      special |= model._e_reshard[old]
+    plain = talks & ~special
+    kernels.tally(old[plain] if len(old) else old, new[plain], model._c_start, model._c_end,
+                  model._c_kind, model._c_mask, model._c_bytes, model._c_seconds,
+                  self.bytes, self.count, self.seconds)
+    for i in np.flatnonzero(talks & special).tolist():
+      o = int(ops[i])
+      if len(old):
+        self._talk(o, model.entries[old[i]], -1)
+      self._talk(o, model.entries[new[i]], 1)
+    self._settle()
 
   def _talk(self, o: int, c: OpCost, sign: int) -> None:
     """Adds (sign 1) or removes (-1) the collectives of op o's cost c."""
@@ -805,52 +865,26 @@ class Tracker:
   def _feet(self, ops: np.ndarray, ids: np.ndarray) -> None:
     """Sets the footprints of the results of `ops` to those of entries `ids`."""
     model = self.model
-    values = model.result_table[ops].ravel()
-    feet = model._e_foot[ids][:, :model.result_table.shape[1]].ravel()
-    keep = values >= 0
-    values, feet = values[keep], feet[keep]
-    keep = model.temporary[values] & (feet != self.foot[values])
-    values, feet = values[keep], feet[keep]
-    if not len(values):
-      return
-    delta = feet - self.foot[values]
-    self.foot[values] = feet
-    n = len(self.live) + 1
-    steps = (np.bincount(model.start[values], delta, n)
-             - np.bincount(model.end[values] + 1, delta, n))
-    self.live += np.cumsum(steps)[:-1]
+    kernels.refoot(ops, ids, model.result_table, model._e_foot, model.temporary, self.foot,
+                   model.start, model.end, self.live)
 
   def update(self, changed: Iterable[int]) -> None:
     """Re-costs the ops around `changed` values of `self.state`."""
     model, state = self.model, self.state
-    changed = np.fromiter(changed, np.int64)
+    changed = np.asarray(changed if isinstance(changed, np.ndarray) else list(changed),
+                         np.int64).ravel()
     if not len(changed):
       return
-    starts, ends = model.touch_ptr[changed], model.touch_ptr[changed + 1]
-    lengths = ends - starts
-    offsets = np.repeat(starts - np.cumsum(lengths) + lengths, lengths)
-    touched = np.zeros(len(self.op_ids), bool)
-    touched[model.touch_idx[offsets + np.arange(lengths.sum())]] = True
-    ops = np.flatnonzero(touched)
-    new = model.entry_ids(state, ops)
-    old = self.op_ids[ops]
-    moved = new != old
-    ops, new, old = ops[moved], new[moved], old[moved]
-    self.compute += float(model._e_time[new].sum() - model._e_time[old].sum())
-    self.flops += float(model._e_flops[new].sum() - model._e_flops[old].sum())
-    for i in np.nonzero(model._e_comms[old] | model._e_comms[new])[0]:
-      o = int(ops[i])
-      self._talk(o, model.entries[old[i]], -1)
-      self._talk(o, model.entries[new[i]], 1)
-    self._settle()
-    self.op_ids[ops] = new
+    ops = kernels.gather(changed, model.touch_ptr, model.touch_idx, self._mark)
+    ops, old, new, time, flops = kernels.swap_entries(
+        ops, model.entry_ids(state, ops), self.op_ids, model._e_time, model._e_flops)
+    self.compute += time
+    self.flops += flops
+    self._retalk(ops, old, new)
     self._feet(ops, new)
-    resident = changed[model.resident[changed]]
-    if len(resident):
-      tiles = np.where(state[resident] >= 0, model.sizes[None, :], 1).prod(axis=1)
-      self.held[resident] = model.graph.nbytes[resident] / tiles
-      self.resident = float(self.held.sum())
-      self.args = float(self.held[model.is_input].sum())
+    self.resident, self.args = kernels.reheld(
+        changed, model.resident, state, model.sizes, model.graph.nbytes, self.held,
+        model.is_input)
 
   @property
   def comm_time(self) -> float:

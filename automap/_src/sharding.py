@@ -22,13 +22,10 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from automap._src import kernels
 from automap._src.graph import Graph
 
 UNSHARDED = -1
-# Waves over fewer (value, op) views than this run as a Python loop, which
-# beats array operations on them.
-_SMALL_WAVE = 48
-_NO_OFFER = np.iinfo(np.int64).max
 
 
 class MeshError(ValueError):
@@ -141,14 +138,19 @@ def set_spec(state: State, mesh: MeshSpec, v: int, shape: Sequence[int],
           "sizes divide it, or leave that dimension unsharded (None).")
 
 
+def concat(parts: Iterable) -> np.ndarray:
+  """Lists of changed values (arrays or sequences of ints) as one [n] int64."""
+  parts = [np.asarray(p, np.int64) for p in parts]
+  return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
 class _Tables(NamedTuple):
   """A graph's factor rules as arrays, built once per graph.
 
   Per op: member values mval [O, M] (-1 pads), the factor of each member dim
   mdims [O, M, R] (-2 pads), factor extents msize [O, F]; per value: its
   padded shape [V, R] and the (op, member slot) views of it, as CSR
-  (vptr [V + 1], vop, vslot). The same as Python lists (members, views,
-  factor_sizes) for waves too small to vectorise.
+  (vptr [V + 1], vop, vslot).
   """
 
   mval: np.ndarray
@@ -158,9 +160,6 @@ class _Tables(NamedTuple):
   vptr: np.ndarray
   vop: np.ndarray
   vslot: np.ndarray
-  members: list
-  views: list
-  factor_sizes: list
 
 
 @functools.lru_cache(maxsize=4)
@@ -194,20 +193,18 @@ def _tables(graph: Graph) -> _Tables:
   flat = [pair for x in views for pair in x]
   vop = np.array([o for o, _ in flat], np.int64)
   vslot = np.array([j for _, j in flat], np.int64)
-  return _Tables(mval, mdims, msize, shape, vptr, vop, vslot, members, views,
-                 [r.sizes for r in graph.rules])
+  return _Tables(mval, mdims, msize, shape, vptr, vop, vslot)
 
 
 class Propagator:
   """Applies actions to a state and propagates them through factor rules.
 
-  Propagation runs in waves, as array operations over every (value, op)
-  view the wave reaches: a value newly tiled on an axis offers the tiling,
-  through each op's factor rule, to the op's other members. An offer is
-  taken where the op has no other factor on that axis, the factor's extent
-  and the member's dim divide by the tiles, the member is free on that axis
-  and not fixed, and any axes already on that dim nest inside the offer's.
-  Within a wave the first offer to a value wins.
+  Propagation runs in waves (`kernels.spread`): a value newly tiled on an
+  axis offers the tiling, through each op's factor rule, to the op's other
+  members. An offer is taken where the op has no other factor on that axis,
+  the factor's extent and the member's dim divide by the tiles, the member
+  is free on that axis and not fixed, and any axes already on that dim nest
+  inside the offer's. Within a wave the first offer to a value wins.
 
   fixed: [V] bool, values whose sharding nothing may change (user pins,
   arguments whose layout was given).
@@ -218,14 +215,11 @@ class Propagator:
     self.fixed = (np.zeros(graph.num_values, bool) if fixed is None
                   else fixed.astype(bool))
     self.sizes = mesh.axis_sizes
-    self.bits = 1 << np.arange(mesh.num_axes)
     self.size_row = np.array(mesh.axis_sizes, np.int64)
     t = _tables(graph)
     self.mval, self.mdims, self.msize, self.shape = t.mval, t.mdims, t.msize, t.shape
     self.vptr, self.vop, self.vslot = t.vptr, t.vop, t.vslot
-    self.members, self.views, self.factor_sizes = t.members, t.views, t.factor_sizes
-    self.slots = np.arange(self.mval.shape[1])
-    self._first = np.full(graph.num_values, _NO_OFFER, np.int64)  # scratch
+    self._offer = np.full(graph.num_values, -1, np.int64)  # `kernels.spread`'s scratch
 
   def can_tile(self, state: State, v: int, d: int, a: int) -> bool:
     if (self.fixed[v] or state[v, a] != UNSHARDED or d >= self.graph.rank(v)
@@ -235,105 +229,28 @@ class Propagator:
     return self.graph.shapes[v][d] % tiles == 0
 
   def tile(self, state: State, v: int, d: int, a: int,
-           propagate: bool = True) -> list[int]:
-    """Tiles dim d of value v over axis a; returns the values changed."""
+           propagate: bool = True) -> np.ndarray:
+    """Tiles dim d of value v over axis a; returns the values changed [n]
+    (none when the tiling is not legal)."""
     if not self.can_tile(state, v, d, a):
-      return []
+      return np.zeros(0, np.int64)
     state[v, a] = d
     if not propagate:
-      return [v]
-    return [v] + self.propagate(state, [(v, a)])
+      return np.array([v], np.int64)
+    return concat([[v], self.propagate(state, [(v, a)])])
 
-  def propagate(self, state: State, seeds: Iterable[tuple[int, int]]) -> list[int]:
+  def propagate(self, state: State, seeds: Iterable[tuple[int, int]]) -> np.ndarray:
     """Spreads each (value, axis) in `seeds` through the graph; in place.
-    Returns the values changed, in the order they changed."""
-    changed: list[int] = []
+    Returns the values changed [n], in the order they changed."""
     by_axis: dict[int, list[int]] = {}
     for v, a in seeds:
       by_axis.setdefault(int(a), []).append(int(v))
-    for a, values in by_axis.items():
-      frontier = np.unique(np.array(values, np.int64))
-      while len(frontier):
-        frontier = self._wave(state, frontier, a)
-        changed.extend(frontier.tolist())
-    return changed
+    return concat([kernels.spread(
+        state, np.unique(np.array(values, np.int64)), a, self.size_row, self.fixed,
+        self.shape, self.vptr, self.vop, self.vslot, self.mval, self.mdims, self.msize,
+        self._offer) for a, values in by_axis.items()])
 
-  def _wave(self, state: State, src: np.ndarray, a: int) -> np.ndarray:
-    """One propagation wave on axis a from values `src`; returns the values
-    it tiled (in offer order)."""
-    if (self.vptr[src + 1] - self.vptr[src]).sum() <= _SMALL_WAVE:
-      return self._small_wave(state, src, a)
-    d = state[src, a].astype(np.int64)
-    src, d = src[d >= 0], d[d >= 0]
-    on = state[src] == d[:, None]  # [n, A] axes tiling the offered dim
-    tiles = np.where(on, self.size_row, 1).prod(axis=1)
-    offered = (on * self.bits).sum(axis=1)
-    lengths = self.vptr[src + 1] - self.vptr[src]
-    starts = np.repeat(self.vptr[src] - np.cumsum(lengths) + lengths, lengths)
-    view = starts + np.arange(lengths.sum())
-    i = np.repeat(np.arange(len(src)), lengths)  # view -> its source
-    o, slot = self.vop[view], self.vslot[view]
-    f = self.mdims[o, slot, d[i]].astype(np.int64)
-    ok = f >= 0
-    ok[ok] = self.msize[o[ok], f[ok]] % tiles[i[ok]] == 0
-    o, f, i = o[ok], f[ok], i[ok]
-    members = self.mval[o]  # [N, M]
-    safe = np.maximum(members, 0)
-    on_axis = np.where(members >= 0, state[safe, a], -1)  # [N, M]
-    held = self.mdims[o[:, None], self.slots[None, :members.shape[1]],
-                      np.maximum(on_axis, 0)]
-    # The axis may tile only one factor of an op; offers go to free members.
-    clash = ((on_axis >= 0) & (held != f[:, None])).any(axis=1)
-    free = (on_axis < 0) & (members >= 0) & ~clash[:, None]
-    free &= members != src[i][:, None]
-    row, slot = np.nonzero(free)  # view-major: offer order
-    u, f, i = members[row, slot], f[row], i[row]
-    match = self.mdims[o[row], slot] == f[:, None]  # [P, R]
-    e = match.argmax(axis=1)  # the member's first dim indexed by the factor
-    take = match.any(axis=1) & ~self.fixed[u] & (self.shape[u, e] % tiles[i] == 0)
-    nested = ((state[u] == e[:, None]) * self.bits).sum(axis=1)
-    take &= (nested & ~offered[i]) == 0
-    targets, dims_to = u[take], e[take]
-    # The first offer to a value wins: mark each value with its first offer.
-    rank = np.arange(len(targets))
-    np.minimum.at(self._first, targets, rank)
-    first = self._first[targets] == rank
-    self._first[targets] = _NO_OFFER
-    targets, dims_to = targets[first], dims_to[first]
-    state[targets, a] = dims_to
-    return targets
-
-  def _small_wave(self, state: State, src: np.ndarray, a: int) -> np.ndarray:
-    """`_wave` one view at a time: the same offers, decided against the
-    state at the start of the wave, the first offer to a value winning."""
-    at, sizes, shapes, fixed = state.item, self.sizes, self.graph.shapes, self.fixed
-    axes = range(len(sizes))
-    offers: dict[int, int] = {}
-    for v in src.tolist():
-      d = at(v, a)
-      if d < 0:
-        continue
-      on_d = [b for b in axes if at(v, b) == d]
-      tiles = math.prod(sizes[b] for b in on_d)
-      for o, slot in self.views[v]:
-        f = self.members[o][slot][1][d]
-        if f < 0 or self.factor_sizes[o][f] % tiles:
-          continue
-        members = self.members[o]
-        if any(at(u, a) >= 0 and dims[at(u, a)] != f for u, dims in members):
-          continue
-        for u, dims in members:
-          if u == v or u in offers or f not in dims:
-            continue
-          e = dims.index(f)
-          if (at(u, a) < 0 and not fixed[u] and shapes[u][e] % tiles == 0
-              and all(b in on_d for b in axes if at(u, b) == e)):
-            offers[u] = e
-    targets = np.fromiter(offers, np.int64, len(offers))
-    state[targets, a] = np.fromiter(offers.values(), np.int64, len(offers))
-    return targets
-
-  def seed_all(self, state: State) -> list[int]:
+  def seed_all(self, state: State) -> np.ndarray:
     """Propagates every tiled (value, axis) already in the state."""
     vs, axes = np.nonzero(state >= 0)
     return self.propagate(state, zip(vs.tolist(), axes.tolist()))

@@ -17,11 +17,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import numpy as np
+
 from automap._src import graph as graph_lib
 from automap._src.groups import Group, colours, find_groups, structural_groups
 from automap._src.program import Program
 from automap._src.search import tactics
-from automap._src.sharding import State
+from automap._src.sharding import State, concat
 
 # At most this many groups of large intermediates become candidates.
 _MAX_INTERMEDIATE_GROUPS = 8
@@ -98,19 +100,19 @@ class ActionSpace:
             if any(can(state, v, t.dim, t.axis) for v in self.groups[t.group].members)]
     return out
 
-  def apply(self, state: State, action: Action) -> list[int]:
+  def apply(self, state: State, action: Action) -> np.ndarray:
     """Carries out `action` on `state` in place; returns the values changed."""
     if isinstance(action, Tactic):
       t = self.tactics_of
       if action.name == "data-parallel":
         return t.data_parallel(state, action.axes)
       if action.name == "fsdp":  # axis by axis: later axes nest in earlier ones
-        return [v for a in action.axes for v in t.fsdp(state, a)]
+        return concat(t.fsdp(state, a) for a in action.axes)
       return getattr(t, action.name)(state, action.axes[0])
     a = action.axis
     seeds = [(v, a) for v in self.groups[action.group].members
-             if self.prop.tile(state, v, action.dim, a, propagate=False)]
-    return [v for v, _ in seeds] + self.prop.propagate(state, seeds)
+             if len(self.prop.tile(state, v, action.dim, a, propagate=False))]
+    return concat([[v for v, _ in seeds], self.prop.propagate(state, seeds)])
 
   def describe(self, action: Action) -> str:
     names = self.program.mesh.axis_names

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from automap._src.graph import Graph
-from automap._src.sharding import MeshSpec, Propagator, State
+from automap._src.sharding import MeshSpec, Propagator, State, concat
 from automap._src.trace import Traced
 
 
@@ -87,52 +87,49 @@ class Tactics:
         if columns:
           self.weights.append((w, columns))
 
-  def data_parallel(self, state: State, axes: Sequence[int] | None = None) -> list[int]:
+  def data_parallel(self, state: State, axes: Sequence[int] | None = None) -> np.ndarray:
     """Splits the leading dim of every data argument over the given mesh
     axes (default all), major first, as far as they divide it."""
     mesh, prop = self.mesh, self.prop
     axes = range(mesh.num_axes) if axes is None else axes
     seeds = [(v, a) for v in self.data for a in axes
-             if mesh.axis_sizes[a] > 1 and prop.tile(state, v, 0, a, propagate=False)]
-    return [v for v, _ in seeds] + prop.propagate(state, seeds)
+             if mesh.axis_sizes[a] > 1 and len(prop.tile(state, v, 0, a, propagate=False))]
+    return concat([[v for v, _ in seeds], prop.propagate(state, seeds)])
 
-  def megatron(self, state: State, axis: int) -> list[int]:
+  def megatron(self, state: State, axis: int) -> np.ndarray:
     """Megatron tensor parallelism over one axis: in program order, every
     weight a contraction reads and the axis does not yet tile is split
     along its first output dimension the axis divides (columns: heads,
     hidden units). Propagation carries the split through the chain to the
     next contraction, whose weight it splits by rows, so the pair needs one
     reduction."""
-    changed: list[int] = []
+    changed = []
     for w, columns in self.weights:
       if state[w, axis] >= 0:
         continue
       for d in columns:
         if self.prop.can_tile(state, w, d, axis):
-          changed += self.prop.tile(state, w, d, axis)
+          changed.append(self.prop.tile(state, w, d, axis))
           break
-    return changed
+    return concat(changed)
 
-  def fsdp(self, state: State, axis: int) -> list[int]:
+  def fsdp(self, state: State, axis: int) -> np.ndarray:
     """ZeRO-3 / FSDP over one axis: data parallelism on it, and every
     carried argument (parameters, optimizer state) split along its largest
     dimension the axis divides, to be gathered where it is used."""
-    changed = self.data_parallel(state, [axis])
+    changed = [self.data_parallel(state, [axis])]
     g = self.graph
     for v in self.carried:
       if state[v, axis] >= 0:
         continue
       for d in sorted(range(g.rank(v)), key=lambda d: -g.shapes[v][d]):
         if self.prop.can_tile(state, v, d, axis):
-          changed += self.prop.tile(state, v, d, axis)
+          changed.append(self.prop.tile(state, v, d, axis))
           break
-    return changed
+    return concat(changed)
 
-  def sequence(self, state: State, axis: int) -> list[int]:
+  def sequence(self, state: State, axis: int) -> np.ndarray:
     """Sequence (context) parallelism over one axis: the second dimension of
     every data argument split."""
-    changed: list[int] = []
-    for v in self.data:
-      if self.graph.rank(v) >= 2 and self.prop.can_tile(state, v, 1, axis):
-        changed += self.prop.tile(state, v, 1, axis)
-    return changed
+    return concat(self.prop.tile(state, v, 1, axis) for v in self.data
+                  if self.graph.rank(v) >= 2 and self.prop.can_tile(state, v, 1, axis))

@@ -1,0 +1,270 @@
+"""Compiled inner loops of propagation and costing.
+
+The search applies and undoes thousands of actions, each touching up to a
+third of a program's values; these loops run them at machine speed. Each is
+plain numpy-typed Python compiled by numba (cached on disk), so `.py_func`
+runs the same code uncompiled.
+
+Shape letters: V values, O ops, M members per op (padded), R rank (padded),
+F factors per op (padded), A mesh axes.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+
+@numba.njit(cache=True, nogil=True)
+def spread(state, frontier, a, sizes, fixed, shape, vptr, vop, vslot, mval, mdims, msize,
+           offer):
+  """Spreads the tilings on mesh axis `a` of the values in `frontier`
+  through the factor rules, wave by wave, until nothing changes; in place.
+
+  A wave visits each source value's (op, member slot) views in order: the
+  value's tiled dim is offered, through the op's factor, to the op's other
+  members. An offer is taken where the op has no other factor on axis a,
+  the factor's extent and the member's dim divide by the tiles, the member
+  is free on a and not fixed, and any axes already on that dim nest inside
+  the offer's. Offers are decided against the state at the start of the
+  wave, and the first offer to a value wins. The values taken are the next
+  wave's sources.
+
+  state: [V, A] int8, the dim each axis tiles or -1. frontier: [n] int64.
+  sizes: [A] int64. fixed: [V] bool. shape: [V, R] int64. vptr: [V + 1],
+  vop, vslot: CSR of each value's views. mval: [O, M] member values (-1
+  pads). mdims: [O, M, R] the factor of each member dim (-2 pads). msize:
+  [O, F] factor extents. offer: [V] int64 scratch, all -1 on entry and exit.
+  Returns the values changed, in the order they changed.
+  """
+  num_axes = state.shape[1]
+  width = mval.shape[1]
+  rank = mdims.shape[2]
+  changed = np.empty(state.shape[0], np.int64)
+  n = 0
+  src = frontier.copy()
+  while len(src):
+    targets = np.empty(state.shape[0], np.int64)
+    dims = np.empty(state.shape[0], np.int64)
+    t = 0
+    for v in src:
+      d = state[v, a]
+      if d < 0:
+        continue
+      tiles = 1
+      offered = 0
+      for b in range(num_axes):
+        if state[v, b] == d:
+          tiles *= sizes[b]
+          offered |= 1 << b
+      for k in range(vptr[v], vptr[v + 1]):
+        o, slot = vop[k], vslot[k]
+        f = mdims[o, slot, d]
+        if f < 0 or msize[o, f] % tiles:
+          continue
+        clash = False
+        for j in range(width):
+          u = mval[o, j]
+          if u >= 0 and state[u, a] >= 0 and mdims[o, j, state[u, a]] != f:
+            clash = True
+            break
+        if clash:
+          continue
+        for j in range(width):
+          u = mval[o, j]
+          if u < 0 or u == v or offer[u] >= 0 or state[u, a] >= 0 or fixed[u]:
+            continue
+          e = -1
+          for r in range(rank):
+            if mdims[o, j, r] == f:
+              e = r
+              break
+          if e < 0 or shape[u, e] % tiles:
+            continue
+          nested = 0
+          for b in range(num_axes):
+            if state[u, b] == e:
+              nested |= 1 << b
+          if nested & ~offered:
+            continue
+          offer[u] = e
+          targets[t] = u
+          dims[t] = e
+          t += 1
+    for i in range(t):
+      state[targets[i], a] = dims[i]
+      offer[targets[i]] = -1
+      changed[n] = targets[i]
+      n += 1
+    src = targets[:t].copy()
+  return changed[:n]
+
+
+@numba.njit(cache=True, nogil=True)
+def gather(items, ptr, idx, mark):
+  """The sorted distinct entries of the CSR rows `items` of (ptr, idx).
+
+  mark: [len(ptr) - 1] bool scratch, all False on entry and exit."""
+  out = np.empty(len(mark), np.int64)
+  n = 0
+  for v in items:
+    for k in range(ptr[v], ptr[v + 1]):
+      o = idx[k]
+      if not mark[o]:
+        mark[o] = True
+        out[n] = o
+        n += 1
+  if 16 * n < len(mark):
+    out = np.sort(out[:n])
+  else:  # many: a scan of the marks beats a sort
+    n = 0
+    for o in range(len(mark)):
+      if mark[o]:
+        out[n] = o
+        n += 1
+    out = out[:n]
+  for o in out:
+    mark[o] = False
+  return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _layout_hash(state, members, cls):
+  """FNV-1a over an op's class and its members' state rows."""
+  h = np.uint64(14695981039346656037)
+  prime = np.uint64(1099511628211)
+  h = (h ^ np.uint64(cls)) * prime
+  for v in members:
+    for a in range(state.shape[1]):
+      h = (h ^ np.uint64(state[v, a] + 2)) * prime
+  return h
+
+
+@numba.njit(cache=True, nogil=True)
+def find_entries(state, member_table, op_class, ops, slot_hash, slot_entry, entry_class,
+                 entry_rows):
+  """Memo entries of `ops` under `state`, from an open-addressing table.
+
+  The table maps a layout hash to an entry: slot_hash [C] uint64 and
+  slot_entry [C] int64 (-1: empty), C a power of two. An entry found is
+  checked against its key (entry_class [E], entry_rows [E, K] int8: the
+  members' state rows, flattened), so a hash collision is never taken for
+  a hit. Returns ([n] entry ids, -1 where missing; [n] layout hashes).
+  """
+  n = len(ops)
+  ids = np.full(n, -1, np.int64)
+  hashes = np.empty(n, np.uint64)
+  num_axes = state.shape[1]
+  mask = np.uint64(len(slot_hash) - 1)
+  for i in range(n):
+    o = ops[i]
+    h = _layout_hash(state, member_table[o], op_class[o])
+    hashes[i] = h
+    s = h & mask
+    while slot_entry[s] >= 0:
+      if slot_hash[s] == h:
+        e = slot_entry[s]
+        same = entry_class[e] == op_class[o]
+        k = 0
+        for v in member_table[o]:
+          for a in range(num_axes):
+            same = same and entry_rows[e, k] == state[v, a]
+            k += 1
+        if same:
+          ids[i] = e
+        break
+      s = (s + np.uint64(1)) & mask
+  return ids, hashes
+
+
+@numba.njit(cache=True, nogil=True)
+def insert_entries(slot_hash, slot_entry, hashes, entries):
+  """Files each entry under its hash unless the hash is taken (by a
+  colliding key, which then stays a miss, found in the exact memo)."""
+  mask = np.uint64(len(slot_hash) - 1)
+  for i in range(len(hashes)):
+    h = hashes[i]
+    s = h & mask
+    while slot_entry[s] >= 0 and slot_hash[s] != h:
+      s = (s + np.uint64(1)) & mask
+    if slot_entry[s] < 0:
+      slot_hash[s] = h
+      slot_entry[s] = entries[i]
+
+
+@numba.njit(cache=True, nogil=True)
+def tally(removed, added, start, end, kind, mask, nbytes, seconds, out_bytes, out_count,
+          out_seconds):
+  """Takes the collectives of entries `removed` out of the totals and puts
+  those of `added` in; in place. Entry e's collectives are rows start[e] to
+  end[e] of (kind, mask, nbytes, seconds); totals are [kinds, masks]."""
+  for i in range(len(removed) + len(added)):
+    sign, e = (-1, removed[i]) if i < len(removed) else (1, added[i - len(removed)])
+    for r in range(start[e], end[e]):
+      out_bytes[kind[r], mask[r]] += sign * nbytes[r]
+      out_count[kind[r], mask[r]] += sign
+      out_seconds[kind[r], mask[r]] += sign * seconds[r]
+
+
+@numba.njit(cache=True, nogil=True)
+def swap_entries(ops, new, op_ids, e_time, e_flops):
+  """Points each of `ops` at its entry in `new`; in place on op_ids [O].
+  Returns the ops that moved, their old and new entries, and the change
+  of total time and FLOPs."""
+  keep = np.empty(len(ops), np.bool_)
+  time = flops = 0.0
+  for i in range(len(ops)):
+    old = op_ids[ops[i]]
+    keep[i] = old != new[i]
+    if keep[i]:
+      time += e_time[new[i]] - e_time[old]
+      flops += e_flops[new[i]] - e_flops[old]
+  moved = ops[keep]
+  olds = op_ids[moved]
+  news = new[keep]
+  op_ids[moved] = news
+  return moved, olds, news, time, flops
+
+
+@numba.njit(cache=True, nogil=True)
+def refoot(ops, ids, result_table, e_foot, temporary, foot, start, end, live):
+  """Sets the footprints foot [V] of the results of `ops` to those of
+  entries `ids`, redrawing the memory timeline live [O + 1] where the
+  temporaries that changed are alive; in place."""
+  n = len(live)
+  steps = np.zeros(n + 1)
+  lo, hi = n, 0
+  for i in range(len(ops)):
+    for r in range(result_table.shape[1]):
+      v = result_table[ops[i], r]
+      if v < 0 or not temporary[v] or e_foot[ids[i], r] == foot[v]:
+        continue
+      delta = e_foot[ids[i], r] - foot[v]
+      foot[v] = e_foot[ids[i], r]
+      steps[start[v]] += delta
+      steps[end[v] + 1] -= delta
+      lo, hi = min(lo, start[v]), max(hi, end[v] + 1)
+  running = 0.0
+  for t in range(lo, min(hi, n)):
+    running += steps[t]
+    live[t] += running
+
+
+@numba.njit(cache=True, nogil=True)
+def reheld(values, resident, state, sizes, nbytes, held, is_input):
+  """Re-sizes the resident buffers (arguments, outputs) among `values` to
+  their tiles under `state`; in place on held [V]. Returns the bytes held
+  by all residents and by the arguments."""
+  for v in values:
+    if resident[v]:
+      tiles = 1
+      for a in range(state.shape[1]):
+        if state[v, a] >= 0:
+          tiles *= sizes[a]
+      held[v] = nbytes[v] / tiles
+  total = args = 0.0
+  for v in range(len(held)):
+    total += held[v]
+    if is_input[v]:
+      args += held[v]
+  return total, args
