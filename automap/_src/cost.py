@@ -541,18 +541,31 @@ class CostModel:
     priced if new, by its exact key.
     """
     ops = np.asarray(ops, np.int64)
-    ids, hashes = kernels.find_entries(
+    find = lambda ops: kernels.find_entries(  # noqa: E731
         state, self.member_table, self.op_class, ops, self._slot_hash, self._slot_entry,
         self._e_class, self._e_rows)
+    ids, hashes = find(ops)
+    miss = np.flatnonzero(ids < 0)
+    if not len(miss):
+      return ids
+    # Price one op per new layout hash, then look the misses up again; what
+    # still misses (a hash collision) is found by its exact key.
+    _, first = np.unique(hashes[miss], return_index=True)
+    for i in miss[first].tolist():
+      self._exact(state, int(ops[i]), hashes[i])
+    ids[miss] = find(ops[miss])[0]
     for i in np.flatnonzero(ids < 0).tolist():
-      o = int(ops[i])
-      rows = state[self.member_table[o]]
-      key = self.op_class[o].tobytes() + rows.tobytes()
-      entry = self.memo.get(key)
-      if entry is None:
-        entry = self.memo[key] = self._register(self._op_cost(state, o), o, rows, hashes[i])
-      ids[i] = entry
+      ids[i] = self._exact(state, int(ops[i]), hashes[i])
     return ids
+
+  def _exact(self, state: State, o: int, key_hash: np.uint64) -> int:
+    """The entry of op o under `state` by its exact key; priced if new."""
+    rows = state[self.member_table[o]]
+    key = self.op_class[o].tobytes() + rows.tobytes()
+    entry = self.memo.get(key)
+    if entry is None:
+      entry = self.memo[key] = self._register(self._op_cost(state, o), o, rows, key_hash)
+    return entry
 
   def _register(self, c: OpCost, o: int, rows: np.ndarray, key_hash: np.uint64) -> int:
     k = len(self.entries)

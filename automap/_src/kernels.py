@@ -40,13 +40,14 @@ def spread(state, frontier, a, sizes, fixed, shape, vptr, vop, vslot, mval, mdim
   num_axes = state.shape[1]
   width = mval.shape[1]
   rank = mdims.shape[2]
+  # Each value changes at most once: the waves' targets go one after the
+  # other into `changed`, and a wave's sources are the previous wave's.
   changed = np.empty(state.shape[0], np.int64)
+  dims = np.empty(state.shape[0], np.int64)
+  src = frontier
   n = 0
-  src = frontier.copy()
   while len(src):
-    targets = np.empty(state.shape[0], np.int64)
-    dims = np.empty(state.shape[0], np.int64)
-    t = 0
+    start = n
     for v in src:
       d = state[v, a]
       if d < 0:
@@ -88,15 +89,13 @@ def spread(state, frontier, a, sizes, fixed, shape, vptr, vop, vslot, mval, mdim
           if nested & ~offered:
             continue
           offer[u] = e
-          targets[t] = u
-          dims[t] = e
-          t += 1
-    for i in range(t):
-      state[targets[i], a] = dims[i]
-      offer[targets[i]] = -1
-      changed[n] = targets[i]
-      n += 1
-    src = targets[:t].copy()
+          changed[n] = u
+          dims[n] = e
+          n += 1
+    for i in range(start, n):
+      state[changed[i], a] = dims[i]
+      offer[changed[i]] = -1
+    src = changed[start:n]
   return changed[:n]
 
 
@@ -129,15 +128,18 @@ def gather(items, ptr, idx, mark):
 
 
 @numba.njit(cache=True, nogil=True)
-def _layout_hash(state, members, cls):
-  """FNV-1a over an op's class and its members' state rows."""
-  h = np.uint64(14695981039346656037)
-  prime = np.uint64(1099511628211)
-  h = (h ^ np.uint64(cls)) * prime
-  for v in members:
+def _layout_hash(state, member_table, op_class, o):
+  """A hash of op o's class and its members' state rows: the row entries
+  as base-32 digits (exact up to twelve), mixed with the class."""
+  digits = np.uint64(0)
+  for j in range(member_table.shape[1]):
+    v = member_table[o, j]
     for a in range(state.shape[1]):
-      h = (h ^ np.uint64(state[v, a] + 2)) * prime
-  return h
+      digits = (digits << np.uint64(5)) + np.uint64(state[v, a] + 2)
+  x = digits ^ (np.uint64(op_class[o]) * np.uint64(0x9E3779B97F4A7C15))
+  x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+  x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+  return x ^ (x >> np.uint64(31))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -158,22 +160,21 @@ def find_entries(state, member_table, op_class, ops, slot_hash, slot_entry, entr
   mask = np.uint64(len(slot_hash) - 1)
   for i in range(n):
     o = ops[i]
-    h = _layout_hash(state, member_table[o], op_class[o])
+    h = _layout_hash(state, member_table, op_class, o)
     hashes[i] = h
     s = h & mask
-    while slot_entry[s] >= 0:
-      if slot_hash[s] == h:
-        e = slot_entry[s]
-        same = entry_class[e] == op_class[o]
-        k = 0
-        for v in member_table[o]:
-          for a in range(num_axes):
-            same = same and entry_rows[e, k] == state[v, a]
-            k += 1
-        if same:
-          ids[i] = e
-        break
+    while slot_entry[s] >= 0 and slot_hash[s] != h:
       s = (s + np.uint64(1)) & mask
+    e = slot_entry[s]
+    if e < 0 or entry_class[e] != op_class[o]:
+      continue
+    same = True
+    for j in range(member_table.shape[1]):
+      for a in range(num_axes):
+        if entry_rows[e, j * num_axes + a] != state[member_table[o, j], a]:
+          same = False
+    if same:
+      ids[i] = e
   return ids, hashes
 
 
