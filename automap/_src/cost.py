@@ -389,6 +389,10 @@ class CostModel:
             op_fs.append(rule.operands[p][d])
       reductions = [f for f in op_fs if rule.reduction[f]]
       f = UNSHARDED
+      if g.prims[o] == "scan_stack":
+        # The loop stacks each step's result in the layout the body made
+        # it in; the stacked result is resharded after the loop.
+        res_f = op_fs[0] if op_fs else UNSHARDED
       if res_f >= 0:
         f = res_f
         if res_f not in op_fs and reductions:
