@@ -103,3 +103,18 @@ def test_ctrl_c_during_a_search_raises_cleanly_and_caches_nothing(tmp_path):
   assert proc.returncode != 0
   assert err.rstrip().endswith("KeyboardInterrupt"), err[-2000:]
   assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_an_interrupt_inside_a_compiled_kernel_is_still_an_interrupt():
+  from automap._src import kernels
+
+  def dispatch():  # what numba's dispatcher does with Ctrl-C in its Python code
+    try:
+      raise KeyboardInterrupt
+    except KeyboardInterrupt as e:
+      raise SystemError("returned a result with an exception set") from e
+
+  with pytest.raises(SystemError) as caught:
+    dispatch()
+  assert kernels.interrupted(caught.value)
+  assert not kernels.interrupted(SystemError("a real error"))

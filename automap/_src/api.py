@@ -21,6 +21,7 @@ from rich import progress as progress_lib
 
 from automap._src import apply as apply_lib
 from automap._src import cache as cache_lib
+from automap._src import kernels
 from automap._src import trace as trace_lib
 from automap._src import verify as verify_lib
 from automap._src.cost import Cost, Tracker
@@ -183,9 +184,16 @@ def _check_memory_limit(program: Program, memory_limit: float | None) -> None:
 def _run_search(program: Program, request: _Request) -> _Found:
   _check_memory_limit(program, request.memory_limit)
   space = ActionSpace(program, request.hints.groups)
-  if request.method == "ilp":
-    return _run_ilp(program, space, request)
-  return _run_mcts(program, space, request, request.budget.seconds)
+  try:
+    if request.method == "ilp":
+      return _run_ilp(program, space, request)
+    return _run_mcts(program, space, request, request.budget.seconds)
+  except SystemError as e:
+    # Ctrl-C landing inside a compiled kernel's call (while numba compiles,
+    # loads or boxes) surfaces as a SystemError around it.
+    if kernels.interrupted(e):
+      raise KeyboardInterrupt from None
+    raise
 
 
 def _run_mcts(program: Program, space: ActionSpace, request: _Request,

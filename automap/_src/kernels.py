@@ -15,6 +15,19 @@ import numba
 import numpy as np
 
 
+def interrupted(error: BaseException) -> bool:
+  """Whether `error` carries a KeyboardInterrupt: one raised while numba's
+  dispatcher runs Python code (compiling, loading from its cache, boxing
+  results) comes back wrapped in a SystemError."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    if isinstance(error, KeyboardInterrupt):
+      return True
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+  return False
+
+
 @numba.njit(cache=True, nogil=True)
 def spread(state, frontier, a, sizes, fixed, shape, vptr, vop, vslot, mval, mdims, msize,
            offer):
