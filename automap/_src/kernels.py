@@ -29,8 +29,8 @@ def interrupted(error: BaseException) -> bool:
 
 
 @numba.njit(cache=True, nogil=True)
-def spread(state, frontier, a, sizes, fixed, shape, vptr, vop, vslot, mval, mdims, msize,
-           offer):
+def spread(state, frontier, a, sizes, fixed, shape, vptr, vop, vslot, mval, mdims, fdim,
+           msize, offer):
   """Spreads the tilings on mesh axis `a` of the values in `frontier`
   through the factor rules, wave by wave, until nothing changes; in place.
 
@@ -46,13 +46,13 @@ def spread(state, frontier, a, sizes, fixed, shape, vptr, vop, vslot, mval, mdim
   state: [V, A] int8, the dim each axis tiles or -1. frontier: [n] int64.
   sizes: [A] int64. fixed: [V] bool. shape: [V, R] int64. vptr: [V + 1],
   vop, vslot: CSR of each value's views. mval: [O, M] member values (-1
-  pads). mdims: [O, M, R] the factor of each member dim (-2 pads). msize:
-  [O, F] factor extents. offer: [V] int64 scratch, all -1 on entry and exit.
+  pads). mdims: [O, M, R] the factor of each member dim (-2 pads). fdim:
+  [O, M, F] the member dim each factor indexes (-1: none). msize: [O, F]
+  factor extents. offer: [V] int64 scratch, all -1 on entry and exit.
   Returns the values changed, in the order they changed.
   """
   num_axes = state.shape[1]
   width = mval.shape[1]
-  rank = mdims.shape[2]
   # Each value changes at most once: the waves' targets go one after the
   # other into `changed`, and a wave's sources are the previous wave's.
   changed = np.empty(state.shape[0], np.int64)
@@ -88,11 +88,7 @@ def spread(state, frontier, a, sizes, fixed, shape, vptr, vop, vslot, mval, mdim
           u = mval[o, j]
           if u < 0 or u == v or offer[u] >= 0 or state[u, a] >= 0 or fixed[u]:
             continue
-          e = -1
-          for r in range(rank):
-            if mdims[o, j, r] == f:
-              e = r
-              break
+          e = fdim[o, j, f]
           if e < 0 or shape[u, e] % tiles:
             continue
           nested = 0

@@ -148,13 +148,15 @@ class _Tables(NamedTuple):
   """A graph's factor rules as arrays, built once per graph.
 
   Per op: member values mval [O, M] (-1 pads), the factor of each member dim
-  mdims [O, M, R] (-2 pads), factor extents msize [O, F]; per value: its
+  mdims [O, M, R] (-2 pads), the member dim each factor indexes fdim
+  [O, M, F] (-1: none), factor extents msize [O, F]; per value: its
   padded shape [V, R] and the (op, member slot) views of it, as CSR
   (vptr [V + 1], vop, vslot).
   """
 
   mval: np.ndarray
   mdims: np.ndarray
+  fdim: np.ndarray
   msize: np.ndarray
   shape: np.ndarray
   vptr: np.ndarray
@@ -177,11 +179,15 @@ def _tables(graph: Graph) -> _Tables:
   mval = np.full((num_ops, width), -1, np.int64)
   mdims = np.full((num_ops, width, rank), -2, np.int32)
   msize = np.ones((num_ops, factors), np.int64)
+  fdim = np.full((num_ops, width, factors), -1, np.int8)
   views: list[list[tuple[int, int]]] = [[] for _ in range(num_values)]
   for o, m in enumerate(members):
     for j, (v, dims) in enumerate(m):
       mval[o, j] = v
       mdims[o, j, :len(dims)] = dims
+      for e, f in reversed(list(enumerate(dims))):  # the first dim a factor indexes
+        if f >= 0:
+          fdim[o, j, f] = e
       views[v].append((o, j))
     sizes = graph.rules[o].sizes
     msize[o, :len(sizes)] = sizes
@@ -193,7 +199,7 @@ def _tables(graph: Graph) -> _Tables:
   flat = [pair for x in views for pair in x]
   vop = np.array([o for o, _ in flat], np.int64)
   vslot = np.array([j for _, j in flat], np.int64)
-  return _Tables(mval, mdims, msize, shape, vptr, vop, vslot)
+  return _Tables(mval, mdims, fdim, msize, shape, vptr, vop, vslot)
 
 
 class Propagator:
@@ -217,7 +223,8 @@ class Propagator:
     self.sizes = mesh.axis_sizes
     self.size_row = np.array(mesh.axis_sizes, np.int64)
     t = _tables(graph)
-    self.mval, self.mdims, self.msize, self.shape = t.mval, t.mdims, t.msize, t.shape
+    self.mval, self.mdims, self.fdim, self.msize = t.mval, t.mdims, t.fdim, t.msize
+    self.shape = t.shape
     self.vptr, self.vop, self.vslot = t.vptr, t.vop, t.vslot
     self._offer = np.full(graph.num_values, -1, np.int64)  # `kernels.spread`'s scratch
 
@@ -247,8 +254,8 @@ class Propagator:
       by_axis.setdefault(int(a), []).append(int(v))
     return concat([kernels.spread(
         state, np.unique(np.array(values, np.int64)), a, self.size_row, self.fixed,
-        self.shape, self.vptr, self.vop, self.vslot, self.mval, self.mdims, self.msize,
-        self._offer) for a, values in by_axis.items()])
+        self.shape, self.vptr, self.vop, self.vslot, self.mval, self.mdims, self.fdim,
+        self.msize, self._offer) for a, values in by_axis.items()])
 
   def seed_all(self, state: State) -> np.ndarray:
     """Propagates every tiled (value, axis) already in the state."""
