@@ -574,20 +574,11 @@ class CostModel:
   def _register(self, c: OpCost, o: int, rows: np.ndarray, key_hash: np.uint64) -> int:
     k = len(self.entries)
     if k == len(self._e_time):  # grow geometrically
-      self._e_time = np.resize(self._e_time, 2 * k)
-      self._e_flops = np.resize(self._e_flops, 2 * k)
-      self._e_foot = np.resize(self._e_foot, (2 * k, self._e_foot.shape[1]))
-      self._e_comms = np.resize(self._e_comms, 2 * k)
-      self._e_class = np.resize(self._e_class, 2 * k)
-      self._e_rows = np.resize(self._e_rows, (2 * k, self._e_rows.shape[1]))
-      self._e_hash = np.resize(self._e_hash, 2 * k)
-      self._e_reshard = np.resize(self._e_reshard, 2 * k)
-      self._c_start = np.resize(self._c_start, 2 * k)
-      self._c_end = np.resize(self._c_end, 2 * k)
+      self._grow(("_e_time", "_e_flops", "_e_foot", "_e_comms", "_e_class", "_e_rows",
+                  "_e_hash", "_e_reshard", "_c_start", "_c_end"), 2 * k)
     rows_at = int(self._c_end[k - 1]) if k else 0
     while rows_at + len(c.comms) > len(self._c_kind):
-      for name in ("_c_kind", "_c_mask", "_c_bytes", "_c_seconds"):
-        setattr(self, name, np.resize(getattr(self, name), 2 * len(getattr(self, name))))
+      self._grow(("_c_kind", "_c_mask", "_c_bytes", "_c_seconds"), 2 * len(self._c_kind))
     for r, (kind, mask, nbytes, seconds, _, _) in enumerate(c.comms, rows_at):
       self._c_kind[r], self._c_mask[r], self._c_bytes[r], self._c_seconds[r] = (
           kind, mask, nbytes, seconds)
@@ -607,6 +598,12 @@ class CostModel:
       kernels.insert_entries(self._slot_hash, self._slot_entry, self._e_hash[k:k + 1],
                              np.array([k]))
     return k
+
+  def _grow(self, names: tuple[str, ...], n: int) -> None:
+    """Resizes the named per-entry (or per-row) arrays to n rows."""
+    for name in names:
+      a = getattr(self, name)
+      setattr(self, name, np.resize(a, (n,) + a.shape[1:]))
 
   def _op_cost(self, state: State, o: int) -> OpCost:
     g, sizes = self.graph, self.mesh.axis_sizes
@@ -901,7 +898,7 @@ class Tracker:
     self._feet(ops, new)
     self.resident, self.args = kernels.reheld(
         changed, model.resident, state, model.sizes, model.graph.nbytes, self.held,
-        model.is_input)
+        model.is_input, self.resident, self.args)
 
   @property
   def comm_time(self) -> float:

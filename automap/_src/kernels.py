@@ -261,10 +261,12 @@ def refoot(ops, ids, result_table, e_foot, temporary, foot, start, end, live):
 
 
 @numba.njit(cache=True, nogil=True)
-def reheld(values, resident, state, sizes, nbytes, held, is_input):
+def reheld(values, resident, state, sizes, nbytes, held, is_input, total, args):
   """Re-sizes the resident buffers (arguments, outputs) among `values` to
   their tiles under `state`; in place on held [V]. Returns the bytes held
-  by all residents and by the arguments."""
+  by all residents and by the arguments (`total`, `args` as they were when
+  no resident is among `values`)."""
+  moved = False
   for v in values:
     if resident[v]:
       tiles = 1
@@ -272,6 +274,9 @@ def reheld(values, resident, state, sizes, nbytes, held, is_input):
         if state[v, a] >= 0:
           tiles *= sizes[a]
       held[v] = nbytes[v] / tiles
+      moved = True
+  if not moved:
+    return total, args
   total = args = 0.0
   for v in range(len(held)):
     total += held[v]
