@@ -208,8 +208,8 @@ def leaf_errors(expected, actual) -> list[tuple[str, float, float]]:
   """
   e_leaves, e_tree = jax.tree_util.tree_flatten_with_path(expected)
   a_leaves, a_tree = jax.tree.flatten(actual)
-  if jax.tree.structure(expected) != a_tree:
-    raise ValueError(f"output structures differ: {jax.tree.structure(expected)} vs {a_tree}")
+  if e_tree != a_tree:
+    raise ValueError(f"output structures differ: {e_tree} vs {a_tree}")
   pairs = []
   for (path, e), a in zip(e_leaves, a_leaves):
     name = jax.tree_util.keystr(path) or "(the output)"
@@ -218,26 +218,28 @@ def leaf_errors(expected, actual) -> list[tuple[str, float, float]]:
     e, a = np.asarray(e), np.asarray(a)
     if e.size == 0:
       continue
-    if not jnp.issubdtype(e.dtype, jnp.inexact):
-      pairs.append((name, None, None, 0.0 if np.array_equal(e, a) else math.inf))
+    if not jnp.issubdtype(e.dtype, jnp.inexact):  # exact leaves: no error or all of it
+      pairs.append((name, 0.0 if np.array_equal(e, a) else math.inf))
       continue
     eps = float(jnp.finfo(e.dtype).eps)
     e, a = e.astype(np.float64), a.astype(np.float64)
     if not np.array_equal(np.isnan(e), np.isnan(a)):
-      pairs.append((name, None, None, math.inf))  # a NaN one side only
+      pairs.append((name, math.inf))  # a NaN one side only
       continue
-    pairs.append((name, np.nan_to_num(e, nan=0.0), np.nan_to_num(a, nan=0.0), eps))
+    pairs.append((name, (np.nan_to_num(e, nan=0.0), np.nan_to_num(a, nan=0.0), eps)))
   # Relative to each leaf's scale (elementwise ratios explode near zero),
   # but no finer than rounding (64 ulps) at the scale of the largest result:
   # a leaf that is pure rounding noise (a gradient that is zero in exact
   # arithmetic, like an attention key bias's) differs between any two
   # summation orders.
-  overall = max((float(np.abs(e).max()) for _, e, _, _ in pairs if e is not None), default=0.0)
+  overall = max((float(np.abs(x[0]).max()) for _, x in pairs if isinstance(x, tuple)),
+                default=0.0)
   out = []
-  for name, e, a, eps in pairs:
-    if e is None:  # exact leaves: eps holds their error
-      out.append((name, eps, eps))
+  for name, x in pairs:
+    if not isinstance(x, tuple):  # already an error
+      out.append((name, x, x))
       continue
+    e, a, eps = x
     diff = float(np.abs(e - a).max())
     scale = max(float(np.abs(e).max()), 64 * overall * eps, 1e-30)
     out.append((name, diff, diff / scale))
