@@ -131,6 +131,9 @@ KEPT = [
      [0]),
     (RandomProgram(((2, 4),), (), (SCAN,), (1,), grad=False), (2, 4), [0, 1, 0]),
     (RandomProgram(((2, 2),), (), (SCAN,), (1,), grad=False), (4, 2), [0, 0]),
+    # A slice of a pad's padding alone is a constant: its operand is dead.
+    (RandomProgram(((2,),), (), (ABS, Step("pad", (0,), (0, 1, 0)),
+                                 Step("slice", (2,), (0, 0, 1))), (3,), grad=False), (4, 2), [0]),
 ]
 
 

@@ -298,6 +298,8 @@ class _Builder:
     self.results, self.rules, self.flops, self.scopes = [], [], [], []
     self.trips: list[int] = []
     self.unknown: dict[str, int] = {}
+    # pad results -> (padding config, operand shape), for `_reads_padding_only`.
+    self.pads: dict[int, tuple] = {}
 
   def value(self, vid: int, aval, kind: int, producer: int, sealed: bool,
             name: str) -> int:
@@ -340,6 +342,12 @@ class _Builder:
       if not rules.has_rule(name):
         self.unknown[name] = self.unknown.get(name, 0) + 1
       rule = rules.rule_for(name, in_shapes, out_shapes, eqn.params)
+    if name == "pad" and not isinstance(ins[0], Literal):
+      self.pads[step.out_ids[0]] = (eqn.params["padding_config"], in_shapes[0])
+    if name == "slice" and not isinstance(ins[0], Literal) and ins[0] in self.pads:
+      if _reads_padding_only(*self.pads[ins[0]], eqn.params):
+        # XLA folds it into a constant: the slice reads no array.
+        ins = [Literal(in_shapes[0], None), *ins[1:]]
     self._record(name, ins, in_shapes, step.out_ids, rule, eqn_flops(eqn), step.scope,
                  step.trips)
     return list(step.out_ids)
@@ -393,6 +401,20 @@ def _is_numpy(dtype) -> bool:
     return True
   except TypeError:
     return False
+
+
+def _reads_padding_only(config, shape, params) -> bool:
+  """Whether a slice of a pad's result selects only padding along some dim
+  (no interior padding there), so that it is a constant."""
+  strides = params["strides"] or (1,) * len(shape)
+  for (lo, _, interior), n, start, limit, step in zip(
+      config, shape, params["start_indices"], params["limit_indices"], strides):
+    if interior or start >= limit:
+      continue
+    last = start + (limit - 1 - start) // step * step
+    if last < lo or start >= lo + n:
+      return True
+  return False
 
 
 def build(traced: Traced) -> Graph:
