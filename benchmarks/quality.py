@@ -4,11 +4,11 @@ For train steps of several model families (`programs.py`) on five 8-device
 meshes and two hardware specs: predicted step time of data parallelism,
 Megatron (tensor parallel on the last mesh axis of size > 1), Megatron + data
 parallelism on the other axes, FSDP (batch and every parameter and moment
-split over every axis), automap's MCTS (200 episodes, no hints) and, on
-tpu-v4, `search="ilp"` (warm-started from that MCTS plan, within
-`--ilp-seconds`). Experts are the search's own tactics, so they apply to any
-program. Every plan is priced by the cost model; nothing is compiled. Prints
-a Markdown table and a summary.
+split over every axis), automap's MCTS (200 episodes, no hints, its best
+plans then refined) and, on tpu-v4, `search="ilp"` (warm-started from that
+plan, within `--ilp-seconds`). Experts are the search's own tactics, so they
+apply to any program. Every plan is priced by the cost model; nothing is
+compiled. Prints a Markdown table and a summary.
 
   python benchmarks/quality.py [--quick]
 """

@@ -28,7 +28,7 @@ from automap._src.cost import Cost, Tracker
 from automap._src.hardware import Hardware, get_hardware
 from automap._src.plan import Plan, PlanError
 from automap._src.program import Program
-from automap._src.search import ilp, mcts
+from automap._src.search import ilp, mcts, refine
 from automap._src.search.actions import ActionSpace
 from automap._src.sharding import MeshError, MeshSpec, State
 
@@ -196,8 +196,16 @@ def _run_search(program: Program, request: _Request) -> _Found:
     raise
 
 
+# Share of the seconds MCTS leaves to refining its best plans. Refinement
+# takes at most as long as the tree search did (at least a second), and
+# ends sooner when no move helps.
+_REFINE_SHARE = 0.2
+
+
 def _run_mcts(program: Program, space: ActionSpace, request: _Request,
               seconds: float) -> _Found:
+  """MCTS, then refinement of its best plans (`search/refine.py`)."""
+  t0 = time.perf_counter()
   budget = request.budget
   policy = None
   if request.policy != "uniform":
@@ -206,15 +214,16 @@ def _run_mcts(program: Program, space: ActionSpace, request: _Request,
     policy = learned.cached(None if request.policy == "learned" else request.policy)
   run = mcts.Search(program, space, request.memory_limit, request.seed, policy=policy)
   show = budget.progress if budget.progress is not None else sys.stderr.isatty()
+  searching = seconds * (1 - _REFINE_SHARE)
   if not show:
-    result = run.run(budget.episodes, seconds)
+    result = run.run(budget.episodes, searching)
   else:
     with progress_lib.Progress(
         *progress_lib.Progress.get_default_columns(),
         progress_lib.TextColumn("{task.fields[best]}"), transient=True) as bar:
       task = bar.add_task(f"automap: searching {program.mesh}",
                           total=budget.episodes, best="")
-      result = run.run(budget.episodes, seconds, lambda s: bar.update(
+      result = run.run(budget.episodes, searching, lambda s: bar.update(
           task, completed=s.episodes,
           best=f"best {s.best.score[1] * 1e3:.3f} ms, {s.best.score[0]:,.0f} B over"))
   stats = {"strategy": "mcts", "policy": "uniform" if policy is None else "learned",
@@ -223,8 +232,14 @@ def _run_mcts(program: Program, space: ActionSpace, request: _Request,
            "evaluations": result.evaluations, "states": result.nodes,
            "actions": [space.describe(a) for a in result.path],
            "groups": len(space.groups)}
-  return _Found(result.state, result.score, stats,
-                {"search": result.seconds, "to_best": result.seconds_to_best})
+  start = time.perf_counter()
+  state, score, moves = refine.refine_best(
+      program, space.colour, [(n.state, n.score) for n in run.table.values()],
+      request.memory_limit, min(seconds - (start - t0), max(1.0, start - t0)))
+  stats["refine_moves"] = moves
+  return _Found(state, score, stats,
+                {"search": time.perf_counter() - t0, "to_best": result.seconds_to_best,
+                 "refine": time.perf_counter() - start})
 
 
 # Share of Budget.seconds the ILP's warm start (MCTS) may take.

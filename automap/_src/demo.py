@@ -69,7 +69,8 @@ def run(cfg: DemoConfig, console: Console | None = None) -> dict:
                 f"({source}MCTS: {plan.stats['episodes']} episodes, best at episode "
                 f"{plan.stats['episode_of_best']}, {plan.stats['groups']} layer "
                 f"groups, graph of {plan.stats['graph_ops']} ops)")
-  console.print("actions: " + "; ".join(plan.stats["actions"]))
+  console.print("actions: " + "; ".join(plan.stats["actions"])
+                + f" (then {plan.stats.get('refine_moves', 0)} refinement moves)")
 
   experts = {
       "Megatron + DP": megatron_specs(args),

@@ -90,7 +90,7 @@ class Plan:
     what the inputs and seed determine: the saved JSON is the same bytes
     run after run.
   timings: wall seconds of the run that made this object ("search",
-    "to_best", "plan": trace to jitted function); not saved.
+    "to_best", "refine", "plan": trace to jitted function); not saved.
   """
 
   mesh: MeshSpec

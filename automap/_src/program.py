@@ -69,6 +69,20 @@ class Program:
     return cls(traced, graph, mesh, hardware,
                CostModel(graph, mesh, hardware), pinned, fixed)
 
+  def carried_pairs(self) -> list[tuple[int, int]]:
+    """(argument, result) value ids of the state a step carries: a result
+    under an argument's path, shape and dtype, which the next step reads in
+    the layout it comes back in."""
+    t, g = self.traced, self.graph
+    outs = {(p, tuple(a.shape), str(a.dtype)): v
+            for p, a, v in zip(t.out_paths, t.out_avals, g.outputs) if v >= 0}
+    pairs = []
+    for p, a, v in zip(t.in_paths, t.in_avals, g.inputs):
+      u = outs.get((p, tuple(a.shape), str(a.dtype)))
+      if u is not None and g.producer[u] >= 0:
+        pairs.append((v, u))
+    return pairs
+
   def propagator(self) -> Propagator:
     return Propagator(self.graph, self.mesh, self.fixed)
 

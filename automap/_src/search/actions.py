@@ -51,7 +51,7 @@ class ActionSpace:
     self.program = program
     g = program.graph
     self.prop = program.propagator()
-    colour = colours(g)
+    self.colour = colour = colours(g)  # [V] Weisfeiler-Lehman colour of each value
     self.groups: list[Group] = find_groups(g, program.traced, patterns, program.fixed,
                                            colour)
     largest = max((int(g.nbytes[v]) for v in g.inputs), default=0)

@@ -240,20 +240,6 @@ class _Pricer:
     return steps
 
 
-def carried_pairs(program: Program) -> list[tuple[int, int]]:
-  """(argument, result) value ids of the state a step carries: a result
-  under an argument's path, shape and dtype."""
-  t, g = program.traced, program.graph
-  outs = {(p, tuple(a.shape), str(a.dtype)): v
-          for p, a, v in zip(t.out_paths, t.out_avals, g.outputs) if v >= 0}
-  pairs = []
-  for p, a, v in zip(t.in_paths, t.in_avals, g.inputs):
-    u = outs.get((p, tuple(a.shape), str(a.dtype)))
-    if u is not None and g.producer[u] >= 0:
-      pairs.append((v, u))
-  return pairs
-
-
 def _op_classes(program: Program, colour: np.ndarray | None) -> np.ndarray:
   """[O] class of each op: ops of a class share one strategy (each its own
   without value colours)."""
@@ -330,7 +316,7 @@ class _Formulation:
     # Carried state (parameters, optimizer moments) comes back in the layout
     # it came in, as the next step reads it.
     tied = set()
-    for v, u in carried_pairs(program):
+    for v, u in program.carried_pairs():
       if (key := (self._made_key(v), self._made_key(u))) in tied:
         continue
       tied.add(key)

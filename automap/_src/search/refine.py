@@ -1,0 +1,181 @@
+"""Refinement: the search's best plans walked downhill by untiling moves.
+
+Propagation carries a tiling across every op its factor reaches, so each
+search action tiles a whole connected region. The best plan often stops a
+region short: expert-parallel weights beside a router kept whole, whose
+small softmax would otherwise pay a collective per reduction. No sequence of
+tilings expresses that; moves that leave values whole do.
+
+A move acts on one mesh axis and leaves whole on it either a class of
+values (one Weisfeiler-Lehman colour: the same role in every repeated
+layer) or the tiled region of values no larger than the class's around it
+(the small side of a boundary). Candidates are the classes next to an op
+that talks (a collective or a reshard), as that is where a move can save
+time; a move is kept when the plan's score improves, and refinement sweeps
+until no move helps or its time is up. Moves only take tilings away:
+layouts propagation never makes stay out of the plans, as do values by
+sealed calls and scanned bodies, whose layouts XLA or the loop decides.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from automap._src.cost import Tracker
+from automap._src.program import Program
+from automap._src.search.mcts import Score, _better, score_of
+from automap._src.sharding import UNSHARDED, State
+
+# A region left whole at once has at most this many values per class member.
+_REGION = 128
+
+
+class Refiner:
+  """Untiling descent on one program.
+
+  colour: [V] the class of each value (moves act on a class at once).
+  """
+
+  def __init__(self, program: Program, colour: np.ndarray, memory_limit: float | None):
+    self.program, self.memory_limit = program, memory_limit
+    g = program.graph
+    # Values a move may touch: ranked, not pinned, and away from sealed
+    # calls (whose insides the plan cannot constrain: XLA lays them out
+    # after their operands) and scanned bodies (whose layouts the loop's
+    # carry ties together); there propagation's layouts stay.
+    sealed = np.asarray(g.sealed, bool)
+    movable = np.array([g.rank(v) > 0 for v in range(g.num_values)], bool)
+    movable &= ~np.asarray(program.fixed, bool) & ~sealed
+    for o in range(g.num_ops):
+      members = [v for v in g.operands[o] + g.results[o] if v >= 0]
+      if g.trips[o] > 1 or g.prims[o].startswith("scan_") or sealed[members].any():
+        movable[members] = False
+    self.movable = movable
+    # A step's carried state comes back in the layout it came in: an
+    # argument's class and its result's move together.
+    label = np.asarray(colour, np.int64).copy()
+    root = {}
+
+    def find(c: int) -> int:
+      while root.get(c, c) != c:
+        c = root[c]
+      return c
+
+    self.partner: dict[int, int] = {}
+    for v, u in program.carried_pairs():
+      root[find(int(label[u]))] = find(int(label[v]))
+      self.partner[v], self.partner[u] = u, v
+      movable[[v, u]] &= movable[v] & movable[u]
+    colour = np.array([find(int(c)) for c in label], np.int64)
+    order = np.argsort(colour, kind="stable")
+    bounds = np.flatnonzero(np.diff(colour[order])) + 1
+    self.classes = np.split(order, bounds)
+    self.class_of = np.empty(g.num_values, np.int64)
+    for i, members in enumerate(self.classes):
+      self.class_of[members] = i
+    self.axes = [a for a, s in enumerate(program.mesh.axis_sizes) if s > 1]
+
+  def _talking(self, tracker: Tracker) -> np.ndarray:
+    """The classes of the movable values next to an op that talks."""
+    g, model = self.program.graph, self.program.model
+    ops = np.flatnonzero(model._e_comms[tracker.op_ids])
+    values = {v for o in ops.tolist() for v in g.operands[o] + g.results[o] if v >= 0}
+    values = [v for v in values if self.movable[v]]
+    return np.unique(self.class_of[values]) if values else np.zeros(0, np.int64)
+
+  def _region(self, state: State, members: np.ndarray, a: int) -> np.ndarray | None:
+    """The values tiled on axis a reachable from the class through values no
+    larger than its members: the small side of a boundary (a router's
+    softmax beside expert-parallel weights), to be left whole together.
+    None when it outgrows `_REGION` values per member (no small side)."""
+    g = self.program.graph
+    limit, most = g.nbytes[members[0]], _REGION * len(members)
+    seen = set(members.tolist())
+    todo = [v for v in seen if state[v, a] >= 0]
+    while todo:
+      v = todo.pop()
+      near = [u for o in g.ops_of(v) for u in g.operands[o] + g.results[o]]
+      if v in self.partner:
+        near.append(self.partner[v])
+      for u in near:
+        if (u >= 0 and u not in seen and state[u, a] >= 0 and self.movable[u]
+            and g.nbytes[u] <= limit):
+          seen.add(u)
+          todo.append(u)
+      if len(seen) > most:
+        return None
+    return np.array(sorted(seen), np.int64)
+
+  def _moves(self, state: State, members: np.ndarray, a: int):
+    """Value sets to leave whole on axis a: the class, and its small region."""
+    yield members
+    region = self._region(state, members, a)
+    if region is not None and len(region) > len(members):
+      yield region
+
+  def run(self, state: State, seconds: float) -> tuple[State, Score, int]:
+    """The refined copy of `state`, its score and the moves kept, within
+    `seconds`."""
+    deadline = time.perf_counter() + seconds
+    state = state.copy()
+    tracker = Tracker(self.program.model, state)
+    score = score_of(tracker, self.memory_limit)
+    moves = 0
+    improved = True
+    while improved and time.perf_counter() < deadline:
+      improved = False
+      for c in self._talking(tracker).tolist():
+        members = self.classes[c][self.movable[self.classes[c]]]
+        for a in self.axes if len(members) else ():
+          best, best_move = score, None
+          for values in self._moves(state, members, a):
+            changed = values[state[values, a] >= 0]
+            if not len(changed):
+              continue
+            before = state[changed, a].copy()
+            state[changed, a] = UNSHARDED
+            tracker.update(changed)
+            new = score_of(tracker, self.memory_limit)
+            if _better(new, best):
+              best, best_move = new, changed
+            state[changed, a] = before
+            tracker.update(changed)
+          if best_move is not None:
+            state[best_move, a] = UNSHARDED
+            tracker.update(best_move)
+            score = score_of(tracker, self.memory_limit)
+            moves += 1
+            improved = True
+          if time.perf_counter() >= deadline:
+            return state, score, moves
+    return state, score, moves
+
+
+def refine_best(program: Program, colour: np.ndarray, candidates: list[tuple[State, Score]],
+                memory_limit: float | None, seconds: float,
+                count: int = 16) -> tuple[State, Score, int]:
+  """Refines the best of `candidates` (state, score) of up to `count`
+  distinct scores and returns the best plan found, its score and the moves
+  that made it. Runners-up matter: the search's best may sit in another
+  basin (tensor-parallel experts) than the one refinement improves most
+  (expert parallel)."""
+  deadline = time.perf_counter() + seconds
+  ranked: list[tuple[State, Score]] = []
+  for state, score in sorted(candidates, key=lambda c: c[1]):
+    if not ranked or _better(score, ranked[-1][1]) or _better(ranked[-1][1], score):
+      ranked.append((state, score))
+      if len(ranked) == count:
+        break
+  best_state, best_score = ranked[0]
+  best_moves = 0
+  refiner = Refiner(program, colour, memory_limit)
+  for i, (state, _) in enumerate(ranked):
+    left = deadline - time.perf_counter()
+    if left <= 0:
+      break
+    new_state, new_score, moves = refiner.run(state, left / (len(ranked) - i))
+    if _better(new_score, best_score):
+      best_state, best_score, best_moves = new_state, new_score, moves
+  return best_state, best_score, best_moves

@@ -1,0 +1,119 @@
+"""Refinement: single-layout moves after MCTS reach plans no tiling sequence
+expresses, never make a plan worse, and keep a step's carried state in the
+layout it came in."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import SMALL, gpt_step, mesh
+
+import automap
+from automap._src import sharding, trace
+from automap._src.cost import Tracker
+from automap._src.program import Program
+from automap._src.search import ilp, mcts
+from automap._src.search.actions import ActionSpace
+from automap._src.search.refine import Refiner, refine_best
+
+EXPERTS, WIDTH, HIDDEN, TOKENS, CAPACITY = 8, 64, 256, 256, 64
+
+
+def moe(router, wi, wo, x):
+  """Top-1 mixture of experts (Switch-style dense dispatch)."""
+  probs = jax.nn.softmax(x @ router)
+  onehot = jax.nn.one_hot(jnp.argmax(probs, -1), EXPERTS, dtype=x.dtype)
+  slot = (jnp.cumsum(onehot, axis=0) - 1) * onehot
+  dispatch = onehot[:, :, None] * jax.nn.one_hot(slot.astype(jnp.int32), CAPACITY,
+                                                 dtype=x.dtype)
+  h = jax.nn.gelu(jnp.einsum("tec,tm,emh->ech", dispatch, x, wi))
+  out = jnp.einsum("tec,ech,ehm->tm", dispatch, h, wo)
+  return out * (probs * onehot).sum(-1, keepdims=True)
+
+
+def moe_step(params, x):
+  grads = jax.grad(lambda p: jnp.mean(moe(*p, x) ** 2))(params)
+  return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+def moe_args():
+  k = jax.random.split(jax.random.key(0), 4)
+  return ((jax.random.normal(k[0], (WIDTH, EXPERTS)),
+           jax.random.normal(k[1], (EXPERTS, WIDTH, HIDDEN)) / 8,
+           jax.random.normal(k[2], (EXPERTS, HIDDEN, WIDTH)) / 16),
+          jax.random.normal(k[3], (TOKENS, WIDTH)))
+
+
+def program_of(fn, args, shape, names=("data",)):
+  return Program.build(trace.trace(fn, args), sharding.MeshSpec(names, shape),
+                       automap.HARDWARE["cpu"])
+
+
+def test_refinement_keeps_the_router_whole_beside_expert_parallel_weights():
+  # Tiling the experts spreads, through the one-hot dispatch, into the
+  # router's [tokens, experts] softmax, whose reductions then each pay a
+  # collective. The optimum (the ILP's, derived per value) stops at the
+  # dispatch; MCTS alone cannot, refinement of its runners-up does.
+  args = moe_args()
+  program = program_of(moe_step, args, (8,))
+  searched = mcts.Search(program, ActionSpace(program), None).run(200, 60)
+  optimum = ilp.solve(program, ilp.Settings(seconds=60))
+  assert optimum.status == "optimal"
+  m = mesh((8,), ("data",))
+  plan = automap.search(moe_step, *args, mesh=m, hardware="cpu",
+                        budget=automap.Budget(episodes=200))
+  assert plan.stats["refine_moves"] > 0
+  assert plan.cost.step_time < 0.8 * searched.score[1]
+  assert plan.cost.step_time <= optimum.objective * 1.02
+  router, wi, wo, x = plan.in_specs
+  assert router == jax.sharding.PartitionSpec()
+  assert wi == wo == jax.sharding.PartitionSpec("data")
+  report = automap.verify(plan, moe_step, *args, mesh=m)
+  assert report.max_rel_error < 1e-4
+  assert report.comm_error < 0.05, report.table()
+
+
+@pytest.mark.parametrize("tactic", ["data-parallel", "megatron", "fsdp"])
+def test_refinement_never_worsens_a_plan_and_keeps_carried_state_in_place(tactic):
+  step, args = gpt_step(SMALL)
+  program = program_of(step, args, (4, 2), ("data", "model"))
+  space = ActionSpace(program)
+  state = program.initial_state()
+  for action in space.tactics:
+    if action.name == tactic:
+      space.apply(state, action)
+      break
+  before = mcts.score_of(Tracker(program.model, state), None)
+  refined, score, moves = Refiner(program, space.colour, None).run(state, 30)
+  assert score <= before
+  # The running score is the re-priced one (up to summation order).
+  assert score == pytest.approx(mcts.score_of(Tracker(program.model, refined), None),
+                                rel=1e-9)
+  assert (moves > 0) == (score < before)
+  for v, u in program.carried_pairs():
+    if (state[v] == state[u]).all():
+      assert (refined[v] == refined[u]).all()
+
+
+def test_refinement_stays_within_the_memory_limit():
+  step, args = gpt_step(SMALL)
+  program = program_of(step, args, (4, 2), ("data", "model"))
+  space = ActionSpace(program)
+  state = program.initial_state()
+  space.tactics_of.fsdp(state, 0)
+  space.tactics_of.fsdp(state, 1)
+  limit = Tracker(program.model, state).peak_memory * 1.001
+  refined, score, _ = Refiner(program, space.colour, limit).run(state, 30)
+  assert score[0] == 0.0
+  assert Tracker(program.model, refined).peak_memory <= limit
+
+
+def test_refinement_without_time_returns_the_best_candidate_unchanged():
+  program = program_of(moe_step, moe_args(), (8,))
+  space = ActionSpace(program)
+  run = mcts.Search(program, space, None)
+  run.run(20, 60)
+  candidates = [(n.state, n.score) for n in run.table.values()]
+  state, score, moves = refine_best(program, space.colour, candidates, None, 0.0)
+  assert moves == 0 and score == run.best.score
+  np.testing.assert_array_equal(state, run.best.state)
