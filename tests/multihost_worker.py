@@ -38,7 +38,7 @@ def program():
   import jax
   from helpers import GPTConfig, loss_and_grads, make_train_step
 
-  config = GPTConfig(vocab=128, seq=4, hidden=256, heads=4, layers=1)
+  config = GPTConfig(vocab=128, seq=8, hidden=256, heads=4, layers=1)
   batch = 2
   _, specs = make_train_step(config, batch=batch, abstract=True)
   fn, (params, _) = loss_and_grads(specs, config)
