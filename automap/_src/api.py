@@ -196,10 +196,11 @@ def _run_search(program: Program, request: _Request) -> _Found:
     raise
 
 
-# Share of the seconds MCTS leaves to refining its best plans. Refinement
-# takes at most as long as the tree search did (at least a second), and
-# ends sooner when no move helps.
+# Share of the seconds MCTS leaves to refining its best plans, and the
+# moves refinement may try per episode of the budget: bounded by tries, not
+# by the clock, a search is reproducible. It ends sooner when no move helps.
 _REFINE_SHARE = 0.2
+_REFINE_TRIES = 10
 
 
 def _run_mcts(program: Program, space: ActionSpace, request: _Request,
@@ -235,7 +236,7 @@ def _run_mcts(program: Program, space: ActionSpace, request: _Request,
   start = time.perf_counter()
   state, score, moves = refine.refine_best(
       program, space.colour, [(n.state, n.score) for n in run.table.values()],
-      request.memory_limit, min(seconds - (start - t0), max(1.0, start - t0)))
+      request.memory_limit, seconds - (start - t0), _REFINE_TRIES * budget.episodes)
   stats["refine_moves"] = moves
   return _Found(state, score, stats,
                 {"search": time.perf_counter() - t0, "to_best": result.seconds_to_best,

@@ -19,6 +19,7 @@ sealed calls and scanned bodies, whose layouts XLA or the loop decides.
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -115,16 +116,20 @@ class Refiner:
     if region is not None and len(region) > len(members):
       yield region
 
-  def run(self, state: State, seconds: float) -> tuple[State, Score, int]:
+  def run(self, state: State, seconds: float,
+          tries: int | None = None) -> tuple[State, Score, int]:
     """The refined copy of `state`, its score and the moves kept, within
-    `seconds`."""
+    `seconds` and `tries` moves tried (None: unbounded); `self.tried`
+    counts the moves tried."""
     deadline = time.perf_counter() + seconds
+    self.tried = 0
+    tries = np.inf if tries is None else tries
     state = state.copy()
     tracker = Tracker(self.program.model, state)
     score = score_of(tracker, self.memory_limit)
     moves = 0
     improved = True
-    while improved and time.perf_counter() < deadline:
+    while improved and time.perf_counter() < deadline and self.tried < tries:
       improved = False
       for c in self._talking(tracker).tolist():
         members = self.classes[c][self.movable[self.classes[c]]]
@@ -134,6 +139,7 @@ class Refiner:
             changed = values[state[values, a] >= 0]
             if not len(changed):
               continue
+            self.tried += 1
             before = state[changed, a].copy()
             state[changed, a] = UNSHARDED
             tracker.update(changed)
@@ -148,19 +154,21 @@ class Refiner:
             score = score_of(tracker, self.memory_limit)
             moves += 1
             improved = True
-          if time.perf_counter() >= deadline:
+          if time.perf_counter() >= deadline or self.tried >= tries:
             return state, score, moves
     return state, score, moves
 
 
 def refine_best(program: Program, colour: np.ndarray, candidates: list[tuple[State, Score]],
-                memory_limit: float | None, seconds: float,
+                memory_limit: float | None, seconds: float, tries: int | None = None,
                 count: int = 16) -> tuple[State, Score, int]:
   """Refines the best of `candidates` (state, score) of up to `count`
-  distinct scores and returns the best plan found, its score and the moves
-  that made it. Runners-up matter: the search's best may sit in another
-  basin (tensor-parallel experts) than the one refinement improves most
-  (expert parallel)."""
+  distinct scores, sharing `tries` moves tried (None: unbounded) and
+  `seconds` between them, and returns the best plan found, its score and
+  the moves that made it. Runners-up matter: the search's best may sit in
+  another basin (tensor-parallel experts) than the one refinement improves
+  most (expert parallel). Bounded by tries, the result does not depend on
+  the machine's speed."""
   deadline = time.perf_counter() + seconds
   ranked: list[tuple[State, Score]] = []
   for state, score in sorted(candidates, key=lambda c: c[1]):
@@ -170,12 +178,16 @@ def refine_best(program: Program, colour: np.ndarray, candidates: list[tuple[Sta
         break
   best_state, best_score = ranked[0]
   best_moves = 0
+  left_tries = np.inf if tries is None else tries
   refiner = Refiner(program, colour, memory_limit)
   for i, (state, _) in enumerate(ranked):
     left = deadline - time.perf_counter()
-    if left <= 0:
+    if left <= 0 or left_tries <= 0:
       break
-    new_state, new_score, moves = refiner.run(state, left / (len(ranked) - i))
+    share = len(ranked) - i
+    new_state, new_score, moves = refiner.run(
+        state, left / share, None if tries is None else math.ceil(left_tries / share))
+    left_tries -= refiner.tried
     if _better(new_score, best_score):
       best_state, best_score, best_moves = new_state, new_score, moves
   return best_state, best_score, best_moves
