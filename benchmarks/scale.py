@@ -6,8 +6,8 @@ propagate + re-cost; median over the search's candidate actions, on their
 first visit, which prices the new layouts, and with the memo warm: each
 action's median over five more visits, then the median and p90 over
 actions) and the same with its undo (first visit, median),
-and an end-to-end `automap.search` (trace to plan, MCTS under
-`Budget(seconds=...)`). Then the growth exponent of each time against the
+and an end-to-end `automap.search` (trace to plan, MCTS and refinement
+under `Budget(seconds=...)`). Then the growth exponent of each time against the
 equation count (least squares on log-log). Prints Markdown tables;
 `--plot PATH` draws the times (needs matplotlib: `pip install -e .[bench]`).
 
