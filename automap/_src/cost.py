@@ -900,6 +900,10 @@ class Tracker:
         changed, model.resident, state, model.sizes, model.graph.nbytes, self.held,
         model.is_input, self.resident, self.args)
 
+  def talking_ops(self) -> np.ndarray:
+    """[n] the ops whose current cost includes a collective or a reshard."""
+    return np.flatnonzero(self.model._e_comms[self.op_ids])
+
   @property
   def comm_time(self) -> float:
     return float(self.seconds.sum() + self.model.latency[self.combined > 0].sum())

@@ -206,7 +206,7 @@ class Search:
     learned = self.policy.value(self.space, self.state)
     node.value = self.reward(node) if learned is None else float(learned)
     self.table[key] = node
-    if _better(node.score, self.best.score):
+    if better(node.score, self.best.score):
       self.best, self.episode_of_best = node, self.episodes + 1
       self.seconds_to_best = time.perf_counter() - self.t0
     return node
@@ -255,7 +255,7 @@ class Search:
                   time.perf_counter() - self.t0, self.seconds_to_best)
 
 
-def _better(a: Score, b: Score) -> bool:
+def better(a: Score, b: Score) -> bool:
   """Strictly better beyond float noise."""
   if a[0] != b[0]:
     return a[0] < b[0] - 1e-6 * max(b[0], 1.0)

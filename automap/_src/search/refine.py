@@ -26,7 +26,7 @@ import numpy as np
 
 from automap._src.cost import Tracker
 from automap._src.program import Program
-from automap._src.search.mcts import Score, _better, score_of
+from automap._src.search.mcts import Score, better, score_of
 from automap._src.sharding import UNSHARDED, State
 
 # A region left whole at once has at most this many values per class member.
@@ -80,9 +80,9 @@ class Refiner:
 
   def _talking(self, tracker: Tracker) -> np.ndarray:
     """The classes of the movable values next to an op that talks."""
-    g, model = self.program.graph, self.program.model
-    ops = np.flatnonzero(model._e_comms[tracker.op_ids])
-    values = {v for o in ops.tolist() for v in g.operands[o] + g.results[o] if v >= 0}
+    g = self.program.graph
+    values = {v for o in tracker.talking_ops().tolist()
+              for v in g.operands[o] + g.results[o] if v >= 0}
     values = [v for v in values if self.movable[v]]
     return np.unique(self.class_of[values]) if values else np.zeros(0, np.int64)
 
@@ -144,7 +144,7 @@ class Refiner:
             state[changed, a] = UNSHARDED
             tracker.update(changed)
             new = score_of(tracker, self.memory_limit)
-            if _better(new, best):
+            if better(new, best):
               best, best_move = new, changed
             state[changed, a] = before
             tracker.update(changed)
@@ -172,7 +172,7 @@ def refine_best(program: Program, colour: np.ndarray, candidates: list[tuple[Sta
   deadline = time.perf_counter() + seconds
   ranked: list[tuple[State, Score]] = []
   for state, score in sorted(candidates, key=lambda c: c[1]):
-    if not ranked or _better(score, ranked[-1][1]) or _better(ranked[-1][1], score):
+    if not ranked or better(score, ranked[-1][1]) or better(ranked[-1][1], score):
       ranked.append((state, score))
       if len(ranked) == count:
         break
@@ -188,6 +188,6 @@ def refine_best(program: Program, colour: np.ndarray, candidates: list[tuple[Sta
     new_state, new_score, moves = refiner.run(
         state, left / share, None if tries is None else math.ceil(left_tries / share))
     left_tries -= refiner.tried
-    if _better(new_score, best_score):
+    if better(new_score, best_score):
       best_state, best_score, best_moves = new_state, new_score, moves
   return best_state, best_score, best_moves
