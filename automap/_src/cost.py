@@ -143,6 +143,38 @@ def materialized(graph: Graph) -> np.ndarray:
   return out
 
 
+def _fused_liveness(graph: Graph, stored: np.ndarray, end: np.ndarray, dead: np.ndarray,
+                    resident: np.ndarray) -> np.ndarray:
+  """[V] liveness ends once values that are never `stored` are accounted for.
+
+  XLA recomputes such a value inside each of its readers' loops, so what it
+  is made from stays alive until its last reader: a layer norm's input is
+  held until the backward pass recomputes its fused `x - mean`. A reader
+  that makes a result of the program updates its operands in the result's
+  own buffer (a gradient in the new optimizer state) and holds nothing.
+  Ops are in dependency order, so one reverse pass follows fused chains.
+  """
+  end = end.copy()
+  reach = np.full(graph.num_values, -1, np.int64)  # last op recomputing a fused value
+  for o in range(graph.num_ops - 1, -1, -1):
+    results = [v for v in graph.results[o] if v >= 0]
+    if dead[o] or not results or stored[results].any():
+      continue
+    last = -1
+    for u in results:
+      for r, _ in graph.uses[u]:
+        made = [v for v in graph.results[r] if v >= 0]
+        if made and not stored[made].any():
+          last = max(last, int(reach[made].max()))
+        elif not resident[made].any():
+          last = max(last, r)
+    reach[results] = last
+    for v in graph.operands[o]:
+      if v >= 0 and end[v] < last:
+        end[v] = last
+  return end
+
+
 # Ops that change only an array's type or labels, not its elements' order in
 # a way XLA needs a copy for.
 _RELABELS = frozenset({"reshape", "transpose", "convert_element_type", "copy",
@@ -204,6 +236,10 @@ class CostModel:
     self.is_input = is_input
     self.resident = is_input.copy()
     self.resident[outs] = True
+    # Results the program makes, by the op that makes them.
+    made = np.array(sorted({v for v in outs if not is_input[v]}, key=lambda v: self.start[v]),
+                    np.int64)
+    self.results_made, self.results_made_at = made, self.start[made]
     # Dead ops: no result reaches an output. XLA removes them, so they cost
     # nothing and hold no memory.
     # A scan body reads its carry as the initial value; the next step's
@@ -224,7 +260,9 @@ class CostModel:
     made_dead = np.zeros(graph.num_values, bool)
     for o in np.flatnonzero(self.dead):
       made_dead[[v for v in graph.results[o] if v >= 0]] = True
-    self.temporary = materialized(graph) & ~self.resident & ~made_dead
+    stored = materialized(graph)
+    self.temporary = stored & ~self.resident & ~made_dead
+    self.end = _fused_liveness(graph, stored, self.end, self.dead, self.resident)
     # Late ops: no result reaches an op that mixes elements (a contraction,
     # reduction, gather...), e.g. the gradient reductions of a training
     # step, read only by the optimizer's elementwise update. Their
@@ -709,6 +747,10 @@ class CostModel:
     return self.graph.nbytes / tiles
 
 
+# Most classes of result buffers `Tracker.peak` matches temporaries to.
+_CLASSES = 64
+
+
 class Tracker:
   """A running cost of a state, refreshed incrementally after actions.
 
@@ -914,7 +956,68 @@ class Tracker:
 
   @property
   def peak_memory(self) -> float:
-    return self.resident + float(self.live.max(initial=0.0))
+    return self.resident + self.peak()[0]
+
+  def peak(self) -> tuple[float, int]:
+    """(bytes of temporaries at the memory peak, op index of the peak).
+
+    Before a result of the program is made, its buffer holds temporaries
+    that fit in it and die before it is made, one at a time (XLA's buffer
+    assignment shares live-out allocations), so a temporary with such a
+    host costs nothing extra. Counted conservatively: at each point, only
+    results made after every temporary alive there dies offer their buffers.
+    """
+    if not len(self.live):
+      return 0.0, 0
+    net = self.live - self._hosted()
+    t = int(np.argmax(net))
+    return max(float(net[t]), 0.0), t
+
+  def hosted_share(self, t: int) -> np.ndarray:
+    """[V] the share of each temporary alive at op `t` that results' buffers
+    hold (`peak`'s accounting, value by value)."""
+    model = self.model
+    sizes, slot, klass = self._classes()
+    alive = np.flatnonzero((model.start <= t) & (model.end >= t) & (klass >= 0))
+    count = np.bincount(klass[alive], minlength=len(sizes))
+    started = (model.start <= t) & (klass >= 0)
+    last = max(t, int(model.end[started].max(initial=-1)))
+    free = np.bincount(slot[model.results_made_at > last], minlength=len(sizes))
+    fraction, carry = np.zeros(len(sizes)), 0
+    for c in range(len(sizes)):
+      carry += free[c]
+      if count[c] and carry:
+        take = min(count[c], carry)
+        fraction[c], carry = take / count[c], carry - take
+    share = np.zeros(model.graph.num_values)
+    share[alive] = fraction[klass[alive]]
+    return share
+
+  def _classes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the distinct sizes of result buffers, largest first; per result of
+    `model.results_made` its class; per value the smallest class it fits, or
+    -1 for values that are not temporaries or fit none)."""
+    model = self.model
+    sizes = self.held[model.results_made]
+    sizes = np.where(sizes > 0, sizes, 0.0)
+    if len(np.unique(sizes)) > _CLASSES:  # a geometric grid, rounded down
+      sizes = np.exp2(np.floor(np.log2(np.maximum(sizes, 1.0)) * 8) / 8)
+    ascending = np.unique(sizes)
+    m = len(ascending)
+    slot = m - 1 - np.searchsorted(ascending, sizes)
+    fits = m - np.searchsorted(ascending, self.foot, side="left")
+    klass = np.where((self.foot > 0) & (fits > 0), fits - 1, -1)
+    return ascending[::-1], slot, klass
+
+  def _hosted(self) -> np.ndarray:
+    """[O + 1] bytes of temporaries that results' buffers hold."""
+    model = self.model
+    sizes, slot, klass = self._classes()
+    temps = np.flatnonzero(klass >= 0)
+    by_start = temps[np.argsort(model.start[temps], kind="stable")]
+    by_end = temps[np.argsort(model.end[temps], kind="stable")]
+    return kernels.hosted(len(self.live), by_start, by_end, model.start, model.end,
+                          self.foot, klass, model.results_made_at, slot, len(sizes))
 
   def cost(self) -> Cost:
     names = self.model.mesh.axis_names

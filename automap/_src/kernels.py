@@ -283,3 +283,50 @@ def reheld(values, resident, state, sizes, nbytes, held, is_input, total, args):
     if is_input[v]:
       args += held[v]
   return total, args
+
+
+@numba.njit(cache=True, nogil=True)
+def hosted(n, by_start, by_end, start, end, foot, klass, made, slot_class, classes):
+  """[n] bytes of temporaries that results not yet made hold, per op index.
+
+  Temporaries (start, end, foot, klass: the smallest class of result
+  buffers each fits, classes ordered largest first) are sorted by start
+  (`by_start`) and by end (`by_end`); result buffers by the op that makes
+  them (`made`, `slot_class`). At each point, the buffers of results made
+  after every temporary alive there dies are matched to them by class,
+  largest first: a temporary fits its class and every larger one, so
+  unused larger buffers carry down. Where a class has more temporaries than buffers, the
+  share hosted is its bytes in proportion."""
+  out = np.zeros(n)
+  count = np.zeros(classes)
+  nbytes = np.zeros(classes)
+  free = np.zeros(classes)
+  for k in range(len(slot_class)):
+    free[slot_class[k]] += 1
+  i = j = k = 0
+  last = -1  # the latest end of a temporary started so far
+  for t in range(n):
+    while i < len(by_start) and start[by_start[i]] <= t:
+      count[klass[by_start[i]]] += 1
+      nbytes[klass[by_start[i]]] += foot[by_start[i]]
+      last = max(last, end[by_start[i]])
+      i += 1
+    while j < len(by_end) and end[by_end[j]] < t:
+      count[klass[by_end[j]]] -= 1
+      nbytes[klass[by_end[j]]] -= foot[by_end[j]]
+      j += 1
+    # A buffer hosts only what dies before its result is made: those made
+    # after every temporary alive now (the latest end so far, if alive).
+    while k < len(made) and made[k] <= max(t, last):
+      free[slot_class[k]] -= 1
+      k += 1
+    carry = 0.0
+    total = 0.0
+    for c in range(classes):
+      carry += free[c]
+      if count[c] > 0 and carry > 0:
+        take = min(count[c], carry)
+        total += nbytes[c] * take / count[c]
+        carry -= take
+    out[t] = total
+  return out

@@ -653,7 +653,7 @@ def solve(program: Program, settings: Settings = Settings(),
     if limit is None:
       break
     tracker = Tracker(program.model, found[0])
-    point = int(np.argmax(tracker.live))
+    point = tracker.peak()[1]
     if tracker.peak_memory <= limit or point in form.points:
       break  # within the limit, or over it only by the solver model's error
     form.bound(point, limit)
