@@ -52,6 +52,7 @@ import numbers
 import time
 from collections.abc import Sequence
 
+import numpy as np
 from ortools.sat.python import cp_model
 
 # Issuing an op (descriptors, DMA setup), cycles.
@@ -282,6 +283,62 @@ def latency_breakdown(op: Op, acc: Accelerator, cores: int) -> Latency:
 def latency(op: Op, acc: Accelerator, cores: int) -> float:
   """Seconds `op` takes on `cores` cores (1: one core; acc.tensor_units: spread)."""
   return latency_breakdown(op, acc, cores).total
+
+
+class OpTable:
+  """Ops as arrays, priced on one accelerator after another: `latency` for
+  all of them at once, by the same rules and in the same arithmetic."""
+
+  def __init__(self, ops: Sequence[Op]):
+    ops = list(ops)
+    if not all(isinstance(op, Op) for op in ops):
+      raise AcceleratorError("OpTable takes automap Ops.")
+    col = lambda f, dtype: np.array([f(op) for op in ops], dtype)  # noqa: E731
+    self.tensor = col(lambda op: op.kind == "tensor", bool)
+    self.m, self.n, self.k, self.batch = (col(lambda op, f=f: getattr(op, f), np.int64)
+                                          for f in ("m", "n", "k", "batch"))
+    self.elements, self.bytes = col(lambda op: op.elements, float), col(lambda op: op.bytes, float)
+    # hbm_traffic's per-instance elements and bytes per element (tensor ops with bytes).
+    self.a, self.b, self.c = self.m * self.k, self.k * self.n, self.m * self.n
+    self.blocked = self.tensor & (self.bytes > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+      self.itemsize = np.where(self.blocked,
+                               self.bytes / (self.batch * (self.a + self.b + self.c)), 0.0)
+
+  def __len__(self) -> int:
+    return len(self.tensor)
+
+  def hbm_traffic(self, buffer: float) -> np.ndarray:
+    """`hbm_traffic` of every op."""
+    a, b, c, itemsize = self.a, self.b, self.c, self.itemsize
+    once = ~self.blocked | (itemsize * (a + b + c) <= buffer) | (
+        itemsize * np.minimum(a, b) <= buffer / 2)
+    out = self.bytes.copy()
+    if once.all():
+      return out
+    i = ~once
+    cells = np.floor(buffer / (3 * itemsize[i])).astype(np.int64)
+    t = np.floor(np.sqrt(cells)).astype(np.int64)
+    t -= t * t > cells  # math.isqrt: floor(sqrt) can round either way
+    t += (t + 1) * (t + 1) <= cells
+    t = np.maximum(t, 1)
+    out[i] = itemsize[i] * self.batch[i] * (a[i] * -(-self.n[i] // t) + b[i] * -(-self.m[i] // t)
+                                            + c[i])
+    return out
+
+  def latency(self, acc: Accelerator, cores: int) -> np.ndarray:
+    """`latency(op, acc, cores)` of every op, seconds."""
+    if not _is_int(cores) or not 1 <= cores <= acc.tensor_units:
+      raise AcceleratorError(
+          f"cores must be an int from 1 to acc.tensor_units = {acc.tensor_units}, "
+          f"got {cores!r}.")
+    share = cores / acc.tensor_units
+    tiles = -(-self.m // acc.array) * -(-self.n // acc.array) * self.batch
+    cycles = np.where(self.tensor, -(-tiles // cores) * (self.k + 2 * acc.array),
+                      self.elements / (acc.lanes * share))
+    memory = self.hbm_traffic(acc.buffer * share) / (acc.hbm_bandwidth * share)
+    overhead = DISPATCH_CYCLES + (SYNC_CYCLES if cores > 1 else 0)
+    return np.maximum(cycles / acc.clock, memory) + overhead / acc.clock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -581,5 +638,5 @@ def _ticks(seconds: float, tick: float) -> int:
 
 
 __all__ = ["AREA", "AREA_BUDGET", "Accelerator", "AcceleratorError", "AreaModel", "Latency", "Op",
-           "Schedule", "TPU_V4_LIKE", "hbm_traffic", "latency", "latency_breakdown", "schedule",
-           "schedule_latencies", "schedule_layers"]
+           "OpTable", "Schedule", "TPU_V4_LIKE", "hbm_traffic", "latency", "latency_breakdown",
+           "schedule", "schedule_latencies", "schedule_layers"]
