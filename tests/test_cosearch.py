@@ -1,13 +1,19 @@
 """search_accelerator: architecture and placement searched together on a real program."""
 
+import itertools
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 import automap
 from automap._src.cluster import accelerator as acc_lib
 from automap._src.cluster import cosearch
+from automap._src.cluster import layers as layers_lib
+from automap._src.hardware import get_hardware
 from automap._src.models import gpt
 
 CONFIG = gpt.GPTConfig(vocab=256, seq=32, hidden=64, heads=4, layers=2)
@@ -54,10 +60,13 @@ def test_the_search_never_loses_to_the_baseline_and_stays_in_budget():
   # Every point of the largest bucket got a ratio bound; a point's list
   # schedule <= its CP-SAT schedule <= its placed bound <= its ratio bound.
   by = {how: {a: x for a, x, h in plan.history if h == how}
-        for how in ("ratio", "bound", "greedy", "exact")}
+        for how in ("ratio", "bound", "dominated", "greedy", "exact")}
   grid = cosearch._candidates(plan.area_budget, acc_lib.TPU_V4_LIKE, SPACE)
   assert {a for a in grid if a.area() > 0.9 * plan.area_budget} <= set(by["ratio"]) <= set(grid)
   assert by["exact"] and set(by["exact"]) <= set(by["greedy"]) <= set(by["bound"])
+  assert not set(by["dominated"]) & set(by["bound"])
+  for a, x in by["dominated"].items():
+    assert x <= by["ratio"][a]
   for a, x in by["exact"].items():
     assert by["greedy"][a] * (1 - 1e-9) <= x <= by["bound"][a] * (1 + 1e-9)
     assert by["bound"][a] <= by["ratio"][a] * (1 + 1e-6)
@@ -104,3 +113,74 @@ def test_bad_arguments():
     cosearch.search_accelerator([], devices=8)
   with pytest.raises(automap.PlacementError, match="must divide"):
     cosearch.search_accelerator(gpt_workload(), devices=8, microbatches=(3,))
+
+
+@pytest.fixture(scope="module")
+def profiled():
+  search = layers_lib.sharding_search(BUDGET)
+  return cosearch._profile(gpt_workload(depth=6), get_hardware("tpu-v4"), (1, 2), (2, 4), search)
+
+
+def bound_of(p: cosearch._Pass, acc: acc_lib.Accelerator) -> float:
+  """A pass's lower bound, op by op: its critical path at each op's best
+  latency, or its work over every core."""
+  single = [acc_lib.latency(op, acc, 1) for op in p.ops]
+  spread = [acc_lib.latency(op, acc, acc.tensor_units) for op in p.ops]
+  finish = [min(a, b) for a, b in zip(single, spread)]
+  for i, j in p.edges:
+    finish[j] = max(finish[j], finish[i] + min(single[j], spread[j]))
+  work = sum(min(a, b * acc.tensor_units) for a, b in zip(single, spread)) / acc.tensor_units
+  return max(max(finish, default=0.0), work)
+
+
+def test_the_op_table_prices_every_op_as_latency_does():
+  ops = [acc_lib.Op.matmul(f"mm{i}", m=m, n=n, k=k, batch=b)
+         for i, (m, n, k, b) in enumerate(itertools.product((1, 96, 4096), (64, 5000),
+                                                            (7, 8192), (1, 12)))]
+  ops += [acc_lib.Op("add", "vector", elements=e, bytes=3.0 * e) for e in (0, 1, 1e3, 3.3e8)]
+  ops += [acc_lib.Op("nobytes", "tensor", m=300, n=200, k=100)]
+  table = acc_lib.OpTable(ops)
+  for acc in cosearch._candidates(math.inf, acc_lib.TPU_V4_LIKE, SPACE):
+    for cores in (1, acc.tensor_units):
+      assert np.array_equal(table.latency(acc, cores),
+                            [acc_lib.latency(op, acc, cores) for op in ops])
+
+
+def test_bounds_of_every_pass_at_once_are_those_op_by_op(profiled):
+  passes = cosearch._all_passes(profiled)
+  bounds = cosearch._Bounds(passes)
+  for acc in cosearch._candidates(acc_lib.AREA_BUDGET, acc_lib.TPU_V4_LIKE, SPACE)[::3]:
+    want = [bound_of(p, acc) for p in passes]
+    np.testing.assert_allclose(bounds(acc), want, rtol=1e-12)
+    for p, low in zip(passes[::5], bounds(acc)[::5]):
+      assert low <= acc_lib.schedule(p.ops, p.edges, acc, seconds=0).makespan * (1 + 1e-12)
+
+
+def test_lazy_scheduling_places_as_scheduling_every_pass_does(profiled):
+  passes = cosearch._all_passes(profiled)
+  bounds = cosearch._Bounds(passes)
+  hw = get_hardware("tpu-v4")
+  knobs = {"optimizer": "adam", "zero": (0, 1, 2, 3)}
+  for acc in (acc_lib.TPU_V4_LIKE, acc_lib.Accelerator(tensor_units=16, array=64)):
+    lazy = cosearch._Pricer(acc, 0.0, "greedy", bounds)
+    eager = cosearch._Pricer(acc, 0.0, "greedy", bounds)
+    for p in passes:
+      eager.schedule(p)
+    got = cosearch._place(lazy, profiled, acc, hw, 8, (2, 4), knobs)
+    want = cosearch._place(eager, profiled, acc, hw, 8, (2, 4), knobs)
+    assert got.throughput == pytest.approx(want.throughput, rel=1e-12)
+    assert len(lazy.cache) < len(passes)  # only the passes of the pairs it places
+
+
+def test_a_point_no_faster_on_every_pass_places_no_faster(profiled):
+  """What lets the search bound a point by another's placement at bound."""
+  bounds = cosearch._Bounds(cosearch._all_passes(profiled))
+  hw = get_hardware("tpu-v4")
+  knobs = {"optimizer": "adam", "zero": (0, 1, 2, 3)}
+  fast = acc_lib.TPU_V4_LIKE
+  for slow in (acc_lib.Accelerator(vector_units=1), acc_lib.Accelerator(buffer=16 * 2**20),
+               acc_lib.Accelerator(vector_units=1, hbm_capacity=16 * 2**30)):
+    assert np.all(bounds(slow) >= bounds(fast))
+    times = [cosearch._place(cosearch._Pricer(acc, 0.0, "bound", bounds), profiled, acc, hw, 8,
+                             (2, 4), knobs).placement.time for acc in (fast, slow)]
+    assert times[1] >= times[0] * (1 - 1e-12)

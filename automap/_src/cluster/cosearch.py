@@ -7,7 +7,11 @@ passes with their per-device shapes under that width's sharding, plus the
 tensor-parallel collectives, parameters, activations and edges the cost model
 reads. An architecture then prices each layer pass by scheduling its ops on
 its cores (`accelerator.schedule`, one CP-SAT solve per distinct pass), and
-the placement DP finds the best cluster plan on it.
+the placement DP finds the best cluster plan on it. Passes are scheduled
+lazily: the DP first places every pass at its lower bound, then the passes
+of the (microbatch size, width) pairs its plan uses are scheduled and it
+places again, until the plan it picks is priced by schedules alone; no plan
+then beats it, and most passes never reach the solver.
 
 The architecture space is a grid of powers of two within the area budget.
 Every point is first priced optimistically (each layer pass at the larger of
@@ -15,19 +19,22 @@ its critical path and its work spread over all cores, both at each op's best
 latency). Bounds come in two strengths: a ratio (no pass on the point can
 beat its baseline schedule by more than 1/rho, so neither can the training
 step), and a placement with every pass at its bound for the points whose
-ratio stays promising. Best-first on these bounds, points are list-scheduled
-(greedy, a floor on what CP-SAT finds) and placed until no bound beats the
-best by more than `gap`: within the area visited that best is that close to
-the best any list schedule reaches, without pricing most points. The few best
-are then scheduled by CP-SAT, which only shortens their schedules. Area is visited
-in buckets from the budget down, and a bucket that improves nothing ends the
+ratio stays promising. A point whose every pass bound is at least another
+placed point's, in no more memory, takes that point's placed bound without
+placing (a placement only slows as its layers do), and points that read the
+same op latencies (vector units and width with one product) are priced once.
+Best-first on these bounds, points are list-scheduled (greedy, a floor on
+what CP-SAT finds) and placed until no bound beats the best by more than
+`gap`: within the area visited that best is that close to the best any list
+schedule reaches, without pricing most points. The few best are then
+scheduled by CP-SAT, which only shortens their schedules. Area is visited in
+buckets from the budget down, and a bucket that improves nothing ends the
 search (PHAZE's stopping rule: more area stopped helping, so less will not).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 import itertools
 import math
@@ -84,6 +91,13 @@ class _Pass:
   ops: tuple[acc_lib.Op, ...]
   edges: tuple[tuple[int, int], ...]
 
+  def __post_init__(self):
+    # Passes key every memo: hash their hundreds of ops once, not per lookup.
+    object.__setattr__(self, "_hash", hash((self.ops, self.edges)))
+
+  def __hash__(self) -> int:
+    return self._hash
+
 
 @dataclasses.dataclass(frozen=True)
 class _Profiled:
@@ -97,6 +111,10 @@ class _Profiled:
   forward: dict[tuple[int, int], list[_Pass]]
   backward: dict[tuple[int, int], list[tuple[_Pass, list[int]]]]
   comm: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]
+
+  def passes(self, size: int, width: int) -> list[_Pass]:
+    """The passes whose times make the layer costs at (size, width)."""
+    return self.forward[(size, width)] + [p for p, _ in self.backward[(size, width)]]
 
 
 def _tiles(state: np.ndarray, sizes: Sequence[int], v: int, dim: int) -> int:
@@ -186,32 +204,58 @@ def _profile(workload: Workload, hardware: Hardware, widths, sizes, search) -> _
 
 
 class _Pricer:
-  """Layer graphs of profiled workloads on one accelerator."""
+  """Layer graphs of profiled workloads on one accelerator.
 
-  def __init__(self, acc: acc_lib.Accelerator, seconds: float, mode: str):
+  Mode "bound" prices each pass at its lower bound. Modes "greedy" (list
+  schedules) and "exact" (CP-SAT) price a pass at its schedule once
+  `schedule` has made it, and at its bound until then: a placement on those
+  times is a lower bound, and `_place` schedules only the passes of the
+  (size, width) pairs it picks.
+  """
+
+  def __init__(self, acc: acc_lib.Accelerator, seconds: float, mode: str, bounds: _Bounds):
     self.acc, self.seconds, self.mode = acc, seconds, mode
+    self.index, self.low = bounds.index, bounds(acc)
     self.cache: dict[_Pass, float] = {}
+    self.upper: dict[_Pass, float] = {}
 
   def makespan(self, p: _Pass) -> float:
-    if p not in self.cache:
-      if not p.ops:
-        self.cache[p] = 0.0
-      elif self.mode == "bound":
-        self.cache[p] = _lower_bound(p, self.acc)
-      else:  # a greedy list schedule starts the solver; without time, it stands
-        seconds = self.seconds if self.mode == "exact" else 0.0
-        self.cache[p] = acc_lib.schedule(p.ops, p.edges, self.acc, seconds=seconds).makespan
-    return self.cache[p]
+    found = self.cache.get(p)
+    return self.low[self.index[p]] if found is None else found
+
+  def schedule(self, p: _Pass) -> bool:
+    """Schedules the pass (in modes other than "bound"); whether it was not yet."""
+    if self.mode == "bound" or p in self.cache:
+      return False
+    if not p.ops:
+      self.cache[p] = 0.0
+    else:  # a greedy list schedule starts the solver; without time, it stands
+      seconds = self.seconds if self.mode == "exact" else 0.0
+      self.cache[p] = acc_lib.schedule(p.ops, p.edges, self.acc, seconds=seconds).makespan
+    return True
+
+  def most(self, p: _Pass) -> float:
+    """No schedule of the pass the pricer settles on is longer."""
+    if p in self.cache:
+      return self.cache[p]
+    if p not in self.upper:
+      self.upper[p] = acc_lib.schedule(p.ops, p.edges, self.acc, seconds=0.0).makespan
+    return self.upper[p]
 
   def graph(self, profiled: _Profiled, size: int) -> LayerGraph:
     widths = sorted(t for s, t in profiled.forward if s == size)
     base = profiled.graphs[size][widths[0]]
     per_width: dict[int, list[LayerCost]] = {}
     for t in widths:
-      fw = np.array([self.makespan(p) for p in profiled.forward[(size, t)]])
+      forward = profiled.forward[(size, t)]
+      fw = np.array([self.makespan(p) for p in forward])
       bw = np.zeros(len(fw))
       for p, layers in profiled.backward[(size, t)]:
-        bw[layers] += layers_lib.backward_share(fw, layers) * self.makespan(p)
+        if len(layers) == 1:
+          bw[layers] += self.makespan(p)
+        else:  # shares of bounds need not bound the shares: take the least
+          high = np.array([self.most(forward[i]) for i in layers])
+          bw[layers] += _least_share(fw[layers], high) * self.makespan(p)
       comm_fw, comm_bw = profiled.comm[(size, t)]
       graph = profiled.graphs[size][t]
       per_width[t] = [
@@ -226,44 +270,104 @@ class _Pricer:
     return graph
 
 
+def _least_share(low: np.ndarray, high: np.ndarray) -> np.ndarray:
+  """Per layer, the least share of its label's backward (split as the
+  layers' forward seconds are, `layers_lib.backward_share`) over forward
+  seconds anywhere in [low, high]; the share itself where low == high."""
+  if np.array_equal(low, high):
+    return layers_lib.backward_share(low, list(range(len(low))))
+  rest = high.sum() - high
+  with np.errstate(invalid="ignore", divide="ignore"):
+    share = np.where(low > 0, low / (low + rest), 0.0)
+  return share if high.sum() > 0 else np.full(len(low), 1 / len(low))
+
+
 def _all_passes(profiled: _Profiled) -> list[_Pass]:
-  return list({p for ps in profiled.forward.values() for p in ps}
-              | {p for ps in profiled.backward.values() for p, _ in ps})
+  return list(dict.fromkeys([p for ps in profiled.forward.values() for p in ps]
+                            + [p for ps in profiled.backward.values() for p, _ in ps]))
 
 
-def _ratio_bound(acc: acc_lib.Accelerator, passes: list[list[_Pass]], base: _Pricer) -> float:
+class _Bounds:
+  """Lower bounds on the passes' schedules, all passes of an accelerator at
+  once: no schedule of a pass is shorter than its critical path at each op's
+  best latency, nor than its work spread over every core."""
+
+  def __init__(self, passes: Sequence[_Pass]):
+    self.passes = list(passes)
+    self.index = {p: i for i, p in enumerate(self.passes)}
+    ops: dict[acc_lib.Op, int] = {}  # passes repeat ops: price each once
+    kind, owner, edges, starts = [], [], [], []
+    for i, p in enumerate(self.passes):
+      starts.append(len(kind))
+      edges += [(starts[-1] + a, starts[-1] + b) for a, b in p.edges]
+      kind += [ops.setdefault(op, len(ops)) for op in p.ops]
+      owner += [i] * len(p.ops)
+    self.table = acc_lib.OpTable(list(ops))
+    self.kind, self.owner = np.array(kind, np.int64), np.array(owner, np.int64)
+    self.starts = np.array(starts, np.int64)
+    self.empty = np.array([not p.ops for p in self.passes])
+    # Critical paths level by level: an op's level is one past its
+    # predecessors', so each level's edges start at finished ops.
+    level = np.zeros(len(kind), np.int64)
+    for a, b in edges:  # edges go forward in program order, sorted by source within a pass
+      level[b] = max(level[b], level[a] + 1)
+    edges = sorted(edges, key=lambda e: level[e[1]])
+    cuts = np.cumsum(np.bincount([level[b] for _, b in edges], minlength=1))
+    src = np.array([a for a, _ in edges], np.int64)
+    dst = np.array([b for _, b in edges], np.int64)
+    self.levels = [(src[lo:hi], dst[lo:hi]) for lo, hi in zip(np.r_[0, cuts[:-1]], cuts)
+                   if hi > lo]
+    self.memo: dict[acc_lib.Accelerator, tuple[np.ndarray, tuple]] = {}
+
+  def __call__(self, acc: acc_lib.Accelerator) -> np.ndarray:
+    """Per pass (in `passes` order), seconds."""
+    return self._priced(acc)[0]
+
+  def twins(self, acc: acc_lib.Accelerator) -> tuple:
+    """What pricing `acc` reads of it: every op's latencies on one core and
+    on all, the cores and the memory. Points that agree on these (vector
+    units and width with one product, a buffer larger than any op needs)
+    price alike."""
+    return self._priced(acc)[1]
+
+  def _priced(self, acc: acc_lib.Accelerator) -> tuple[np.ndarray, tuple]:
+    if acc not in self.memo:
+      cores = acc.tensor_units
+      one, every = self.table.latency(acc, 1), self.table.latency(acc, cores)
+      single, spread = one[self.kind], every[self.kind]
+      best = np.minimum(single, spread)
+      finish = best.copy()
+      for src, dst in self.levels:
+        np.maximum.at(finish, dst, finish[src] + best[dst])
+      work = np.bincount(self.owner, np.minimum(single, spread * cores),
+                         len(self.passes)) / cores
+      path = np.zeros(len(self.passes))
+      if len(finish):
+        path[~self.empty] = np.maximum.reduceat(finish, self.starts[~self.empty])
+      self.memo[acc] = (np.maximum(path, work), (cores, acc.hbm_capacity, acc.hbm_bandwidth,
+                                                 acc.peak_flops, one.tobytes(), every.tobytes()))
+    return self.memo[acc]
+
+
+def _ratio_bound(acc: acc_lib.Accelerator, passes: list[np.ndarray], bounds: _Bounds,
+                 base: acc_lib.Accelerator, high: np.ndarray) -> float:
   """An upper bound on the score without placing: if every pass takes at
   least rho times its baseline schedule (rho <= 1), every placement takes at
   least rho times as long as on the baseline (its other terms do not
-  change), so a workload runs at most 1/rho times faster."""
-  if acc.hbm_capacity > base.acc.hbm_capacity:
+  change), so a workload runs at most 1/rho times faster.
+
+  passes: per workload, the indices of its passes in `bounds`. high: per pass,
+  the baseline's schedule or a longer one (its list schedule where CP-SAT
+  was not run)."""
+  if acc.hbm_capacity > base.hbm_capacity:
     return math.inf  # more memory can enable placements the baseline has not
+  low = bounds(acc)
   logs = []
   for ps in passes:
-    rho = min((_lower_bound(p, acc) / base.makespan(p) for p in ps if base.makespan(p) > 0),
-              default=1.0)
+    ps = ps[high[ps] > 0]
+    rho = np.min(low[ps] / high[ps]) if len(ps) else 1.0
     logs.append(-math.log(min(rho, 1.0)) if rho > 0 else math.inf)
   return math.exp(np.mean(logs))
-
-
-@functools.lru_cache(maxsize=1 << 20)
-def _latency(op: acc_lib.Op, acc: acc_lib.Accelerator, cores: int) -> float:
-  return acc_lib.latency(op, acc, cores)  # passes repeat ops: price each once
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _lower_bound(p: _Pass, acc: acc_lib.Accelerator) -> float:
-  """No schedule of the pass is shorter: its critical path at each op's best
-  latency, and its work spread over every core."""
-  cores = acc.tensor_units
-  single = [_latency(op, acc, 1) for op in p.ops]
-  spread = [_latency(op, acc, cores) for op in p.ops]
-  best = [min(a, b) for a, b in zip(single, spread)]
-  finish = list(best)
-  for i, j in p.edges:  # edges are sorted by source; ops are in program order
-    finish[j] = max(finish[j], finish[i] + best[j])
-  work = sum(min(a, b * cores) for a, b in zip(single, spread)) / cores
-  return max(max(finish, default=0.0), work)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,8 +388,10 @@ class AcceleratorPlan(JsonFile):
   history: (architecture, score, how) of every pricing: "ratio" (its passes'
     bounds against the baseline's schedules), "bound" (placed with every pass
     at its bound; for one workload, where that placement cannot beat the
-    best found by the gap, the score it failed to beat), "greedy" (placed
-    with list schedules), "exact" (placed with CP-SAT schedules).
+    best found by the gap, the score it failed to beat), "dominated" (not
+    placed: the "bound" of a point whose every pass bound is no longer, in
+    as much memory or more), "greedy" (placed with list schedules), "exact"
+    (placed with CP-SAT schedules).
   """
 
   accelerator: acc_lib.Accelerator
@@ -339,7 +445,8 @@ class AcceleratorPlan(JsonFile):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for how, marker in (("ratio", "."), ("bound", "x"), ("greedy", "+"), ("exact", "o")):
+    for how, marker in (("ratio", "."), ("dominated", "1"), ("bound", "x"), ("greedy", "+"),
+                        ("exact", "o")):
       pts = [(a.area(), s) for a, s, e in self.history if e == how]
       if pts:
         ax.scatter(*zip(*pts), marker=marker, label=how, alpha=0.6)
@@ -375,12 +482,23 @@ def _place(pricer: _Pricer, profiled: _Profiled, acc: acc_lib.Accelerator, hw: H
   hardware = dataclasses.replace(hw, name=f"{hw.name}-links", hbm_capacity=acc.hbm_capacity,
                                  flops=acc.peak_flops, fp32_flops=acc.peak_flops / 4,
                                  hbm_bandwidth=acc.hbm_bandwidth)
-  try:
-    placement, i = place_any([(pricer.graph(profiled, b), wl.global_batch // b) for b in sizes],
-                             devices=devices, hardware=hardware, bound=bound, **knobs)
-  except PlacementError:
-    return None
-  return Result(wl.name, placement, sizes[i], wl.global_batch / placement.time)
+  while True:
+    try:
+      placement, i = place_any(
+          [(pricer.graph(profiled, b), wl.global_batch // b) for b in sizes],
+          devices=devices, hardware=hardware, bound=bound, **knobs)
+    except PlacementError:
+      return None
+    # With passes at their bounds the plan is a lower bound on every plan:
+    # once those of the pairs it uses are scheduled, it is also the best.
+    result = Result(wl.name, placement, sizes[i], wl.global_batch / placement.time)
+    if not sum(pricer.schedule(p) for pair in _pairs(result) for p in profiled.passes(*pair)):
+      return result
+
+
+def _pairs(result: Result) -> list[tuple[int, int]]:
+  """The (microbatch size, width) pairs whose passes price the result's plan."""
+  return sorted({(result.microbatch, s.width) for s in result.placement.stages})
 
 
 def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int,
@@ -428,15 +546,34 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
       budget or api.Budget(episodes=20, seconds=30, progress=False), seed)
   profiled = [_profile(w, hw, widths, microbatches, search) for w in workloads]
   knobs = {"optimizer": optimizer, "zero": zero}
+  passes = [_all_passes(p) for p in profiled]
+  lower = _Bounds(list(dict.fromkeys(p for ps in passes for p in ps)))
 
-  def price(acc, mode, bounds=None) -> tuple[_Pricer, list[Result | None]]:
-    pricer = _Pricer(acc, schedule_seconds, mode)
+  def place(pricer, bounds=None) -> list[Result | None]:
     bounds = bounds or [math.inf] * len(profiled)  # seconds per batch, per workload
-    results = [_place(pricer, p, acc, hw, devices, microbatches, knobs, bound)
-               for p, bound in zip(profiled, bounds)]
-    return pricer, results
+    return [_place(pricer, p, pricer.acc, hw, devices, microbatches, knobs, bound)
+            for p, bound in zip(profiled, bounds)]
 
-  base_pricer, base_results = price(base, "exact")
+  twins: dict[tuple, list[Result | None]] = {}
+  last: dict[tuple, list[Result | None]] = {}  # the latest results of a class of points
+
+  def price(acc, mode, bounds=None) -> list[Result | None]:
+    """The point's results, found once per class of points that price alike."""
+    kind = lower.twins(acc)
+    key = (kind, mode, tuple(bounds or ()))
+    if key not in twins:
+      pricer = _Pricer(acc, schedule_seconds, mode, lower)
+      # The plan found at the level before mostly stands: with its passes
+      # scheduled up front, the first placement is mostly the final one.
+      for p, result in zip(profiled, last.get(kind, ())):
+        for pair in _pairs(result) if result is not None else ():
+          for pass_ in p.passes(*pair):
+            pricer.schedule(pass_)
+      twins[key] = last[kind] = place(pricer, bounds)
+    return twins[key]
+
+  base_pricer = _Pricer(base, schedule_seconds, "exact", lower)
+  base_results = place(base_pricer)
   if any(r is None for r in base_results):
     missing = [w.name for w, r in zip(workloads, base_results) if r is None]
     raise PlacementError(f"the baseline accelerator cannot train {missing} on {devices} "
@@ -450,7 +587,8 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
 
   points = _candidates(budget_area, base, space or SPACE)
   history: list[tuple[acc_lib.Accelerator, float, str]] = []
-  passes = [_all_passes(p) for p in profiled]
+  owned = [np.array([lower.index[p] for p in ps], np.int64) for ps in passes]
+  high = np.array([base_pricer.most(p) for p in lower.passes])
   # Area buckets from the largest down (a tenth of the budget each); within
   # and across them, best-first over upper bounds on each point's score,
   # refined lazily: "ratio", then "bound", then the exact score, until no
@@ -466,15 +604,29 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
     in, as an upper bound, for a score no higher."""
     if cut and len(profiled) == 1:
       (w,), (b,) = workloads, base_results
-      results = price(acc, mode, [w.global_batch / (cut * b.throughput)])[1]
+      results = price(acc, mode, [w.global_batch / (cut * b.throughput)])
       s = cut if results[0] is None else score(results)
     else:
-      s = score(price(acc, mode)[1])
+      s = score(price(acc, mode))
     history.append((acc, s, mode))
     return s
 
   heap: list[tuple[float, int, str]] = []
   floor, listed = 1.0, []  # the best greedy score; (greedy score, point) listed
+  # Points placed at bound: (their passes' bounds, memory, score). A point
+  # whose every pass bound is no shorter than such a one's, in no more
+  # memory, places no faster at bound (a placement's time only grows with
+  # its layers' times): that score bounds its own without placing it. Not
+  # where a label's backward splits over layers (its bound share is not
+  # monotone in the bounds).
+  placed: list[tuple[np.ndarray, float, float]] = []
+  monotone = all(len(layers) == 1 for p in profiled for bw in p.backward.values()
+                 for _, layers in bw)
+
+  def dominated(acc) -> float:
+    low = lower(acc)
+    return min((s for other, memory, s in placed
+                if memory >= acc.hbm_capacity and np.all(other <= low)), default=math.inf)
   show = progress if progress is not None else sys.stderr.isatty()
   bar = None
   if show:
@@ -486,17 +638,22 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
     for b in sorted(buckets):
       before = floor
       for i in buckets[b]:
-        ub = _ratio_bound(points[i], passes, base_pricer)
+        ub = _ratio_bound(points[i], owned, lower, base, high)
         history.append((points[i], ub, "ratio"))
         heapq.heappush(heap, (-ub, i, "ratio"))
         if bar is not None:
           bar.update(task, advance=1)
       while heap and -heap[0][0] > floor * (1 + gap):
-        _, i, level = heapq.heappop(heap)
+        key, i, level = heapq.heappop(heap)
         mode = "bound" if level == "ratio" else "greedy"
         # A bound only matters if it beats the best found by the gap.
-        s = priced(points[i], mode, floor * (1 + gap) if mode == "bound" else 0.0)
+        cut = floor * (1 + gap)
+        if mode == "bound" and monotone and (s := dominated(points[i])) <= cut:
+          history.append((points[i], min(s, -key), "dominated"))
+          continue
+        s = priced(points[i], mode, cut if mode == "bound" else 0.0)
         if mode == "bound":
+          placed.append((lower(points[i]), points[i].hbm_capacity, s))
           heapq.heappush(heap, (-s, i, "bound"))
         else:
           listed.append((s, i))
@@ -508,10 +665,11 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
   finally:
     if bar is not None:
       bar.stop()
-  # The few best by list schedule, scheduled by CP-SAT (never worse).
+  # The few best by list schedule, scheduled by CP-SAT (never worse); on
+  # ties the smaller chip, then the earlier point of the grid.
   best = (1.0, base, base_results)
-  for _, i in sorted(listed, reverse=True)[:finalists]:
-    results = price(points[i], "exact")[1]
+  for _, _, i in sorted((-s, points[i].area(), i) for s, i in listed)[:finalists]:
+    results = price(points[i], "exact")
     history.append((points[i], score(results), "exact"))
     if history[-1][1] > best[0]:
       best = (history[-1][1], points[i], results)
