@@ -3,9 +3,9 @@
 A layer is the first component of an op's name scope once transformations
 are stripped (`transpose(jvp(GPT))/block_1/mlp` -> `block_1`), so its
 forward and backward ops count together. Memory is the peak's make-up:
-resident arguments and results, and the temporaries alive at the peak that
-no result's buffer holds yet, each charged to the layer that reads (or
-makes) it.
+resident arguments and results, and the temporaries alive at the peak, each
+charged to the layer that reads (or makes) it (less, in proportion, what
+results' buffers hold before the results are made).
 """
 
 from __future__ import annotations
@@ -105,11 +105,10 @@ def layers(program, tracker: Tracker) -> tuple[LayerRow, ...]:
       resident[owner(int(v))] += float(tracker.held[v])
     # What is alive at the peak: temporaries, resharded copies (their first
     # reader's), and gradients held for a combined reduction (their maker's).
-    peak = tracker.peak()[1]
+    at_peak, peak = tracker.peak()
     alive = np.flatnonzero((model.start <= peak) & (model.end >= peak) & (tracker.foot > 0))
-    kept = 1.0 - tracker.hosted_share(peak)  # the rest sits in results' buffers
     for v in alive:
-      temporary[owner(int(v))] += float(tracker.foot[v] * kept[v])
+      temporary[owner(int(v))] += float(tracker.foot[v])
     for key, readers in tracker.reshards.items():
       if min(readers) <= peak <= max(readers):
         temporary[of_op[min(readers)]] += key[4]
@@ -120,6 +119,10 @@ def layers(program, tracker: Tracker) -> tuple[LayerRow, ...]:
           temporary[of_op[o]] += nbytes
         if peak == last and end < last:
           temporary[of_op[o]] += early
+    # What results' buffers hold comes off every layer in proportion.
+    alive_bytes = sum(temporary.values())
+    kept = at_peak / alive_bytes if alive_bytes else 0.0
+    temporary = {n: b * kept for n, b in temporary.items()}
   return tuple(LayerRow(n, compute[n], comm[n], resident[n], temporary[n]) for n in names)
 
 

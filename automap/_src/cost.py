@@ -262,6 +262,11 @@ class CostModel:
       made_dead[[v for v in graph.results[o] if v >= 0]] = True
     stored = materialized(graph)
     self.temporary = stored & ~self.resident & ~made_dead
+    # Buffers of a loop (its carries and stacked results, and what its body
+    # makes) are XLA's loop state, colocated apart from results' buffers.
+    looped = np.array([graph.trips[o] > 1 or graph.prims[o].startswith("scan_")
+                       for o in range(graph.num_ops)], bool)
+    self.hostable = self.temporary & ~np.append(looped, False)[graph.producer]
     self.end = _fused_liveness(graph, stored, self.end, self.dead, self.resident)
     # Late ops: no result reaches an op that mixes elements (a contraction,
     # reduction, gather...), e.g. the gradient reductions of a training
@@ -881,21 +886,33 @@ class Tracker:
       nbytes *= model.group_size[mask]
     else:  # Buffers at the value's own dtype, however wide the wire.
       nbytes *= model.itemsize[v] / model.reduced_itemsize[v]
-    # A reduced result then sliced (stored smaller than reduced) leaves the
-    # unreduced input a buffer of its own.
-    separate = nbytes > model.local_bytes(self.state, v) * (1 + 1e-9)
+    elements = nbytes / model.itemsize[v]
+
+    def sliced(v: int) -> bool:  # stored smaller than reduced
+      return elements > model.local_bytes(self.state, v) / model.itemsize[v] * (1 + 1e-9)
+
     # Follow the result through ops that only relabel it (XLA makes them
-    # bitcasts or folds them into the collective's readers).
+    # bitcasts or folds them into the collective's readers); `whole` is the
+    # last unsliced buffer on the way.
+    whole = v
     while len(model.graph.uses[v]) == 1:
       reader = model.graph.uses[v][0][0]
       if model.graph.prims[reader] not in _RELABELS or len(model.graph.results[reader]) != 1:
         break
       v = model.graph.results[reader][0]
-    # Unsliced, a result can take the buffer of what its readers make (an
-    # output, updated in place); a sliced one is a temporary of its own.
-    early = out if separate and not model.resident[v] else 0.0
-    group[o] = (o if separate or model.resident[v] else int(model.end[v]) + 1, nbytes,
-                int(model.end[model.graph.results[o][0]]), early)
+      whole = whole if sliced(v) else v
+    # Sliced (here or by a relabel), the whole reduced result is a temporary
+    # of its own beside the inputs at the collective; unsliced, a result can
+    # take the buffer of what its readers make (an output, updated in place).
+    if sliced(v):
+      early, end = nbytes, -1
+    else:
+      early, end = 0.0, int(model.end[model.graph.results[o][0]])
+    # The input is the reduced op's own buffer (its footprint, as computed)
+    # until its last reader, then held for the collective; a result of the
+    # program takes its buffer, so the input is a temporary of its own.
+    held_from = int(model.end[whole]) + 1 if model.temporary[whole] else o
+    group[o] = (held_from, nbytes, end, early)
 
   def _settle(self) -> None:
     """Redraws the memory held by the groups `_pend` changed."""
@@ -973,51 +990,36 @@ class Tracker:
     t = int(np.argmax(net))
     return max(float(net[t]), 0.0), t
 
-  def hosted_share(self, t: int) -> np.ndarray:
-    """[V] the share of each temporary alive at op `t` that results' buffers
-    hold (`peak`'s accounting, value by value)."""
+  def _temporaries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(first op, last op, bytes) of the temporary buffers a result's buffer
+    may hold: values outside loops, and the inputs of combined reductions
+    held until the collective."""
     model = self.model
-    sizes, slot, klass = self._classes()
-    alive = np.flatnonzero((model.start <= t) & (model.end >= t) & (klass >= 0))
-    count = np.bincount(klass[alive], minlength=len(sizes))
-    started = (model.start <= t) & (klass >= 0)
-    last = max(t, int(model.end[started].max(initial=-1)))
-    free = np.bincount(slot[model.results_made_at > last], minlength=len(sizes))
-    fraction, carry = np.zeros(len(sizes)), 0
-    for c in range(len(sizes)):
-      carry += free[c]
-      if count[c] and carry:
-        take = min(count[c], carry)
-        fraction[c], carry = take / count[c], carry - take
-    share = np.zeros(model.graph.num_values)
-    share[alive] = fraction[klass[alive]]
-    return share
-
-  def _classes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(the distinct sizes of result buffers, largest first; per result of
-    `model.results_made` its class; per value the smallest class it fits, or
-    -1 for values that are not temporaries or fit none)."""
-    model = self.model
-    sizes = self.held[model.results_made]
-    sizes = np.where(sizes > 0, sizes, 0.0)
-    if len(np.unique(sizes)) > _CLASSES:  # a geometric grid, rounded down
-      sizes = np.exp2(np.floor(np.log2(np.maximum(sizes, 1.0)) * 8) / 8)
-    ascending = np.unique(sizes)
-    m = len(ascending)
-    slot = m - 1 - np.searchsorted(ascending, sizes)
-    fits = m - np.searchsorted(ascending, self.foot, side="left")
-    klass = np.where((self.foot > 0) & (fits > 0), fits - 1, -1)
-    return ascending[::-1], slot, klass
+    values = np.flatnonzero((self.foot > 0) & model.hostable)
+    held = [(first, max(group), nbytes) for group in self.pending.values()
+            for first, nbytes, _, _ in group.values() if first <= max(group)]
+    first, last, nbytes = (np.array(x).reshape(-1) for x in zip(*held)) if held else (
+        np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
+    return (np.concatenate([model.start[values], first.astype(np.int64)]),
+            np.concatenate([model.end[values], last.astype(np.int64)]),
+            np.concatenate([self.foot[values], nbytes.astype(np.float64)]))
 
   def _hosted(self) -> np.ndarray:
     """[O + 1] bytes of temporaries that results' buffers hold."""
     model = self.model
-    sizes, slot, klass = self._classes()
-    temps = np.flatnonzero(klass >= 0)
-    by_start = temps[np.argsort(model.start[temps], kind="stable")]
-    by_end = temps[np.argsort(model.end[temps], kind="stable")]
-    return kernels.hosted(len(self.live), by_start, by_end, model.start, model.end,
-                          self.foot, klass, model.results_made_at, slot, len(sizes))
+    sizes = self.held[model.results_made]
+    if len(np.unique(sizes)) > _CLASSES:  # a geometric grid, rounded down
+      sizes = np.exp2(np.floor(np.log2(np.maximum(sizes, 1.0)) * 8) / 8)
+    ascending = np.unique(sizes)
+    m = len(ascending)
+    slot = m - 1 - np.searchsorted(ascending, sizes)  # classes largest first
+    start, end, foot = self._temporaries()
+    fits = m - np.searchsorted(ascending, foot, side="left")  # classes a buffer fits
+    temps = np.flatnonzero((foot > 0) & (fits > 0))
+    by_start = temps[np.argsort(start[temps], kind="stable")]
+    by_end = temps[np.argsort(end[temps], kind="stable")]
+    return kernels.hosted(len(self.live), by_start, by_end, start, end, foot, fits - 1,
+                          model.results_made_at, slot, m)
 
   def cost(self) -> Cost:
     names = self.model.mesh.axis_names
