@@ -25,8 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # name -> (title, full arguments, quick arguments)
 SECTIONS = {
     "quality": ("Quality: automap against the experts, MCTS against the ILP",
-                ["--ilp-seconds", "15"], ["--quick", "--ilp-seconds", "10"]),
-    "fidelity": ("Fidelity: predicted against compiled", ["--ilp-seconds", "5"],
+                ["--ilp-seconds", "5"], ["--quick", "--ilp-seconds", "5"]),
+    "fidelity": ("Fidelity: predicted against compiled", ["--ilp-seconds", "3"],
                  ["--quick"]),
     "search": ("Search efficiency: MCTS against the experts, with and without hints",
                ["--layers", "2", "12", "24", "--plot", "benchmarks/search.png"],
@@ -35,7 +35,7 @@ SECTIONS = {
               ["--layers", "2", "6", "24", "96", "232", "--plot", "benchmarks/scale.png"],
               ["--layers", "2", "6", "24", "--actions", "20", "--seconds", "5",
                "--plot", "benchmarks/scale.png"]),
-    "budget": ("Search budget honoured", ["--ilp-seconds", "10", "20"],
+    "budget": ("Search budget honoured", ["--ilp-seconds", "5", "10"],
                ["--seconds", "1", "--ilp-seconds"]),
     "cache": ("Plan cache", ["--layers", "4", "24"], ["--layers", "4"]),
     "policy": ("Learned policy against uniform priors", ["--seeds", "5"], ["--quick"]),
