@@ -996,8 +996,9 @@ class Tracker:
     held until the collective."""
     model = self.model
     values = np.flatnonzero((self.foot > 0) & model.hostable)
-    held = [(first, max(group), nbytes) for group in self.pending.values()
-            for first, nbytes, _, _ in group.values() if first <= max(group)]
+    held = [(first, last, nbytes) for group in self.pending.values() if group
+            for last in (max(group),)
+            for first, nbytes, _, _ in group.values() if first <= last]
     first, last, nbytes = (np.array(x).reshape(-1) for x in zip(*held)) if held else (
         np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
     return (np.concatenate([model.start[values], first.astype(np.int64)]),

@@ -300,6 +300,9 @@ class _Builder:
     self.unknown: dict[str, int] = {}
     # pad results -> (padding config, operand shape), for `_reads_padding_only`.
     self.pads: dict[int, tuple] = {}
+    # concatenate results -> (dimension, operands, operand shapes), for
+    # `_within_one_operand`.
+    self.concats: dict[int, tuple] = {}
 
   def value(self, vid: int, aval, kind: int, producer: int, sealed: bool,
             name: str) -> int:
@@ -332,6 +335,13 @@ class _Builder:
     exotic = not all(_is_numpy(self.dtypes[x]) for x in ins
                      if not isinstance(x, Literal)) or not all(
                          _is_numpy(v.aval.dtype) for v in eqn.outvars)
+    params = eqn.params
+    if name == "slice" and not isinstance(ins[0], Literal) and ins[0] in self.concats:
+      # XLA slices the one operand of a concatenate a slice lies within.
+      found = _within_one_operand(*self.concats[ins[0]], params)
+      if found is not None:
+        operand, in_shapes[0], params = found
+        ins = [operand, *ins[1:]]
     if name in DELIBERATELY_REPLICATED or exotic:
       # XLA drops a cond's operands no branch reads instead of gathering
       # them: they take no layout.
@@ -341,11 +351,13 @@ class _Builder:
     else:
       if not rules.has_rule(name):
         self.unknown[name] = self.unknown.get(name, 0) + 1
-      rule = rules.rule_for(name, in_shapes, out_shapes, eqn.params)
+      rule = rules.rule_for(name, in_shapes, out_shapes, params)
     if name == "pad" and not isinstance(ins[0], Literal):
-      self.pads[step.out_ids[0]] = (eqn.params["padding_config"], in_shapes[0])
+      self.pads[step.out_ids[0]] = (params["padding_config"], in_shapes[0])
+    if name == "concatenate":
+      self.concats[step.out_ids[0]] = (params["dimension"], list(ins), list(in_shapes))
     if name == "slice" and not isinstance(ins[0], Literal) and ins[0] in self.pads:
-      if _reads_padding_only(*self.pads[ins[0]], eqn.params):
+      if _reads_padding_only(*self.pads[ins[0]], params):
         # XLA folds it into a constant: the slice reads no array.
         ins = [Literal(in_shapes[0], None), *ins[1:]]
     self._record(name, ins, in_shapes, step.out_ids, rule, eqn_flops(eqn), step.scope,
@@ -401,6 +413,26 @@ def _is_numpy(dtype) -> bool:
     return True
   except TypeError:
     return False
+
+
+def _within_one_operand(dimension: int, operands: list, shapes: list, params):
+  """(operand, its shape, the slice's params on it) when a slice of a
+  concatenate's result selects elements of one operand only, else None."""
+  strides = params["strides"] or (1,) * len(shapes[0])
+  start, limit = params["start_indices"][dimension], params["limit_indices"][dimension]
+  if start >= limit:
+    return None
+  last = start + (limit - 1 - start) // strides[dimension] * strides[dimension]
+  offset = 0
+  for operand, shape in zip(operands, shapes):
+    if offset <= start and last < offset + shape[dimension]:
+      shift = [offset if d == dimension else 0 for d in range(len(shape))]
+      moved = dict(params,
+                   start_indices=tuple(i - s for i, s in zip(params["start_indices"], shift)),
+                   limit_indices=tuple(i - s for i, s in zip(params["limit_indices"], shift)))
+      return operand, shape, moved
+    offset += shape[dimension]
+  return None
 
 
 def _reads_padding_only(config, shape, params) -> bool:

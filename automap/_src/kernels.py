@@ -295,8 +295,8 @@ def hosted(n, by_start, by_end, start, end, foot, klass, made, slot_class, class
   them (`made`, `slot_class`). At each point, the buffers of results made
   after every temporary alive there dies are matched to them by class,
   largest first: a temporary fits its class and every larger one, so
-  unused larger buffers carry down. Where a class has more temporaries than buffers, the
-  share hosted is its bytes in proportion."""
+  unused larger buffers carry down. Where a class has more temporaries
+  than buffers, the share hosted is its bytes in proportion."""
   out = np.zeros(n)
   count = np.zeros(classes)
   nbytes = np.zeros(classes)
