@@ -20,6 +20,7 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from automap._src import graph as graph_lib
 from automap._src.graph import Step, Walk
 from automap._src.trace import Traced
 
@@ -47,14 +48,24 @@ def interpreter(traced: Traced, constraints: Mapping[int, PartitionSpec],
   for (v, p), s in (reshards or {}).items():
     entry.setdefault(v, {})[p] = NamedSharding(mesh, s)
   closed = traced.jaxpr
+  # Concatenations made so far: id of the result -> (dimension, operands,
+  # their shapes), so a slice within one operand reads that operand, as the
+  # graph records it (`graph.within_one_operand`).
+  concats: dict[int, tuple] = {}
 
   def visit(step: Step, ins: list) -> list:
     eqn = step.eqn
+    bind_params = eqn.params
+    if eqn.primitive.name == "slice" and id(ins[0]) in concats:
+      found = graph_lib.within_one_operand(*concats[id(ins[0])][1:], eqn.params)
+      if found is not None:
+        ins = [found[0], *ins[1:]]
+        bind_params = found[2]
     if step.out_ids and step.out_ids[0] in entry:
       ins = list(ins)
       for p, sharding in entry[step.out_ids[0]].items():
         ins[p] = jax.lax.with_sharding_constraint(ins[p], sharding)
-    params = eqn.primitive.get_bind_params(eqn.params)
+    params = eqn.primitive.get_bind_params(bind_params)
     subfuns = ()
     if isinstance(params, tuple):  # Older JAX returns (subfuns, params).
       subfuns, params = params
@@ -67,6 +78,9 @@ def interpreter(traced: Traced, constraints: Mapping[int, PartitionSpec],
       sharding = shardings.get(v)
       if sharding is not None:
         outs[i] = jax.lax.with_sharding_constraint(outs[i], sharding)
+    if eqn.primitive.name == "concatenate":
+      concats[id(outs[0])] = (outs[0], eqn.params["dimension"], list(ins),
+                              [tuple(x.aval.shape) for x in eqn.invars])
     return outs
 
   def after_scan(ids: tuple, outs: list) -> list:

@@ -301,7 +301,7 @@ class _Builder:
     # pad results -> (padding config, operand shape), for `_reads_padding_only`.
     self.pads: dict[int, tuple] = {}
     # concatenate results -> (dimension, operands, operand shapes), for
-    # `_within_one_operand`.
+    # `within_one_operand`.
     self.concats: dict[int, tuple] = {}
 
   def value(self, vid: int, aval, kind: int, producer: int, sealed: bool,
@@ -336,9 +336,11 @@ class _Builder:
                      if not isinstance(x, Literal)) or not all(
                          _is_numpy(v.aval.dtype) for v in eqn.outvars)
     params = eqn.params
-    if name == "slice" and not isinstance(ins[0], Literal) and ins[0] in self.concats:
-      # XLA slices the one operand of a concatenate a slice lies within.
-      found = _within_one_operand(*self.concats[ins[0]], params)
+    if (name == "slice" and not step.sealed and not isinstance(ins[0], Literal)
+        and ins[0] in self.concats):
+      # A slice within one operand of a concatenate reads that operand (as
+      # XLA simplifies it, and as apply rewrites it).
+      found = within_one_operand(*self.concats[ins[0]], params)
       if found is not None:
         operand, in_shapes[0], params = found
         ins = [operand, *ins[1:]]
@@ -354,7 +356,7 @@ class _Builder:
       rule = rules.rule_for(name, in_shapes, out_shapes, params)
     if name == "pad" and not isinstance(ins[0], Literal):
       self.pads[step.out_ids[0]] = (params["padding_config"], in_shapes[0])
-    if name == "concatenate":
+    if name == "concatenate" and not step.sealed:
       self.concats[step.out_ids[0]] = (params["dimension"], list(ins), list(in_shapes))
     if name == "slice" and not isinstance(ins[0], Literal) and ins[0] in self.pads:
       if _reads_padding_only(*self.pads[ins[0]], params):
@@ -415,7 +417,7 @@ def _is_numpy(dtype) -> bool:
     return False
 
 
-def _within_one_operand(dimension: int, operands: list, shapes: list, params):
+def within_one_operand(dimension: int, operands: list, shapes: list, params):
   """(operand, its shape, the slice's params on it) when a slice of a
   concatenate's result selects elements of one operand only, else None."""
   strides = params["strides"] or (1,) * len(shapes[0])
