@@ -48,9 +48,10 @@ def interpreter(traced: Traced, constraints: Mapping[int, PartitionSpec],
   for (v, p), s in (reshards or {}).items():
     entry.setdefault(v, {})[p] = NamedSharding(mesh, s)
   closed = traced.jaxpr
-  # Concatenations made so far: id of the result -> (dimension, operands,
-  # their shapes), so a slice within one operand reads that operand, as the
-  # graph records it (`graph.within_one_operand`).
+  # Concatenations made so far: id of the result -> (the result, kept so its
+  # id stays its own; dimension, operands, their shapes), so a slice within
+  # one operand reads that operand, as the graph records it
+  # (`graph.within_one_operand`).
   concats: dict[int, tuple] = {}
 
   def visit(step: Step, ins: list) -> list:

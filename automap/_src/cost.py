@@ -1009,9 +1009,10 @@ class Tracker:
     """[O + 1] bytes of temporaries that results' buffers hold."""
     model = self.model
     sizes = self.held[model.results_made]
-    if len(np.unique(sizes)) > _CLASSES:  # a geometric grid, rounded down
-      sizes = np.exp2(np.floor(np.log2(np.maximum(sizes, 1.0)) * 8) / 8)
     ascending = np.unique(sizes)
+    if len(ascending) > _CLASSES:  # a geometric grid, rounded down
+      sizes = np.exp2(np.floor(np.log2(np.maximum(sizes, 1.0)) * 8) / 8)
+      ascending = np.unique(sizes)
     m = len(ascending)
     slot = m - 1 - np.searchsorted(ascending, sizes)  # classes largest first
     start, end, foot = self._temporaries()

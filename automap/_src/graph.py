@@ -421,10 +421,10 @@ def within_one_operand(dimension: int, operands: list, shapes: list, params):
   """(operand, its shape, the slice's params on it) when a slice of a
   concatenate's result selects elements of one operand only, else None."""
   strides = params["strides"] or (1,) * len(shapes[0])
-  start, limit = params["start_indices"][dimension], params["limit_indices"][dimension]
-  if start >= limit:
+  start = params["start_indices"][dimension]
+  last = _last_selected(start, params["limit_indices"][dimension], strides[dimension])
+  if last is None:
     return None
-  last = start + (limit - 1 - start) // strides[dimension] * strides[dimension]
   offset = 0
   for operand, shape in zip(operands, shapes):
     if offset <= start and last < offset + shape[dimension]:
@@ -443,12 +443,17 @@ def _reads_padding_only(config, shape, params) -> bool:
   strides = params["strides"] or (1,) * len(shape)
   for (lo, _, interior), n, start, limit, step in zip(
       config, shape, params["start_indices"], params["limit_indices"], strides):
-    if interior or start >= limit:
+    last = _last_selected(start, limit, step)
+    if interior or last is None:
       continue
-    last = start + (limit - 1 - start) // step * step
     if last < lo or start >= lo + n:
       return True
   return False
+
+
+def _last_selected(start: int, limit: int, stride: int) -> int | None:
+  """The last index a strided slice [start, limit) selects; None if none."""
+  return None if start >= limit else start + (limit - 1 - start) // stride * stride
 
 
 def build(traced: Traced) -> Graph:
