@@ -175,3 +175,8 @@ def test_a_slice_of_one_concatenated_operand():
                                      Step("slice", (3,), (0, 0, 1)), ABS, ABS, ABS), (7, 4),
                        grad=False)
   check(prog, (4, 2), [0])
+  # The concatenation itself pinned tiled: the rewritten program slices the
+  # operand, so XLA does not gather the concatenation to slice it.
+  prog = RandomProgram(((4,),), (), (Step("concat", (0, 0), (0,)), ABS, ABS, ABS,
+                                     Step("slice", (1,), (0, 0, 1))), (5,), grad=False)
+  check(prog, (8,), [0])
