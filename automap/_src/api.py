@@ -435,7 +435,8 @@ def verify(plan: Plan, fn: Callable, *args, mesh=None,
     raise MeshError(f"mesh {MeshSpec.of(mesh)} differs from the plan's {plan.mesh}.")
   platform = mesh.devices.flat[0].platform
   hw = dataclasses.replace(plan.hardware, reduce_scatter=platform != "cpu",
-                           reduce_in_f32=platform == "cpu")
+                           reduce_in_f32=platform == "cpu",
+                           fuses_shared_producers=platform != "cpu")
   program = Program.build(traced, plan.mesh, hw)
   predicted = Tracker(program.model, program.state_from_plan(plan)).cost()
   jitted = apply_lib.jit_with_plan(traced, mesh, plan)

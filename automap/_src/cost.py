@@ -125,22 +125,67 @@ _FUSIBLE = rules.ELEMENTWISE | {
     "transpose", "slice", "pad", "concatenate", "convert_element_type"}
 _ABSORBING = _FUSIBLE | {"reduce_sum", "reduce_max", "reduce_min",
                          "reduce_and", "reduce_or", "argmax", "argmin"}
+# Ops XLA fuses into a loop-fused reader but never duplicates (it deems
+# them expensive): fused only into their one reader.
+_FUSED_ONCE = frozenset({"gather"})
+# Reductions a CPU library fusion implements (see `materialized`).
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 
 
-def materialized(graph: Graph) -> np.ndarray:
-  """[V] bool: values that occupy a buffer of their own once XLA fuses.
+def materialized(graph: Graph, fuses_shared: bool = True) -> tuple[np.ndarray, np.ndarray]:
+  """([V] bool, [V] int): values that occupy a buffer of their own once XLA
+  fuses, and per value the one whose shape a stored broadcast of it takes
+  (-1: none).
 
   A value made by a fusible op whose every reader also fuses it is computed
-  inside its readers' loops and never stored.
+  inside its readers' loops and never stored. Unless `fuses_shared`, a
+  reduction fuses only the producers nothing outside its fusion reads
+  (XLA:CPU's library reductions): a fusible value that a reduction's fusion
+  and another op both read is stored, and where the fusion reads it with
+  unit dims broadcast, so is that broadcast (XLA's CSE makes one of the
+  readers' implicit broadcasts, which the fusion cannot take in): it has
+  the shape of the fusion member's result.
   """
   out = np.ones(graph.num_values, bool)
   for v in range(graph.num_values):
     p = graph.producer[v]
-    if p < 0 or graph.prims[p] not in _FUSIBLE or not graph.uses[v]:
+    if p < 0 or not graph.uses[v]:
       continue
-    out[v] = not all(graph.prims[o] in _ABSORBING for o, _ in graph.uses[v])
+    if graph.prims[p] in _FUSIBLE:
+      out[v] = not all(graph.prims[o] in _ABSORBING for o, _ in graph.uses[v])
+    elif graph.prims[p] in _FUSED_ONCE:
+      out[v] = len(graph.uses[v]) > 1 or graph.prims[graph.uses[v][0][0]] not in _FUSIBLE
   out[[v for v in graph.outputs if v >= 0]] = True
-  return out
+  wide = np.full(graph.num_values, -1, np.int64)
+  if fuses_shared:
+    return out, wide
+  # The reduction whose fusion absorbs each op (-1: none); readers come
+  # after producers, so one reverse pass grows every fusion upwards.
+  fusion = np.full(graph.num_ops, -1, np.int64)
+  for o in range(graph.num_ops - 1, -1, -1):
+    if graph.prims[o] in _REDUCTIONS:
+      fusion[o] = o
+      continue
+    results = [v for v in graph.results[o] if v >= 0]
+    if graph.prims[o] not in _FUSIBLE or not results or out[results].any():
+      continue
+    readers = {int(fusion[r]) for v in results for r, _ in graph.uses[v]}
+    if len(readers) == 1 and -1 not in readers:
+      fusion[o] = readers.pop()
+  for v in range(graph.num_values):
+    readers = {int(fusion[r]) for r, _ in graph.uses[v]}
+    if len(readers) < 2 or max(readers, default=-1) < 0:
+      continue
+    if graph.producer[v] < 0:
+      continue  # an argument: resident, and its broadcasts not modelled
+    out[v] = True
+    elements = math.prod(graph.shapes[v])
+    for r, _ in graph.uses[v]:
+      made = graph.results[r][0] if graph.results[r] else -1
+      if (fusion[r] >= 0 and made >= 0 and graph.prims[r] in rules.ELEMENTWISE
+          and math.prod(graph.shapes[made]) > elements):
+        wide[v], elements = made, math.prod(graph.shapes[made])
+  return out, wide
 
 
 def _fused_liveness(graph: Graph, stored: np.ndarray, end: np.ndarray, dead: np.ndarray,
@@ -260,7 +305,7 @@ class CostModel:
     made_dead = np.zeros(graph.num_values, bool)
     for o in np.flatnonzero(self.dead):
       made_dead[[v for v in graph.results[o] if v >= 0]] = True
-    stored = materialized(graph)
+    stored, self.wide = materialized(graph, hardware.fuses_shared_producers)
     self.temporary = stored & ~self.resident & ~made_dead
     # Buffers of a loop (its carries and stacked results, and what its body
     # makes) are XLA's loop state, colocated apart from results' buffers.
@@ -298,9 +343,14 @@ class CostModel:
     classes: dict[tuple, int] = {}
     self.op_class = np.empty(graph.num_ops, np.int64)
     members = []
+    # An op whose result is stored broadcast (`materialized`) prices that
+    # buffer in its reader's layout: the reader's result is a member too.
+    extra = [[int(self.wide[v]) for v in graph.results[o] if v >= 0 and self.wide[v] >= 0]
+             for o in range(graph.num_ops)]
     for o in range(graph.num_ops):
-      values = [v for v in graph.operands[o] + graph.results[o] if v >= 0]
+      values = [v for v in graph.operands[o] + graph.results[o] if v >= 0] + extra[o]
       signature = (graph.prims[o], graph.rules[o], graph.operand_shapes[o],
+                   tuple(graph.shapes[w] for w in extra[o]),
                    tuple(graph.operands[o].index(v) if v in graph.operands[o]
                          else -1 for v in graph.operands[o]),
                    tuple(str(graph.dtypes[v]) for v in values),
@@ -320,7 +370,11 @@ class CostModel:
     self.result_table = np.array(
         [list(r) + [-1] * (slots - len(r)) for r in graph.results],
         np.int64).reshape(graph.num_ops, slots)
-    touching = [np.array(t, np.int64) for t in graph.touching]
+    touching = [list(t) for t in graph.touching]
+    for o, ws in enumerate(extra):
+      for w in ws:
+        touching[w].append(o)
+    touching = [np.array(sorted(set(t)), np.int64) for t in touching]
     self.touch_ptr = np.zeros(graph.num_values + 1, np.int64)
     self.touch_ptr[1:] = np.cumsum([len(t) for t in touching])
     self.touch_idx = np.concatenate(touching) if touching else np.zeros(0, np.int64)
@@ -726,7 +780,11 @@ class CostModel:
         self.emit(comms, REDUCE_SCATTER, scatter_mask, natural_bytes)
       self.transition(comms, natural, state[v], natural_bytes, -1)
       naturals.append(tuple(int(d) for d in natural))
-      footprint.append(max(natural_bytes, self.local_bytes(state, v)))
+      foot = max(natural_bytes, self.local_bytes(state, v))
+      w = self.wide[v]
+      if w >= 0:  # and its broadcast, in the reader's layout and its own dtype
+        foot += self.local_bytes(state, w) * self.itemsize[v] / self.itemsize[w]
+      footprint.append(foot)
     tiles = 1
     for a in range(num_axes):
       if factor_of_axis[a] >= 0:

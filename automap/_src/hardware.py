@@ -34,6 +34,11 @@ class Hardware:
     then tiled into a reduce-scatter (XLA does on TPU and GPU, not on CPU).
   reduce_in_f32: whether the compiler all-reduces 16-bit floats in float32,
     moving twice their bytes (XLA:CPU does).
+  fuses_shared_producers: whether a reduction's fusion recomputes a fusible
+    producer that other ops read too (XLA on TPU and GPU duplicates it).
+    XLA:CPU's library reductions absorb only producers no other op reads, so
+    such a producer (a layer norm's broadcast scale, shared by the forward
+    and backward passes) gets a buffer of its own.
   """
 
   name: str
@@ -48,10 +53,11 @@ class Hardware:
   devices_per_node: int
   reduce_scatter: bool = True
   reduce_in_f32: bool = False
+  fuses_shared_producers: bool = True
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
-      if field.name in ("name", "reduce_scatter", "reduce_in_f32"):
+      if field.name == "name" or field.type == "bool":  # flags
         continue
       value = getattr(self, field.name)
       # Latencies may be zero (an ideal fabric); nothing else may.
@@ -97,7 +103,7 @@ CATALOGUE: dict[str, Hardware] = {
     # between simulated devices at memory speed.
     "cpu": Hardware("cpu", 100 * _G, 100 * _G, 20 * _G, 16 * _GiB,
                     10 * _G, 1e-5, 10 * _G, 1e-5, 8, reduce_scatter=False,
-                    reduce_in_f32=True),
+                    reduce_in_f32=True, fuses_shared_producers=False),
 }
 
 
