@@ -338,8 +338,10 @@ def _gather(ins, outs, params) -> Rule:
 
 
 def _scatter_add(ins, outs, params) -> Rule:
-  """Scatter-add: rows scattered from tiles of the updates add up (a
-  reduction), except along batching dims, which index the result too."""
+  """Scatter-add (and -max, -min): rows scattered from tiles of the updates
+  combine (a reduction: XLA all-reduces the partial results with the
+  scatter's own combiner), except along batching dims, which index the
+  result too."""
   return _scatter(ins, outs, params, combinable=True)
 
 
@@ -426,6 +428,8 @@ _RULES: dict[str, Callable[[Any, Any, dict], Rule]] = {
     "gather": _gather,
     "scatter-add": _scatter_add,
     "scatter_add": _scatter_add,
+    "scatter-max": _scatter_add,
+    "scatter-min": _scatter_add,
     "scatter": _scatter_replace,
     "bitcast_convert_type": _bitcast_convert_type,
     "select_n": _select_n,
@@ -474,7 +478,7 @@ def flops(primitive: str, in_shapes: Sequence[Shape | None],
     return 2.0 * out * window
   if primitive.startswith("reduce_") or primitive in ("argmax", "argmin"):
     return float(int(np.prod(in_shapes[0])))
-  if primitive in ("scatter-add", "scatter_add"):
+  if primitive in ("scatter-add", "scatter_add", "scatter-max", "scatter-min"):
     return float(int(np.prod(in_shapes[2])))
   if primitive in _RULES and primitive not in ("cumsum", "cumlogsumexp",
                                               "cumprod", "cummax", "cummin",
