@@ -41,6 +41,20 @@ def test_custom_derivative_bodies_are_sealed():
   assert g.sealed.any() and not g.sealed[list(g.inputs)].any()
 
 
+def test_a_sealed_call_binds_only_the_results_it_returns():
+  """Inside a rematerialised call nothing may be pinned; what it returns is
+  bound, seen (and pinned) where the call returns it."""
+  def f(x, w):
+    inner = jax.checkpoint(lambda h: jnp.tanh(h @ w) * 2)
+    return inner(x) + 1
+
+  g = build(f, jnp.ones((8, 4)), jnp.ones((4, 4)))
+  made = {g.prims[o]: g.results[o][0] for o in range(g.num_ops)}
+  assert g.sealed[made["tanh"]] and not g.bound[made["tanh"]]
+  assert g.sealed[made["mul"]] and g.bound[made["mul"]]
+  assert not g.sealed[made["add"]] and not g.bound[made["add"]]
+
+
 def test_scan_body_is_walked_once_between_ties():
   def f(x):
     return jax.lax.scan(lambda c, y: (c + y, c * y), x[0], x)[1]

@@ -158,3 +158,33 @@ def test_a_plan_reprices_as_searched_inside_scanned_and_rematerialised_layers():
   again = Tracker(program.model, program.state_from_plan(plan)).cost()
   assert again.step_time == pytest.approx(plan.cost.step_time, rel=1e-9)
   assert again.comm_bytes == pytest.approx(plan.cost.comm_bytes, rel=1e-9)
+
+
+def test_results_of_a_sealed_call_are_pinned_where_it_returns_them():
+  """relu is a custom-JVP call, bound whole in the rewritten program: what it
+  makes inside is left to XLA, but its result is pinned where it returns,
+  so a plan that gathers the result before a scatter-add compiles to that
+  gather, not to XLA's own choice (a partial scatter, then an all-reduce)."""
+  from automap._src import trace
+  from automap._src.program import Program
+  from automap._src.sharding import MeshSpec
+
+  def fn(x, w, idx):
+    h = jax.nn.relu(x @ w)
+    return jnp.zeros((64, 32)).at[idx].add(h)
+
+  args = (jnp.ones((256, 16)), jnp.ones((16, 32)) / 16, jnp.arange(256, dtype=jnp.int32) % 64)
+  m = mesh((8,), ("data",))
+  program = Program.build(trace.trace(fn, args), MeshSpec.of(m), automap.HARDWARE["cpu"])
+  g = program.graph
+  (relu,) = [o for o, p in enumerate(g.prims) if p == "max"]
+  (h,) = g.results[relu]
+  assert g.sealed[h] and g.bound[h]
+  state = program.state_from_specs([P("data"), P(), P()])
+  assert state[g.operands[relu][0], 0] == 0  # x @ w: edges tiled
+  state[h] = -1  # relu's result whole: gathered before the scatter-add
+  plan = program.make_plan(state, {})
+  assert h in plan.constraints
+  report = automap.verify(plan, fn, *args, mesh=m)
+  assert report.comm_error < 0.05, report.table()
+  assert report.max_rel_error < 1e-5

@@ -94,6 +94,9 @@ class Walk:
                after_scan: Callable[[tuple, list], list] | None = None):
     self.visit, self.const, self.literal = visit, const, literal
     self.open_sealed = open_sealed
+    # Results of the outermost sealed calls opened: what a walk that binds
+    # those calls whole sees them return.
+    self.bound: set = set()
     # Scan bodies are walked once. With `tie`, the walk records how a scan's
     # operands and results relate to its body's (see `_scan`); without, it
     # runs the scan, its body re-interpreted by this walk.
@@ -132,6 +135,8 @@ class Walk:
         outs = self._scan(eqn, ins, inner_scope, sealed)
       elif sub is not None and (name in INLINE or self.open_sealed):
         outs = self.closed(sub, ins, inner_scope, sealed or name in SEALED)
+        if name not in INLINE and not sealed:
+          self.bound.update(x for x in outs if isinstance(x, int))
       else:
         if sub is not None:  # A sealed call visited whole.
           dry = Walk(lambda s, i: list(s.out_ids), lambda i, c: i,
@@ -239,7 +244,9 @@ class Graph:
 
   Values [V]: shapes, dtypes, nbytes (whole array, bytes), kind (ARG, CONST,
   INTERMEDIATE), producer (op index, -1 for args and consts), sealed (no
-  constraint may be placed on it), names (argument path or name scope),
+  constraint may be placed on it inside the call that makes it), bound
+  (sealed, and returned by the outermost such call: the rewritten program
+  sees it there and may pin it), names (argument path or name scope),
   uses (per value, its (op, operand position) pairs), last_use (op index of
   the last reader, -1 if none).
   Ops [O]: prims, operands (value ids, -1 for literals), operand_shapes,
@@ -255,6 +262,7 @@ class Graph:
   kind: np.ndarray  # [V] int8
   producer: np.ndarray  # [V] int32
   sealed: np.ndarray  # [V] bool
+  bound: np.ndarray  # [V] bool: sealed, but a result of a call bound whole
   names: tuple[str, ...]  # [V]
   uses: tuple[tuple[tuple[int, int], ...], ...]  # [V]
   last_use: np.ndarray  # [V] int32
@@ -483,7 +491,9 @@ def build(traced: Traced) -> Graph:
   return Graph(
       shapes=tuple(b.shapes), dtypes=tuple(b.dtypes), nbytes=nbytes,
       kind=np.array(b.kind, np.int8), producer=np.array(b.producer, np.int32),
-      sealed=np.array(b.sealed, bool), names=tuple(b.names),
+      sealed=np.array(b.sealed, bool),
+      bound=np.isin(np.arange(num_values), list(walk.bound)) & np.array(b.sealed, bool),
+      names=tuple(b.names),
       uses=tuple(tuple(u) for u in uses), last_use=last_use,
       prims=tuple(b.prims), operands=tuple(b.operands),
       operand_shapes=tuple(b.operand_shapes), results=tuple(b.results),

@@ -138,12 +138,15 @@ class Program:
     # broadcast constant, an iota) are left to it: pinned, XLA may gather
     # the constant instead.
     free = self.model.free
+    # A sealed call (custom derivatives, remat) is bound whole: its results
+    # are pinned where it returns them, what it makes inside is left to XLA.
+    named = ~g.sealed | g.bound
     constraints = {v: spec(v) for v in range(g.num_values)
-                   if g.kind[v] == graph_lib.INTERMEDIATE and not g.sealed[v]
+                   if g.kind[v] == graph_lib.INTERMEDIATE and named[v]
                    and g.rank(v) > 0 and not free[v]}
     # Those it cannot name are recorded, so the plan re-prices as searched.
     inferred = {v: spec(v) for v in range(g.num_values)
-                if g.kind[v] == graph_lib.INTERMEDIATE and g.sealed[v]
+                if g.kind[v] == graph_lib.INTERMEDIATE and not named[v]
                 and g.rank(v) > 0 and not free[v]}
     # Operands entering an op in another layout are resharded explicitly, and
     # a result the op computes in another layout than its own is pinned to
