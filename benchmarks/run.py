@@ -25,8 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # name -> (title, full arguments, quick arguments)
 SECTIONS = {
     "quality": ("Quality: automap against the experts, MCTS against the ILP",
-                ["--ilp-seconds", "5"], ["--quick", "--ilp-seconds", "5"]),
-    "fidelity": ("Fidelity: predicted against compiled", ["--ilp-seconds", "3"],
+                ["--ilp-seconds", "4"], ["--quick", "--ilp-seconds", "4"]),
+    "fidelity": ("Fidelity: predicted against compiled", ["--ilp-seconds", "2"],
                  ["--quick"]),
     "search": ("Search efficiency: MCTS against the experts, with and without hints",
                ["--layers", "2", "12", "24", "--plot", "benchmarks/search.png"],

@@ -133,6 +133,9 @@ def _run(s: Step, pool: list, weights) -> jax.Array:
       c = jnp.tanh(c + 0.5 * xt)
       return c, 2.0 * c
     return jax.lax.scan(body, jnp.zeros(x.shape[1:], x.dtype), x)[1]
+  if k == "remat":
+    # A rematerialised block: bound whole, only its result may be pinned.
+    return jax.checkpoint(lambda a: jnp.tanh(a) * 2.0 + a)(x)
   if k == "cond":
     # A predicate no summation order flips: a sum that cancels to zero
     # (x - x.T) sits far from the threshold, not on it.
@@ -142,7 +145,7 @@ def _run(s: Step, pool: list, weights) -> jax.Array:
 
 KINDS = ("unary", "binary", "where", "reduce", "transpose", "split", "merge",
          "dot", "concat", "slice", "pad", "cumsum", "broadcast", "softmax",
-         "iota", "take", "scan", "cond")
+         "iota", "take", "scan", "cond", "remat")
 
 
 def _shape(draw, rank_min=1):
@@ -255,7 +258,7 @@ def _step(draw, kind, i, x, pool):
   if kind == "take":
     n = draw(st.integers(1, min(4, math.prod(x))))
     return Step(kind, (i,), (d, n)), x[:d] + (n,) + x[d + 1:]
-  if kind == "scan":
+  if kind in ("scan", "remat"):
     return Step(kind, (i,), ()), x
   if kind == "cond":
     return Step(kind, (i,), ()), x

@@ -1,6 +1,7 @@
 """The cost model against arithmetic and against compiled HLO."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import SMALL, gpt_step, loss_and_grads, megatron_specs, mesh
@@ -139,6 +140,34 @@ def test_a_gather_fuses_into_its_one_loop_fused_reader():
   stored, _ = cost.materialized(g)
   gathered = [v for o, p in enumerate(g.prims) if p == "gather" for v in g.results[o]]
   assert [bool(stored[v]) for v in gathered] == [False, True]
+
+
+@pytest.mark.parametrize("have,want", [
+    (P(None, "a"), P("a", None)),  # an axis moves: one all-to-all
+    (P(None, "a"), P(("a", "b"), None)),  # and another arrives beside it
+    (P(None, "b"), P(("a", "b"), None)),  # ... as the major one
+    (P(None, "a"), P(("a", "c"), None)),
+])
+def test_reshards_move_axes_as_xla_does(have, want):
+  """An axis moving between dims is exchanged all-to-all, unless another
+  axis arrives on its target dim too: then XLA gathers the whole array."""
+  m = mesh((2, 2, 2), ("a", "b", "c"))
+  x = jnp.ones((8, 8))
+  prog = program.Program.build(trace.trace(lambda x: x * 2, (x,)), sharding.MeshSpec.of(m),
+                               hardware.get_hardware("cpu"))
+  rows = []
+  for spec in (have, want):
+    state = prog.initial_state()
+    sharding.set_spec(state, prog.mesh, 0, (8, 8), spec, "x")
+    rows.append(state[0])
+  comms = []
+  prog.model.transition(comms, rows[0], rows[1], 8 * 8 * 4 / 2, 0)
+  names = prog.mesh.axis_names
+  predicted = {(cost.KINDS[k], tuple(n for a, n in enumerate(names) if mask >> a & 1)): b
+               for k, mask, b, *_ in comms}
+  f = jax.jit(lambda x: x * 2, in_shardings=NamedSharding(m, have),
+              out_shardings=NamedSharding(m, want))
+  assert verify.summarize(verify.collectives(f.lower(x).compile().as_text(), m)) == predicted
 
 
 def test_hardware_catalogue_and_validation():

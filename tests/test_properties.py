@@ -78,7 +78,7 @@ DATAFLOW = ("unary", "binary", "where", "reduce", "transpose", "split", "merge",
             "dot", "broadcast", "softmax", "iota")
 INDEXING = ("unary", "binary", "concat", "slice", "pad", "cumsum", "take", "dot",
             "transpose", "split", "merge")
-CONTROL = ("unary", "binary", "reduce", "dot", "scan", "cond", "transpose")
+CONTROL = ("unary", "binary", "reduce", "dot", "scan", "cond", "transpose", "remat")
 
 
 # Shrunk failures, kept here and in KEPT: a sum over two dims tiled on different axes (one
@@ -90,7 +90,8 @@ CONTROL = ("unary", "binary", "reduce", "dot", "scan", "cond", "transpose")
 # resharding one value through the same gather; a scan's stacked result
 # (constrained after the loop); a scanned operand (its step dim made whole
 # before the loop, by an all-to-all where the axes' target dims are free,
-# each slice resharded inside it).
+# each slice resharded inside it); a stacked result moving an axis to its
+# step dim as another arrives there (gathered whole: no all-to-all makes it).
 ABS = Step("unary", (0,), ("abs",))
 ABS1 = Step("unary", (1,), ("abs",))
 TAKE = Step("take", (0,), (0, 1))
@@ -115,6 +116,8 @@ def test_indexing_programs(prog, mesh_shape, picks):
 
 
 @given(random_programs(kinds=CONTROL), MESH, PICKS)
+@example(RandomProgram(((4, 2), (1, 1, 2)), (), (Step("reduce", (1,), ("max", 0)), SCAN),
+                       (3,), grad=True), (2, 2, 2), [2085, 362, 230])
 def test_control_flow_programs(prog, mesh_shape, picks):
   check(prog, mesh_shape, picks)
 

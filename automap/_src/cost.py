@@ -532,9 +532,10 @@ class CostModel:
     device's current tile (each dim's tile count only refined), it slices
     and, unless the tile is its own, collective-permutes the slice. Else axes
     leaving the array are all-gathered (dim by dim), axes moving between dims
-    exchanged all-to-all, axes arriving sliced for free; a dim whose axes are
-    swapped for others is first permuted, then gathered only as far as the
-    coarser target. Tiles of one dim nest major to minor in mesh order, so
+    exchanged all-to-all (unless another axis arrives on their target dim:
+    then the whole array is gathered), axes arriving sliced for free; a dim
+    whose axes are swapped for others is first permuted, then gathered only
+    as far as the coarser target. Tiles of one dim nest major to minor in mesh order, so
     keeping a minor axis while dropping a major one, or adding a major axis
     under a kept minor one, reorders tiles: a collective-permute first.
     """
@@ -590,6 +591,13 @@ class CostModel:
       # rematerialises the whole array, then slices.
       whole = local * math.prod(have_tiles.values())
       self.emit(comms, ALL_GATHER, moved, whole, value, target)
+      return after
+    if any(a2a_mask >> a & 1 and want[a] in arrivals for a in range(len(sizes))):
+      # An axis moving to a dim that another axis arrives on too: no
+      # all-to-all makes those tiles; XLA gathers the whole array, then slices.
+      whole = local * math.prod(have_tiles.values())
+      sharded = sum(1 << a for a in range(len(sizes)) if have[a] >= 0)
+      self.emit(comms, ALL_GATHER, sharded, whole, value, target)
       return after
     # If the target's tiles lie within those of the axes that stay, one
     # permute moves them into place before gathering.
