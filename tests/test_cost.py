@@ -170,6 +170,24 @@ def test_reshards_move_axes_as_xla_does(have, want):
   assert verify.summarize(verify.collectives(f.lower(x).compile().as_text(), m)) == predicted
 
 
+def test_cpu_library_reductions_take_in_no_gather():
+  """XLA:CPU implements a reduction of 4096 elements or more as a library
+  fusion, which cannot take in a gather: the gathered rows are stored. A
+  smaller one is loop-fused with the gather, as on TPU."""
+  def fn(table, idx, w):
+    return jnp.sum(table[idx] * w, axis=0)
+
+  for rows, library in ((32, False), (256, True)):
+    args = (jnp.ones((64, 64)), jnp.zeros(rows, jnp.int32), jnp.ones((rows, 64)))
+    g = program.Program.build(trace.trace(fn, args), sharding.MeshSpec(("data",), (8,)),
+                              hardware.get_hardware("cpu")).graph
+    (gathered,) = [g.results[o][0] for o, p in enumerate(g.prims) if p == "gather"]
+    assert not cost.materialized(g, fuses_shared=True)[0][gathered]
+    assert cost.materialized(g, fuses_shared=False)[0][gathered] == library
+    compiled = jax.jit(fn).lower(*args).compile().as_text()
+    assert ("kind=kCustom" in compiled) == library
+
+
 def test_hardware_catalogue_and_validation():
   for name in ("tpu-v3", "tpu-v4", "tpu-v5e", "tpu-v5p", "a100", "h100", "h200", "cpu"):
     hw = hardware.get_hardware(name)

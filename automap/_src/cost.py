@@ -128,8 +128,11 @@ _ABSORBING = _FUSIBLE | {"reduce_sum", "reduce_max", "reduce_min",
 # Ops XLA fuses into a loop-fused reader but never duplicates (it deems
 # them expensive): fused only into their one reader.
 _FUSED_ONCE = frozenset({"gather"})
-# Reductions a CPU library fusion implements (see `materialized`).
+# Reductions a CPU library fusion implements (see `materialized`), from
+# this many elements (XLA counts a device's share; the whole array's is
+# used here, layouts aside).
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
+_LIBRARY_ELEMENTS = 4096
 
 
 def materialized(graph: Graph, fuses_shared: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -163,7 +166,9 @@ def materialized(graph: Graph, fuses_shared: bool = True) -> tuple[np.ndarray, n
   # after producers, so one reverse pass grows every fusion upwards.
   fusion = np.full(graph.num_ops, -1, np.int64)
   for o in range(graph.num_ops - 1, -1, -1):
-    if graph.prims[o] in _REDUCTIONS:
+    if graph.prims[o] in _REDUCTIONS and max(
+        (math.prod(graph.shapes[v]) for v in graph.operands[o] if v >= 0),
+        default=0) >= _LIBRARY_ELEMENTS:
       fusion[o] = o
       continue
     results = [v for v in graph.results[o] if v >= 0]
@@ -174,6 +179,9 @@ def materialized(graph: Graph, fuses_shared: bool = True) -> tuple[np.ndarray, n
       fusion[o] = readers.pop()
   for v in range(graph.num_values):
     readers = {int(fusion[r]) for r, _ in graph.uses[v]}
+    p = graph.producer[v]
+    if p >= 0 and graph.prims[p] in _FUSED_ONCE and max(readers, default=-1) >= 0:
+      out[v] = True  # a library fusion takes in no gather
     if len(readers) < 2 or max(readers, default=-1) < 0:
       continue
     if graph.producer[v] < 0:
@@ -535,9 +543,10 @@ class CostModel:
     exchanged all-to-all (unless another axis arrives on their target dim:
     then the whole array is gathered), axes arriving sliced for free; a dim
     whose axes are swapped for others is first permuted, then gathered only
-    as far as the coarser target. Tiles of one dim nest major to minor in mesh order, so
-    keeping a minor axis while dropping a major one, or adding a major axis
-    under a kept minor one, reorders tiles: a collective-permute first.
+    as far as the coarser target. Tiles of one dim nest major to minor in
+    mesh order, so keeping a minor axis while dropping a major one, or adding
+    a major axis under a kept minor one, reorders tiles: a collective-permute
+    first.
     """
     sizes = self.mesh.axis_sizes
     # An axis of one device tiles nothing: which dim it names is moot.
