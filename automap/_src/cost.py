@@ -378,11 +378,10 @@ class CostModel:
     self.result_table = np.array(
         [list(r) + [-1] * (slots - len(r)) for r in graph.results],
         np.int64).reshape(graph.num_ops, slots)
-    touching = [list(t) for t in graph.touching]
+    touching = [np.array(t, np.int64) for t in graph.touching]
     for o, ws in enumerate(extra):
       for w in ws:
-        touching[w].append(o)
-    touching = [np.array(sorted(set(t)), np.int64) for t in touching]
+        touching[w] = np.union1d(touching[w], [o])
     self.touch_ptr = np.zeros(graph.num_values + 1, np.int64)
     self.touch_ptr[1:] = np.cumsum([len(t) for t in touching])
     self.touch_idx = np.concatenate(touching) if touching else np.zeros(0, np.int64)
