@@ -147,7 +147,8 @@ def materialized(graph: Graph, fuses_shared: bool = True) -> tuple[np.ndarray, n
   and another op both read is stored, and where the fusion reads it with
   unit dims broadcast, so is that broadcast (XLA's CSE makes one of the
   readers' implicit broadcasts, which the fusion cannot take in): it has
-  the shape of the fusion member's result.
+  the shape of the fusion member's result. Nor does such a fusion take in
+  a gather.
   """
   out = np.ones(graph.num_values, bool)
   for v in range(graph.num_values):
@@ -178,14 +179,15 @@ def materialized(graph: Graph, fuses_shared: bool = True) -> tuple[np.ndarray, n
     if len(readers) == 1 and -1 not in readers:
       fusion[o] = readers.pop()
   for v in range(graph.num_values):
-    readers = {int(fusion[r]) for r, _ in graph.uses[v]}
     p = graph.producer[v]
-    if p >= 0 and graph.prims[p] in _FUSED_ONCE and max(readers, default=-1) >= 0:
+    readers = {int(fusion[r]) for r, _ in graph.uses[v]}
+    if p < 0 or max(readers, default=-1) < 0:
+      continue  # read by no library fusion, or an argument (resident; its
+      # broadcasts not modelled)
+    if graph.prims[p] in _FUSED_ONCE:
       out[v] = True  # a library fusion takes in no gather
-    if len(readers) < 2 or max(readers, default=-1) < 0:
+    if len(readers) < 2:
       continue
-    if graph.producer[v] < 0:
-      continue  # an argument: resident, and its broadcasts not modelled
     out[v] = True
     elements = math.prod(graph.shapes[v])
     for r, _ in graph.uses[v]:
