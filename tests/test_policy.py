@@ -6,8 +6,9 @@ from helpers import SMALL, gpt_step, graph_network_step, mesh
 
 import automap
 from automap._src import trace
-from automap._src.policy import features, learned, model, synthetic, train
+from automap._src.policy import compare, features, learned, model, synthetic, train
 from automap._src.program import Program
+from automap._src.search import mcts
 from automap._src.search.actions import ActionSpace
 from automap._src.sharding import MeshSpec
 
@@ -154,7 +155,6 @@ def test_policy_guides_only_the_shallow_nodes(gpt_space):
       self.calls += 1
       return np.full(len(actions) + 1, 1.0 / (len(actions) + 1))
 
-  from automap._src.search import mcts
   policy = Counting()
   search = mcts.Search(gpt_space.program, gpt_space, None, 0, policy=policy,
                        settings=mcts.Settings(policy_depth=0))
@@ -162,3 +162,29 @@ def test_policy_guides_only_the_shallow_nodes(gpt_space):
   expanded = [n for n in search.table.values() if n.actions is not None]
   assert len(expanded) > 1
   assert policy.calls == 1  # the root's
+
+
+def test_search_trails_time_each_new_best_plan(gpt_space, shipped):
+  program = gpt_space.program
+  path = compare.trail(program, gpt_space, None, 0, 40)
+  episodes, _, step = path.T
+  assert episodes[0] == 0 and (np.diff(episodes) > 0).all() and episodes[-1] <= 40
+  assert (np.diff(step) < 0).all(), "each row is a strictly better plan"
+  search = mcts.Search(program, gpt_space, None, 0)
+  assert step[-1] == search.run(40, float("inf")).score[1]  # the trail ends on the result
+  # A target is reached by the first plan within 1% of it, or never.
+  assert compare.reach(path, step[-1])[0] == episodes[-1]
+  assert compare.reach(path, step[0] * 1.005)[0] == 0
+  assert compare.reach(path, step[-1] * 0.9) == (np.inf, np.inf)
+  assert compare.speedup(np.inf, np.inf) == 1 and compare.speedup(np.inf, 4.0) == np.inf
+  assert compare.speedup(8.0, np.inf) == 0 and compare.speedup(8.0, 2.0) == 4
+  trails = compare.compare(program, gpt_space, shipped, (0,), 10)
+  assert set(trails) == {"uniform", "policy"}
+  assert compare.best_found(trails) == min(t[-1, 2] for ts in trails.values() for t in ts)
+
+
+def test_training_reports_the_search_effect_of_its_priors():
+  samples = [synthetic.sample(np.random.default_rng(3)) for _ in range(1)]
+  # Uniform priors against themselves: the same searches, step for step.
+  same = train.search_effect(samples, mcts.UniformPolicy(), 20, log=lambda s: None)
+  assert same == {"median": 1.0, "geomean": 1.0, "worse": 0, "programs": 1}

@@ -8,10 +8,13 @@ below is within 0.5% of the best of them (stop is no target: the search
 caps its prior); the value target is the log speed-up from the node to the
 best found below it. Programs are split into training and held-out sets;
 losses and how often the network's top action is a target action are
-logged per epoch.
+logged per epoch. Agreement with the targets is not the search's speed:
+at the end, MCTS runs on held-out programs with the trained priors and
+with uniform ones, and the episodes each takes to the best plan either
+found are logged (`compare.py`).
 
   python -m automap.policy.train [--programs 120] [--episodes 400] [--epochs 5]
-      [--out automap/_src/policy/weights.npz] [--seed 0]
+      [--compare 12] [--out automap/_src/policy/weights.npz] [--seed 0]
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import optax
 
 from automap._src import trace
 from automap._src.hardware import get_hardware
-from automap._src.policy import learned, synthetic
+from automap._src.policy import compare, learned, synthetic
 from automap._src.policy.features import Featurizer
 from automap._src.policy.model import Batch, PolicyNet, pad
 from automap._src.program import Program
@@ -50,11 +53,15 @@ class Example:
   weight: float  # how much the search leaned on the state (its visits)
 
 
+def build(sample: synthetic.Sample) -> Program:
+  _, fn, args, shape, hw = sample
+  return Program.build(trace.trace(fn, args), MeshSpec(AXES[:len(shape)], shape),
+                       get_hardware(hw))
+
+
 def examples_of(sample: synthetic.Sample, episodes: int, seed: int) -> list[Example]:
   """Search targets of one program."""
-  _, fn, args, shape, hw = sample
-  program = Program.build(trace.trace(fn, args), MeshSpec(AXES[:len(shape)], shape),
-                          get_hardware(hw))
+  program = build(sample)
   space = ActionSpace(program)
   # Wide: every action of a node is tried before any is deepened much, so
   # the targets see all of them, not only those first in widening order.
@@ -142,6 +149,30 @@ def train(examples: list[Example], held_out: list[Example], epochs: int, seed: i
   return params, history
 
 
+def search_effect(samples: list[synthetic.Sample], policy: mcts.Policy, episodes: int,
+                  seeds: tuple[int, ...] = (0, 1), log=print) -> dict:
+  """Episodes to the best plan found (medians over seeds), uniform priors
+  against `policy`, on each program: the median and geometric mean of
+  uniform / policy, and on how many programs the policy's final plan is
+  the worse."""
+  ratios, worse = [], 0
+  for sample in samples:
+    name, _, _, shape, hw = sample
+    program = build(sample)
+    trails = compare.compare(program, ActionSpace(program), policy, seeds, episodes)
+    best = compare.best_found(trails)
+    took = {k: float(np.median([compare.reach(t, best)[0] for t in ts]))
+            for k, ts in trails.items()}
+    final = {k: float(np.median([t[-1, 2] for t in ts])) for k, ts in trails.items()}
+    ratios.append(compare.speedup(took["uniform"], took["policy"]))
+    worse += final["policy"] > final["uniform"] * (1 + 1e-9)
+    log(f"  {name} on {shape} {hw}: episodes to the best plan found, uniform "
+        f"{took['uniform']:.0f}, policy {took['policy']:.0f}")
+  r = np.clip(np.array(ratios), 1e-2, 1e2)  # never reached: bounded, for the mean
+  return {"median": float(np.median(ratios)), "geomean": float(np.exp(np.log(r).mean())),
+          "worse": int(worse), "programs": len(ratios)}
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -149,15 +180,19 @@ def main(argv=None) -> None:
   parser.add_argument("--episodes", type=int, default=400)
   parser.add_argument("--epochs", type=int, default=5)
   parser.add_argument("--held-out", type=float, default=0.2)
+  parser.add_argument("--compare", type=int, default=12,
+                      help="held-out programs searched with and without the trained priors")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default=learned.DEFAULT_WEIGHTS)
   args = parser.parse_args(argv)
   start = time.perf_counter()
   rng = np.random.default_rng(args.seed)
-  train_set, held_out = [], []
+  train_set, held_out, unseen = [], [], []
   cut = round(args.programs * (1 - args.held_out))
   for i in range(args.programs):
     sample = synthetic.sample(rng)
+    if i >= cut:
+      unseen.append(sample)
     name, _, _, shape, hw = sample
     t = time.perf_counter()
     ex = examples_of(sample, args.episodes, args.seed + i)
@@ -171,7 +206,15 @@ def main(argv=None) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   learned.save(args.out, params, 64, 3)
   print(f"wrote {args.out} ({os.path.getsize(args.out) / 1024:.0f} KiB) in "
-        f"{time.perf_counter() - start:.0f} s")
+        f"{time.perf_counter() - start:.0f} s", flush=True)
+  if args.compare > 0 and unseen:
+    print(f"searching {min(args.compare, len(unseen))} held-out programs, uniform and "
+          f"trained priors, {args.episodes // 2} episodes", flush=True)
+    effect = search_effect(unseen[:args.compare], learned.LearnedPolicy(params, 64, 3),
+                           args.episodes // 2, log=lambda s: print(s, flush=True))
+    print(f"episodes to the best plan found, uniform / trained: median "
+          f"{effect['median']:.2f}x, geometric mean {effect['geomean']:.2f}x; the trained "
+          f"priors' final plan is worse on {effect['worse']} of {effect['programs']} programs")
 
 
 if __name__ == "__main__":
