@@ -173,7 +173,9 @@ def test_search_trails_time_each_new_best_plan(gpt_space, shipped):
   search = mcts.Search(program, gpt_space, None, 0)
   assert step[-1] == search.run(40, float("inf")).score[1]  # the trail ends on the result
   # A target is reached by the first plan within 1% of it, or never.
-  assert compare.reach(path, step[-1])[0] == episodes[-1]
+  e, _ = compare.reach(path, step[-1])
+  within = step <= step[-1] * (1 + compare.TOLERANCE)
+  assert within[episodes == e].all() and not within[episodes < e].any()
   assert compare.reach(path, step[0] * 1.005)[0] == 0
   assert compare.reach(path, step[-1] * 0.9) == (np.inf, np.inf)
   assert compare.speedup(np.inf, np.inf) == 1 and compare.speedup(np.inf, 4.0) == np.inf
@@ -184,7 +186,7 @@ def test_search_trails_time_each_new_best_plan(gpt_space, shipped):
 
 
 def test_training_reports_the_search_effect_of_its_priors():
-  samples = [synthetic.sample(np.random.default_rng(3)) for _ in range(1)]
+  samples = [synthetic.sample(np.random.default_rng(3))]
   # Uniform priors against themselves: the same searches, step for step.
   same = train.search_effect(samples, mcts.UniformPolicy(), 20, log=lambda s: None)
   assert same == {"median": 1.0, "geomean": 1.0, "worse": 0, "programs": 1}
