@@ -74,12 +74,10 @@ def main():
                    for s in expert_states(program, space).values())
       trails = compare.compare(program, space, policy, seeds, opts.episodes)
       best = compare.best_found(trails)
-      cells, final = {}, {}
-      for label, ts in trails.items():
-        # Medians over seeds of (episodes, seconds) to each target.
-        cells[label] = [np.median([compare.reach(t, target)[i] for t in ts])
-                        for target in (expert, best) for i in (0, 1)]
-        final[label] = np.median([t[-1, 2] for t in ts])
+      # Per label: (episodes, seconds) to the expert's plan, then to the best.
+      cells = {k: compare.medians(ts, expert) + compare.medians(ts, best)
+               for k, ts in trails.items()}
+      final = {k: compare.final(ts) for k, ts in trails.items()}
       u, p = cells["uniform"], cells["policy"]
       to_expert.append(compare.speedup(u[0], p[0]))
       to_best.append(compare.speedup(u[2], p[2]))

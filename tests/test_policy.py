@@ -178,6 +178,8 @@ def test_search_trails_time_each_new_best_plan(gpt_space, shipped):
   assert within[episodes == e].all() and not within[episodes < e].any()
   assert compare.reach(path, step[0] * 1.005)[0] == 0
   assert compare.reach(path, step[-1] * 0.9) == (np.inf, np.inf)
+  assert compare.medians([path, path], step[-1]) == compare.reach(path, step[-1])
+  assert compare.final([path]) == step[-1]
   assert compare.speedup(np.inf, np.inf) == 1 and compare.speedup(np.inf, 4.0) == np.inf
   assert compare.speedup(8.0, np.inf) == 0 and compare.speedup(8.0, 2.0) == 4
   trails = compare.compare(program, gpt_space, shipped, (0,), 10)

@@ -43,6 +43,17 @@ def reach(path: np.ndarray, target: float) -> tuple[float, float]:
   return (np.inf, np.inf) if not len(hit) else (path[hit[0], 0], path[hit[0], 1])
 
 
+def medians(trails: Sequence[np.ndarray], target: float) -> tuple[float, float]:
+  """(episodes, seconds) to `target`, medians over the seeds' trails."""
+  reached = np.array([reach(t, target) for t in trails])
+  return float(np.median(reached[:, 0])), float(np.median(reached[:, 1]))
+
+
+def final(trails: Sequence[np.ndarray]) -> float:
+  """The final plan's step seconds, the median over the seeds' trails."""
+  return float(np.median([t[-1, 2] for t in trails]))
+
+
 def speedup(uniform: float, policy: float) -> float:
   """Episodes uniform / policy: 1 when both take the same (neither
   reaches, or both start there), 0 when only uniform reaches."""

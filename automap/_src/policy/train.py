@@ -161,9 +161,8 @@ def search_effect(samples: list[synthetic.Sample], policy: mcts.Policy, episodes
     program = build(sample)
     trails = compare.compare(program, ActionSpace(program), policy, seeds, episodes)
     best = compare.best_found(trails)
-    took = {k: float(np.median([compare.reach(t, best)[0] for t in ts]))
-            for k, ts in trails.items()}
-    final = {k: float(np.median([t[-1, 2] for t in ts])) for k, ts in trails.items()}
+    took = {k: compare.medians(ts, best)[0] for k, ts in trails.items()}
+    final = {k: compare.final(ts) for k, ts in trails.items()}
     ratios.append(compare.speedup(took["uniform"], took["policy"]))
     worse += final["policy"] > final["uniform"] * (1 + 1e-9)
     log(f"  {name} on {shape} {hw}: episodes to the best plan found, uniform "
