@@ -17,6 +17,7 @@ Throughput is samples per second; "planner" is the placement's wall time
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -93,6 +94,11 @@ def describe(plan, b) -> str:
           f"mb{b} z{plan.zero} rc{recompute}")
 
 
+def number(x: float) -> str:
+  """A throughput cell: "-" where there is none (no plan, no baseline)."""
+  return "-" if math.isnan(x) else f"{x:,.1f}"
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true")
@@ -129,8 +135,8 @@ def main():
             base_text += f" (mb{base[1]} z{base[0].zero})"
             ratios.append(tput / base_tput)
             ratio = f"{tput / base_tput:.2f}x"
-        print(f"| {name} | {hardware} | {devices} | {plan_text} | {tput:,.1f} | {base_text} | "
-              f"{base_tput:,.1f} | {ratio} | {seconds:.2f} |")
+        print(f"| {name} | {hardware} | {devices} | {plan_text} | {number(tput)} | "
+              f"{base_text or '-'} | {number(base_tput)} | {ratio or '-'} | {seconds:.2f} |")
       print(f"<!-- {name} on {hardware}: per-width block profile {profiled:.1f} s -->")
   print()
   print(f"automap / baseline throughput: median {statistics.median(ratios):.2f}x, "
