@@ -141,9 +141,13 @@ def test_a_few_training_steps_lower_the_loss():
   before = train.evaluate(net, params, examples)["cross_entropy"]
   params, history = train.train(examples, [], epochs=3, seed=0, width=16, rounds=1,
                                 learning_rate=3e-3, log=lambda s: None)
-  after = train.evaluate(net, params, examples)["cross_entropy"]
-  assert after < before
+  scores = train.evaluate(net, params, examples)
+  assert scores["cross_entropy"] < before
   assert history[-1]["train_loss"] < history[0]["train_loss"]
+  # The value head is judged against the best constant guess (the median).
+  zero = np.mean([abs(ex.value) for ex in examples])
+  assert 0 <= scores["value_error_constant"] <= zero + 1e-9
+  assert np.isfinite(scores["value_error"])
 
 
 def test_policy_guides_only_the_shallow_nodes(gpt_space):

@@ -98,18 +98,25 @@ def _loss(net: PolicyNet, params, batch: Batch, target, value_target, weight):
 
 
 def evaluate(net: PolicyNet, params, examples: list[Example]) -> dict:
-  """Mean cross-entropy, and how often the top action is a target."""
+  """Mean cross-entropy, how often the top action is a target, and the
+  value head's mean absolute error (log speed-up) beside the best
+  constant's (the targets' median): a head no better than that has
+  learned nothing about the state."""
   apply = learned.network(net.width, net.rounds)  # compiled once per bucket, not per call
-  ce, hits, first = [], [], []
+  ce, hits, first, values = [], [], [], []
   for ex in examples:
-    logits, _ = apply(params, ex.batch)
+    logits, value = apply(params, ex.batch)
+    values.append(float(value))
     logits = np.asarray(logits)
     logp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
     ce.append(float(-(ex.target * logp).sum()))
     hits.append(ex.target[int(logits.argmax())] > 0)
     first.append(ex.target[0] > 0)  # uniform priors try the space's first action first
   w = np.array([ex.weight for ex in examples])
+  targets = np.array([ex.value for ex in examples])
   return {"cross_entropy": float(np.mean(ce)), "top1": float(np.mean(hits)),
+          "value_error": float(np.abs(np.array(values) - targets).mean()),
+          "value_error_constant": float(np.abs(np.median(targets) - targets).mean()),
           "top1_uniform": float(np.mean(first)),
           "top1_weighted": float(np.average(hits, weights=w)),
           "top1_uniform_weighted": float(np.average(first, weights=w))}
