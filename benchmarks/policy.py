@@ -10,7 +10,8 @@ plan is within 1% of two targets ("-" when never), and the final plan's
 step time. The targets: the best expert's plan (data parallel, Megatron,
 Megatron+DP, FSDP), and the best plan any of the row's searches found.
 
-  python benchmarks/policy.py [--quick] [--episodes 200] [--seeds 5] [--weights FILE]
+  python benchmarks/policy.py [--quick] [--episodes 200] [--seeds 15] [--first-seed 0]
+      [--weights FILE]
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true", help="two programs, one mesh, 2 seeds")
   parser.add_argument("--episodes", type=int, default=200)
-  parser.add_argument("--seeds", type=int, default=5)
+  parser.add_argument("--seeds", type=int, default=15)
+  parser.add_argument("--first-seed", type=int, default=0, help="seeds run from here")
   parser.add_argument("--weights", default=None, help="a weights file (default: the shipped)")
   opts = parser.parse_args()
   with warnings.catch_warnings():
@@ -55,7 +57,7 @@ def main():
     policy = learned.load(opts.weights)
   names = list(HELD_OUT)[:2] if opts.quick else list(HELD_OUT)
   meshes = [(4, 2)] if opts.quick else [(4, 2), (2, 4)]
-  seeds = range(2 if opts.quick else opts.seeds)
+  seeds = range(opts.first_seed, opts.first_seed + (2 if opts.quick else opts.seeds))
   print("| program | mesh | best expert ms | best found ms "
         "| episodes to expert: uniform | policy | seconds: uniform | policy "
         "| episodes to best found: uniform | policy | seconds: uniform | policy "

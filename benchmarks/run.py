@@ -38,7 +38,7 @@ SECTIONS = {
     "budget": ("Search budget honoured", ["--ilp-seconds", "5", "10"],
                ["--seconds", "1", "--ilp-seconds"]),
     "cache": ("Plan cache", ["--layers", "4", "24"], ["--layers", "4"]),
-    "policy": ("Learned policy against uniform priors", ["--seeds", "5"], ["--quick"]),
+    "policy": ("Learned policy against uniform priors", ["--seeds", "15"], ["--quick"]),
     "cluster": ("Cluster planning against fixed Megatron-style splits", [], ["--quick"]),
     "accelerator": ("Accelerator co-search against a TPUv4-like baseline",
                     ["--plot", "benchmarks/accelerator.png"],
