@@ -83,7 +83,7 @@ def main():
       u, p = cells["uniform"], cells["policy"]
       to_expert.append(compare.speedup(u[0], p[0]))
       to_best.append(compare.speedup(u[2], p[2]))
-      worse += int(final["policy"] > final["uniform"] * (1 + 1e-9))
+      worse += compare.worse(trails)
       print(f"| {name} | {shape} | {expert * 1e3:.3f} | {best * 1e3:.3f} "
             f"| {fmt(u[0], '.0f')} | {fmt(p[0], '.0f')} | {fmt(u[1], '.3f')} "
             f"| {fmt(p[1], '.3f')} | {fmt(u[2], '.0f')} | {fmt(p[2], '.0f')} "

@@ -184,6 +184,10 @@ def test_search_trails_time_each_new_best_plan(gpt_space, shipped):
   assert compare.reach(path, step[-1] * 0.9) == (np.inf, np.inf)
   assert compare.medians([path, path], step[-1]) == compare.reach(path, step[-1])
   assert compare.final([path]) == step[-1]
+  slower = np.array([[0.0, 0.0, step[-1] * 1.01]])
+  assert compare.worse({"uniform": [path], "policy": [slower]})
+  assert not compare.worse({"uniform": [path], "policy": [path]})
+  assert not compare.worse({"uniform": [slower], "policy": [path]})
   assert compare.speedup(np.inf, np.inf) == 1 and compare.speedup(np.inf, 4.0) == np.inf
   assert compare.speedup(8.0, np.inf) == 0 and compare.speedup(8.0, 2.0) == 4
   trails = compare.compare(program, gpt_space, shipped, (0,), 10)

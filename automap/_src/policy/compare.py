@@ -54,6 +54,12 @@ def final(trails: Sequence[np.ndarray]) -> float:
   return float(np.median([t[-1, 2] for t in trails]))
 
 
+def worse(trails: dict[str, list[np.ndarray]]) -> bool:
+  """Whether the policy's final plan (the median over seeds) is slower than
+  uniform's beyond float noise."""
+  return mcts.better((0.0, final(trails["uniform"])), (0.0, final(trails["policy"])))
+
+
 def speedup(uniform: float, policy: float) -> float:
   """Episodes uniform / policy: 1 when both take the same (neither
   reaches, or both start there), 0 when only uniform reaches."""

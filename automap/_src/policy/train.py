@@ -123,7 +123,8 @@ def evaluate(net: PolicyNet, params, examples: list[Example]) -> dict:
 
 
 def train(examples: list[Example], held_out: list[Example], epochs: int, seed: int,
-          width: int = 64, rounds: int = 3, learning_rate: float = 1e-3,
+          width: int = PolicyNet.width, rounds: int = PolicyNet.rounds,
+          learning_rate: float = 1e-3,
           log=print):
   net = PolicyNet(width, rounds)
   params = net.init(jax.random.key(seed), examples[0].batch)["params"]
@@ -169,9 +170,8 @@ def search_effect(samples: list[synthetic.Sample], policy: mcts.Policy, episodes
     trails = compare.compare(program, ActionSpace(program), policy, seeds, episodes)
     best = compare.best_found(trails)
     took = {k: compare.medians(ts, best)[0] for k, ts in trails.items()}
-    final = {k: compare.final(ts) for k, ts in trails.items()}
     ratios.append(compare.speedup(took["uniform"], took["policy"]))
-    worse += final["policy"] > final["uniform"] * (1 + 1e-9)
+    worse += compare.worse(trails)
     log(f"  {name} on {shape} {hw}: episodes to the best plan found, uniform "
         f"{took['uniform']:.0f}, policy {took['policy']:.0f}")
   r = np.clip(np.array(ratios), 1e-2, 1e2)  # never reached: bounded, for the mean
@@ -210,13 +210,14 @@ def main(argv=None) -> None:
   params, _ = train(train_set, held_out, args.epochs, args.seed,
                     log=lambda s: print(s, flush=True))
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  learned.save(args.out, params, 64, 3)
+  width, rounds = PolicyNet.width, PolicyNet.rounds  # what `train` built
+  learned.save(args.out, params, width, rounds)
   print(f"wrote {args.out} ({os.path.getsize(args.out) / 1024:.0f} KiB) in "
         f"{time.perf_counter() - start:.0f} s", flush=True)
   if args.compare > 0 and unseen:
     print(f"searching {min(args.compare, len(unseen))} held-out programs, uniform and "
           f"trained priors, {args.episodes // 2} episodes", flush=True)
-    effect = search_effect(unseen[:args.compare], learned.LearnedPolicy(params, 64, 3),
+    effect = search_effect(unseen[:args.compare], learned.LearnedPolicy(params, width, rounds),
                            args.episodes // 2, log=lambda s: print(s, flush=True))
     print(f"episodes to the best plan found, uniform / trained: median "
           f"{effect['median']:.2f}x, geometric mean {effect['geomean']:.2f}x; the trained "
