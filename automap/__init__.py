@@ -9,7 +9,6 @@ from automap._src.api import evaluate as evaluate
 from automap._src.api import partition as partition
 from automap._src.api import search as search
 from automap._src.api import verify as verify
-from automap._src.cache import PlanCacheWarning as PlanCacheWarning
 from automap._src.cluster.accelerator import AREA_BUDGET as AREA_BUDGET
 from automap._src.cluster.accelerator import TPU_V4_LIKE as TPU_V4_LIKE
 from automap._src.cluster.accelerator import Accelerator as Accelerator
@@ -29,19 +28,20 @@ from automap._src.cluster.placement import Stage as Stage
 from automap._src.cluster.placement import place as place
 from automap._src.cluster.plan import ClusterPlan as ClusterPlan
 from automap._src.cluster.plan import plan_cluster as plan_cluster
-from automap._src.cost import Cost as Cost
-from automap._src.export import LogicalRules as LogicalRules
-from automap._src.export import shard_like as shard_like
-from automap._src.graph import UnknownPrimitiveWarning as UnknownPrimitiveWarning
-from automap._src.groups import GroupError as GroupError
-from automap._src.hardware import CATALOGUE as HARDWARE
-from automap._src.hardware import Hardware as Hardware
-from automap._src.hardware import HardwareError as HardwareError
-from automap._src.plan import Plan as Plan
-from automap._src.plan import PlanError as PlanError
-from automap._src.sharding import MeshError as MeshError
-from automap._src.trace import ArgumentError as ArgumentError
-from automap._src.verify import Report as Report
+from automap._src.cost.hardware import CATALOGUE as HARDWARE
+from automap._src.cost.hardware import Hardware as Hardware
+from automap._src.cost.hardware import HardwareError as HardwareError
+from automap._src.cost.model import Cost as Cost
+from automap._src.ir.graph import UnknownPrimitiveWarning as UnknownPrimitiveWarning
+from automap._src.ir.groups import GroupError as GroupError
+from automap._src.ir.trace import ArgumentError as ArgumentError
+from automap._src.plan.cache import PlanCacheWarning as PlanCacheWarning
+from automap._src.plan.export import LogicalRules as LogicalRules
+from automap._src.plan.export import shard_like as shard_like
+from automap._src.plan.plan import Plan as Plan
+from automap._src.plan.plan import PlanError as PlanError
+from automap._src.run.verify import Report as Report
+from automap._src.sharding.mesh import MeshError as MeshError
 
 __version__ = "0.1.0"
 

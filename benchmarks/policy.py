@@ -28,13 +28,13 @@ import numpy as np  # noqa: E402
 import programs  # noqa: E402
 from quality import expert_states  # noqa: E402
 
-from automap._src import trace  # noqa: E402
-from automap._src.cost import Tracker  # noqa: E402
-from automap._src.hardware import get_hardware  # noqa: E402
-from automap._src.policy import compare, learned  # noqa: E402
-from automap._src.program import Program  # noqa: E402
+from automap._src.cost.hardware import get_hardware  # noqa: E402
+from automap._src.cost.model import Tracker  # noqa: E402
+from automap._src.ir import trace  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
-from automap._src.sharding import MeshSpec  # noqa: E402
+from automap._src.search.policy import compare, learned  # noqa: E402
+from automap._src.search.program import Program  # noqa: E402
+from automap._src.sharding.mesh import MeshSpec  # noqa: E402
 
 HELD_OUT = {
     "GPT 4L h384": lambda: programs.gpt(4, 384),

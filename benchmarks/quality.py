@@ -26,12 +26,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 import numpy as np  # noqa: E402
 import programs  # noqa: E402
 
-from automap._src import api, trace  # noqa: E402
-from automap._src.cost import Tracker  # noqa: E402
-from automap._src.hardware import get_hardware  # noqa: E402
-from automap._src.program import Program  # noqa: E402
+from automap._src import api  # noqa: E402
+from automap._src.cost.hardware import get_hardware  # noqa: E402
+from automap._src.cost.model import Tracker  # noqa: E402
+from automap._src.ir import trace  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
-from automap._src.sharding import MeshSpec  # noqa: E402
+from automap._src.search.program import Program  # noqa: E402
+from automap._src.sharding.mesh import MeshSpec  # noqa: E402
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8), (2, 2, 2)]
 NAMES = ("data", "model", "seq")

@@ -27,9 +27,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import automap  # noqa: E402
-from automap._src import cost, graph, hardware, sharding, trace  # noqa: E402
+from automap._src.cost import hardware
+from automap._src.cost import model as cost  # noqa: E402
+from automap._src.ir import graph, trace  # noqa: E402
 from automap._src.models.gpt import GPTConfig, make_train_step  # noqa: E402
-from automap._src.program import Program  # noqa: E402
+from automap._src.search.program import Program  # noqa: E402
+from automap._src.sharding.mesh import MeshSpec
 
 MESH = (("data", "model"), (4, 2))
 COLUMNS = {"trace_s": "trace", "build_s": "graph build", "full_eval_s": "full evaluation",
@@ -50,7 +53,7 @@ def load_kernels() -> None:
   them) on a one-layer step, so the first timed size does not pay it."""
   step, args = make_train_step(GPTConfig(vocab=64, seq=8, hidden=32, heads=2, layers=1),
                                batch=8, abstract=True)
-  prog = Program.build(trace.trace(step, args), sharding.MeshSpec(*MESH),
+  prog = Program.build(trace.trace(step, args), MeshSpec(*MESH),
                        hardware.get_hardware("tpu-v4"))
   state = prog.initial_state()
   tracker = cost.Tracker(prog.model, state)
@@ -67,7 +70,7 @@ def measure(layers: int, actions: int, seconds: float) -> dict:
   t = time.perf_counter()
   g = graph.build(traced)
   t_build = time.perf_counter() - t
-  mesh = sharding.MeshSpec(*MESH)
+  mesh = MeshSpec(*MESH)
   prog = Program.build(traced, mesh, hardware.get_hardware("tpu-v4"))
   state = prog.initial_state()
   t = time.perf_counter()

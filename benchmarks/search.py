@@ -21,14 +21,15 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from automap._src import api, trace  # noqa: E402
-from automap._src.cost import Tracker  # noqa: E402
-from automap._src.hardware import get_hardware  # noqa: E402
+from automap._src import api  # noqa: E402
+from automap._src.cost.hardware import get_hardware  # noqa: E402
+from automap._src.cost.model import Tracker  # noqa: E402
+from automap._src.ir import trace  # noqa: E402
 from automap._src.models.gpt import GPTConfig, make_train_step, megatron_specs  # noqa: E402
-from automap._src.program import Program  # noqa: E402
 from automap._src.search import mcts  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
-from automap._src.sharding import MeshSpec  # noqa: E402
+from automap._src.search.program import Program  # noqa: E402
+from automap._src.sharding.mesh import MeshSpec  # noqa: E402
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8), (2, 2, 2)]
 NAMES = ("data", "model", "seq")

@@ -12,15 +12,15 @@ from hypothesis import strategies as st
 
 from automap._src.cluster import accelerator as acc_lib
 from automap._src.cluster.accelerator import (
-    AREA_BUDGET,
-    TPU_V4_LIKE,
-    Accelerator,
-    AcceleratorError,
-    Op,
-    latency,
-    schedule,
-    schedule_latencies,
-    schedule_layers,
+  AREA_BUDGET,
+  TPU_V4_LIKE,
+  Accelerator,
+  AcceleratorError,
+  Op,
+  latency,
+  schedule,
+  schedule_latencies,
+  schedule_layers,
 )
 
 MiB = 2**20

@@ -10,7 +10,7 @@ import pytest
 from helpers import mesh, mlp
 
 import automap
-from automap._src import cache as cache_lib
+from automap._src.plan import cache as cache_lib
 
 
 def _program():

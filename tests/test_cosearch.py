@@ -13,7 +13,7 @@ import automap
 from automap._src.cluster import accelerator as acc_lib
 from automap._src.cluster import cosearch
 from automap._src.cluster import layers as layers_lib
-from automap._src.hardware import get_hardware
+from automap._src.cost.hardware import get_hardware
 from automap._src.models import gpt
 
 CONFIG = gpt.GPTConfig(vocab=256, seq=32, hidden=64, heads=4, layers=2)

@@ -9,7 +9,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import automap
-from automap._src import cost, hardware, program, sharding, trace, verify
+from automap._src.cost import hardware
+from automap._src.cost import model as cost
+from automap._src.ir import trace
+from automap._src.run import verify
+from automap._src.search import program
+from automap._src.sharding.mesh import MeshSpec
+from automap._src.sharding.state import set_spec
 
 
 def test_megatron_dp_prediction_matches_the_formula_and_xla():
@@ -44,7 +50,7 @@ def test_megatron_dp_prediction_matches_the_formula_and_xla():
 def test_incremental_tracker_equals_a_fresh_evaluation():
   step, args = gpt_step()
   prog = program.Program.build(trace.trace(step, args),
-                               sharding.MeshSpec(("data", "model"), (4, 2)),
+                               MeshSpec(("data", "model"), (4, 2)),
                                hardware.get_hardware("cpu"))
   state = prog.initial_state()
   tracker = cost.Tracker(prog.model, state)
@@ -86,7 +92,7 @@ def test_results_buffers_hold_temporaries_made_before_them():
   until their own buffers are made, so a (loss, grads) step holds none."""
   step, args = gpt_step()
   fn, grads_args = loss_and_grads(args)
-  replicated = (sharding.MeshSpec(("data",), (8,)), hardware.get_hardware("cpu"))
+  replicated = (MeshSpec(("data",), (8,)), hardware.get_hardware("cpu"))
   peaks = {}
   for name, f, a in (("step", step, args), ("grads", fn, grads_args)):
     prog = program.Program.build(trace.trace(f, a), *replicated)
@@ -135,7 +141,7 @@ def test_a_gather_fuses_into_its_one_loop_fused_reader():
     return once, twice @ w[:16] + twice.sum()
 
   args = (jnp.ones((64, 16)), jnp.zeros(32, jnp.int32), jnp.ones((32, 16)), jnp.ones((32, 8)))
-  g = program.Program.build(trace.trace(fn, args), sharding.MeshSpec(("data",), (8,)),
+  g = program.Program.build(trace.trace(fn, args), MeshSpec(("data",), (8,)),
                             hardware.get_hardware("tpu-v4")).graph
   stored, _ = cost.materialized(g)
   gathered = [v for o, p in enumerate(g.prims) if p == "gather" for v in g.results[o]]
@@ -153,12 +159,12 @@ def test_reshards_move_axes_as_xla_does(have, want):
   axis arrives on its target dim too: then XLA gathers the whole array."""
   m = mesh((2, 2, 2), ("a", "b", "c"))
   x = jnp.ones((8, 8))
-  prog = program.Program.build(trace.trace(lambda x: x * 2, (x,)), sharding.MeshSpec.of(m),
+  prog = program.Program.build(trace.trace(lambda x: x * 2, (x,)), MeshSpec.of(m),
                                hardware.get_hardware("cpu"))
   rows = []
   for spec in (have, want):
     state = prog.initial_state()
-    sharding.set_spec(state, prog.mesh, 0, (8, 8), spec, "x")
+    set_spec(state, prog.mesh, 0, (8, 8), spec, "x")
     rows.append(state[0])
   comms = []
   prog.model.transition(comms, rows[0], rows[1], 8 * 8 * 4 / 2, 0)
@@ -179,7 +185,7 @@ def test_cpu_library_reductions_take_in_no_gather():
 
   for rows, library in ((32, False), (256, True)):
     args = (jnp.ones((64, 64)), jnp.zeros(rows, jnp.int32), jnp.ones((rows, 64)))
-    g = program.Program.build(trace.trace(fn, args), sharding.MeshSpec(("data",), (8,)),
+    g = program.Program.build(trace.trace(fn, args), MeshSpec(("data",), (8,)),
                               hardware.get_hardware("cpu")).graph
     (gathered,) = [g.results[o][0] for o, p in enumerate(g.prims) if p == "gather"]
     assert not cost.materialized(g, fuses_shared=True)[0][gathered]
@@ -208,7 +214,7 @@ def test_running_cost_equals_a_fresh_one_after_jumps_between_states():
     return jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), h, None, length=3)[0].sum()
 
   args = (jnp.ones((32, 64)), jnp.ones((64, 64)))
-  prog = program.Program.build(trace.trace(fn, args), sharding.MeshSpec(
+  prog = program.Program.build(trace.trace(fn, args), MeshSpec(
       ("data", "model"), (2, 4)), hardware.get_hardware("tpu-v4"))
   prop = prog.propagator()
   rng = np.random.default_rng(0)
@@ -241,7 +247,7 @@ def test_collective_over_several_axes_runs_axis_by_axis():
       link_bandwidth=1e9, link_latency=1e-6, network_bandwidth=1e8, network_latency=1e-5,
       devices_per_node=2)
   g = program.Program.build(trace.trace(lambda x: x * 2, (np.ones((8, 8), np.float32),)),
-                            sharding.MeshSpec(("node", "chip"), (4, 2)), hw).model
+                            MeshSpec(("node", "chip"), (4, 2)), hw).model
   nbytes = 8e6
   # Within a node ("chip"): the whole buffer; across nodes: a half of it.
   rs = (1e-6 + nbytes / 2 / 1e9) + (3e-5 + 3 / 4 * nbytes / 2 / 1e8)
@@ -258,11 +264,11 @@ def test_collective_over_several_axes_runs_axis_by_axis():
 def test_layout_hash_collisions_never_merge_two_layouts(monkeypatch):
   """The memo finds entries by a hash of the layouts; when every layout
   hashes alike, costs still come out as the exact memo gives them."""
-  from automap._src import kernels
+  from automap._src.cost import kernels
 
   step, args = gpt_step()
   traced = trace.trace(step, args)
-  mesh_spec = sharding.MeshSpec(("data", "model"), (4, 2))
+  mesh_spec = MeshSpec(("data", "model"), (4, 2))
   hw = hardware.get_hardware("tpu-v4")
   exact = program.Program.build(traced, mesh_spec, hw)
   monkeypatch.setattr(kernels, "_layout_hash", lambda *_: np.uint64(7))

@@ -6,7 +6,8 @@ import pytest
 from rich.console import Console
 
 import automap
-from automap._src import cli, demo
+from automap._src.cli import demo
+from automap._src.cli import main as cli
 from automap._src.models.gpt import GPTConfig
 
 

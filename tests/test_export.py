@@ -10,7 +10,7 @@ from helpers import gpt_step, mesh
 from jax.sharding import NamedSharding, PartitionSpec
 
 import automap
-from automap._src.plan import Plan, PlanError
+from automap._src.plan.plan import Plan, PlanError
 
 P = PartitionSpec
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from helpers import gpt_step
 
-from automap._src import graph, trace
+from automap._src.ir import graph, trace
 
 
 def build(fn, *args):

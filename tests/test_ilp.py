@@ -10,9 +10,11 @@ from helpers import SMALL, gpt_step, mesh
 from jax.sharding import PartitionSpec as P
 
 import automap
-from automap._src import cost, sharding, trace
-from automap._src.program import Program
+from automap._src.cost import model as cost
+from automap._src.ir import trace
 from automap._src.search import ilp
+from automap._src.search.program import Program
+from automap._src.sharding.mesh import MeshSpec
 
 B, D, H = 8, 256, 1024
 # Compute-bound devices (memory traffic is free) with a slow link: times
@@ -101,7 +103,7 @@ def test_memory_limit_forces_megatron():
 
 @pytest.mark.parametrize("limit", [None, 1_200_000])
 def test_optimum_matches_exhaustive_enumeration(limit):
-  program = Program.build(trace.trace(mlp, mlp_args()), sharding.MeshSpec(("x",), (2,)),
+  program = Program.build(trace.trace(mlp, mlp_args()), MeshSpec(("x",), (2,)),
                           HW)
   result = ilp.solve(program, ilp.Settings(memory_limit=limit))
   tracker = cost.Tracker(program.model, result.state)
@@ -113,7 +115,7 @@ def test_optimum_matches_exhaustive_enumeration(limit):
 def test_unmeetable_memory_limit_names_the_least_peak():
   m = mesh((2,), ("x",))
   args = mlp_args()
-  program = Program.build(trace.trace(mlp, args), sharding.MeshSpec.of(m), HW)
+  program = Program.build(trace.trace(mlp, args), MeshSpec.of(m), HW)
   limit = program.memory_lower_bound() * 1.01  # above the bound; below any plan
   with pytest.raises(automap.MemoryLimitError, match=r"least peak .* reaches is [\d,]+ bytes"):
     automap.search(mlp, *args, mesh=m, hardware=HW, search="ilp", memory_limit=limit)
@@ -139,7 +141,7 @@ def test_solver_objective_is_the_cost_models_price_of_its_solution(shape, names)
   # Feasible solutions included: attention's dots read operands tiled on
   # different contracting dims in some of them unless the model forbids it.
   step, args = gpt_step(SMALL)
-  program = Program.build(trace.trace(step, args), sharding.MeshSpec(names, shape),
+  program = Program.build(trace.trace(step, args), MeshSpec(names, shape),
                           automap.HARDWARE["cpu"])
   result = ilp.solve(program, ilp.Settings(seconds=30))
   assert result.status in ("optimal", "feasible")

@@ -16,10 +16,10 @@ from helpers import mesh
 from jax.sharding import PartitionSpec as P
 
 import automap
-from automap._src import graph as graph_lib
-from automap._src import groups as groups_lib
-from automap._src import trace as trace_lib
-from automap._src.verify import compare_numerics
+from automap._src.ir import graph as graph_lib
+from automap._src.ir import groups as groups_lib
+from automap._src.ir import trace as trace_lib
+from automap._src.run.verify import compare_numerics
 
 M = mesh((4, 2))
 # Episodes end each search (deterministic plans); the seconds only cap it.

@@ -119,9 +119,9 @@ def test_a_plan_reprices_as_searched_inside_scanned_and_rematerialised_layers():
   import flax.linen as nn
   import optax
 
-  from automap._src import trace
-  from automap._src.cost import Tracker
-  from automap._src.program import Program
+  from automap._src.cost.model import Tracker
+  from automap._src.ir import trace
+  from automap._src.search.program import Program
 
   class Block(nn.Module):
     @nn.compact
@@ -165,9 +165,9 @@ def test_results_of_a_sealed_call_are_pinned_where_it_returns_them():
   makes inside is left to XLA, but its result is pinned where it returns,
   so a plan that gathers the result before a scatter-add compiles to that
   gather, not to XLA's own choice (a partial scatter, then an all-reduce)."""
-  from automap._src import trace
-  from automap._src.program import Program
-  from automap._src.sharding import MeshSpec
+  from automap._src.ir import trace
+  from automap._src.search.program import Program
+  from automap._src.sharding.mesh import MeshSpec
 
   def fn(x, w, idx):
     h = jax.nn.relu(x @ w)

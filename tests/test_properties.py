@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 from random_programs import MESHES, RandomProgram, Step, random_programs
 
 import automap
-from automap._src import trace as trace_lib
-from automap._src.hardware import CATALOGUE
-from automap._src.program import Program
-from automap._src.sharding import MeshSpec
+from automap._src.cost.hardware import CATALOGUE
+from automap._src.ir import trace as trace_lib
+from automap._src.search.program import Program
+from automap._src.sharding.mesh import MeshSpec
 
 NUMERICS = 1e-4  # float32 sums in another order; a mis-sharding errs by O(1)
 COMM = 0.05

@@ -9,12 +9,13 @@ import pytest
 from helpers import SMALL, gpt_step, mesh
 
 import automap
-from automap._src import sharding, trace
-from automap._src.cost import Tracker
-from automap._src.program import Program
+from automap._src.cost.model import Tracker
+from automap._src.ir import trace
 from automap._src.search import ilp, mcts
 from automap._src.search.actions import ActionSpace
+from automap._src.search.program import Program
 from automap._src.search.refine import Refiner, refine_best
+from automap._src.sharding.mesh import MeshSpec
 
 EXPERTS, WIDTH, HIDDEN, TOKENS, CAPACITY = 8, 64, 256, 256, 64
 
@@ -45,7 +46,7 @@ def moe_args():
 
 
 def program_of(fn, args, shape, names=("data",)):
-  return Program.build(trace.trace(fn, args), sharding.MeshSpec(names, shape),
+  return Program.build(trace.trace(fn, args), MeshSpec(names, shape),
                        automap.HARDWARE["cpu"])
 
 

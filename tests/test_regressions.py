@@ -8,7 +8,7 @@ from helpers import mesh, mlp
 from jax.sharding import PartitionSpec as P
 
 import automap
-from automap._src import verify
+from automap._src.run import verify
 
 X = (jnp.ones((16, 32)), jnp.ones((32, 64)), jnp.ones((64, 32)))
 

@@ -3,8 +3,8 @@
 import numpy as np
 from jax import lax
 
-from automap._src import rules
-from automap._src.rules import UNSHARDABLE
+from automap._src.ir import rules
+from automap._src.ir.rules import UNSHARDABLE
 
 
 def test_dot_general_names_batch_contracting_and_free_factors():

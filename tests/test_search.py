@@ -10,15 +10,15 @@ from helpers import gpt_step, graph_network_step, megatron_specs, mesh
 from jax.sharding import PartitionSpec as P
 
 import automap
-from automap._src import graph as graph_lib
-from automap._src import groups as groups_lib
-from automap._src import trace as trace_lib
 from automap._src.api import mesh_shapes
+from automap._src.ir import graph as graph_lib
+from automap._src.ir import groups as groups_lib
+from automap._src.ir import trace as trace_lib
 from automap._src.models.gpt import GPTConfig, make_train_step
-from automap._src.program import Program
 from automap._src.search import mcts
 from automap._src.search.actions import ActionSpace, Tactic
-from automap._src.sharding import MeshSpec
+from automap._src.search.program import Program
+from automap._src.sharding.mesh import MeshSpec
 
 # A compute-bound accelerator (slow matmuls, fast links): splitting the
 # model's compute pays, so Megatron's layout is what an expert would pick.

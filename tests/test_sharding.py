@@ -6,9 +6,12 @@ import pytest
 from helpers import mlp
 from jax.sharding import PartitionSpec as P
 
-from automap._src import graph, sharding, trace
+from automap._src.ir import graph, trace
+from automap._src.sharding.mesh import MeshError, MeshSpec
+from automap._src.sharding.propagation import Propagator
+from automap._src.sharding.state import empty_state, set_spec, spec_of
 
-MESH = sharding.MeshSpec(("data", "model"), (4, 2))
+MESH = MeshSpec(("data", "model"), (4, 2))
 
 
 def mlp_graph():
@@ -19,10 +22,10 @@ def mlp_graph():
 def test_one_column_split_propagates_a_megatron_mlp():
   g = mlp_graph()
   x, w1, w2 = g.inputs
-  state = sharding.empty_state(g, MESH)
-  prop = sharding.Propagator(g, MESH)
+  state = empty_state(g, MESH)
+  prop = Propagator(g, MESH)
   changed = prop.tile(state, w1, 1, 1)  # w1 columns over 'model'
-  spec = lambda v: sharding.spec_of(state, MESH, v, g.rank(v))  # noqa: E731
+  spec = lambda v: spec_of(state, MESH, v, g.rank(v))  # noqa: E731
   assert spec(w1) == P(None, "model")
   assert spec(w2) == P("model")  # rows: contracted with the split hidden
   assert spec(x) == P()  # the input is not touched
@@ -34,8 +37,8 @@ def test_one_column_split_propagates_a_megatron_mlp():
 def test_propagation_is_incremental():
   g = mlp_graph()
   x, w1, _ = g.inputs
-  state = sharding.empty_state(g, MESH)
-  prop = sharding.Propagator(g, MESH)
+  state = empty_state(g, MESH)
+  prop = Propagator(g, MESH)
   prop.tile(state, x, 0, 0)
   before = state.copy()
   changed = prop.tile(state, w1, 1, 1)
@@ -46,8 +49,8 @@ def test_propagation_is_incremental():
 def test_an_axis_never_tiles_an_indivisible_dim():
   args = (jnp.ones((6, 16)), jnp.ones((16, 32)), jnp.ones((32, 16)))
   g = graph.build(trace.trace(mlp, args))
-  state = sharding.empty_state(g, MESH)
-  prop = sharding.Propagator(g, MESH)
+  state = empty_state(g, MESH)
+  prop = Propagator(g, MESH)
   assert not prop.can_tile(state, g.inputs[0], 0, 0)  # 6 rows over 4
   assert len(prop.tile(state, g.inputs[0], 0, 0)) == 0
   prop.tile(state, g.inputs[1], 1, 0)
@@ -62,33 +65,33 @@ def test_fixed_values_are_never_changed_by_propagation():
   x, w1, w2 = g.inputs
   fixed = np.zeros(g.num_values, bool)
   fixed[w2] = True
-  state = sharding.empty_state(g, MESH)
-  sharding.Propagator(g, MESH, fixed).tile(state, w1, 1, 1)
+  state = empty_state(g, MESH)
+  Propagator(g, MESH, fixed).tile(state, w1, 1, 1)
   assert (state[w2] < 0).all()
 
 
 def test_set_spec_validates_rank_axes_and_divisibility():
   g = mlp_graph()
-  state = sharding.empty_state(g, MESH)
+  state = empty_state(g, MESH)
   x = g.inputs[0]
-  with pytest.raises(sharding.MeshError, match="rank 2"):
-    sharding.set_spec(state, MESH, x, (8, 16), P("data", None, None), "x")
-  with pytest.raises(sharding.MeshError, match="'batch'"):
-    sharding.set_spec(state, MESH, x, (8, 16), P("batch"), "x")
-  with pytest.raises(sharding.MeshError, match="not divisible"):
-    sharding.set_spec(state, MESH, x, (6, 16), P("data"), "x")
-  sharding.set_spec(state, MESH, x, (8, 16), P(("data", "model")), "x")
-  assert sharding.spec_of(state, MESH, x, 2) == P(("data", "model"))
+  with pytest.raises(MeshError, match="rank 2"):
+    set_spec(state, MESH, x, (8, 16), P("data", None, None), "x")
+  with pytest.raises(MeshError, match="'batch'"):
+    set_spec(state, MESH, x, (8, 16), P("batch"), "x")
+  with pytest.raises(MeshError, match="not divisible"):
+    set_spec(state, MESH, x, (6, 16), P("data"), "x")
+  set_spec(state, MESH, x, (8, 16), P(("data", "model")), "x")
+  assert spec_of(state, MESH, x, 2) == P(("data", "model"))
 
 
 def test_compiled_propagation_matches_its_python_source():
   from helpers import gpt_step
 
-  from automap._src import kernels
+  from automap._src.sharding import kernels
 
   step, args = gpt_step()
   g = graph.build(trace.trace(step, args))
-  compiled, interpreted = sharding.Propagator(g, MESH), sharding.Propagator(g, MESH)
+  compiled, interpreted = Propagator(g, MESH), Propagator(g, MESH)
   rng = np.random.default_rng(1)
   spread = kernels.spread
   for _ in range(20):
@@ -96,9 +99,9 @@ def test_compiled_propagation_matches_its_python_source():
     if g.rank(v) == 0:
       continue
     d, a = int(rng.integers(g.rank(v))), int(rng.integers(2))
-    state = sharding.empty_state(g, MESH)
+    state = empty_state(g, MESH)
     changed = compiled.tile(state, v, d, a)
-    reference = sharding.empty_state(g, MESH)
+    reference = empty_state(g, MESH)
     kernels.spread = spread.py_func
     try:
       expected = interpreted.tile(reference, v, d, a)

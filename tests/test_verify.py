@@ -4,7 +4,7 @@ import jax
 from helpers import mesh
 
 import automap
-from automap._src import verify
+from automap._src.run import verify
 
 M = mesh((4, 2))
 

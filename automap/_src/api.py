@@ -19,18 +19,19 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 from rich import progress as progress_lib
 
-from automap._src import apply as apply_lib
-from automap._src import cache as cache_lib
-from automap._src import kernels
-from automap._src import trace as trace_lib
-from automap._src import verify as verify_lib
-from automap._src.cost import Cost, Tracker
-from automap._src.hardware import Hardware, get_hardware
-from automap._src.plan import Plan, PlanError
-from automap._src.program import Program
+from automap._src.cost.hardware import Hardware, get_hardware
+from automap._src.cost.model import Cost, Tracker
+from automap._src.ir import trace as trace_lib
+from automap._src.plan import cache as cache_lib
+from automap._src.plan.plan import Plan, PlanError
+from automap._src.run import apply as apply_lib
+from automap._src.run import verify as verify_lib
 from automap._src.search import ilp, mcts, refine
 from automap._src.search.actions import ActionSpace
-from automap._src.sharding import MeshError, MeshSpec, State
+from automap._src.search.program import Program
+from automap._src.sharding import kernels
+from automap._src.sharding.mesh import MeshError, MeshSpec
+from automap._src.sharding.state import State
 
 
 class MemoryLimitError(ValueError):
@@ -153,7 +154,7 @@ class _Request:
     """What the policy's priors depend on: none, or its weights' digest."""
     if self.policy == "uniform":
       return "uniform"
-    from automap._src.policy import learned  # flax and jraph: only when asked for
+    from automap._src.search.policy import learned
 
     return learned.digest(None if self.policy == "learned" else self.policy)
 
@@ -210,7 +211,7 @@ def _run_mcts(program: Program, space: ActionSpace, request: _Request,
   budget = request.budget
   policy = None
   if request.policy != "uniform":
-    from automap._src.policy import learned  # flax and jraph: only when asked for
+    from automap._src.search.policy import learned
 
     policy = learned.cached(None if request.policy == "learned" else request.policy)
   run = mcts.Search(program, space, request.memory_limit, request.seed, policy=policy)

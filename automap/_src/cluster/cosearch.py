@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from automap._src import api, breakdown
+from automap._src import api
 from automap._src.cluster import accelerator as acc_lib
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster.placement import (
@@ -57,7 +57,8 @@ from automap._src.cluster.placement import (
   PlacementError,
   place_any,
 )
-from automap._src.hardware import Hardware, get_hardware
+from automap._src.cost.hardware import Hardware, get_hardware
+from automap._src.plan import report
 
 # The grid: each field's candidate values.
 SPACE: dict[str, tuple] = {
@@ -199,7 +200,7 @@ def _profile(workload: Workload, hardware: Hardware, widths, sizes, search) -> _
     forward[(size, t)] = [_passes(program, state, ops) for ops in fw_ops]
     backward[(size, t)] = [(_passes(program, state, ops), cut.runs.get(label, [len(cut.names) - 1]))
                            for label, ops in bw_ops.items()]
-    comm[(size, t)] = cut.split(breakdown.op_seconds(program.model, state)[1])
+    comm[(size, t)] = cut.split(report.op_seconds(program.model, state)[1])
   return _Profiled(workload, profile.graphs, forward, backward, comm)
 
 

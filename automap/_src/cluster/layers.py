@@ -24,13 +24,14 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from automap._src import api, breakdown
-from automap._src import trace as trace_lib
+from automap._src import api
 from automap._src.cluster.placement import Layer, LayerCost, LayerGraph, PlacementError
-from automap._src.explain import layer_of
-from automap._src.hardware import Hardware
-from automap._src.program import Program
-from automap._src.sharding import MeshSpec
+from automap._src.cost.hardware import Hardware
+from automap._src.ir import trace as trace_lib
+from automap._src.ir.naming import layer_of
+from automap._src.plan import report
+from automap._src.search.program import Program
+from automap._src.sharding.mesh import MeshSpec
 
 # Name-scope marker of ops JAX's autodiff emits for the backward pass.
 _BACKWARD = "transpose("
@@ -180,7 +181,7 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
   graphs = {}
   for t, (program, state) in width_states.items():
     model = program.model
-    compute, comm = breakdown.op_seconds(model, state)
+    compute, comm = report.op_seconds(model, state)
     fw, bw = cut.split(compute + comm)
     coll = sum(cut.split(comm))
     param_bytes = np.zeros(len(names))

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from automap._src.apply import auto_mesh
+from automap._src.run.apply import auto_mesh
 
 Params = Any  # a pytree of arrays; stacked: every leaf [L, ...]
 LayerFn = Callable[[Params, jax.Array], jax.Array]  # (one layer's params, [b, ...]) -> [b, ...]

@@ -41,7 +41,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 
-from automap._src.hardware import Hardware, get_hardware
+from automap._src.cost.hardware import Hardware, get_hardware
 
 # Optimizer state per parameter byte, in the parameters' dtype.
 OPTIMIZERS: dict[str, float] = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}

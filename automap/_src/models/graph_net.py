@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from automap._src import jraph_compat as jraph
+from automap._src.models import jraph_compat as jraph
 
 
 def loss(params: dict, graph: jraph.GraphsTuple) -> jax.Array:

@@ -47,10 +47,10 @@ from typing import NamedTuple
 import numpy as np
 from ortools.sat.python import cp_model
 
-from automap._src.cost import CostModel, OpCost, Tracker
-from automap._src.groups import colours
-from automap._src.program import Program
-from automap._src.sharding import UNSHARDED, State, empty_state
+from automap._src.cost.model import CostModel, OpCost, Tracker
+from automap._src.ir.groups import colours
+from automap._src.search.program import Program
+from automap._src.sharding.state import UNSHARDED, State, empty_state
 
 PICOSECONDS = 1e12
 # Lazy memory rounds: a point is added per round where the solution peaks

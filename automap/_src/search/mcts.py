@@ -31,10 +31,10 @@ from typing import Protocol
 
 import numpy as np
 
-from automap._src.cost import Tracker
-from automap._src.program import Program
+from automap._src.cost.model import Tracker
 from automap._src.search.actions import Action, ActionSpace
-from automap._src.sharding import State
+from automap._src.search.program import Program
+from automap._src.sharding.state import State
 
 Score = tuple[float, float]  # (bytes over the memory limit, step seconds)
 _STOP = -1

@@ -24,10 +24,10 @@ import time
 
 import numpy as np
 
-from automap._src.cost import Tracker
-from automap._src.program import Program
+from automap._src.cost.model import Tracker
 from automap._src.search.mcts import Score, better, score_of
-from automap._src.sharding import UNSHARDED, State
+from automap._src.search.program import Program
+from automap._src.sharding.state import UNSHARDED, State
 
 # A region left whole at once has at most this many values per class member.
 _REGION = 128

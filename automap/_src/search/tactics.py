@@ -11,9 +11,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from automap._src.graph import Graph
-from automap._src.sharding import MeshSpec, Propagator, State, concat
-from automap._src.trace import Traced
+from automap._src.ir.graph import Graph
+from automap._src.ir.trace import Traced
+from automap._src.sharding.mesh import MeshSpec
+from automap._src.sharding.propagation import Propagator
+from automap._src.sharding.state import State, concat
 
 
 def carried_arguments(traced: Traced) -> np.ndarray:
@@ -133,3 +135,32 @@ class Tactics:
     every data argument split."""
     return concat(self.prop.tile(state, v, 1, axis) for v in self.data
                   if self.graph.rank(v) >= 2 and self.prop.can_tile(state, v, 1, axis))
+
+
+# The expert strategies a plan is measured against.
+YARDSTICKS = ("data parallel", "Megatron + data parallel")
+
+
+def yardsticks(program) -> dict:
+  """The states of the expert strategies on this program and mesh: data
+  parallelism over every axis, and Megatron tensor parallelism over the
+  last axis with data parallelism over the others. None for a program
+  without model state (parameters coming back updated, or gradients): which
+  arguments are the batch is then unknown."""
+  mesh = program.mesh
+  axes = [a for a in range(mesh.num_axes) if mesh.axis_sizes[a] > 1]
+  tactics = Tactics(program.traced, program.graph, mesh, program.propagator())
+  out = {}
+  if not tactics.carried:
+    return out
+  dp = program.initial_state()
+  if axes:
+    tactics.data_parallel(dp, axes)
+  out["data parallel"] = dp
+  mt = program.initial_state()
+  if axes:
+    if len(axes) > 1:
+      tactics.data_parallel(mt, axes[:-1])
+    tactics.megatron(mt, axes[-1])
+  out["Megatron + data parallel"] = mt
+  return out

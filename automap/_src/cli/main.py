@@ -285,7 +285,7 @@ def _demo(args) -> int:
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}"
-  from automap._src import demo
+  from automap._src.cli import demo
   from automap._src.models.gpt import GPTConfig
   model = GPTConfig(vocab=512, seq=args.seq, hidden=args.hidden, heads=args.heads,
                     layers=args.layers)

@@ -20,16 +20,16 @@ from importlib import metadata
 
 import jax
 
-from automap._src.hardware import Hardware
-from automap._src.plan import SCHEMA, Plan, PlanError
-from automap._src.sharding import MeshSpec
+from automap._src.cost.hardware import Hardware
+from automap._src.plan.plan import SCHEMA, Plan, PlanError
+from automap._src.sharding.mesh import MeshSpec
 
 
 def _code_digest() -> str:
   """Digest of automap's own source: a plan searched by other code (an
   upgrade, a local edit) is another plan."""
   h = hashlib.sha256()
-  root = pathlib.Path(__file__).resolve().parent
+  root = pathlib.Path(__file__).resolve().parents[1]  # automap/_src
   for path in sorted(root.rglob("*.py")):
     h.update(path.relative_to(root).as_posix().encode())
     h.update(path.read_bytes())

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from automap._src.graph import Graph
-from automap._src.trace import Traced
+from automap._src.ir.graph import Graph
+from automap._src.ir.trace import Traced
 
 # Rounds of colour refinement: how far (in ops) a neighbourhood must agree.
 # Deep enough to tell apart the weights of one block (query from key, the

@@ -17,8 +17,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from automap._src.plan import Plan, PlanError
-from automap._src.trace import path_str
+from automap._src.ir.trace import path_str
+from automap._src.plan.plan import Plan, PlanError
 
 # One mesh-axis assignment of an array dimension: None, an axis name, or a
 # tuple of axis names (as in a PartitionSpec entry).

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from automap._src import jraph_compat as jraph
-from automap._src.policy.features import Features
+from automap._src.models import jraph_compat as jraph
+from automap._src.search.policy.features import Features
 
 NEG = -1e9  # logit of a padded action
 

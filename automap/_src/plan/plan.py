@@ -19,10 +19,10 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from automap._src.breakdown import LayerRow
-from automap._src.cost import Cost
-from automap._src.hardware import Hardware
-from automap._src.sharding import MeshSpec
+from automap._src.cost.hardware import Hardware
+from automap._src.cost.model import Cost
+from automap._src.plan.report import LayerRow
+from automap._src.sharding.mesh import MeshSpec
 
 SCHEMA = "automap.plan/1"
 
@@ -83,7 +83,7 @@ class Plan:
   collectives: predicted (scope, kind, axes, bytes, count) per op scope.
   memory_limit: the bytes per device the search was held to (None: none).
   layers: per layer, its compute and communication seconds and its share
-    of the peak memory (`breakdown.LayerRow`), in program order.
+    of the peak memory (`report.LayerRow`), in program order.
   yardsticks: expert strategy name -> its cost on the same program and
     mesh, and the argument layouts where it differs from the plan.
   stats: search statistics (strategy, episodes, evaluations, actions, ...),
@@ -212,23 +212,23 @@ class Plan:
     """PartitionSpecs shaped like `tree`: one argument of the planned
     function (params, an optimizer state) or a sub-tree of one; `at` picks
     the argument by index or path prefix when the leaves alone don't."""
-    from automap._src import export
+    from automap._src.plan import export
     return export.specs(self, tree, at)
 
   def logical_rules(self, names, at: int | str | None = None):
     """The plan as flax/MaxText logical-axis rules, given each parameter's
     logical dimension names; a `LogicalRules` with the leaves they miss."""
-    from automap._src import export
+    from automap._src.plan import export
     return export.logical_rules(self, names, at)
 
   def explain(self) -> str:
     """A readable account: parameter layouts, collectives and cost."""
-    from automap._src import explain
+    from automap._src.plan import explain
     return explain.explain(self)
 
   def plot(self, path: str | os.PathLike) -> None:
     """Writes a PNG of per-layer time and memory (needs matplotlib)."""
-    from automap._src import explain
+    from automap._src.plan import explain
     explain.plot(self, path)
 
 

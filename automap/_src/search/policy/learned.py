@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from automap._src.policy import features as features_lib
-from automap._src.policy.model import Batch, PolicyNet, pad
 from automap._src.search.actions import Action, ActionSpace
-from automap._src.sharding import State
+from automap._src.search.policy import features as features_lib
+from automap._src.search.policy.model import Batch, PolicyNet, pad
+from automap._src.sharding.state import State
 
 DEFAULT_WEIGHTS = os.path.join(os.path.dirname(__file__), "weights.npz")
 

@@ -14,7 +14,7 @@ with uniform ones, and the episodes each takes to the best plan either
 found are logged (`compare.py`).
 
   python -m automap.policy.train [--programs 120] [--episodes 400] [--epochs 5]
-      [--compare 12] [--out automap/_src/policy/weights.npz] [--seed 0]
+      [--compare 12] [--out automap/_src/search/policy/weights.npz] [--seed 0]
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from automap._src import trace
-from automap._src.hardware import get_hardware
-from automap._src.policy import compare, learned, synthetic
-from automap._src.policy.features import Featurizer
-from automap._src.policy.model import Batch, PolicyNet, pad
-from automap._src.program import Program
+from automap._src.cost.hardware import get_hardware
+from automap._src.ir import trace
 from automap._src.search import mcts
 from automap._src.search.actions import ActionSpace
-from automap._src.sharding import MeshSpec
+from automap._src.search.policy import compare, learned, synthetic
+from automap._src.search.policy.features import Featurizer
+from automap._src.search.policy.model import Batch, PolicyNet, pad
+from automap._src.search.program import Program
+from automap._src.sharding.mesh import MeshSpec
 
 AXES = ("data", "model", "seq")
 _TOLERANCE = 0.005  # actions within this of a node's best are targets

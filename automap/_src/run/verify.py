@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from automap._src.cost import KINDS, Cost
+from automap._src.cost.model import KINDS, Cost
 
 _COLLECTIVE = re.compile(
     r"\s(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|"

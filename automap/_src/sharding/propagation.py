@@ -1,147 +1,26 @@
-"""Sharding state, actions and incremental propagation.
+"""Incremental propagation of tilings through the graph's factor rules.
 
-A state says, for every value and every mesh axis, which dimension of the
-value the axis tiles (or -1: the value is whole along that axis). An action
-is "tile value v, dimension d, over mesh axis a". Propagation carries an
-action across every operation whose factor rule links the tiled dimension to
-a dimension of a neighbour, in both directions, until a conflict, an
-indivisible size or a fixed value stops it. It touches only what it changes.
+An action is "tile value v, dimension d, over mesh axis a". Propagation
+carries it across every operation whose factor rule links the tiled
+dimension to a dimension of a neighbour, in both directions, until a
+conflict, an indivisible size or a fixed value stops it. It touches only
+what it changes.
 
 Shape letters: V values, A mesh axes.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import NamedTuple
 
-import jax
 import numpy as np
-from jax.sharding import PartitionSpec
 
-from automap._src import kernels
-from automap._src.graph import Graph
-
-UNSHARDED = -1
-
-
-class MeshError(ValueError):
-  """A mesh, mesh axis or PartitionSpec that does not fit the program."""
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshSpec:
-  """The mesh shape a plan is for: axis names and sizes, major to minor."""
-
-  axis_names: tuple[str, ...]
-  axis_sizes: tuple[int, ...]
-
-  @classmethod
-  def of(cls, mesh) -> MeshSpec:
-    if isinstance(mesh, MeshSpec):
-      return mesh
-    if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
-      raise MeshError(
-          f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((4, 2), "
-          f"('data', 'model'))), got {type(mesh).__name__}.")
-    names = tuple(str(n) for n in mesh.axis_names)
-    sizes = tuple(int(mesh.shape[n]) for n in mesh.axis_names)
-    if not names or math.prod(sizes) < 1:
-      raise MeshError(f"mesh must have at least one axis, got {mesh}.")
-    return cls(names, sizes)
-
-  @property
-  def num_axes(self) -> int:
-    return len(self.axis_names)
-
-  @property
-  def num_devices(self) -> int:
-    return math.prod(self.axis_sizes)
-
-  def axis_index(self, name: str, where: str) -> int:
-    try:
-      return self.axis_names.index(name)
-    except ValueError:
-      raise MeshError(
-          f"{where} names mesh axis {name!r}, but the mesh has axes "
-          f"{self.axis_names}. Use one of those names.") from None
-
-
-State = np.ndarray  # [V, A] int8: the dim each axis tiles, or UNSHARDED.
-
-
-def empty_state(graph: Graph, mesh: MeshSpec) -> State:
-  return np.full((graph.num_values, mesh.num_axes), UNSHARDED, np.int8)
-
-
-def tile_count(state: State, mesh: MeshSpec, v: int, d: int) -> int:
-  """How many tiles dimension d of value v is cut into."""
-  return math.prod(s for a, s in enumerate(mesh.axis_sizes) if state[v, a] == d)
-
-
-def spec_of(state: State, mesh: MeshSpec, v: int, rank: int) -> PartitionSpec:
-  """The PartitionSpec of value v (axes of a dim in mesh order)."""
-  return spec_from_row(state[v], mesh, rank)
-
-
-def spec_from_row(row: Sequence[int], mesh: MeshSpec, rank: int) -> PartitionSpec:
-  """The PartitionSpec of a per-axis row of tiled dims."""
-  entries: list = [None] * rank
-  for a, d in enumerate(row):
-    if d >= 0:
-      name = mesh.axis_names[a]
-      entries[d] = name if entries[d] is None else (
-          (entries[d] if isinstance(entries[d], tuple) else (entries[d],))
-          + (name,))
-  while entries and entries[-1] is None:
-    entries.pop()
-  return PartitionSpec(*entries)
-
-
-def set_spec(state: State, mesh: MeshSpec, v: int, shape: Sequence[int],
-             spec, where: str) -> None:
-  """Writes a PartitionSpec into the state, validating it against the value."""
-  if spec is None:
-    spec = PartitionSpec()
-  if not isinstance(spec, PartitionSpec):
-    raise MeshError(f"{where}: expected a PartitionSpec, got {spec!r}.")
-  if len(spec) > len(shape):
-    raise MeshError(
-        f"{where}: PartitionSpec {spec} has {len(spec)} entries but the value "
-        f"has rank {len(shape)} (shape {tuple(shape)}). Give at most one "
-        "entry per dimension.")
-  state[v] = UNSHARDED
-  for d, entry in enumerate(spec):
-    if entry is None:
-      continue
-    names = entry if isinstance(entry, tuple) else (entry,)
-    order = [mesh.axis_index(name, where) for name in names]
-    if order != sorted(order):
-      raise MeshError(
-          f"{where}: dimension {d} of {spec} lists mesh axes {names} out of "
-          f"mesh order {mesh.axis_names}; automap tiles a dimension major to "
-          "minor in mesh order. Reorder them, or build the mesh with its axes "
-          "in the order you want.")
-    for name in names:
-      a = mesh.axis_index(name, where)
-      if state[v, a] != UNSHARDED:
-        raise MeshError(f"{where}: mesh axis {name!r} appears twice in {spec}.")
-      state[v, a] = d
-    tiles = tile_count(state, mesh, v, d)
-    if shape[d] % tiles:
-      raise MeshError(
-          f"{where}: dimension {d} of size {shape[d]} is not divisible by the "
-          f"{tiles} tiles of mesh axes {names} in {spec}. Choose axes whose "
-          "sizes divide it, or leave that dimension unsharded (None).")
-
-
-def concat(parts: Iterable) -> np.ndarray:
-  """Lists of changed values (arrays or sequences of ints) as one [n] int64."""
-  parts = [np.asarray(p, np.int64) for p in parts]
-  return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+from automap._src.ir.graph import Graph
+from automap._src.sharding import kernels
+from automap._src.sharding.mesh import MeshSpec
+from automap._src.sharding.state import UNSHARDED, State, concat, tile_count
 
 
 class _Tables(NamedTuple):

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
 
-from automap._src import rules
-from automap._src.trace import Traced
+from automap._src.ir import rules
+from automap._src.ir.trace import Traced
 
 ARG, CONST, INTERMEDIATE = 0, 1, 2
 

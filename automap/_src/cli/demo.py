@@ -19,8 +19,9 @@ from rich.console import Console
 from rich.table import Table
 
 import automap
-from automap._src.explain import format_spec, layer_of
+from automap._src.ir.naming import layer_of
 from automap._src.models.gpt import GPTConfig, make_train_step, megatron_specs
+from automap._src.plan.explain import format_spec
 
 
 @dataclasses.dataclass(frozen=True)

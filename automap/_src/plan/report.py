@@ -1,4 +1,4 @@
-"""Breakdown: a state's cost per layer, and the expert yardsticks beside it.
+"""Report: a state's cost per layer.
 
 A layer is the first component of an op's name scope once transformations
 are stripped (`transpose(jvp(GPT))/block_1/mlp` -> `block_1`), so its
@@ -14,10 +14,9 @@ import dataclasses
 
 import numpy as np
 
-from automap._src import graph as graph_lib
-from automap._src.cost import Tracker
-from automap._src.explain import layer_of
-from automap._src.search.tactics import Tactics
+from automap._src.cost.model import Tracker
+from automap._src.ir import graph as graph_lib
+from automap._src.ir.naming import layer_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,32 +123,3 @@ def layers(program, tracker: Tracker) -> tuple[LayerRow, ...]:
     kept = at_peak / alive_bytes if alive_bytes else 0.0
     temporary = {n: b * kept for n, b in temporary.items()}
   return tuple(LayerRow(n, compute[n], comm[n], resident[n], temporary[n]) for n in names)
-
-
-# The expert strategies a plan is measured against.
-YARDSTICKS = ("data parallel", "Megatron + data parallel")
-
-
-def yardsticks(program) -> dict:
-  """The states of the expert strategies on this program and mesh: data
-  parallelism over every axis, and Megatron tensor parallelism over the
-  last axis with data parallelism over the others. None for a program
-  without model state (parameters coming back updated, or gradients): which
-  arguments are the batch is then unknown."""
-  mesh = program.mesh
-  axes = [a for a in range(mesh.num_axes) if mesh.axis_sizes[a] > 1]
-  tactics = Tactics(program.traced, program.graph, mesh, program.propagator())
-  out = {}
-  if not tactics.carried:
-    return out
-  dp = program.initial_state()
-  if axes:
-    tactics.data_parallel(dp, axes)
-  out["data parallel"] = dp
-  mt = program.initial_state()
-  if axes:
-    if len(axes) > 1:
-      tactics.data_parallel(mt, axes[:-1])
-    tactics.megatron(mt, axes[-1])
-  out["Megatron + data parallel"] = mt
-  return out

@@ -17,10 +17,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from automap._src import graph as graph_lib
-from automap._src import rules
+from automap._src.ir import graph as graph_lib
+from automap._src.ir import rules
 from automap._src.search.actions import Action, ActionSpace, Tactic, Tile
-from automap._src.sharding import State
+from automap._src.sharding.state import State
 
 SCHEMA = "automap-policy-features/1"
 

@@ -28,11 +28,13 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from automap._src import graph as graph_lib
-from automap._src import kernels, rules
-from automap._src.graph import Graph
-from automap._src.hardware import Hardware
-from automap._src.sharding import UNSHARDED, MeshSpec, State
+from automap._src.cost import kernels
+from automap._src.cost.hardware import Hardware
+from automap._src.ir import graph as graph_lib
+from automap._src.ir import rules
+from automap._src.ir.graph import Graph
+from automap._src.sharding.mesh import MeshSpec
+from automap._src.sharding.state import UNSHARDED, State
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
          "collective-permute")

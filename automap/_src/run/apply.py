@@ -20,9 +20,9 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from automap._src import graph as graph_lib
-from automap._src.graph import Step, Walk
-from automap._src.trace import Traced
+from automap._src.ir import graph as graph_lib
+from automap._src.ir.graph import Step, Walk
+from automap._src.ir.trace import Traced
 
 
 def auto_mesh(mesh: Mesh) -> Mesh:

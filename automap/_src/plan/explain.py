@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 
 from jax.sharding import PartitionSpec
 
-_TRANSFORMS = re.compile(r"^(?:[a-z_]+\(|\))+|\)+")
-
-
-def layer_of(scope: str, depth: int = 1) -> str:
-  """`transpose(jvp(GPT))/block_1/mlp/wi` -> `block_1` (depth 1)."""
-  if scope == "(top level)":  # already a layer name
-    return scope
-  parts = [p for p in (_TRANSFORMS.sub("", s) for s in scope.split("/")) if p]
-  # Drop a leading model-class name (GPT, Model...) that every op shares.
-  if len(parts) > 1 and parts[0][:1].isupper():
-    parts = parts[1:]
-  return "/".join(parts[:depth]) or "(top level)"
+from automap._src.ir.naming import layer_of
 
 
 def _fmt_bytes(n: float) -> str:

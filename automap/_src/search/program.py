@@ -13,24 +13,18 @@ from collections.abc import Mapping
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from automap._src import breakdown
-from automap._src import graph as graph_lib
-from automap._src.cost import KINDS, CostModel, Tracker
-from automap._src.explain import layer_of
-from automap._src.graph import Graph
-from automap._src.hardware import Hardware
-from automap._src.plan import Plan, Yardstick
-from automap._src.sharding import (
-  MeshError,
-  MeshSpec,
-  Propagator,
-  State,
-  empty_state,
-  set_spec,
-  spec_from_row,
-  spec_of,
-)
-from automap._src.trace import Traced
+from automap._src.cost.hardware import Hardware
+from automap._src.cost.model import KINDS, CostModel, Tracker
+from automap._src.ir import graph as graph_lib
+from automap._src.ir.graph import Graph
+from automap._src.ir.naming import layer_of
+from automap._src.ir.trace import Traced
+from automap._src.plan import report
+from automap._src.plan.plan import Plan, Yardstick
+from automap._src.search import tactics
+from automap._src.sharding.mesh import MeshError, MeshSpec
+from automap._src.sharding.propagation import Propagator
+from automap._src.sharding.state import State, empty_state, set_spec, spec_from_row, spec_of
 
 
 @dataclasses.dataclass
@@ -189,7 +183,7 @@ class Program:
         collectives=tuple((s, KINDS[k], a, b, n)
                           for (s, k, a), (b, n) in collectives.items()),
         stats=stats, memory_limit=memory_limit,
-        layers=breakdown.layers(self, tracker), yardsticks=self.yardsticks(state),
+        layers=report.layers(self, tracker), yardsticks=self.yardsticks(state),
         in_tree=self.traced.in_tree, out_tree=self.traced.out_tree)
 
   def yardsticks(self, state: State) -> dict[str, Yardstick]:
@@ -197,7 +191,7 @@ class Program:
     differ from `state`'s."""
     g, mesh = self.graph, self.mesh
     out = {}
-    for name, other in breakdown.yardsticks(self).items():
+    for name, other in tactics.yardsticks(self).items():
       differs = {}
       for v, path in zip(g.inputs, self.traced.in_paths):
         if (state[v] != other[v]).any():

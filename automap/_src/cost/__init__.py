@@ -1,0 +1,1 @@
+"""The cost model: device figures, compiler behaviour, collectives, pricing."""

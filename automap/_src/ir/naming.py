@@ -1,0 +1,23 @@
+"""Layer names: the part of an op's name scope that says which layer it is in.
+
+A layer is the first component of an op's name scope once transformations
+are stripped (`transpose(jvp(GPT))/block_1/mlp` -> `block_1`), so its
+forward and backward ops count together.
+"""
+
+from __future__ import annotations
+
+import re
+
+_TRANSFORMS = re.compile(r"^(?:[a-z_]+\(|\))+|\)+")
+
+
+def layer_of(scope: str, depth: int = 1) -> str:
+  """`transpose(jvp(GPT))/block_1/mlp/wi` -> `block_1` (depth 1)."""
+  if scope == "(top level)":  # already a layer name
+    return scope
+  parts = [p for p in (_TRANSFORMS.sub("", s) for s in scope.split("/")) if p]
+  # Drop a leading model-class name (GPT, Model...) that every op shares.
+  if len(parts) > 1 and parts[0][:1].isupper():
+    parts = parts[1:]
+  return "/".join(parts[:depth]) or "(top level)"

@@ -1,0 +1,1 @@
+"""Plans: the searched layouts, their per-layer report, text, export and cache."""

@@ -1,1 +1,0 @@
-"""The learned policy (see automap._src.policy)."""

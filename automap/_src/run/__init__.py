@@ -1,0 +1,1 @@
+"""Running a plan: the partitioned program, and checks of it against XLA."""

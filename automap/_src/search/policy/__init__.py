@@ -1,0 +1,1 @@
+"""The learned policy : features, the network, training and comparison."""

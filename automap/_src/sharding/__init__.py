@@ -1,0 +1,1 @@
+"""Sharding states over a mesh and their propagation through factor rules."""
