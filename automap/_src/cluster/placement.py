@@ -41,6 +41,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 
+from automap._src.cost.collectives import ALL_GATHER, ALL_REDUCE, ring_seconds, send_seconds
 from automap._src.cost.hardware import Hardware, get_hardware
 
 # Optimizer state per parameter byte, in the parameters' dtype.
@@ -272,7 +273,8 @@ class _Options:
 
 
 class _Ring:
-  """Ring collectives over a set of devices on the hardware's links."""
+  """Ring collectives over a set of devices on the hardware's links
+  (`collectives`), for arrays of `nbytes` in all."""
 
   def __init__(self, hw: Hardware):
     self.hw = hw
@@ -286,20 +288,23 @@ class _Ring:
 
   def gather(self, nbytes: float, n: int, lo: int, hi: int) -> float:
     """All-gather (or reduce-scatter) of `nbytes` in all over a ring of n
-    devices spanning lo..hi."""
+    devices spanning lo..hi: a reduce-scatter's input is the gathered
+    array, its steps the same."""
     if n == 1 or nbytes == 0:
       return 0.0
-    bw, lat = self.link(lo, hi)
-    return (n - 1) / n * nbytes / bw + (n - 1) * lat
+    return ring_seconds(ALL_GATHER, nbytes, n, *self.link(lo, hi))
 
   def reduce(self, nbytes: float, n: int, lo: int, hi: int) -> float:
-    return 2 * self.gather(nbytes, n, lo, hi)
+    """All-reduce of `nbytes` over a ring of n devices spanning lo..hi."""
+    if n == 1 or nbytes == 0:
+      return 0.0
+    return ring_seconds(ALL_REDUCE, nbytes, n, *self.link(lo, hi))
 
   def send(self, nbytes: float, a: int, b: int) -> float:
+    """Sends `nbytes` from device a to device b."""
     if nbytes == 0:
       return 0.0
-    bw, lat = self.link(min(a, b), max(a, b))
-    return nbytes / bw + lat
+    return send_seconds(nbytes, *self.link(min(a, b), max(a, b)))
 
 
 def _downsets(graph: LayerGraph) -> list[int]:

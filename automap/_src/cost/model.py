@@ -6,11 +6,9 @@ the operands; otherwise none), then charges what the SPMD partitioner emits
 to make the operands fit (all-gather, all-to-all; slicing is free) and to
 finish the result (all-reduce of partial sums, or reduce-scatter when the
 result is itself tiled on that axis). Collective sizes are per-device result
-bytes, the figure compiled HLO shows; time applies each algorithm's wire
-factor and a per-step latency on the link the axis maps to. A reduction or
-gather over several axes runs axis by axis, fastest link first (the bucket
-algorithm of a torus, hierarchical across nodes): the bytes on the wire are
-those of one flat ring, the latency steps sum(n_a - 1) rather than N - 1.
+bytes, the figure compiled HLO shows; `collectives` turns them into time on
+the link each axis maps to (axis by axis, fastest link first, for a
+reduction or gather over several axes).
 
 Peak memory is counted as XLA's `memory_analysis` counts it: arguments and
 results for the whole program, plus the peak over program order of the
@@ -29,16 +27,22 @@ from collections.abc import Iterable
 import numpy as np
 
 from automap._src.cost import kernels
+from automap._src.cost.collectives import (
+  ALL_GATHER,
+  ALL_REDUCE,
+  ALL_TO_ALL,
+  KINDS,
+  PERMUTE,
+  REDUCE_SCATTER,
+  ring_seconds,
+  staged_seconds,
+)
 from automap._src.cost.hardware import Hardware
 from automap._src.ir import graph as graph_lib
 from automap._src.ir import rules
 from automap._src.ir.graph import Graph
 from automap._src.sharding.mesh import MeshSpec
 from automap._src.sharding.state import UNSHARDED, State
-
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-         "collective-permute")
-ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, PERMUTE = range(5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,27 +440,20 @@ class CostModel:
     return (g.operands[o][position], kind, mask, target, nbytes, loop)
 
   def comm_time(self, kind: int, mask: int, nbytes: float) -> float:
+    """Seconds of a collective of `kind` over the axes in `mask`, `nbytes`
+    its per-device result bytes: axis by axis, fastest link first, when it
+    reduces or gathers over several axes (`staged_seconds`); else one ring
+    on the slowest link the axes span."""
     n = int(self.group_size[mask])
     if n <= 1:
       return 0.0
     stages = self.stages[mask]
     if len(stages) > 1 and kind in (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER):
-      # Axis by axis; the reduce-scatter's input, the gather's result and
-      # the all-reduce's buffer shrink by each axis's size in turn.
-      full = nbytes * n if kind == REDUCE_SCATTER else nbytes
-      seconds = 0.0
-      for size, bw, lat in stages:
-        seconds += (size - 1) * lat + (size - 1) / size * full / bw
-        full /= size
-      return 2 * seconds if kind == ALL_REDUCE else seconds
+      return staged_seconds(kind, nbytes, n, stages)
     cross = self.cross_node[mask]
     bw = self.hw.network_bandwidth if cross else self.hw.link_bandwidth
     lat = self.hw.network_latency if cross else self.hw.link_latency
-    if kind == ALL_REDUCE:  # ring: reduce-scatter then all-gather
-      return 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw
-    if kind == REDUCE_SCATTER:  # nbytes is the scattered result
-      return (n - 1) * lat + (n - 1) * nbytes / bw
-    return (n - 1) * lat + (n - 1) / n * nbytes / bw  # gather, all-to-all
+    return ring_seconds(kind, nbytes, n, bw, lat)
 
   # -- one op --------------------------------------------------------------
 
