@@ -28,7 +28,7 @@ import programs  # noqa: E402
 
 from automap._src import api  # noqa: E402
 from automap._src.cost.hardware import get_hardware  # noqa: E402
-from automap._src.cost.model import Tracker  # noqa: E402
+from automap._src.cost.tracker import Tracker  # noqa: E402
 from automap._src.ir import trace  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
 from automap._src.search.program import Program  # noqa: E402

@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 
 import automap  # noqa: E402
 from automap._src.cost import hardware
-from automap._src.cost import model as cost  # noqa: E402
+from automap._src.cost.tracker import Tracker  # noqa: E402
 from automap._src.ir import graph, trace  # noqa: E402
 from automap._src.models.gpt import GPTConfig, make_train_step  # noqa: E402
 from automap._src.search.program import Program  # noqa: E402
@@ -56,7 +56,7 @@ def load_kernels() -> None:
   prog = Program.build(trace.trace(step, args), MeshSpec(*MESH),
                        hardware.get_hardware("tpu-v4"))
   state = prog.initial_state()
-  tracker = cost.Tracker(prog.model, state)
+  tracker = Tracker(prog.model, state)
   v, d, a = candidate_actions(prog)[0]
   tracker.update(prog.propagator().tile(state, v, d, a))
 
@@ -74,7 +74,7 @@ def measure(layers: int, actions: int, seconds: float) -> dict:
   prog = Program.build(traced, mesh, hardware.get_hardware("tpu-v4"))
   state = prog.initial_state()
   t = time.perf_counter()
-  tracker = cost.Tracker(prog.model, state)
+  tracker = Tracker(prog.model, state)
   t_full = time.perf_counter() - t
   prop = prog.propagator()
   forward, times, touched = [], [], []

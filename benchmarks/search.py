@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from automap._src import api  # noqa: E402
 from automap._src.cost.hardware import get_hardware  # noqa: E402
-from automap._src.cost.model import Tracker  # noqa: E402
+from automap._src.cost.tracker import Tracker  # noqa: E402
 from automap._src.ir import trace  # noqa: E402
 from automap._src.models.gpt import GPTConfig, make_train_step, megatron_specs  # noqa: E402
 from automap._src.search import mcts  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 import automap
 from automap._src.cli import main as cli
 from automap._src.cluster import layers as layers_lib
-from automap._src.cost.model import Tracker
+from automap._src.cost.tracker import Tracker
 from automap._src.models import gpt
 
 CONFIG = gpt.GPTConfig(vocab=256, seq=32, hidden=64, heads=4, layers=4)

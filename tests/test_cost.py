@@ -9,8 +9,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import automap
-from automap._src.cost import hardware
-from automap._src.cost import model as cost
+from automap._src.cost import analysis, collectives, hardware
+from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace
 from automap._src.run import verify
 from automap._src.search import program
@@ -53,7 +53,7 @@ def test_incremental_tracker_equals_a_fresh_evaluation():
                                MeshSpec(("data", "model"), (4, 2)),
                                hardware.get_hardware("cpu"))
   state = prog.initial_state()
-  tracker = cost.Tracker(prog.model, state)
+  tracker = Tracker(prog.model, state)
   prop = prog.propagator()
   rng = np.random.default_rng(0)
   g = prog.graph
@@ -63,7 +63,7 @@ def test_incremental_tracker_equals_a_fresh_evaluation():
       continue
     tracker.update(prop.tile(state, v, int(rng.integers(g.rank(v))),
                              int(rng.integers(2))))
-  fresh = cost.Tracker(prog.model, state.copy())
+  fresh = Tracker(prog.model, state.copy())
   assert tracker.step_time == pytest.approx(fresh.step_time, rel=1e-9)
   assert tracker.peak_memory == pytest.approx(fresh.peak_memory, rel=1e-9)
   np.testing.assert_allclose(tracker.bytes, fresh.bytes, rtol=1e-9, atol=1e-6)
@@ -96,7 +96,7 @@ def test_results_buffers_hold_temporaries_made_before_them():
   peaks = {}
   for name, f, a in (("step", step, args), ("grads", fn, grads_args)):
     prog = program.Program.build(trace.trace(f, a), *replicated)
-    tracker = cost.Tracker(prog.model, prog.initial_state())
+    tracker = Tracker(prog.model, prog.initial_state())
     peaks[name] = tracker.peak()[0] / tracker.live.max()
   assert peaks["step"] < 0.2
   assert peaks["grads"] > 0.7
@@ -143,7 +143,7 @@ def test_a_gather_fuses_into_its_one_loop_fused_reader():
   args = (jnp.ones((64, 16)), jnp.zeros(32, jnp.int32), jnp.ones((32, 16)), jnp.ones((32, 8)))
   g = program.Program.build(trace.trace(fn, args), MeshSpec(("data",), (8,)),
                             hardware.get_hardware("tpu-v4")).graph
-  stored, _ = cost.materialized(g)
+  stored, _ = analysis.materialized(g)
   gathered = [v for o, p in enumerate(g.prims) if p == "gather" for v in g.results[o]]
   assert [bool(stored[v]) for v in gathered] == [False, True]
 
@@ -169,7 +169,7 @@ def test_reshards_move_axes_as_xla_does(have, want):
   comms = []
   prog.model.transition(comms, rows[0], rows[1], 8 * 8 * 4 / 2, 0)
   names = prog.mesh.axis_names
-  predicted = {(cost.KINDS[k], tuple(n for a, n in enumerate(names) if mask >> a & 1)): b
+  predicted = {(collectives.KINDS[k], tuple(n for a, n in enumerate(names) if mask >> a & 1)): b
                for k, mask, b, *_ in comms}
   f = jax.jit(lambda x: x * 2, in_shardings=NamedSharding(m, have),
               out_shardings=NamedSharding(m, want))
@@ -188,8 +188,8 @@ def test_cpu_library_reductions_take_in_no_gather():
     g = program.Program.build(trace.trace(fn, args), MeshSpec(("data",), (8,)),
                               hardware.get_hardware("cpu")).graph
     (gathered,) = [g.results[o][0] for o, p in enumerate(g.prims) if p == "gather"]
-    assert not cost.materialized(g, fuses_shared=True)[0][gathered]
-    assert cost.materialized(g, fuses_shared=False)[0][gathered] == library
+    assert not analysis.materialized(g, fuses_shared=True)[0][gathered]
+    assert analysis.materialized(g, fuses_shared=False)[0][gathered] == library
     compiled = jax.jit(fn).lower(*args).compile().as_text()
     assert ("kind=kCustom" in compiled) == library
 
@@ -229,12 +229,12 @@ def test_running_cost_equals_a_fresh_one_after_jumps_between_states():
                   propagate=bool(rng.integers(2)))
     states.append(s)
   state = prog.initial_state()
-  tracker = cost.Tracker(prog.model, state)
+  tracker = Tracker(prog.model, state)
   for i in rng.integers(len(states), size=200):  # jump between them
     diff = np.flatnonzero((state != states[i]).any(axis=1))
     state[diff] = states[i][diff]
     tracker.update(diff)
-  fresh = cost.Tracker(prog.model, state)
+  fresh = Tracker(prog.model, state)
   assert tracker.step_time == pytest.approx(fresh.step_time, rel=1e-9)
   assert tracker.peak_memory == pytest.approx(fresh.peak_memory, rel=1e-9)
 
@@ -251,13 +251,13 @@ def test_collective_over_several_axes_runs_axis_by_axis():
   nbytes = 8e6
   # Within a node ("chip"): the whole buffer; across nodes: a half of it.
   rs = (1e-6 + nbytes / 2 / 1e9) + (3e-5 + 3 / 4 * nbytes / 2 / 1e8)
-  assert g.comm_time(cost.ALL_REDUCE, 0b11, nbytes) == pytest.approx(2 * rs, rel=1e-12)
-  assert g.comm_time(cost.ALL_GATHER, 0b11, nbytes) == pytest.approx(rs, rel=1e-12)
-  assert g.comm_time(cost.REDUCE_SCATTER, 0b11, nbytes / 8) == pytest.approx(rs, rel=1e-12)
+  assert g.comm_time(collectives.ALL_REDUCE, 0b11, nbytes) == pytest.approx(2 * rs, rel=1e-12)
+  assert g.comm_time(collectives.ALL_GATHER, 0b11, nbytes) == pytest.approx(rs, rel=1e-12)
+  assert g.comm_time(collectives.REDUCE_SCATTER, 0b11, nbytes / 8) == pytest.approx(rs, rel=1e-12)
   flat = 2 * 7 * 1e-5 + 2 * 7 / 8 * nbytes / 1e8
-  assert g.comm_time(cost.ALL_REDUCE, 0b11, nbytes) < flat
+  assert g.comm_time(collectives.ALL_REDUCE, 0b11, nbytes) < flat
   # One axis: one ring.
-  assert g.comm_time(cost.ALL_REDUCE, 0b10, nbytes) == pytest.approx(
+  assert g.comm_time(collectives.ALL_REDUCE, 0b10, nbytes) == pytest.approx(
       2 * (1e-6 + nbytes / 2 / 1e9), rel=1e-12)
 
 
@@ -277,7 +277,7 @@ def test_layout_hash_collisions_never_merge_two_layouts(monkeypatch):
   colliding = program.Program.build(traced, mesh_spec, hw)
   prop = exact.propagator()
   state = exact.initial_state()
-  trackers = [cost.Tracker(p.model, state) for p in (exact, colliding)]
+  trackers = [Tracker(p.model, state) for p in (exact, colliding)]
   rng = np.random.default_rng(0)
   g = exact.graph
   for _ in range(6):

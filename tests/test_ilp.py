@@ -10,7 +10,7 @@ from helpers import SMALL, gpt_step, mesh
 from jax.sharding import PartitionSpec as P
 
 import automap
-from automap._src.cost import model as cost
+from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace
 from automap._src.search import ilp
 from automap._src.search.program import Program
@@ -49,7 +49,7 @@ def exhaustive_best(program: Program, memory_limit: float | None) -> float:
     state = np.array(rows, np.int8)[:, None]
     if any(n % 2 for v, d in enumerate(rows) if d >= 0 for n in [g.shapes[v][d]]):
       continue
-    tracker = cost.Tracker(model, state)
+    tracker = Tracker(model, state)
     if memory_limit is None or tracker.peak_memory <= memory_limit:
       best = min(best, tracker.step_time)
   return best
@@ -106,7 +106,7 @@ def test_optimum_matches_exhaustive_enumeration(limit):
   program = Program.build(trace.trace(mlp, mlp_args()), MeshSpec(("x",), (2,)),
                           HW)
   result = ilp.solve(program, ilp.Settings(memory_limit=limit))
-  tracker = cost.Tracker(program.model, result.state)
+  tracker = Tracker(program.model, result.state)
   assert result.status == "optimal"
   assert tracker.step_time == pytest.approx(exhaustive_best(program, limit), rel=1e-9)
   assert result.objective == pytest.approx(tracker.step_time, rel=1e-6)
@@ -147,7 +147,7 @@ def test_solver_objective_is_the_cost_models_price_of_its_solution(shape, names)
   assert result.status in ("optimal", "feasible")
   assert result.bound <= result.objective
   assert result.objective == pytest.approx(
-      cost.Tracker(program.model, result.state).step_time, rel=1e-6)
+      Tracker(program.model, result.state).step_time, rel=1e-6)
 
 
 def test_timeout_falls_back_to_the_warm_start_with_a_warning():

@@ -119,7 +119,7 @@ def test_a_plan_reprices_as_searched_inside_scanned_and_rematerialised_layers():
   import flax.linen as nn
   import optax
 
-  from automap._src.cost.model import Tracker
+  from automap._src.cost.tracker import Tracker
   from automap._src.ir import trace
   from automap._src.search.program import Program
 

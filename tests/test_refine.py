@@ -9,7 +9,7 @@ import pytest
 from helpers import SMALL, gpt_step, mesh
 
 import automap
-from automap._src.cost.model import Tracker
+from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace
 from automap._src.search import ilp, mcts
 from automap._src.search.actions import ActionSpace

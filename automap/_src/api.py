@@ -20,7 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rich import progress as progress_lib
 
 from automap._src.cost.hardware import Hardware, get_hardware
-from automap._src.cost.model import Cost, Tracker
+from automap._src.cost.model import Cost
+from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace as trace_lib
 from automap._src.plan import cache as cache_lib
 from automap._src.plan.plan import Plan, PlanError

@@ -1,4 +1,4 @@
-"""Cost model: per-device FLOPs, collectives, peak memory and step time.
+"""Cost model: what each op costs per device under a layout, and reshards.
 
 For each op the model derives, per mesh axis, which factor of its rule the
 axis tiles (the result's layout wins; otherwise a reduction factor tiled on
@@ -7,26 +7,20 @@ to make the operands fit (all-gather, all-to-all; slicing is free) and to
 finish the result (all-reduce of partial sums, or reduce-scatter when the
 result is itself tiled on that axis). Collective sizes are per-device result
 bytes, the figure compiled HLO shows; `collectives` turns them into time on
-the link each axis maps to (axis by axis, fastest link first, for a
-reduction or gather over several axes).
+the link each axis maps to. Compute is a roofline of FLOPs and memory traffic.
 
-Peak memory is counted as XLA's `memory_analysis` counts it: arguments and
-results for the whole program, plus the peak over program order of the
-temporaries alive (producer to last reader) that fusion leaves in memory.
-
-The evaluation is incremental: an action re-costs only the ops around the
-values it changed.
+Costs are memoised per op class and layout (`Memo`); `tracker.Tracker`
+sums them over a program and `analysis` says which buffers XLA keeps.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
 
 import numpy as np
 
-from automap._src.cost import kernels
+from automap._src.cost.analysis import Analysis
 from automap._src.cost.collectives import (
   ALL_GATHER,
   ALL_REDUCE,
@@ -38,8 +32,8 @@ from automap._src.cost.collectives import (
   staged_seconds,
 )
 from automap._src.cost.hardware import Hardware
+from automap._src.cost.memo import Memo, OpCost
 from automap._src.ir import graph as graph_lib
-from automap._src.ir import rules
 from automap._src.ir.graph import Graph
 from automap._src.sharding.mesh import MeshSpec
 from automap._src.sharding.state import UNSHARDED, State
@@ -98,150 +92,6 @@ class Cost:
         comm_seconds={(k, tuple(a)): t for k, a, t in d.get("comm_seconds", ())})
 
 
-class OpCost:
-  """Cost of one op under one state.
-
-  time: compute seconds; flops: per device; comms: (kind, axes bitmask,
-  bytes, seconds, resharded operand position or -1, target layout code) per
-  collective; reshards: operand position -> the per-axis dims it is
-  resharded to on entry, where that differs from its own; footprint: per
-  result, the bytes its buffer holds (more than its tile when the op makes
-  the whole array and slices it, e.g. an all-reduce standing in for a
-  reduce-scatter); natural: per result, the per-axis dims of the layout the
-  op produces it in (partial sums combined), before any reshard to its own.
-  """
-
-  __slots__ = ("time", "flops", "comms", "reshards", "footprint", "natural")
-
-  def __init__(self, time: float, flops: float,
-               comms: list[tuple[int, int, float, float, int, int]],
-               reshards: dict[int, tuple[int, ...]],
-               footprint: tuple[float, ...], natural: tuple):
-    self.time, self.flops = time, flops
-    self.comms = comms
-    self.reshards = reshards
-    self.footprint = footprint
-    self.natural = natural  # per result: the layout the op computes it in
-
-
-# Ops XLA fuses into their consumers (loop fusion) and reductions that
-# absorb such producers (input fusion): their intermediates need no buffer.
-_FUSIBLE = rules.ELEMENTWISE | {
-    "broadcast_in_dim", "reshape", "squeeze", "select_n", "clamp", "iota",
-    "transpose", "slice", "pad", "concatenate", "convert_element_type"}
-_ABSORBING = _FUSIBLE | {"reduce_sum", "reduce_max", "reduce_min",
-                         "reduce_and", "reduce_or", "argmax", "argmin"}
-# Ops XLA fuses into a loop-fused reader but never duplicates (it deems
-# them expensive): fused only into their one reader.
-_FUSED_ONCE = frozenset({"gather"})
-# Reductions a CPU library fusion implements (see `materialized`), from
-# this many elements (XLA counts a device's share; the whole array's is
-# used here, layouts aside).
-_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
-_LIBRARY_ELEMENTS = 4096
-
-
-def materialized(graph: Graph, fuses_shared: bool = True) -> tuple[np.ndarray, np.ndarray]:
-  """([V] bool, [V] int): values that occupy a buffer of their own once XLA
-  fuses, and per value the one whose shape a stored broadcast of it takes
-  (-1: none).
-
-  A value made by a fusible op whose every reader also fuses it is computed
-  inside its readers' loops and never stored. Unless `fuses_shared`, a
-  reduction fuses only the producers nothing outside its fusion reads
-  (XLA:CPU's library reductions): a fusible value that a reduction's fusion
-  and another op both read is stored, and where the fusion reads it with
-  unit dims broadcast, so is that broadcast (XLA's CSE makes one of the
-  readers' implicit broadcasts, which the fusion cannot take in): it has
-  the shape of the fusion member's result. Nor does such a fusion take in
-  a gather.
-  """
-  out = np.ones(graph.num_values, bool)
-  for v in range(graph.num_values):
-    p = graph.producer[v]
-    if p < 0 or not graph.uses[v]:
-      continue
-    if graph.prims[p] in _FUSIBLE:
-      out[v] = not all(graph.prims[o] in _ABSORBING for o, _ in graph.uses[v])
-    elif graph.prims[p] in _FUSED_ONCE:
-      out[v] = len(graph.uses[v]) > 1 or graph.prims[graph.uses[v][0][0]] not in _FUSIBLE
-  out[[v for v in graph.outputs if v >= 0]] = True
-  wide = np.full(graph.num_values, -1, np.int64)
-  if fuses_shared:
-    return out, wide
-  # The reduction whose fusion absorbs each op (-1: none); readers come
-  # after producers, so one reverse pass grows every fusion upwards.
-  fusion = np.full(graph.num_ops, -1, np.int64)
-  for o in range(graph.num_ops - 1, -1, -1):
-    if graph.prims[o] in _REDUCTIONS and max(
-        (math.prod(graph.shapes[v]) for v in graph.operands[o] if v >= 0),
-        default=0) >= _LIBRARY_ELEMENTS:
-      fusion[o] = o
-      continue
-    results = [v for v in graph.results[o] if v >= 0]
-    if graph.prims[o] not in _FUSIBLE or not results or out[results].any():
-      continue
-    readers = {int(fusion[r]) for v in results for r, _ in graph.uses[v]}
-    if len(readers) == 1 and -1 not in readers:
-      fusion[o] = readers.pop()
-  for v in range(graph.num_values):
-    p = graph.producer[v]
-    readers = {int(fusion[r]) for r, _ in graph.uses[v]}
-    if p < 0 or max(readers, default=-1) < 0:
-      continue  # read by no library fusion, or an argument (resident; its
-      # broadcasts not modelled)
-    if graph.prims[p] in _FUSED_ONCE:
-      out[v] = True  # a library fusion takes in no gather
-    if len(readers) < 2:
-      continue
-    out[v] = True
-    elements = math.prod(graph.shapes[v])
-    for r, _ in graph.uses[v]:
-      made = graph.results[r][0] if graph.results[r] else -1
-      if (fusion[r] >= 0 and made >= 0 and graph.prims[r] in rules.ELEMENTWISE
-          and math.prod(graph.shapes[made]) > elements):
-        wide[v], elements = made, math.prod(graph.shapes[made])
-  return out, wide
-
-
-def _fused_liveness(graph: Graph, stored: np.ndarray, end: np.ndarray, dead: np.ndarray,
-                    resident: np.ndarray) -> np.ndarray:
-  """[V] liveness ends once values that are never `stored` are accounted for.
-
-  XLA recomputes such a value inside each of its readers' loops, so what it
-  is made from stays alive until its last reader: a layer norm's input is
-  held until the backward pass recomputes its fused `x - mean`. A reader
-  that makes a result of the program updates its operands in the result's
-  own buffer (a gradient in the new optimizer state) and holds nothing.
-  Ops are in dependency order, so one reverse pass follows fused chains.
-  """
-  end = end.copy()
-  reach = np.full(graph.num_values, -1, np.int64)  # last op recomputing a fused value
-  for o in range(graph.num_ops - 1, -1, -1):
-    results = [v for v in graph.results[o] if v >= 0]
-    if dead[o] or not results or stored[results].any():
-      continue
-    last = -1
-    for u in results:
-      for r, _ in graph.uses[u]:
-        made = [v for v in graph.results[r] if v >= 0]
-        if made and not stored[made].any():
-          last = max(last, int(reach[made].max()))
-        elif not resident[made].any():
-          last = max(last, r)
-    reach[results] = last
-    for v in graph.operands[o]:
-      if v >= 0 and end[v] < last:
-        end[v] = last
-  return end
-
-
-# Ops that change only an array's type or labels, not its elements' order in
-# a way XLA needs a copy for.
-_RELABELS = frozenset({"reshape", "transpose", "convert_element_type", "copy",
-                       "squeeze", "expand_dims"})
-
-
 def _layout_code(row) -> int:
   """A layout (per-axis tiled dim, -1 for none) as one int: 4 bits an axis."""
   return sum((d + 1) << (4 * a) for a, d in enumerate(row))
@@ -251,8 +101,8 @@ class CostModel:
   """Prices ops of one graph on one mesh and hardware.
 
   `op_cost` / `entry_ids` price ops under a state (memoised per op class and
-  layout); `Tracker` sums them into a running total that `update` refreshes
-  after an action.
+  layout in `memo`); `Tracker` sums them into a running total that `update`
+  refreshes after an action.
   """
 
   def __init__(self, graph: Graph, mesh: MeshSpec, hardware: Hardware):
@@ -283,140 +133,14 @@ class CostModel:
     self.reduced_itemsize = np.array([
         4 if hardware.reduce_in_f32 and size == 2 and graph_lib.is_float(d) else size
         for size, d in zip(self.itemsize, graph.dtypes)])
-    self.program_end = graph.num_ops
-    # Liveness interval of each value over op indices.
-    self.start = np.where(graph.producer >= 0, graph.producer, 0).astype(np.int64)
-    end = np.maximum(graph.last_use.astype(np.int64), self.start)
-    outs = [v for v in graph.outputs if v >= 0]
-    end[outs] = self.program_end
-    is_input = graph.kind != graph_lib.INTERMEDIATE
-    end[is_input] = self.program_end
-    self.end = end
-    # XLA's accounting (memory_analysis): arguments and results are
-    # resident for the whole program; temporaries live by liveness.
-    self.is_input = is_input
-    self.resident = is_input.copy()
-    self.resident[outs] = True
-    # Results the program makes, by the op that makes them.
-    made = np.array(sorted({v for v in outs if not is_input[v]}, key=lambda v: self.start[v]),
-                    np.int64)
-    self.results_made, self.results_made_at = made, self.start[made]
-    # Dead ops: no result reaches an output. XLA removes them, so they cost
-    # nothing and hold no memory.
-    # A scan body reads its carry as the initial value; the next step's
-    # carry is what the body makes: a "scan_carry" tie is live when its
-    # result or its initial value is needed. Passes until nothing changes.
-    self.dead = np.ones(graph.num_ops, bool)
-    needed = np.zeros(graph.num_values, bool)
-    needed[outs] = True
-    changed = True
-    while changed:
-      changed = False
-      for o in range(graph.num_ops - 1, -1, -1):
-        ties = graph.operands[o][:1] if graph.prims[o] == "scan_carry" else ()
-        if self.dead[o] and any(needed[v] for v in (*graph.results[o], *ties) if v >= 0):
-          self.dead[o] = False
-          needed[[v for v in graph.operands[o] if v >= 0]] = True
-          changed = True
-    made_dead = np.zeros(graph.num_values, bool)
-    for o in np.flatnonzero(self.dead):
-      made_dead[[v for v in graph.results[o] if v >= 0]] = True
-    stored, self.wide = materialized(graph, hardware.fuses_shared_producers)
-    self.temporary = stored & ~self.resident & ~made_dead
-    # Buffers of a loop (its carries and stacked results, and what its body
-    # makes) are XLA's loop state, colocated apart from results' buffers.
-    looped = np.array([graph.trips[o] > 1 or graph.prims[o].startswith("scan_")
-                       for o in range(graph.num_ops)], bool)
-    self.hostable = self.temporary & ~np.append(looped, False)[graph.producer]
-    self.end = _fused_liveness(graph, stored, self.end, self.dead, self.resident)
-    # Late ops: no result reaches an op that mixes elements (a contraction,
-    # reduction, gather...), e.g. the gradient reductions of a training
-    # step, read only by the optimizer's elementwise update. Their
-    # collectives are mutually independent, and XLA's combiners merge them:
-    # latency is paid once per kind and axes, not per collective.
-    self.late = np.zeros(graph.num_ops, bool)
-    mixes = np.zeros(graph.num_values, bool)
-    for o in range(graph.num_ops - 1, -1, -1):
-      rule = graph.rules[o]
-      downstream = any(mixes[v] for v in graph.results[o] if v >= 0)
-      # A loop body's collectives repeat every step: never combined.
-      self.late[o] = not downstream
-      mixing = downstream or rule.replicated or any(rule.reduction)
-      for v in graph.operands[o]:
-        if v >= 0 and mixing:
-          mixes[v] = True
+    a = self.analysis = Analysis.of(graph, hardware.fuses_shared_producers)
+    # The analysis's arrays the search and the reports read off the model.
+    self.start, self.end, self.resident, self.temporary = a.start, a.end, a.resident, a.temporary
+    self.dead, self.late, self.free, self.op_class = a.dead, a.late, a.free, a.op_class
+    # [kinds, masks] seconds of latency of one collective.
     self.latency = np.array(
         [[self.comm_time(k, m, 0.0) for m in range(self.masks)] for k in range(len(KINDS))])
-    # Values XLA makes anew in whatever layout a reader wants (an iota, a
-    # broadcast constant scalar): reading one in another layout moves nothing.
-    self.free = np.zeros(graph.num_values, bool)
-    for o, prim in enumerate(graph.prims):
-      scalars = all(v < 0 or (graph.kind[v] == graph_lib.CONST and graph.rank(v) == 0)
-                    for v in graph.operands[o])
-      if prim == "iota" or (prim == "broadcast_in_dim" and scalars):
-        self.free[[v for v in graph.results[o] if v >= 0]] = True
-    # Ops that cost the same in the same layouts share a class.
-    classes: dict[tuple, int] = {}
-    self.op_class = np.empty(graph.num_ops, np.int64)
-    members = []
-    # An op whose result is stored broadcast (`materialized`) prices that
-    # buffer in its reader's layout: the reader's result is a member too.
-    extra = [[int(self.wide[v]) for v in graph.results[o] if v >= 0 and self.wide[v] >= 0]
-             for o in range(graph.num_ops)]
-    for o in range(graph.num_ops):
-      values = [v for v in graph.operands[o] + graph.results[o] if v >= 0] + extra[o]
-      signature = (graph.prims[o], graph.rules[o], graph.operand_shapes[o],
-                   tuple(graph.shapes[w] for w in extra[o]),
-                   tuple(graph.operands[o].index(v) if v in graph.operands[o]
-                         else -1 for v in graph.operands[o]),
-                   tuple(str(graph.dtypes[v]) for v in values),
-                   tuple(graph.shapes[v] for v in graph.results[o] if v >= 0),
-                   float(graph.flops[o]), int(graph.trips[o]), bool(self.dead[o]),
-                   tuple(bool(self.free[v]) if v >= 0 else False for v in graph.operands[o]))
-      self.op_class[o] = classes.setdefault(signature, len(classes))
-      members.append(values)
-    # Tables for costing many ops at once: members padded by repeating the
-    # first (ops of one class pad alike), result slots (-1: none), and per
-    # value the ops touching it (CSR).
-    width = max((len(m) for m in members), default=1) or 1
-    self.member_table = np.array(
-        [(m or [0]) + [(m or [0])[0]] * (width - len(m or [0])) for m in members],
-        np.int64).reshape(graph.num_ops, width)
-    slots = max((len(r) for r in graph.results), default=1) or 1
-    self.result_table = np.array(
-        [list(r) + [-1] * (slots - len(r)) for r in graph.results],
-        np.int64).reshape(graph.num_ops, slots)
-    touching = [np.array(t, np.int64) for t in graph.touching]
-    for o, ws in enumerate(extra):
-      for w in ws:
-        touching[w] = np.union1d(touching[w], [o])
-    self.touch_ptr = np.zeros(graph.num_values + 1, np.int64)
-    self.touch_ptr[1:] = np.cumsum([len(t) for t in touching])
-    self.touch_idx = np.concatenate(touching) if touching else np.zeros(0, np.int64)
-    # The memo: layout key -> entry id; per entry its OpCost and, for
-    # vectorised totals, its time, FLOPs, footprints and whether it talks.
-    self.memo: dict[bytes, int] = {}
-    self.entries: list[OpCost] = []
-    self._e_time = np.zeros(256)
-    self._e_flops = np.zeros(256)
-    self._e_foot = np.zeros((256, slots))
-    self._e_comms = np.zeros(256, bool)
-    # ... and its key (class, members' state rows) and the key's hash, with
-    # the open-addressing table of hashes `kernels.find_entries` searches.
-    self._e_class = np.zeros(256, np.int64)
-    self._e_rows = np.zeros((256, self.member_table.shape[1] * n), np.int8)
-    self._e_hash = np.zeros(256, np.uint64)
-    self._slot_hash = np.zeros(1024, np.uint64)
-    self._slot_entry = np.full(1024, -1, np.int64)
-    # ... and its collectives, rows _c_start[e] to _c_end[e] of the _c_*
-    # columns, and whether one is a reshard (`Tracker._talk` shares those).
-    self._e_reshard = np.zeros(256, bool)
-    self._c_start = np.zeros(256, np.int64)
-    self._c_end = np.zeros(256, np.int64)
-    self._c_kind = np.zeros(256, np.int64)
-    self._c_mask = np.zeros(256, np.int64)
-    self._c_bytes = np.zeros(256)
-    self._c_seconds = np.zeros(256)
+    self.memo = Memo(a.result_table.shape[1], a.member_table.shape[1] * n)
 
   # -- collectives ---------------------------------------------------------
 
@@ -648,7 +372,7 @@ class CostModel:
 
   def op_cost(self, state: State, o: int) -> OpCost:
     """Cost of op o under `state`."""
-    return self.entries[int(self.entry_ids(state, np.array([o]))[0])]
+    return self.memo.entries[int(self.entry_ids(state, np.array([o]))[0])]
 
   def entry_ids(self, state: State, ops: np.ndarray) -> np.ndarray:
     """Memo entry ids of the costs of `ops` [n] under `state`.
@@ -659,10 +383,8 @@ class CostModel:
     priced if new, by its exact key.
     """
     ops = np.asarray(ops, np.int64)
-    find = lambda ops: kernels.find_entries(  # noqa: E731
-        state, self.member_table, self.op_class, ops, self._slot_hash, self._slot_entry,
-        self._e_class, self._e_rows)
-    ids, hashes = find(ops)
+    a = self.analysis
+    ids, hashes = self.memo.find(state, a.member_table, a.op_class, ops)
     miss = np.flatnonzero(ids < 0)
     if not len(miss):
       return ids
@@ -671,55 +393,23 @@ class CostModel:
     _, first = np.unique(hashes[miss], return_index=True)
     for i in miss[first].tolist():
       self._exact(state, int(ops[i]), hashes[i])
-    ids[miss] = find(ops[miss])[0]
+    ids[miss] = self.memo.find(state, a.member_table, a.op_class, ops[miss])[0]
     for i in np.flatnonzero(ids < 0).tolist():
       ids[i] = self._exact(state, int(ops[i]), hashes[i])
     return ids
 
   def _exact(self, state: State, o: int, key_hash: np.uint64) -> int:
     """The entry of op o under `state` by its exact key; priced if new."""
-    rows = state[self.member_table[o]]
-    key = self.op_class[o].tobytes() + rows.tobytes()
+    a = self.analysis
+    rows = state[a.member_table[o]]
+    key = a.op_class[o].tobytes() + rows.tobytes()
     entry = self.memo.get(key)
     if entry is None:
-      entry = self.memo[key] = self._register(self._op_cost(state, o), o, rows, key_hash)
+      entry = self.memo.add(key, self.price(state, o), a.op_class[o], rows, key_hash)
     return entry
 
-  def _register(self, c: OpCost, o: int, rows: np.ndarray, key_hash: np.uint64) -> int:
-    k = len(self.entries)
-    if k == len(self._e_time):  # grow geometrically
-      self._grow(("_e_time", "_e_flops", "_e_foot", "_e_comms", "_e_class", "_e_rows",
-                  "_e_hash", "_e_reshard", "_c_start", "_c_end"), 2 * k)
-    rows_at = int(self._c_end[k - 1]) if k else 0
-    while rows_at + len(c.comms) > len(self._c_kind):
-      self._grow(("_c_kind", "_c_mask", "_c_bytes", "_c_seconds"), 2 * len(self._c_kind))
-    for r, (kind, mask, nbytes, seconds, _, _) in enumerate(c.comms, rows_at):
-      self._c_kind[r], self._c_mask[r], self._c_bytes[r], self._c_seconds[r] = (
-          kind, mask, nbytes, seconds)
-    self._c_start[k], self._c_end[k] = rows_at, rows_at + len(c.comms)
-    self._e_reshard[k] = any(position >= 0 for *_, position, _ in c.comms)
-    self.entries.append(c)
-    self._e_time[k], self._e_flops[k], self._e_comms[k] = c.time, c.flops, bool(c.comms)
-    self._e_foot[k] = 0.0
-    self._e_foot[k, :len(c.footprint)] = c.footprint
-    self._e_class[k], self._e_rows[k], self._e_hash[k] = self.op_class[o], rows.ravel(), key_hash
-    if 2 * (k + 1) > len(self._slot_hash):  # keep the table at most half full
-      self._slot_hash = np.zeros(4 * len(self._slot_hash), np.uint64)
-      self._slot_entry = np.full(len(self._slot_hash), -1, np.int64)
-      kernels.insert_entries(self._slot_hash, self._slot_entry, self._e_hash[:k + 1],
-                             np.arange(k + 1))
-    else:
-      kernels.insert_entries(self._slot_hash, self._slot_entry, self._e_hash[k:k + 1],
-                             np.array([k]))
-    return k
-
-  def _grow(self, names: tuple[str, ...], n: int) -> None:
-    """Resizes the named per-entry (or per-row) arrays to n rows."""
-    for name in names:
-      a = getattr(self, name)
-      setattr(self, name, np.resize(a, (n,) + a.shape[1:]))
-
-  def _op_cost(self, state: State, o: int) -> OpCost:
+  def price(self, state: State, o: int) -> OpCost:
+    """Cost of op o under `state`, priced afresh (not memoised)."""
     g, sizes = self.graph, self.mesh.axis_sizes
     rule = g.rules[o]
     operands, results = g.operands[o], g.results[o]
@@ -798,7 +488,7 @@ class CostModel:
       self.transition(comms, natural, state[v], natural_bytes, -1)
       naturals.append(tuple(int(d) for d in natural))
       foot = max(natural_bytes, self.local_bytes(state, v))
-      w = self.wide[v]
+      w = self.analysis.wide[v]
       if w >= 0:  # and its broadcast, in the reader's layout and its own dtype
         foot += self.local_bytes(state, w) * self.itemsize[v] / self.itemsize[w]
       footprint.append(foot)
@@ -825,291 +515,3 @@ class CostModel:
     """[V] bytes per device of every value."""
     tiles = np.where(state >= 0, self.sizes[None, :], 1).prod(axis=1)
     return self.graph.nbytes / tiles
-
-
-# Most classes of result buffers `Tracker.peak` matches temporaries to.
-_CLASSES = 64
-
-
-class Tracker:
-  """A running cost of a state, refreshed incrementally after actions.
-
-  Memory is a timeline over op indices of the temporaries alive: each
-  intermediate's buffer from producer to last reader, and each resharded
-  copy of an operand from its first to its last reader (XLA computes one
-  copy per value and layout and reuses it, forward and backward). Compute,
-  FLOPs and buffers are updated as array operations over the ops an action
-  touches; only ops that talk (collectives) are visited one by one.
-  """
-
-  def __init__(self, model: CostModel, state: State):
-    self.model = model
-    self.state = state
-    g = model.graph
-    self.bytes = np.zeros((len(KINDS), model.masks))
-    self.count = np.zeros((len(KINDS), model.masks), np.int64)
-    self.seconds = np.zeros((len(KINDS), model.masks))
-    # Late collectives per kind and axes, combined into one (see CostModel),
-    # and the inputs they hold: (kind, mask) -> {op: (first op held, bytes,
-    # last reader of its result, result bytes held at the collective)},
-    # and their share of the memory timeline.
-    self.combined = np.zeros((len(KINDS), model.masks), np.int64)
-    self.pending: dict[tuple[int, int], dict[int, tuple[int, float, int, float]]] = {}
-    self.pending_live: dict[tuple[int, int], np.ndarray] = {}
-    self.dirty: set[tuple[int, int]] = set()
-    # A resharded copy (`CostModel.copy_key`) -> its readers, and the
-    # seconds charged for it.
-    self.reshards: dict[tuple, list[int]] = {}
-    self.charged: dict[tuple, float] = {}
-    local = model.value_bytes(state)
-    self.held = np.where(model.resident, local, 0.0)  # [V] resident bytes
-    self.resident = float(self.held.sum())
-    self.args = float(self.held[model.is_input].sum())
-    ops = np.arange(g.num_ops)
-    self.op_ids = model.entry_ids(state, ops) if g.num_ops else np.zeros(0, np.int64)
-    self._mark = np.zeros(g.num_ops, bool)  # `kernels.gather`'s scratch
-    self.compute = float(model._e_time[self.op_ids].sum())
-    self.flops = float(model._e_flops[self.op_ids].sum())
-    # [V] footprint of each temporary, and the timeline they make.
-    self.foot = np.zeros(g.num_values)
-    self.live = np.zeros(g.num_ops + 1)
-    none = np.zeros(0, np.int64)
-    self._retalk(ops, none, self.op_ids)
-    self._feet(ops, self.op_ids)
-
-  @property
-  def ops(self) -> list[OpCost]:
-    """Per op, its current cost."""
-    return [self.model.entries[i] for i in self.op_ids]
-
-  def _span(self, ops: list[int], nbytes: float) -> None:
-    self.live[min(ops):max(ops) + 1] += nbytes
-
-  def _retalk(self, ops: np.ndarray, old: np.ndarray, new: np.ndarray) -> None:
-    """Swaps the collectives of `ops` from entries `old` (none if empty) to
-    `new`. Plain ones are tallied at once; reshards (shared between
-    readers) and late reductions (combined) are settled op by op."""
-    model = self.model
-    talks = model._e_comms[new] if not len(old) else model._e_comms[old] | model._e_comms[new]
-    special = model.late[ops] | model._e_reshard[new]
-    if len(old):
-      special |= model._e_reshard[old]
-    plain = talks & ~special
-    kernels.tally(old[plain] if len(old) else old, new[plain], model._c_start, model._c_end,
-                  model._c_kind, model._c_mask, model._c_bytes, model._c_seconds,
-                  self.bytes, self.count, self.seconds)
-    for i in np.flatnonzero(talks & special).tolist():
-      o = int(ops[i])
-      if len(old):
-        self._talk(o, model.entries[old[i]], -1)
-      self._talk(o, model.entries[new[i]], 1)
-    self._settle()
-
-  def _talk(self, o: int, c: OpCost, sign: int) -> None:
-    """Adds (sign 1) or removes (-1) the collectives of op o's cost c."""
-    for kind, mask, nbytes, seconds, position, target in c.comms:
-      if position >= 0:  # A reshard of an operand: one copy for all its readers.
-        key = self.model.copy_key(o, position, kind, mask, target, nbytes)
-        readers = self.reshards.get(key)
-        if readers:
-          self._span(readers, -nbytes)
-        if sign > 0:
-          readers = readers or []
-          readers.append(o)
-          self.reshards[key] = readers
-        else:
-          readers.remove(o)
-          if not readers:
-            del self.reshards[key]
-        if readers:
-          self._span(readers, nbytes)
-        if sign > 0 and len(readers) == 1:
-          # The copy costs what its first reader priced it at (readers inside
-          # a loop price it per step); the same amount is refunded with it.
-          self.charged[key] = seconds
-        elif sign < 0 and not readers:
-          seconds = self.charged.pop(key)
-        else:
-          continue
-      self.bytes[kind, mask] += sign * nbytes
-      self.count[kind, mask] += sign
-      if position < 0 and self.model.late[o]:
-        self.combined[kind, mask] += sign
-        seconds -= self.model.latency[kind, mask]
-        self._pend(o, kind, mask, nbytes, c.footprint[0] if c.footprint else 0.0, sign)
-      self.seconds[kind, mask] += sign * seconds
-
-  def _pend(self, o: int, kind: int, mask: int, nbytes: float, out: float,
-            sign: int) -> None:
-    """Tracks a late reduction of op o. XLA combines the group's reductions
-    into one collective after the last of them is produced, so each input
-    lives until then: a program output's unreduced input as a temporary of
-    its own from the producer, an intermediate's buffer past its last
-    reader. The combined collective makes every result (`out` bytes) at
-    once, beside its inputs; a sliced result whose readers precede it in
-    program order is then held there too."""
-    model = self.model
-    v = model.graph.results[o][0] if model.graph.results[o] else -1
-    if kind not in (ALL_REDUCE, REDUCE_SCATTER) or v < 0:
-      return
-    group = self.pending.setdefault((kind, mask), {})
-    self.dirty.add((kind, mask))
-    if sign < 0:
-      del group[o]
-      return
-    if kind == REDUCE_SCATTER:
-      nbytes *= model.group_size[mask]
-    else:  # Buffers at the value's own dtype, however wide the wire.
-      nbytes *= model.itemsize[v] / model.reduced_itemsize[v]
-    elements = nbytes / model.itemsize[v]
-
-    def sliced(v: int) -> bool:  # stored smaller than reduced
-      return elements > model.local_bytes(self.state, v) / model.itemsize[v] * (1 + 1e-9)
-
-    # Follow the result through ops that only relabel it (XLA makes them
-    # bitcasts or folds them into the collective's readers); `whole` is the
-    # last unsliced buffer on the way.
-    whole = v
-    while len(model.graph.uses[v]) == 1:
-      reader = model.graph.uses[v][0][0]
-      if model.graph.prims[reader] not in _RELABELS or len(model.graph.results[reader]) != 1:
-        break
-      v = model.graph.results[reader][0]
-      whole = whole if sliced(v) else v
-    # Sliced (here or by a relabel), the whole reduced result is a temporary
-    # of its own beside the inputs at the collective; unsliced, a result can
-    # take the buffer of what its readers make (an output, updated in place).
-    if sliced(v):
-      early, end = nbytes, -1
-    else:
-      early, end = 0.0, int(model.end[model.graph.results[o][0]])
-    # The input is the reduced op's own buffer (its footprint, as computed)
-    # until its last reader, then held for the collective; a result of the
-    # program takes its buffer, so the input is a temporary of its own.
-    held_from = int(model.end[whole]) + 1 if model.temporary[whole] else o
-    group[o] = (held_from, nbytes, end, early)
-
-  def _settle(self) -> None:
-    """Redraws the memory held by the groups `_pend` changed."""
-    for key in self.dirty:
-      old = self.pending_live.pop(key, None)
-      if old is not None:
-        self.live -= old
-      group = self.pending[key]
-      if not group:
-        continue
-      last = max(group)
-      held = [(a, b) for a, b, _, _ in group.values() if a <= last]
-      if held:
-        starts = np.array([a for a, _ in held], np.int64)
-        new = np.cumsum(np.bincount(starts, np.array([b for _, b in held]),
-                                    len(self.live)))
-        new[last + 1:] = 0.0
-        new[last] += sum(out for _, _, end, out in group.values() if end < last)
-        self.pending_live[key] = new
-        self.live += new
-    self.dirty.clear()
-
-  def _feet(self, ops: np.ndarray, ids: np.ndarray) -> None:
-    """Sets the footprints of the results of `ops` to those of entries `ids`."""
-    model = self.model
-    kernels.refoot(ops, ids, model.result_table, model._e_foot, model.temporary, self.foot,
-                   model.start, model.end, self.live)
-
-  def update(self, changed: Iterable[int]) -> None:
-    """Re-costs the ops around `changed` values of `self.state`."""
-    model, state = self.model, self.state
-    changed = np.asarray(changed if isinstance(changed, np.ndarray) else list(changed),
-                         np.int64).ravel()
-    if not len(changed):
-      return
-    ops = kernels.gather(changed, model.touch_ptr, model.touch_idx, self._mark)
-    ops, old, new, time, flops = kernels.swap_entries(
-        ops, model.entry_ids(state, ops), self.op_ids, model._e_time, model._e_flops)
-    self.compute += time
-    self.flops += flops
-    self._retalk(ops, old, new)
-    self._feet(ops, new)
-    self.resident, self.args = kernels.reheld(
-        changed, model.resident, state, model.sizes, model.graph.nbytes, self.held,
-        model.is_input, self.resident, self.args)
-
-  def talking_ops(self) -> np.ndarray:
-    """[n] the ops whose current cost includes a collective or a reshard."""
-    return np.flatnonzero(self.model._e_comms[self.op_ids])
-
-  @property
-  def comm_time(self) -> float:
-    return float(self.seconds.sum() + self.model.latency[self.combined > 0].sum())
-
-  @property
-  def step_time(self) -> float:
-    return self.compute + self.comm_time
-
-  @property
-  def peak_memory(self) -> float:
-    return self.resident + self.peak()[0]
-
-  def peak(self) -> tuple[float, int]:
-    """(bytes of temporaries at the memory peak, op index of the peak).
-
-    Before a result of the program is made, its buffer holds temporaries
-    that fit in it and die before it is made, one at a time (XLA's buffer
-    assignment shares live-out allocations), so a temporary with such a
-    host costs nothing extra. Counted conservatively: at each point, only
-    results made after every temporary alive there dies offer their buffers.
-    """
-    if not len(self.live):
-      return 0.0, 0
-    net = self.live - self._hosted()
-    t = int(np.argmax(net))
-    return max(float(net[t]), 0.0), t
-
-  def _temporaries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(first op, last op, bytes) of the temporary buffers a result's buffer
-    may hold: values outside loops, and the inputs of combined reductions
-    held until the collective."""
-    model = self.model
-    values = np.flatnonzero((self.foot > 0) & model.hostable)
-    held = [(first, last, nbytes) for group in self.pending.values() if group
-            for last in (max(group),)
-            for first, nbytes, _, _ in group.values() if first <= last]
-    first, last, nbytes = (np.array(x).reshape(-1) for x in zip(*held)) if held else (
-        np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
-    return (np.concatenate([model.start[values], first.astype(np.int64)]),
-            np.concatenate([model.end[values], last.astype(np.int64)]),
-            np.concatenate([self.foot[values], nbytes.astype(np.float64)]))
-
-  def _hosted(self) -> np.ndarray:
-    """[O + 1] bytes of temporaries that results' buffers hold."""
-    model = self.model
-    sizes = self.held[model.results_made]
-    ascending = np.unique(sizes)
-    if len(ascending) > _CLASSES:  # a geometric grid, rounded down
-      sizes = np.exp2(np.floor(np.log2(np.maximum(sizes, 1.0)) * 8) / 8)
-      ascending = np.unique(sizes)
-    m = len(ascending)
-    slot = m - 1 - np.searchsorted(ascending, sizes)  # classes largest first
-    start, end, foot = self._temporaries()
-    fits = m - np.searchsorted(ascending, foot, side="left")  # classes a buffer fits
-    temps = np.flatnonzero((foot > 0) & (fits > 0))
-    by_start = temps[np.argsort(start[temps], kind="stable")]
-    by_end = temps[np.argsort(end[temps], kind="stable")]
-    return kernels.hosted(len(self.live), by_start, by_end, start, end, foot, fits - 1,
-                          model.results_made_at, slot, m)
-
-  def cost(self) -> Cost:
-    names = self.model.mesh.axis_names
-    comm_bytes, comm_count, comm_seconds = {}, {}, {}
-    for kind, mask in zip(*np.nonzero(self.count > 0)):
-      key = (KINDS[kind], tuple(n for a, n in enumerate(names) if mask >> a & 1))
-      comm_bytes[key] = float(self.bytes[kind, mask])
-      comm_count[key] = int(self.count[kind, mask])
-      comm_seconds[key] = float(self.seconds[kind, mask] + (
-          self.model.latency[kind, mask] if self.combined[kind, mask] else 0.0))
-    return Cost(
-        step_time=self.step_time, compute_time=float(self.compute),
-        comm_time=self.comm_time, flops=float(self.flops),
-        comm_bytes=comm_bytes, comm_count=comm_count,
-        peak_memory=self.peak_memory, argument_memory=self.args,
-        comm_seconds=comm_seconds)

@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from automap._src.cost.model import Tracker
+from automap._src.cost.tracker import Tracker
 from automap._src.ir import graph as graph_lib
 from automap._src.ir.naming import layer_of
 

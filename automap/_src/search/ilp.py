@@ -47,7 +47,8 @@ from typing import NamedTuple
 import numpy as np
 from ortools.sat.python import cp_model
 
-from automap._src.cost.model import CostModel, OpCost, Tracker
+from automap._src.cost.model import CostModel, OpCost
+from automap._src.cost.tracker import Tracker
 from automap._src.ir.groups import colours
 from automap._src.search.program import Program
 from automap._src.sharding.state import UNSHARDED, State, empty_state
@@ -211,7 +212,7 @@ class _Pricer:
       key = (int(model.op_class[o]), tuple(row for _, row in members))
       cost = self.costs.get(key)
       if cost is None:
-        cost = self.costs[key] = model._op_cost(state, o)
+        cost = self.costs[key] = model.price(state, o)
     finally:
       state[list(layout)] = UNSHARDED
     if tuple(derived) != factors or cost.reshards:

@@ -31,7 +31,7 @@ from typing import Protocol
 
 import numpy as np
 
-from automap._src.cost.model import Tracker
+from automap._src.cost.tracker import Tracker
 from automap._src.search.actions import Action, ActionSpace
 from automap._src.search.program import Program
 from automap._src.sharding.state import State

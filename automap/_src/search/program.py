@@ -14,7 +14,8 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from automap._src.cost.hardware import Hardware
-from automap._src.cost.model import KINDS, CostModel, Tracker
+from automap._src.cost.model import KINDS, CostModel
+from automap._src.cost.tracker import Tracker
 from automap._src.ir import graph as graph_lib
 from automap._src.ir.graph import Graph
 from automap._src.ir.naming import layer_of

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from automap._src.cost.model import Tracker
+from automap._src.cost.tracker import Tracker
 from automap._src.search.mcts import Score, better, score_of
 from automap._src.search.program import Program
 from automap._src.sharding.state import UNSHARDED, State

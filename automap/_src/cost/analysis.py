@@ -1,0 +1,298 @@
+"""Graph analyses the cost model reads: what XLA stores, liveness, dead ops.
+
+Everything here depends on the program's graph alone (and on whether the
+compiler's reductions fuse shared producers), not on the mesh or the
+layouts: it is computed once per graph and read by every pricing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from automap._src.ir import graph as graph_lib
+from automap._src.ir import rules
+from automap._src.ir.graph import Graph
+
+# Ops XLA fuses into their consumers (loop fusion) and reductions that
+# absorb such producers (input fusion): their intermediates need no buffer.
+_FUSIBLE = rules.ELEMENTWISE | {
+    "broadcast_in_dim", "reshape", "squeeze", "select_n", "clamp", "iota",
+    "transpose", "slice", "pad", "concatenate", "convert_element_type"}
+_ABSORBING = _FUSIBLE | {"reduce_sum", "reduce_max", "reduce_min",
+                         "reduce_and", "reduce_or", "argmax", "argmin"}
+# Ops XLA fuses into a loop-fused reader but never duplicates (it deems
+# them expensive): fused only into their one reader.
+_FUSED_ONCE = frozenset({"gather"})
+# Reductions a CPU library fusion implements (see `materialized`), from
+# this many elements (XLA counts a device's share; the whole array's is
+# used here, layouts aside).
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
+_LIBRARY_ELEMENTS = 4096
+
+
+def materialized(graph: Graph, fuses_shared: bool = True) -> tuple[np.ndarray, np.ndarray]:
+  """([V] bool, [V] int): values that occupy a buffer of their own once XLA
+  fuses, and per value the one whose shape a stored broadcast of it takes
+  (-1: none).
+
+  A value made by a fusible op whose every reader also fuses it is computed
+  inside its readers' loops and never stored. Unless `fuses_shared`, a
+  reduction fuses only the producers nothing outside its fusion reads
+  (XLA:CPU's library reductions): a fusible value that a reduction's fusion
+  and another op both read is stored, and where the fusion reads it with
+  unit dims broadcast, so is that broadcast (XLA's CSE makes one of the
+  readers' implicit broadcasts, which the fusion cannot take in): it has
+  the shape of the fusion member's result. Nor does such a fusion take in
+  a gather.
+  """
+  out = np.ones(graph.num_values, bool)
+  for v in range(graph.num_values):
+    p = graph.producer[v]
+    if p < 0 or not graph.uses[v]:
+      continue
+    if graph.prims[p] in _FUSIBLE:
+      out[v] = not all(graph.prims[o] in _ABSORBING for o, _ in graph.uses[v])
+    elif graph.prims[p] in _FUSED_ONCE:
+      out[v] = len(graph.uses[v]) > 1 or graph.prims[graph.uses[v][0][0]] not in _FUSIBLE
+  out[[v for v in graph.outputs if v >= 0]] = True
+  wide = np.full(graph.num_values, -1, np.int64)
+  if fuses_shared:
+    return out, wide
+  # The reduction whose fusion absorbs each op (-1: none); readers come
+  # after producers, so one reverse pass grows every fusion upwards.
+  fusion = np.full(graph.num_ops, -1, np.int64)
+  for o in range(graph.num_ops - 1, -1, -1):
+    if graph.prims[o] in _REDUCTIONS and max(
+        (math.prod(graph.shapes[v]) for v in graph.operands[o] if v >= 0),
+        default=0) >= _LIBRARY_ELEMENTS:
+      fusion[o] = o
+      continue
+    results = [v for v in graph.results[o] if v >= 0]
+    if graph.prims[o] not in _FUSIBLE or not results or out[results].any():
+      continue
+    readers = {int(fusion[r]) for v in results for r, _ in graph.uses[v]}
+    if len(readers) == 1 and -1 not in readers:
+      fusion[o] = readers.pop()
+  for v in range(graph.num_values):
+    p = graph.producer[v]
+    readers = {int(fusion[r]) for r, _ in graph.uses[v]}
+    if p < 0 or max(readers, default=-1) < 0:
+      continue  # read by no library fusion, or an argument (resident; its
+      # broadcasts not modelled)
+    if graph.prims[p] in _FUSED_ONCE:
+      out[v] = True  # a library fusion takes in no gather
+    if len(readers) < 2:
+      continue
+    out[v] = True
+    elements = math.prod(graph.shapes[v])
+    for r, _ in graph.uses[v]:
+      made = graph.results[r][0] if graph.results[r] else -1
+      if (fusion[r] >= 0 and made >= 0 and graph.prims[r] in rules.ELEMENTWISE
+          and math.prod(graph.shapes[made]) > elements):
+        wide[v], elements = made, math.prod(graph.shapes[made])
+  return out, wide
+
+
+def fused_liveness(graph: Graph, stored: np.ndarray, end: np.ndarray, dead: np.ndarray,
+                   resident: np.ndarray) -> np.ndarray:
+  """[V] liveness ends once values that are never `stored` are accounted for.
+
+  XLA recomputes such a value inside each of its readers' loops, so what it
+  is made from stays alive until its last reader: a layer norm's input is
+  held until the backward pass recomputes its fused `x - mean`. A reader
+  that makes a result of the program updates its operands in the result's
+  own buffer (a gradient in the new optimizer state) and holds nothing.
+  Ops are in dependency order, so one reverse pass follows fused chains.
+  """
+  end = end.copy()
+  reach = np.full(graph.num_values, -1, np.int64)  # last op recomputing a fused value
+  for o in range(graph.num_ops - 1, -1, -1):
+    results = [v for v in graph.results[o] if v >= 0]
+    if dead[o] or not results or stored[results].any():
+      continue
+    last = -1
+    for u in results:
+      for r, _ in graph.uses[u]:
+        made = [v for v in graph.results[r] if v >= 0]
+        if made and not stored[made].any():
+          last = max(last, int(reach[made].max()))
+        elif not resident[made].any():
+          last = max(last, r)
+    reach[results] = last
+    for v in graph.operands[o]:
+      if v >= 0 and end[v] < last:
+        end[v] = last
+  return end
+
+
+def dead_ops(graph: Graph, outputs: list[int]) -> np.ndarray:
+  """[O] bool ops none of whose results reaches an output. XLA removes them,
+  so they cost nothing and hold no memory.
+
+  A scan body reads its carry as the initial value; the next step's carry
+  is what the body makes: a "scan_carry" tie is live when its result or its
+  initial value is needed. Passes until nothing changes.
+  """
+  dead = np.ones(graph.num_ops, bool)
+  needed = np.zeros(graph.num_values, bool)
+  needed[outputs] = True
+  changed = True
+  while changed:
+    changed = False
+    for o in range(graph.num_ops - 1, -1, -1):
+      ties = graph.operands[o][:1] if graph.prims[o] == "scan_carry" else ()
+      if dead[o] and any(needed[v] for v in (*graph.results[o], *ties) if v >= 0):
+        dead[o] = False
+        needed[[v for v in graph.operands[o] if v >= 0]] = True
+        changed = True
+  return dead
+
+
+def late_ops(graph: Graph) -> np.ndarray:
+  """[O] bool ops no result of which reaches an op that mixes elements (a
+  contraction, reduction, gather...), e.g. the gradient reductions of a
+  training step, read only by the optimizer's elementwise update. Their
+  collectives are mutually independent, and XLA's combiners merge them:
+  latency is paid once per kind and axes, not per collective."""
+  late = np.zeros(graph.num_ops, bool)
+  mixes = np.zeros(graph.num_values, bool)
+  for o in range(graph.num_ops - 1, -1, -1):
+    rule = graph.rules[o]
+    downstream = any(mixes[v] for v in graph.results[o] if v >= 0)
+    # A loop body's collectives repeat every step: never combined.
+    late[o] = not downstream
+    mixing = downstream or rule.replicated or any(rule.reduction)
+    for v in graph.operands[o]:
+      if v >= 0 and mixing:
+        mixes[v] = True
+  return late
+
+
+def remade_values(graph: Graph) -> np.ndarray:
+  """[V] bool values XLA makes anew in whatever layout a reader wants (an
+  iota, a broadcast constant scalar): reading one in another layout moves
+  nothing."""
+  free = np.zeros(graph.num_values, bool)
+  for o, prim in enumerate(graph.prims):
+    scalars = all(v < 0 or (graph.kind[v] == graph_lib.CONST and graph.rank(v) == 0)
+                  for v in graph.operands[o])
+    if prim == "iota" or (prim == "broadcast_in_dim" and scalars):
+      free[[v for v in graph.results[o] if v >= 0]] = True
+  return free
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+  """What a graph's buffers and ops are once XLA compiles it, layouts aside.
+
+  Shape letters: V values, O ops, N results of the program that it makes,
+  M members per op (its operands, results and stored broadcasts; padded by
+  repeating the first, so ops of one class pad alike), R result slots per
+  op. Times are op indices, from 0 to `program_end` (= O).
+
+  A value lives from `start` (the op making it; 0 for an input) to `end`
+  (its last reader, or the last reader of a fused value made from it; the
+  program's end for arguments and results). Arguments and results are
+  `resident` for the whole program, as XLA's memory_analysis counts them;
+  `temporary` buffers are the other stored values, live by liveness;
+  `hostable` ones are outside loops (a loop's carries, stacked results and
+  what its body makes are XLA's loop state, colocated apart), so a result's
+  buffer may hold them before the result is made.
+  """
+
+  program_end: int
+  start: np.ndarray  # [V] int64
+  end: np.ndarray  # [V] int64
+  is_input: np.ndarray  # [V] bool: arguments and constants
+  resident: np.ndarray  # [V] bool
+  results_made: np.ndarray  # [N] int64 results an op makes, in the order made
+  results_made_at: np.ndarray  # [N] int64 the op making each
+  dead: np.ndarray  # [O] bool, `dead_ops`
+  late: np.ndarray  # [O] bool, `late_ops`
+  wide: np.ndarray  # [V] int64 the value a stored broadcast takes the shape of (`materialized`)
+  temporary: np.ndarray  # [V] bool: stored, not resident, made by a live op
+  hostable: np.ndarray  # [V] bool
+  free: np.ndarray  # [V] bool, `remade_values`
+  op_class: np.ndarray  # [O] int64: ops that cost the same in the same layouts share one
+  member_table: np.ndarray  # [O, M] int64 the values whose layouts key an op's cost
+  result_table: np.ndarray  # [O, R] int64 each op's results, -1: none
+  touch_ptr: np.ndarray  # [V + 1] int64 CSR offsets into touch_idx, per value
+  touch_idx: np.ndarray  # int64 the ops each value is a member of
+
+  @classmethod
+  def of(cls, graph: Graph, fuses_shared_producers: bool = True) -> Analysis:
+    """The analysis of `graph` under a compiler that does (or does not)
+    fuse shared producers into reductions (`Hardware.fuses_shared_producers`)."""
+    program_end = graph.num_ops
+    start = np.where(graph.producer >= 0, graph.producer, 0).astype(np.int64)
+    end = np.maximum(graph.last_use.astype(np.int64), start)
+    outs = [v for v in graph.outputs if v >= 0]
+    end[outs] = program_end
+    is_input = graph.kind != graph_lib.INTERMEDIATE
+    end[is_input] = program_end
+    resident = is_input.copy()
+    resident[outs] = True
+    made = np.array(sorted({v for v in outs if not is_input[v]}, key=lambda v: start[v]),
+                    np.int64)
+    dead = dead_ops(graph, outs)
+    made_dead = np.zeros(graph.num_values, bool)
+    for o in np.flatnonzero(dead):
+      made_dead[[v for v in graph.results[o] if v >= 0]] = True
+    stored, wide = materialized(graph, fuses_shared_producers)
+    temporary = stored & ~resident & ~made_dead
+    looped = np.array([graph.trips[o] > 1 or graph.prims[o].startswith("scan_")
+                       for o in range(graph.num_ops)], bool)
+    hostable = temporary & ~np.append(looped, False)[graph.producer]
+    end = fused_liveness(graph, stored, end, dead, resident)
+    free = remade_values(graph)
+    op_class, members, extra = _op_classes(graph, dead, free, wide)
+    width = max((len(m) for m in members), default=1) or 1
+    member_table = np.array(
+        [(m or [0]) + [(m or [0])[0]] * (width - len(m or [0])) for m in members],
+        np.int64).reshape(graph.num_ops, width)
+    slots = max((len(r) for r in graph.results), default=1) or 1
+    result_table = np.array(
+        [list(r) + [-1] * (slots - len(r)) for r in graph.results],
+        np.int64).reshape(graph.num_ops, slots)
+    touching = [np.array(t, np.int64) for t in graph.touching]
+    for o, ws in enumerate(extra):
+      for w in ws:
+        touching[w] = np.union1d(touching[w], [o])
+    touch_ptr = np.zeros(graph.num_values + 1, np.int64)
+    touch_ptr[1:] = np.cumsum([len(t) for t in touching])
+    touch_idx = np.concatenate(touching) if touching else np.zeros(0, np.int64)
+    return cls(
+        program_end=program_end, start=start, end=end, is_input=is_input,
+        resident=resident, results_made=made, results_made_at=start[made], dead=dead,
+        late=late_ops(graph), wide=wide, temporary=temporary, hostable=hostable,
+        free=free, op_class=op_class, member_table=member_table,
+        result_table=result_table, touch_ptr=touch_ptr, touch_idx=touch_idx)
+
+
+def _op_classes(graph: Graph, dead: np.ndarray, free: np.ndarray,
+                wide: np.ndarray) -> tuple[np.ndarray, list[list[int]], list[list[int]]]:
+  """([O] class of each op, its members, the stored broadcasts among them).
+
+  An op whose result is stored broadcast (`materialized`) prices that
+  buffer in its reader's layout: the reader's result is a member too."""
+  classes: dict[tuple, int] = {}
+  op_class = np.empty(graph.num_ops, np.int64)
+  members = []
+  extra = [[int(wide[v]) for v in graph.results[o] if v >= 0 and wide[v] >= 0]
+           for o in range(graph.num_ops)]
+  for o in range(graph.num_ops):
+    values = [v for v in graph.operands[o] + graph.results[o] if v >= 0] + extra[o]
+    signature = (graph.prims[o], graph.rules[o], graph.operand_shapes[o],
+                 tuple(graph.shapes[w] for w in extra[o]),
+                 tuple(graph.operands[o].index(v) if v in graph.operands[o]
+                       else -1 for v in graph.operands[o]),
+                 tuple(str(graph.dtypes[v]) for v in values),
+                 tuple(graph.shapes[v] for v in graph.results[o] if v >= 0),
+                 float(graph.flops[o]), int(graph.trips[o]), bool(dead[o]),
+                 tuple(bool(free[v]) if v >= 0 else False for v in graph.operands[o]))
+    op_class[o] = classes.setdefault(signature, len(classes))
+    members.append(values)
+  return op_class, members, extra

@@ -1,0 +1,317 @@
+"""Tracker: the running cost of one state, refreshed after each action.
+
+It sums the memoised op costs of `model.CostModel` into step time,
+collective totals and a memory timeline, and re-sums only what an action
+changes. Peak memory is counted as XLA's `memory_analysis` counts it:
+arguments and results for the whole program, plus the peak over program
+order of the temporaries alive (producer to last reader) that fusion
+leaves in memory. It reads the model through its public surface:
+`memo`'s per-entry arrays, `analysis`'s per-value and per-op arrays, and
+`entry_ids`, `copy_key`, `latency`, `local_bytes`, `value_bytes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from automap._src.cost import kernels
+from automap._src.cost.collectives import ALL_REDUCE, KINDS, REDUCE_SCATTER
+from automap._src.cost.memo import OpCost
+from automap._src.cost.model import Cost, CostModel
+from automap._src.sharding.state import State
+
+# Ops that change only an array's type or labels, not its elements' order in
+# a way XLA needs a copy for.
+_RELABELS = frozenset({"reshape", "transpose", "convert_element_type", "copy",
+                       "squeeze", "expand_dims"})
+
+# Most classes of result buffers `Tracker.peak` matches temporaries to.
+_CLASSES = 64
+
+
+class Tracker:
+  """A running cost of a state, refreshed incrementally after actions.
+
+  Memory is a timeline over op indices of the temporaries alive: each
+  intermediate's buffer from producer to last reader, and each resharded
+  copy of an operand from its first to its last reader (XLA computes one
+  copy per value and layout and reuses it, forward and backward). Compute,
+  FLOPs and buffers are updated as array operations over the ops an action
+  touches; only ops that talk (collectives) are visited one by one.
+  """
+
+  def __init__(self, model: CostModel, state: State):
+    self.model = model
+    self.state = state
+    g = model.graph
+    self.bytes = np.zeros((len(KINDS), model.masks))
+    self.count = np.zeros((len(KINDS), model.masks), np.int64)
+    self.seconds = np.zeros((len(KINDS), model.masks))
+    # Late collectives per kind and axes, combined into one (`analysis.late_ops`),
+    # and the inputs they hold: (kind, mask) -> {op: (first op held, bytes,
+    # last reader of its result, result bytes held at the collective)},
+    # and their share of the memory timeline.
+    self.combined = np.zeros((len(KINDS), model.masks), np.int64)
+    self.pending: dict[tuple[int, int], dict[int, tuple[int, float, int, float]]] = {}
+    self.pending_live: dict[tuple[int, int], np.ndarray] = {}
+    self.dirty: set[tuple[int, int]] = set()
+    # A resharded copy (`CostModel.copy_key`) -> its readers, and the
+    # seconds charged for it.
+    self.reshards: dict[tuple, list[int]] = {}
+    self.charged: dict[tuple, float] = {}
+    local = model.value_bytes(state)
+    a = model.analysis
+    self.held = np.where(a.resident, local, 0.0)  # [V] resident bytes
+    self.resident = float(self.held.sum())
+    self.args = float(self.held[a.is_input].sum())
+    ops = np.arange(g.num_ops)
+    self.op_ids = model.entry_ids(state, ops) if g.num_ops else np.zeros(0, np.int64)
+    self._mark = np.zeros(g.num_ops, bool)  # `kernels.gather`'s scratch
+    self.compute = float(model.memo.time[self.op_ids].sum())
+    self.flops = float(model.memo.flops[self.op_ids].sum())
+    # [V] footprint of each temporary, and the timeline they make.
+    self.foot = np.zeros(g.num_values)
+    self.live = np.zeros(g.num_ops + 1)
+    none = np.zeros(0, np.int64)
+    self._retalk(ops, none, self.op_ids)
+    self._feet(ops, self.op_ids)
+
+  @property
+  def ops(self) -> list[OpCost]:
+    """Per op, its current cost."""
+    return [self.model.memo.entries[i] for i in self.op_ids]
+
+  def _span(self, ops: list[int], nbytes: float) -> None:
+    """Adds `nbytes` to the timeline from the first of `ops` to the last."""
+    self.live[min(ops):max(ops) + 1] += nbytes
+
+  def _retalk(self, ops: np.ndarray, old: np.ndarray, new: np.ndarray) -> None:
+    """Swaps the collectives of `ops` from entries `old` (none if empty) to
+    `new`. Plain ones are tallied at once; reshards (shared between
+    readers) and late reductions (combined) are settled op by op."""
+    memo = self.model.memo
+    talks = memo.has_comms[new] if not len(old) else memo.has_comms[old] | memo.has_comms[new]
+    special = self.model.analysis.late[ops] | memo.has_reshard[new]
+    if len(old):
+      special |= memo.has_reshard[old]
+    plain = talks & ~special
+    kernels.tally(old[plain] if len(old) else old, new[plain], memo.comm_start, memo.comm_end,
+                  memo.comm_kind, memo.comm_mask, memo.comm_bytes, memo.comm_seconds,
+                  self.bytes, self.count, self.seconds)
+    for i in np.flatnonzero(talks & special).tolist():
+      o = int(ops[i])
+      if len(old):
+        self._talk(o, memo.entries[old[i]], -1)
+      self._talk(o, memo.entries[new[i]], 1)
+    self._settle()
+
+  def _talk(self, o: int, c: OpCost, sign: int) -> None:
+    """Adds (sign 1) or removes (-1) the collectives of op o's cost c."""
+    for kind, mask, nbytes, seconds, position, target in c.comms:
+      if position >= 0:  # A reshard of an operand: one copy for all its readers.
+        key = self.model.copy_key(o, position, kind, mask, target, nbytes)
+        readers = self.reshards.get(key)
+        if readers:
+          self._span(readers, -nbytes)
+        if sign > 0:
+          readers = readers or []
+          readers.append(o)
+          self.reshards[key] = readers
+        else:
+          readers.remove(o)
+          if not readers:
+            del self.reshards[key]
+        if readers:
+          self._span(readers, nbytes)
+        if sign > 0 and len(readers) == 1:
+          # The copy costs what its first reader priced it at (readers inside
+          # a loop price it per step); the same amount is refunded with it.
+          self.charged[key] = seconds
+        elif sign < 0 and not readers:
+          seconds = self.charged.pop(key)
+        else:
+          continue
+      self.bytes[kind, mask] += sign * nbytes
+      self.count[kind, mask] += sign
+      if position < 0 and self.model.analysis.late[o]:
+        self.combined[kind, mask] += sign
+        seconds -= self.model.latency[kind, mask]
+        self._pend(o, kind, mask, nbytes, c.footprint[0] if c.footprint else 0.0, sign)
+      self.seconds[kind, mask] += sign * seconds
+
+  def _pend(self, o: int, kind: int, mask: int, nbytes: float, out: float,
+            sign: int) -> None:
+    """Tracks a late reduction of op o. XLA combines the group's reductions
+    into one collective after the last of them is produced, so each input
+    lives until then: a program output's unreduced input as a temporary of
+    its own from the producer, an intermediate's buffer past its last
+    reader. The combined collective makes every result (`out` bytes) at
+    once, beside its inputs; a sliced result whose readers precede it in
+    program order is then held there too."""
+    model, a = self.model, self.model.analysis
+    v = model.graph.results[o][0] if model.graph.results[o] else -1
+    if kind not in (ALL_REDUCE, REDUCE_SCATTER) or v < 0:
+      return
+    group = self.pending.setdefault((kind, mask), {})
+    self.dirty.add((kind, mask))
+    if sign < 0:
+      del group[o]
+      return
+    if kind == REDUCE_SCATTER:
+      nbytes *= model.group_size[mask]
+    else:  # Buffers at the value's own dtype, however wide the wire.
+      nbytes *= model.itemsize[v] / model.reduced_itemsize[v]
+    elements = nbytes / model.itemsize[v]
+
+    def sliced(v: int) -> bool:  # stored smaller than reduced
+      return elements > model.local_bytes(self.state, v) / model.itemsize[v] * (1 + 1e-9)
+
+    # Follow the result through ops that only relabel it (XLA makes them
+    # bitcasts or folds them into the collective's readers); `whole` is the
+    # last unsliced buffer on the way.
+    whole = v
+    while len(model.graph.uses[v]) == 1:
+      reader = model.graph.uses[v][0][0]
+      if model.graph.prims[reader] not in _RELABELS or len(model.graph.results[reader]) != 1:
+        break
+      v = model.graph.results[reader][0]
+      whole = whole if sliced(v) else v
+    # Sliced (here or by a relabel), the whole reduced result is a temporary
+    # of its own beside the inputs at the collective; unsliced, a result can
+    # take the buffer of what its readers make (an output, updated in place).
+    if sliced(v):
+      early, end = nbytes, -1
+    else:
+      early, end = 0.0, int(a.end[model.graph.results[o][0]])
+    # The input is the reduced op's own buffer (its footprint, as computed)
+    # until its last reader, then held for the collective; a result of the
+    # program takes its buffer, so the input is a temporary of its own.
+    held_from = int(a.end[whole]) + 1 if a.temporary[whole] else o
+    group[o] = (held_from, nbytes, end, early)
+
+  def _settle(self) -> None:
+    """Redraws the memory held by the groups `_pend` changed."""
+    for key in self.dirty:
+      old = self.pending_live.pop(key, None)
+      if old is not None:
+        self.live -= old
+      group = self.pending[key]
+      if not group:
+        continue
+      last = max(group)
+      held = [(a, b) for a, b, _, _ in group.values() if a <= last]
+      if held:
+        starts = np.array([a for a, _ in held], np.int64)
+        new = np.cumsum(np.bincount(starts, np.array([b for _, b in held]),
+                                    len(self.live)))
+        new[last + 1:] = 0.0
+        new[last] += sum(out for _, _, end, out in group.values() if end < last)
+        self.pending_live[key] = new
+        self.live += new
+    self.dirty.clear()
+
+  def _feet(self, ops: np.ndarray, ids: np.ndarray) -> None:
+    """Sets the footprints of the results of `ops` to those of entries `ids`."""
+    a = self.model.analysis
+    kernels.refoot(ops, ids, a.result_table, self.model.memo.footprint, a.temporary, self.foot,
+                   a.start, a.end, self.live)
+
+  def update(self, changed: Iterable[int]) -> None:
+    """Re-costs the ops around `changed` values of `self.state`."""
+    model, state, a = self.model, self.state, self.model.analysis
+    changed = np.asarray(changed if isinstance(changed, np.ndarray) else list(changed),
+                         np.int64).ravel()
+    if not len(changed):
+      return
+    ops = kernels.gather(changed, a.touch_ptr, a.touch_idx, self._mark)
+    ops, old, new, time, flops = kernels.swap_entries(
+        ops, model.entry_ids(state, ops), self.op_ids, model.memo.time, model.memo.flops)
+    self.compute += time
+    self.flops += flops
+    self._retalk(ops, old, new)
+    self._feet(ops, new)
+    self.resident, self.args = kernels.reheld(
+        changed, a.resident, state, model.sizes, model.graph.nbytes, self.held, a.is_input,
+        self.resident, self.args)
+
+  def talking_ops(self) -> np.ndarray:
+    """[n] the ops whose current cost includes a collective or a reshard."""
+    return np.flatnonzero(self.model.memo.has_comms[self.op_ids])
+
+  @property
+  def comm_time(self) -> float:
+    return float(self.seconds.sum() + self.model.latency[self.combined > 0].sum())
+
+  @property
+  def step_time(self) -> float:
+    return self.compute + self.comm_time
+
+  @property
+  def peak_memory(self) -> float:
+    return self.resident + self.peak()[0]
+
+  def peak(self) -> tuple[float, int]:
+    """(bytes of temporaries at the memory peak, op index of the peak).
+
+    Before a result of the program is made, its buffer holds temporaries
+    that fit in it and die before it is made, one at a time (XLA's buffer
+    assignment shares live-out allocations), so a temporary with such a
+    host costs nothing extra. Counted conservatively: at each point, only
+    results made after every temporary alive there dies offer their buffers.
+    """
+    if not len(self.live):
+      return 0.0, 0
+    net = self.live - self._hosted()
+    t = int(np.argmax(net))
+    return max(float(net[t]), 0.0), t
+
+  def _temporaries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(first op, last op, bytes) of the temporary buffers a result's buffer
+    may hold: values outside loops, and the inputs of combined reductions
+    held until the collective."""
+    a = self.model.analysis
+    values = np.flatnonzero((self.foot > 0) & a.hostable)
+    held = [(first, last, nbytes) for group in self.pending.values() if group
+            for last in (max(group),)
+            for first, nbytes, _, _ in group.values() if first <= last]
+    first, last, nbytes = (np.array(x).reshape(-1) for x in zip(*held)) if held else (
+        np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
+    return (np.concatenate([a.start[values], first.astype(np.int64)]),
+            np.concatenate([a.end[values], last.astype(np.int64)]),
+            np.concatenate([self.foot[values], nbytes.astype(np.float64)]))
+
+  def _hosted(self) -> np.ndarray:
+    """[O + 1] bytes of temporaries that results' buffers hold."""
+    a = self.model.analysis
+    sizes = self.held[a.results_made]
+    ascending = np.unique(sizes)
+    if len(ascending) > _CLASSES:  # a geometric grid, rounded down
+      sizes = np.exp2(np.floor(np.log2(np.maximum(sizes, 1.0)) * 8) / 8)
+      ascending = np.unique(sizes)
+    m = len(ascending)
+    slot = m - 1 - np.searchsorted(ascending, sizes)  # classes largest first
+    start, end, foot = self._temporaries()
+    fits = m - np.searchsorted(ascending, foot, side="left")  # classes a buffer fits
+    temps = np.flatnonzero((foot > 0) & (fits > 0))
+    by_start = temps[np.argsort(start[temps], kind="stable")]
+    by_end = temps[np.argsort(end[temps], kind="stable")]
+    return kernels.hosted(
+        len(self.live), by_start, by_end, start, end, foot, fits - 1, a.results_made_at, slot, m)
+
+  def cost(self) -> Cost:
+    names = self.model.mesh.axis_names
+    comm_bytes, comm_count, comm_seconds = {}, {}, {}
+    for kind, mask in zip(*np.nonzero(self.count > 0)):
+      key = (KINDS[kind], tuple(n for a, n in enumerate(names) if mask >> a & 1))
+      comm_bytes[key] = float(self.bytes[kind, mask])
+      comm_count[key] = int(self.count[kind, mask])
+      comm_seconds[key] = float(self.seconds[kind, mask] + (
+          self.model.latency[kind, mask] if self.combined[kind, mask] else 0.0))
+    return Cost(
+        step_time=self.step_time, compute_time=float(self.compute),
+        comm_time=self.comm_time, flops=float(self.flops),
+        comm_bytes=comm_bytes, comm_count=comm_count,
+        peak_memory=self.peak_memory, argument_memory=self.args,
+        comm_seconds=comm_seconds)
