@@ -124,7 +124,7 @@ def tally(removed, added, start, end, kind, mask, nbytes, seconds, out_bytes, ou
 
 
 @numba.njit(cache=True, nogil=True)
-def swap_entries(ops, new, op_ids, e_time, e_flops):
+def swap_entries(ops, new, op_ids, entry_time, entry_flops):
   """Points each of `ops` at its entry in `new`; in place on op_ids [O].
   Returns the ops that moved, their old and new entries, and the change
   of total time and FLOPs."""
@@ -134,8 +134,8 @@ def swap_entries(ops, new, op_ids, e_time, e_flops):
     old = op_ids[ops[i]]
     keep[i] = old != new[i]
     if keep[i]:
-      time += e_time[new[i]] - e_time[old]
-      flops += e_flops[new[i]] - e_flops[old]
+      time += entry_time[new[i]] - entry_time[old]
+      flops += entry_flops[new[i]] - entry_flops[old]
   moved = ops[keep]
   olds = op_ids[moved]
   news = new[keep]
@@ -144,20 +144,21 @@ def swap_entries(ops, new, op_ids, e_time, e_flops):
 
 
 @numba.njit(cache=True, nogil=True)
-def refoot(ops, ids, result_table, e_foot, temporary, foot, start, end, live):
-  """Sets the footprints foot [V] of the results of `ops` to those of
-  entries `ids`, redrawing the memory timeline live [O + 1] where the
-  temporaries that changed are alive; in place."""
+def set_footprints(ops, ids, result_table, entry_footprint, temporary, footprint, start, end,
+                   live):
+  """Sets the footprints footprint [V] of the results of `ops` to those of
+  entries `ids` (entry_footprint [E, R]), redrawing the memory timeline
+  live [O + 1] where the temporaries that changed are alive; in place."""
   n = len(live)
   steps = np.zeros(n + 1)
   lo, hi = n, 0
   for i in range(len(ops)):
     for r in range(result_table.shape[1]):
       v = result_table[ops[i], r]
-      if v < 0 or not temporary[v] or e_foot[ids[i], r] == foot[v]:
+      if v < 0 or not temporary[v] or entry_footprint[ids[i], r] == footprint[v]:
         continue
-      delta = e_foot[ids[i], r] - foot[v]
-      foot[v] = e_foot[ids[i], r]
+      delta = entry_footprint[ids[i], r] - footprint[v]
+      footprint[v] = entry_footprint[ids[i], r]
       steps[start[v]] += delta
       steps[end[v] + 1] -= delta
       lo, hi = min(lo, start[v]), max(hi, end[v] + 1)
@@ -168,7 +169,7 @@ def refoot(ops, ids, result_table, e_foot, temporary, foot, start, end, live):
 
 
 @numba.njit(cache=True, nogil=True)
-def reheld(values, resident, state, sizes, nbytes, held, is_input, total, args):
+def resize_residents(values, resident, state, sizes, nbytes, held, is_input, total, args):
   """Re-sizes the resident buffers (arguments, outputs) among `values` to
   their tiles under `state`; in place on held [V]. Returns the bytes held
   by all residents and by the arguments (`total`, `args` as they were when
@@ -193,17 +194,18 @@ def reheld(values, resident, state, sizes, nbytes, held, is_input, total, args):
 
 
 @numba.njit(cache=True, nogil=True)
-def hosted(n, by_start, by_end, start, end, foot, klass, made, slot_class, classes):
+def temporaries_in_result_buffers(n, by_start, by_end, start, end, footprint, fits_class,
+                                  made, slot_class, classes):
   """[n] bytes of temporaries that results not yet made hold, per op index.
 
-  Temporaries (start, end, foot, klass: the smallest class of result
-  buffers each fits, classes ordered largest first) are sorted by start
+  Temporaries (start, end, footprint, fits_class: the smallest class of
+  result buffers each fits, classes ordered largest first) are sorted by start
   (`by_start`) and by end (`by_end`); result buffers by the op that makes
   them (`made`, `slot_class`). At each point, the buffers of results made
   after every temporary alive there dies are matched to them by class,
   largest first: a temporary fits its class and every larger one, so
   unused larger buffers carry down. Where a class has more temporaries
-  than buffers, the share hosted is its bytes in proportion."""
+  than buffers, the share held is its bytes in proportion."""
   out = np.zeros(n)
   count = np.zeros(classes)
   nbytes = np.zeros(classes)
@@ -214,13 +216,13 @@ def hosted(n, by_start, by_end, start, end, foot, klass, made, slot_class, class
   last = -1  # the latest end of a temporary started so far
   for t in range(n):
     while i < len(by_start) and start[by_start[i]] <= t:
-      count[klass[by_start[i]]] += 1
-      nbytes[klass[by_start[i]]] += foot[by_start[i]]
+      count[fits_class[by_start[i]]] += 1
+      nbytes[fits_class[by_start[i]]] += footprint[by_start[i]]
       last = max(last, end[by_start[i]])
       i += 1
     while j < len(by_end) and end[by_end[j]] < t:
-      count[klass[by_end[j]]] -= 1
-      nbytes[klass[by_end[j]]] -= foot[by_end[j]]
+      count[fits_class[by_end[j]]] -= 1
+      nbytes[fits_class[by_end[j]]] -= footprint[by_end[j]]
       j += 1
     # A buffer hosts only what dies before its result is made: those made
     # after every temporary alive now (the latest end so far, if alive).

@@ -39,7 +39,7 @@ class Tracker:
   copy of an operand from its first to its last reader (XLA computes one
   copy per value and layout and reuses it, forward and backward). Compute,
   FLOPs and buffers are updated as array operations over the ops an action
-  touches; only ops that talk (collectives) are visited one by one.
+  touches; only ops with collectives are visited one by one.
   """
 
   def __init__(self, model: CostModel, state: State):
@@ -68,53 +68,53 @@ class Tracker:
     self.args = float(self.held[a.is_input].sum())
     ops = np.arange(g.num_ops)
     self.op_ids = model.entry_ids(state, ops) if g.num_ops else np.zeros(0, np.int64)
-    self._mark = np.zeros(g.num_ops, bool)  # `kernels.gather`'s scratch
+    self._scratch = np.zeros(g.num_ops, bool)  # `kernels.gather`'s scratch
     self.compute = float(model.memo.time[self.op_ids].sum())
     self.flops = float(model.memo.flops[self.op_ids].sum())
     # [V] footprint of each temporary, and the timeline they make.
     self.foot = np.zeros(g.num_values)
     self.live = np.zeros(g.num_ops + 1)
     none = np.zeros(0, np.int64)
-    self._retalk(ops, none, self.op_ids)
-    self._feet(ops, self.op_ids)
+    self._swap_collectives(ops, none, self.op_ids)
+    self._set_footprints(ops, self.op_ids)
 
   @property
   def ops(self) -> list[OpCost]:
     """Per op, its current cost."""
     return [self.model.memo.entries[i] for i in self.op_ids]
 
-  def _span(self, ops: list[int], nbytes: float) -> None:
+  def _add_live(self, ops: list[int], nbytes: float) -> None:
     """Adds `nbytes` to the timeline from the first of `ops` to the last."""
     self.live[min(ops):max(ops) + 1] += nbytes
 
-  def _retalk(self, ops: np.ndarray, old: np.ndarray, new: np.ndarray) -> None:
+  def _swap_collectives(self, ops: np.ndarray, old: np.ndarray, new: np.ndarray) -> None:
     """Swaps the collectives of `ops` from entries `old` (none if empty) to
     `new`. Plain ones are tallied at once; reshards (shared between
     readers) and late reductions (combined) are settled op by op."""
     memo = self.model.memo
-    talks = memo.has_comms[new] if not len(old) else memo.has_comms[old] | memo.has_comms[new]
+    comms = memo.has_comms[new] if not len(old) else memo.has_comms[old] | memo.has_comms[new]
     special = self.model.analysis.late[ops] | memo.has_reshard[new]
     if len(old):
       special |= memo.has_reshard[old]
-    plain = talks & ~special
+    plain = comms & ~special
     kernels.tally(old[plain] if len(old) else old, new[plain], memo.comm_start, memo.comm_end,
                   memo.comm_kind, memo.comm_mask, memo.comm_bytes, memo.comm_seconds,
                   self.bytes, self.count, self.seconds)
-    for i in np.flatnonzero(talks & special).tolist():
+    for i in np.flatnonzero(comms & special).tolist():
       o = int(ops[i])
       if len(old):
-        self._talk(o, memo.entries[old[i]], -1)
-      self._talk(o, memo.entries[new[i]], 1)
-    self._settle()
+        self._count_collectives(o, memo.entries[old[i]], -1)
+      self._count_collectives(o, memo.entries[new[i]], 1)
+    self._redraw_combined()
 
-  def _talk(self, o: int, c: OpCost, sign: int) -> None:
+  def _count_collectives(self, o: int, c: OpCost, sign: int) -> None:
     """Adds (sign 1) or removes (-1) the collectives of op o's cost c."""
     for kind, mask, nbytes, seconds, position, target in c.comms:
       if position >= 0:  # A reshard of an operand: one copy for all its readers.
         key = self.model.copy_key(o, position, kind, mask, target, nbytes)
         readers = self.reshards.get(key)
         if readers:
-          self._span(readers, -nbytes)
+          self._add_live(readers, -nbytes)
         if sign > 0:
           readers = readers or []
           readers.append(o)
@@ -124,7 +124,7 @@ class Tracker:
           if not readers:
             del self.reshards[key]
         if readers:
-          self._span(readers, nbytes)
+          self._add_live(readers, nbytes)
         if sign > 0 and len(readers) == 1:
           # The copy costs what its first reader priced it at (readers inside
           # a loop price it per step); the same amount is refunded with it.
@@ -138,11 +138,11 @@ class Tracker:
       if position < 0 and self.model.analysis.late[o]:
         self.combined[kind, mask] += sign
         seconds -= self.model.latency[kind, mask]
-        self._pend(o, kind, mask, nbytes, c.footprint[0] if c.footprint else 0.0, sign)
+        self._track_combined(o, kind, mask, nbytes, c.footprint[0] if c.footprint else 0.0, sign)
       self.seconds[kind, mask] += sign * seconds
 
-  def _pend(self, o: int, kind: int, mask: int, nbytes: float, out: float,
-            sign: int) -> None:
+  def _track_combined(self, o: int, kind: int, mask: int, nbytes: float, out: float,
+                      sign: int) -> None:
     """Tracks a late reduction of op o. XLA combines the group's reductions
     into one collective after the last of them is produced, so each input
     lives until then: a program output's unreduced input as a temporary of
@@ -191,8 +191,8 @@ class Tracker:
     held_from = int(a.end[whole]) + 1 if a.temporary[whole] else o
     group[o] = (held_from, nbytes, end, early)
 
-  def _settle(self) -> None:
-    """Redraws the memory held by the groups `_pend` changed."""
+  def _redraw_combined(self) -> None:
+    """Redraws the memory held by the groups `_track_combined` changed."""
     for key in self.dirty:
       old = self.pending_live.pop(key, None)
       if old is not None:
@@ -212,11 +212,11 @@ class Tracker:
         self.live += new
     self.dirty.clear()
 
-  def _feet(self, ops: np.ndarray, ids: np.ndarray) -> None:
+  def _set_footprints(self, ops: np.ndarray, ids: np.ndarray) -> None:
     """Sets the footprints of the results of `ops` to those of entries `ids`."""
     a = self.model.analysis
-    kernels.refoot(ops, ids, a.result_table, self.model.memo.footprint, a.temporary, self.foot,
-                   a.start, a.end, self.live)
+    kernels.set_footprints(ops, ids, a.result_table, self.model.memo.footprint, a.temporary,
+                           self.foot, a.start, a.end, self.live)
 
   def update(self, changed: Iterable[int]) -> None:
     """Re-costs the ops around `changed` values of `self.state`."""
@@ -225,14 +225,14 @@ class Tracker:
                          np.int64).ravel()
     if not len(changed):
       return
-    ops = kernels.gather(changed, a.touch_ptr, a.touch_idx, self._mark)
+    ops = kernels.gather(changed, a.touch_ptr, a.touch_idx, self._scratch)
     ops, old, new, time, flops = kernels.swap_entries(
         ops, model.entry_ids(state, ops), self.op_ids, model.memo.time, model.memo.flops)
     self.compute += time
     self.flops += flops
-    self._retalk(ops, old, new)
-    self._feet(ops, new)
-    self.resident, self.args = kernels.reheld(
+    self._swap_collectives(ops, old, new)
+    self._set_footprints(ops, new)
+    self.resident, self.args = kernels.resize_residents(
         changed, a.resident, state, model.sizes, model.graph.nbytes, self.held, a.is_input,
         self.resident, self.args)
 
@@ -263,11 +263,11 @@ class Tracker:
     """
     if not len(self.live):
       return 0.0, 0
-    net = self.live - self._hosted()
+    net = self.live - self._in_result_buffers()
     t = int(np.argmax(net))
     return max(float(net[t]), 0.0), t
 
-  def _temporaries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  def _hostable_temporaries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(first op, last op, bytes) of the temporary buffers a result's buffer
     may hold: values outside loops, and the inputs of combined reductions
     held until the collective."""
@@ -282,7 +282,7 @@ class Tracker:
             np.concatenate([a.end[values], last.astype(np.int64)]),
             np.concatenate([self.foot[values], nbytes.astype(np.float64)]))
 
-  def _hosted(self) -> np.ndarray:
+  def _in_result_buffers(self) -> np.ndarray:
     """[O + 1] bytes of temporaries that results' buffers hold."""
     a = self.model.analysis
     sizes = self.held[a.results_made]
@@ -292,12 +292,12 @@ class Tracker:
       ascending = np.unique(sizes)
     m = len(ascending)
     slot = m - 1 - np.searchsorted(ascending, sizes)  # classes largest first
-    start, end, foot = self._temporaries()
+    start, end, foot = self._hostable_temporaries()
     fits = m - np.searchsorted(ascending, foot, side="left")  # classes a buffer fits
     temps = np.flatnonzero((foot > 0) & (fits > 0))
     by_start = temps[np.argsort(start[temps], kind="stable")]
     by_end = temps[np.argsort(end[temps], kind="stable")]
-    return kernels.hosted(
+    return kernels.temporaries_in_result_buffers(
         len(self.live), by_start, by_end, start, end, foot, fits - 1, a.results_made_at, slot, m)
 
   def cost(self) -> Cost:
