@@ -1,5 +1,7 @@
 """The cost model against arithmetic and against compiled HLO."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import automap
-from automap._src.cost import analysis, collectives, hardware
+from automap._src.api import flat_specs
+from automap._src.cost import analysis, collectives, compiler, hardware
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace
 from automap._src.run import verify
@@ -111,23 +114,28 @@ def test_cpu_reductions_store_the_producers_they_share():
   into backward reductions, are stored broadcast from the forward pass to
   the backward one. Priced so, Megatron's (loss, grads) memory is near
   XLA's; fused, as XLA does on TPU and GPU, it is a fifth short."""
-  import dataclasses
-
   step, args = gpt_step()
   fn, grads_args = loss_and_grads(args)
   m = mesh((2, 4))
   specs = (megatron_specs(args)[0], P())
   cpu = hardware.get_hardware("cpu")
-  assert not cpu.fuses_shared_producers
-  shared = automap.evaluate(fn, *grads_args, mesh=m, in_shardings=specs, hardware=cpu)
-  fused = automap.evaluate(fn, *grads_args, mesh=m, in_shardings=specs,
-                           hardware=dataclasses.replace(cpu, fuses_shared_producers=True))
+  assert not cpu.compiler.fuses_shared_producers
+  traced = trace.trace(fn, grads_args)
+
+  def peak(xla: compiler.Compiler) -> float:
+    prog = program.Program.build(traced, MeshSpec.of(m), cpu, compiler=xla)
+    return Tracker(prog.model, prog.state_from_specs(flat_specs(specs, grads_args))).peak_memory
+
+  shared = peak(compiler.XLA_CPU)
+  fused = peak(dataclasses.replace(compiler.XLA_CPU, fuses_shared_producers=True))
+  assert shared == automap.evaluate(fn, *grads_args, mesh=m, in_shardings=specs,
+                                    hardware=cpu).peak_memory
   shardings = jax.tree.map(lambda p: NamedSharding(m, p), specs,
                            is_leaf=lambda x: isinstance(x, P))
   compiled, _ = verify.compiled_memory(
       jax.jit(fn, in_shardings=shardings).lower(*grads_args).compile())
-  assert abs(shared.peak_memory - compiled) < 0.1 * compiled
-  assert fused.peak_memory < 0.85 * compiled
+  assert abs(shared - compiled) < 0.1 * compiled
+  assert fused < 0.85 * compiled
 
 
 def test_a_gather_fuses_into_its_one_loop_fused_reader():
@@ -290,3 +298,40 @@ def test_layout_hash_collisions_never_merge_two_layouts(monkeypatch):
       assert (a.step_time, a.peak_memory, a.comm_bytes) == (
           b.step_time, b.peak_memory, b.comm_bytes)
   assert len(colliding.model.memo) == len(exact.model.memo) > 1
+
+
+def test_compilers_by_platform():
+  assert compiler.compiler_for("cuda") is compiler.compiler_for("gpu") is compiler.XLA_GPU
+  assert compiler.compiler_for("cpu") is compiler.XLA_CPU
+  assert {name: hw.compiler for name, hw in automap.HARDWARE.items()} == {
+      **{name: compiler.XLA_TPU for name in ("tpu-v3", "tpu-v4", "tpu-v5e", "tpu-v5p")},
+      **{name: compiler.XLA_GPU for name in ("a100", "h100", "h200")}, "cpu": compiler.XLA_CPU}
+  with pytest.raises(ValueError, match="platform must be one of .* got 'metal'"):
+    compiler.compiler_for("metal")
+  with pytest.raises(automap.HardwareError, match="Hardware.platform must be one of"):
+    dataclasses.replace(automap.HARDWARE["h100"], platform="npu")
+
+
+def test_old_hardware_flags_still_price_with_a_deprecation_warning():
+  """Hardware once carried XLA's behaviours itself; specs written so warn,
+  and price as the platform whose compiler behaves so."""
+  fields = dict(
+      name="old", flops=1e12, fp32_flops=1e12, hbm_bandwidth=1e11, hbm_capacity=2**30,
+      link_bandwidth=1e10, link_latency=1e-6, network_bandwidth=1e9, network_latency=1e-5,
+      devices_per_node=8)
+  with pytest.warns(DeprecationWarning, match="platform"):
+    old = automap.Hardware(**fields, reduce_scatter=False, reduce_in_f32=True,
+                           fuses_shared_producers=False)
+  step, args = gpt_step()
+  fn, grads_args = loss_and_grads(args)
+  traced = trace.trace(fn, grads_args)
+  specs = flat_specs((megatron_specs(args)[0], P()), grads_args)
+
+  def priced(hw: hardware.Hardware, xla: compiler.Compiler | None = None) -> automap.Cost:
+    prog = program.Program.build(traced, MeshSpec(("data", "model"), (2, 4)), hw, compiler=xla)
+    return Tracker(prog.model, prog.state_from_specs(specs)).cost()
+
+  tpu = automap.Hardware(**fields)
+  assert priced(old) == priced(tpu, compiler.XLA_CPU) == priced(
+      automap.Hardware(**fields, platform="cpu"))
+  assert priced(old) != priced(tpu)

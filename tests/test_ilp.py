@@ -19,11 +19,12 @@ from automap._src.sharding.mesh import MeshSpec
 B, D, H = 8, 256, 1024
 # Compute-bound devices (memory traffic is free) with a slow link: times
 # are sums of FLOPs over peaks and of latency plus bytes over bandwidth.
+# Compiled by XLA:CPU, as the tests verify it: no reduce-scatters.
 FLOPS, LINK, LATENCY = 1e12, 1e9, 1e-6
 HW = automap.Hardware(
     name="test", flops=FLOPS, fp32_flops=FLOPS, hbm_bandwidth=1e30, hbm_capacity=2**30,
     link_bandwidth=LINK, link_latency=LATENCY, network_bandwidth=LINK,
-    network_latency=LATENCY, devices_per_node=8, reduce_scatter=False)
+    network_latency=LATENCY, devices_per_node=8, platform="cpu")
 # Per device, unsharded: two matmuls on the matrix units, the relu on the
 # vector units (a sixteenth of the peak).
 COMPUTE = (2 * B * D * H + 2 * B * H * D) / FLOPS + B * H / (FLOPS / 16)

@@ -188,3 +188,35 @@ def test_results_of_a_sealed_call_are_pinned_where_it_returns_them():
   report = automap.verify(plan, fn, *args, mesh=m)
   assert report.comm_error < 0.05, report.table()
   assert report.max_rel_error < 1e-5
+
+
+def test_plans_saved_before_hardware_had_a_platform_load_and_price_the_same():
+  """Plans once stored XLA's behaviours as hardware flags: such a spec
+  loads onto the platform its name or flags describe, keeping a flag that
+  differs from it, with no warning."""
+  import dataclasses
+
+  from automap._src.cost.compiler import XLA_TPU
+  from automap._src.cost.tracker import Tracker
+  from automap._src.ir import trace
+  from automap._src.search.program import Program
+  from automap._src.sharding.mesh import MeshSpec
+
+  x = (jnp.ones((16, 32)), jnp.ones((32, 64)), jnp.ones((64, 32)))
+  m = mesh((4, 2))
+  plan = automap.search(mlp, *x, mesh=m, hardware="cpu")
+  d = plan.to_json()
+  behaviours = ("reduce_scatter", "reduce_in_f32", "fuses_shared_producers")
+  figures = {k: v for k, v in d["hardware"].items() if k not in ("platform", *behaviours)}
+  old_cpu = figures | dict(zip(behaviours, (False, True, False)))
+  assert automap.Plan.from_json(d | {"hardware": old_cpu}).hardware == automap.HARDWARE["cpu"]
+  old_own = figures | {"name": "own"} | dict(zip(behaviours, (False, False, True)))
+  loaded = automap.Plan.from_json(d | {"hardware": old_own}).hardware
+  assert (loaded.platform, loaded.compiler) == (
+      "tpu", dataclasses.replace(XLA_TPU, reduce_scatter=False))
+  with pytest.warns(DeprecationWarning):
+    written_so = automap.Hardware(**old_own)
+  programs = [Program.build(trace.trace(mlp, x), MeshSpec.of(m), hw) for hw in (loaded, written_so)]
+  costs = [Tracker(p.model, p.state_from_plan(plan)).cost() for p in programs]
+  assert costs[0] == costs[1]
+  assert automap.Plan.from_json(json.loads(json.dumps(d))).hardware == plan.hardware

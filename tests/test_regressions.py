@@ -94,8 +94,7 @@ def test_partition_refuses_an_abstract_mesh():
 
 
 def test_verify_prices_with_the_plans_own_hardware():
-  hw = automap.Hardware("slow", 1e9, 1e9, 1e9, 1e9, 1e8, 1e-5, 1e8, 1e-5, 8,
-                        reduce_scatter=False)
+  hw = automap.Hardware("slow", 1e9, 1e9, 1e9, 1e9, 1e8, 1e-5, 1e8, 1e-5, 8, platform="cpu")
   plan = automap.search(mlp, *X, mesh=mesh((4, 2)), hardware=hw)
   report = automap.verify(plan, mlp, *X, mesh=mesh((4, 2)))
   assert report.predicted.step_time == pytest.approx(plan.cost.step_time, rel=1e-9)

@@ -225,7 +225,7 @@ class Analysis:
   @classmethod
   def of(cls, graph: Graph, fuses_shared_producers: bool = True) -> Analysis:
     """The analysis of `graph` under a compiler that does (or does not)
-    fuse shared producers into reductions (`Hardware.fuses_shared_producers`)."""
+    fuse shared producers into reductions (`Compiler.fuses_shared_producers`)."""
     program_end = graph.num_ops
     start = np.where(graph.producer >= 0, graph.producer, 0).astype(np.int64)
     end = np.maximum(graph.last_use.astype(np.int64), start)

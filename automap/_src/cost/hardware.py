@@ -4,17 +4,27 @@ Every figure is per device (chip or GPU) in SI units: FLOP/s, bytes/s, bytes,
 seconds. Links: `link_*` is the fast fabric within a node or slice (TPU ICI,
 NVLink), `network_*` the slower one across nodes (data-centre network,
 InfiniBand). Link bandwidths are one direction of one device's share of a
-ring over one mesh axis.
+ring over one mesh axis. What the compiler does on the device is its
+platform's `Compiler`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import warnings
+from collections.abc import Mapping
+
+from automap._src.cost.compiler import PLATFORMS, Compiler, compiler_for
 
 
 class HardwareError(ValueError):
   """An invalid hardware spec or an unknown hardware name."""
+
+
+# Compiler behaviours a spec once carried itself; now its platform's.
+_BEHAVIOURS = ("reduce_scatter", "reduce_in_f32", "fuses_shared_producers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,15 +40,12 @@ class Hardware:
     seconds per collective step.
   network_bandwidth / network_latency: across nodes, likewise.
   devices_per_node: devices that share the fast fabric.
-  reduce_scatter: whether the compiler turns an all-reduce whose result is
-    then tiled into a reduce-scatter (XLA does on TPU and GPU, not on CPU).
-  reduce_in_f32: whether the compiler all-reduces 16-bit floats in float32,
-    moving twice their bytes (XLA:CPU does).
-  fuses_shared_producers: whether a reduction's fusion recomputes a fusible
-    producer that other ops read too (XLA on TPU and GPU duplicates it).
-    XLA:CPU's library reductions absorb only producers no other op reads, so
-    such a producer (a layer norm's broadcast scale, shared by the forward
-    and backward passes) gets a buffer of its own.
+  platform: the jax platform that compiles for the device, "tpu", "gpu" or
+    "cpu" (`compiler_for` gives its XLA behaviour); None: "tpu" (TPU and
+    GPU compile alike as the cost model sees them).
+  reduce_scatter, reduce_in_f32, fuses_shared_producers: deprecated
+    overrides of the platform's `Compiler` fields of those names (None:
+    the platform's). Set on a spec that names no platform, they warn.
   """
 
   name: str
@@ -51,13 +58,14 @@ class Hardware:
   network_bandwidth: float
   network_latency: float
   devices_per_node: int
-  reduce_scatter: bool = True
-  reduce_in_f32: bool = False
-  fuses_shared_producers: bool = True
+  platform: str | None = None
+  reduce_scatter: bool | None = None
+  reduce_in_f32: bool | None = None
+  fuses_shared_producers: bool | None = None
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
-      if field.name == "name" or field.type == "bool":  # flags
+      if field.name in ("name", "platform", *_BEHAVIOURS):
         continue
       value = getattr(self, field.name)
       # Latencies may be zero (an ideal fabric); nothing else may.
@@ -67,9 +75,47 @@ class Hardware:
         raise HardwareError(
             f"Hardware.{field.name} must be a positive finite number, got "
             f"{value!r}. Fix the spec (units: FLOP/s, bytes/s, bytes, s).")
+    given = [b for b in _BEHAVIOURS if getattr(self, b) is not None]
+    # Only specs written the old way warn: `api.verify` still re-prices
+    # with dataclasses.replace, which names the platform.
+    if given and self.platform is None:
+      warnings.warn(
+          f"Hardware({', '.join(f'{b}=...' for b in given)}) is deprecated: name the "
+          f"platform instead (platform='tpu', 'gpu' or 'cpu'); its Compiler has these "
+          f"behaviours, and CostModel takes another as compiler=.",
+          DeprecationWarning, stacklevel=3)
+    if self.platform is None:
+      object.__setattr__(self, "platform", "tpu")
+    if not isinstance(self.platform, str) or self.platform.lower() not in PLATFORMS:
+      raise HardwareError(
+          f"Hardware.platform must be one of {sorted(PLATFORMS)} (the jax platform "
+          f"that compiles for the device), got {self.platform!r}.")
+
+  @property
+  def compiler(self) -> Compiler:
+    """What XLA does on this device: its platform's, with any override."""
+    overrides = {b: getattr(self, b) for b in _BEHAVIOURS if getattr(self, b) is not None}
+    platform = compiler_for(self.platform)
+    return dataclasses.replace(platform, **overrides) if overrides else platform
 
   def matmul_flops(self, itemsize: int) -> float:
     return self.fp32_flops if itemsize >= 4 else self.flops
+
+  @classmethod
+  def from_json(cls, d: Mapping) -> Hardware:
+    """A spec from `dataclasses.asdict` of one; one stored before specs had
+    a platform gets its catalogue entry's, or the one whose compiler its
+    behaviours match, keeping those that differ as overrides."""
+    d = dict(d)
+    if "platform" not in d:
+      stored = {b: d.pop(b) for b in _BEHAVIOURS if b in d}
+      known = CATALOGUE.get(d.get("name"))
+      matches = [p for p in PLATFORMS if all(
+          getattr(compiler_for(p), b) == v for b, v in stored.items())]
+      d["platform"] = known.platform if known else (matches or ["tpu"])[0]
+      compiler = compiler_for(d["platform"])
+      d.update({b: v for b, v in stored.items() if getattr(compiler, b) != v})
+    return cls(**d)
 
 
 _G, _T = 1e9, 1e12
@@ -83,28 +129,51 @@ _GiB = 2**30
 # bidirectional, so 300 / 450 GB/s one way); InfiniBand HDR 200 Gb/s and NDR
 # 400 Gb/s per GPU across nodes. Latencies are typical measured step costs
 # (a few microseconds on NVLink/ICI, ~10 us across nodes), order-of-magnitude.
-CATALOGUE: dict[str, Hardware] = {
-    "tpu-v3": Hardware("tpu-v3", 123 * _T, 123 * _T, 900 * _G, 32 * _GiB,
-                       2 * 100 * _G, 5e-6, 12.5 * _G, 1e-5, 1024),
-    "tpu-v4": Hardware("tpu-v4", 275 * _T, 275 * _T, 1200 * _G, 32 * _GiB,
-                       2 * 45 * _G, 5e-6, 12.5 * _G, 1e-5, 4096),
-    "tpu-v5e": Hardware("tpu-v5e", 197 * _T, 197 * _T, 819 * _G, 16 * _GiB,
-                        2 * 45 * _G, 5e-6, 12.5 * _G, 1e-5, 256),
-    "tpu-v5p": Hardware("tpu-v5p", 459 * _T, 459 * _T, 2765 * _G, 95 * _G,
-                        2 * 90 * _G, 5e-6, 12.5 * _G, 1e-5, 8960),
-    "a100": Hardware("a100", 312 * _T, 156 * _T, 2039 * _G, 80 * _G,
-                     300 * _G, 5e-6, 25 * _G, 1e-5, 8),
-    "h100": Hardware("h100", 989 * _T, 494 * _T, 3350 * _G, 80 * _G,
-                     450 * _G, 5e-6, 50 * _G, 1e-5, 8),
-    "h200": Hardware("h200", 989 * _T, 494 * _T, 4800 * _G, 141 * _G,
-                     450 * _G, 5e-6, 50 * _G, 1e-5, 8),
+CATALOGUE: Mapping[str, Hardware] = types.MappingProxyType({
+    "tpu-v3": Hardware(
+        name="tpu-v3", platform="tpu", flops=123 * _T, fp32_flops=123 * _T,
+        hbm_bandwidth=900 * _G, hbm_capacity=32 * _GiB, link_bandwidth=2 * 100 * _G,
+        link_latency=5e-6, network_bandwidth=12.5 * _G, network_latency=1e-5,
+        devices_per_node=1024),
+    "tpu-v4": Hardware(
+        name="tpu-v4", platform="tpu", flops=275 * _T, fp32_flops=275 * _T,
+        hbm_bandwidth=1200 * _G, hbm_capacity=32 * _GiB, link_bandwidth=2 * 45 * _G,
+        link_latency=5e-6, network_bandwidth=12.5 * _G, network_latency=1e-5,
+        devices_per_node=4096),
+    "tpu-v5e": Hardware(
+        name="tpu-v5e", platform="tpu", flops=197 * _T, fp32_flops=197 * _T,
+        hbm_bandwidth=819 * _G, hbm_capacity=16 * _GiB, link_bandwidth=2 * 45 * _G,
+        link_latency=5e-6, network_bandwidth=12.5 * _G, network_latency=1e-5,
+        devices_per_node=256),
+    "tpu-v5p": Hardware(
+        name="tpu-v5p", platform="tpu", flops=459 * _T, fp32_flops=459 * _T,
+        hbm_bandwidth=2765 * _G, hbm_capacity=95 * _G, link_bandwidth=2 * 90 * _G,
+        link_latency=5e-6, network_bandwidth=12.5 * _G, network_latency=1e-5,
+        devices_per_node=8960),
+    "a100": Hardware(
+        name="a100", platform="gpu", flops=312 * _T, fp32_flops=156 * _T,
+        hbm_bandwidth=2039 * _G, hbm_capacity=80 * _G, link_bandwidth=300 * _G,
+        link_latency=5e-6, network_bandwidth=25 * _G, network_latency=1e-5,
+        devices_per_node=8),
+    "h100": Hardware(
+        name="h100", platform="gpu", flops=989 * _T, fp32_flops=494 * _T,
+        hbm_bandwidth=3350 * _G, hbm_capacity=80 * _G, link_bandwidth=450 * _G,
+        link_latency=5e-6, network_bandwidth=50 * _G, network_latency=1e-5,
+        devices_per_node=8),
+    "h200": Hardware(
+        name="h200", platform="gpu", flops=989 * _T, fp32_flops=494 * _T,
+        hbm_bandwidth=4800 * _G, hbm_capacity=141 * _G, link_bandwidth=450 * _G,
+        link_latency=5e-6, network_bandwidth=50 * _G, network_latency=1e-5,
+        devices_per_node=8),
     # A laptop-class CPU "device" (8 simulated devices share its cores and
     # memory): ~100 GFLOP/s of AVX2 per core pair, ~20 GB/s DRAM, copies
     # between simulated devices at memory speed.
-    "cpu": Hardware("cpu", 100 * _G, 100 * _G, 20 * _G, 16 * _GiB,
-                    10 * _G, 1e-5, 10 * _G, 1e-5, 8, reduce_scatter=False,
-                    reduce_in_f32=True, fuses_shared_producers=False),
-}
+    "cpu": Hardware(
+        name="cpu", platform="cpu", flops=100 * _G, fp32_flops=100 * _G,
+        hbm_bandwidth=20 * _G, hbm_capacity=16 * _GiB, link_bandwidth=10 * _G,
+        link_latency=1e-5, network_bandwidth=10 * _G, network_latency=1e-5,
+        devices_per_node=8),
+})
 
 
 def get_hardware(hardware: str | Hardware) -> Hardware:

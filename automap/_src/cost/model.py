@@ -31,6 +31,7 @@ from automap._src.cost.collectives import (
   ring_seconds,
   staged_seconds,
 )
+from automap._src.cost.compiler import Compiler
 from automap._src.cost.hardware import Hardware
 from automap._src.cost.memo import Memo, OpCost
 from automap._src.ir import graph as graph_lib
@@ -98,15 +99,22 @@ def _layout_code(row) -> int:
 
 
 class CostModel:
-  """Prices ops of one graph on one mesh and hardware.
+  """Prices ops of one graph on one mesh and hardware, as one compiler
+  compiles them (default: the hardware's platform's, `Hardware.compiler`).
 
   `op_cost` / `entry_ids` price ops under a state (memoised per op class and
   layout in `memo`); `Tracker` sums them into a running total that `update`
   refreshes after an action.
   """
 
-  def __init__(self, graph: Graph, mesh: MeshSpec, hardware: Hardware):
+  def __init__(self, graph: Graph, mesh: MeshSpec, hardware: Hardware,
+               compiler: Compiler | None = None):
+    if compiler is not None and not isinstance(compiler, Compiler):
+      raise TypeError(
+          f"compiler must be a Compiler (compiler_for(platform) gives XLA's for a "
+          f"platform name) or None for the hardware's platform's, got {compiler!r}.")
     self.graph, self.mesh, self.hw = graph, mesh, hardware
+    self.compiler = compiler if compiler is not None else hardware.compiler
     self.sizes = np.array(mesh.axis_sizes, np.int64)
     n = mesh.num_axes
     self.masks = 1 << n
@@ -131,9 +139,9 @@ class CostModel:
     self.itemsize = np.array([graph_lib._itemsize(d) for d in graph.dtypes])
     # [V] bytes per element an all-reduce of the value moves.
     self.reduced_itemsize = np.array([
-        4 if hardware.reduce_in_f32 and size == 2 and graph_lib.is_float(d) else size
+        4 if self.compiler.reduce_in_f32 and size == 2 and graph_lib.is_float(d) else size
         for size, d in zip(self.itemsize, graph.dtypes)])
-    a = self.analysis = Analysis.of(graph, hardware.fuses_shared_producers)
+    a = self.analysis = Analysis.of(graph, self.compiler.fuses_shared_producers)
     # The analysis's arrays the search and the reports read off the model.
     self.start, self.end, self.resident, self.temporary = a.start, a.end, a.resident, a.temporary
     self.dead, self.late, self.free, self.op_class = a.dead, a.late, a.free, a.op_class
@@ -463,7 +471,7 @@ class CostModel:
             reduce_mask |= 1 << a
         elif f >= 0 and f in dims:
           natural[a] = dims.index(f)
-      if scatter_mask and not self.hw.reduce_scatter:
+      if scatter_mask and not self.compiler.reduce_scatter:
         # All-reduce the whole partial result, then keep this device's tile.
         reduce_mask |= scatter_mask
         scatter_mask = 0

@@ -161,7 +161,7 @@ class Plan:
       return cls(
           mesh=MeshSpec(tuple(d["mesh"]["axis_names"]),
                         tuple(d["mesh"]["axis_sizes"])),
-          hardware=Hardware(**d["hardware"]), fingerprint=d["fingerprint"],
+          hardware=Hardware.from_json(d["hardware"]), fingerprint=d["fingerprint"],
           in_paths=tuple(p for p, _, _ in d["in"]),
           out_paths=tuple(p for p, _ in d["out"]),
           in_shapes=tuple(tuple(shape) for _, shape, _ in d["in"]),

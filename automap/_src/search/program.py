@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from automap._src.cost.compiler import Compiler
 from automap._src.cost.hardware import Hardware
 from automap._src.cost.model import KINDS, CostModel
 from automap._src.cost.tracker import Tracker
@@ -40,7 +41,8 @@ class Program:
 
   @classmethod
   def build(cls, traced: Traced, mesh: MeshSpec, hardware: Hardware,
-            fixed_specs: Mapping[str, PartitionSpec] | None = None) -> Program:
+            fixed_specs: Mapping[str, PartitionSpec] | None = None,
+            compiler: Compiler | None = None) -> Program:
     graph = graph_lib.build(traced)
     pinned = empty_state(graph, mesh)
     fixed = np.zeros(graph.num_values, bool)
@@ -62,7 +64,7 @@ class Program:
               f"{spec}); make the patterns disjoint.")
         fixed[v] = True
     return cls(traced, graph, mesh, hardware,
-               CostModel(graph, mesh, hardware), pinned, fixed)
+               CostModel(graph, mesh, hardware, compiler), pinned, fixed)
 
   def carried_pairs(self) -> list[tuple[int, int]]:
     """(argument, result) value ids of the state a step carries: a result

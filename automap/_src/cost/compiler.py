@@ -1,0 +1,57 @@
+"""Compiler behaviour: what XLA does to a partitioned program, per backend.
+
+The cost model prices the HLO XLA emits, and XLA's backends emit different
+HLO for the same program: these are the differences it prices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiler:
+  """The XLA backend behaviours the cost model depends on.
+
+  name: the backend, e.g. "xla:tpu".
+  reduce_scatter: whether an all-reduce whose result is then sliced to each
+    device's tile becomes a reduce-scatter (XLA:TPU and XLA:GPU form them,
+    the latter in its ReduceScatterCreator pass; XLA:CPU does not, so the
+    whole partial result is all-reduced, then sliced).
+  reduce_in_f32: whether 16-bit float all-reduces run in float32, moving
+    twice their bytes (XLA:CPU does: its float normalization widens them).
+  fuses_shared_producers: whether a reduction's fusion recomputes a fusible
+    producer that other ops read too (XLA's instruction fusion on TPU and
+    GPU duplicates it). XLA:CPU's library reductions absorb only producers
+    no other op reads, so such a producer (a layer norm's broadcast scale,
+    shared by the forward and backward passes) gets a buffer of its own.
+  """
+
+  name: str
+  reduce_scatter: bool
+  reduce_in_f32: bool
+  fuses_shared_producers: bool
+
+
+XLA_TPU = Compiler("xla:tpu", reduce_scatter=True, reduce_in_f32=False,
+                   fuses_shared_producers=True)
+XLA_GPU = Compiler("xla:gpu", reduce_scatter=True, reduce_in_f32=False,
+                   fuses_shared_producers=True)
+XLA_CPU = Compiler("xla:cpu", reduce_scatter=False, reduce_in_f32=True,
+                   fuses_shared_producers=False)
+
+# Platform names as jax reports them (`Device.platform`), and the GPU
+# vendors' names for the one XLA:GPU backend.
+_BY_PLATFORM = types.MappingProxyType({
+    "tpu": XLA_TPU, "gpu": XLA_GPU, "cuda": XLA_GPU, "rocm": XLA_GPU, "cpu": XLA_CPU})
+PLATFORMS = tuple(_BY_PLATFORM)
+
+
+def compiler_for(platform: str) -> Compiler:
+  """XLA's backend for a platform: "tpu", "gpu" (or "cuda", "rocm"), "cpu"."""
+  if isinstance(platform, str) and platform.lower() in _BY_PLATFORM:
+    return _BY_PLATFORM[platform.lower()]
+  raise ValueError(
+      f"platform must be one of {sorted(_BY_PLATFORM)} (as jax's "
+      f"Device.platform names it), got {platform!r}.")
