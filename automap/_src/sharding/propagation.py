@@ -43,6 +43,8 @@ class _Tables(NamedTuple):
   vslot: np.ndarray
 
 
+# A cache keyed by the graph (immutable, hashed by identity): the search
+# builds a Propagator per program many times over.
 @functools.lru_cache(maxsize=4)
 def _tables(graph: Graph) -> _Tables:
   members = []

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import os
 import warnings
+import weakref
 from collections.abc import Sequence
 
 import jax
@@ -82,36 +83,41 @@ def load(path: str | None = None) -> LearnedPolicy | None:
   return policy
 
 
+def _read(path: str) -> bytes | None:
+  try:
+    with open(path, "rb") as f:
+      return f.read()
+  except OSError:
+    return None
+
+
 def digest(path: str | None = None) -> str:
   """The features schema and a digest of the weights file (or "missing"):
   what a plan searched with these weights depends on."""
-  path = DEFAULT_WEIGHTS if path is None else path
-  try:
-    with open(path, "rb") as f:
-      return f"{features_lib.SCHEMA}:{hashlib.sha256(f.read()).hexdigest()[:16]}"
-  except OSError:
+  data = _read(DEFAULT_WEIGHTS if path is None else path)
+  if data is None:
     return "missing"
+  return f"{features_lib.SCHEMA}:{hashlib.sha256(data).hexdigest()[:16]}"
 
 
-_LOADED: dict[tuple, LearnedPolicy | None] = {}
+@functools.lru_cache(maxsize=8)
+def _load_contents(path: str, sha256: str | None) -> LearnedPolicy | None:
+  """`load(path)` for one version of its contents (None: unreadable).
+  Keyed by the contents' digest, so a rewritten file is loaded anew."""
+  return load(path)
 
 
 def cached(path: str | None = None) -> LearnedPolicy | None:
-  """`load`, once per file version (path, size, modification time)."""
+  """`load`, once per weights file contents (path and SHA-256)."""
   path = DEFAULT_WEIGHTS if path is None else path
-  try:
-    stat = os.stat(path)
-    key = (path, stat.st_size, stat.st_mtime_ns)
-  except OSError:
-    key = (path, None, None)
-  if key not in _LOADED:
-    _LOADED[key] = load(path)
-  return _LOADED[key]
+  data = _read(path)
+  return _load_contents(path, None if data is None else hashlib.sha256(data).hexdigest())
 
 
 @functools.cache
 def network(width: int, rounds: int):
-  """The network's jitted apply(params, batch), one per architecture."""
+  """The network's jitted apply(params, batch), one per architecture (a
+  cache keyed by everything the network depends on)."""
   net = PolicyNet(width, rounds)
   return jax.jit(lambda params, batch: net.apply({"params": params}, batch))
 
@@ -124,8 +130,9 @@ class LearnedPolicy:
 
   def __init__(self, params, width: int, rounds: int):
     self.params, self.width, self.rounds = params, width, rounds
-    # The features of the program searched last: one program at a time.
-    self._featurizer: features_lib.Featurizer | None = None
+    # One featurizer per action space (built once per program searched),
+    # dropped with the space.
+    self._featurizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
   def check(self) -> None:
     """Raises if the parameters do not fit the network."""
@@ -140,9 +147,10 @@ class LearnedPolicy:
     return np.asarray(logits), float(value)
 
   def featurizer(self, space: ActionSpace) -> features_lib.Featurizer:
-    if self._featurizer is None or self._featurizer.space is not space:
-      self._featurizer = features_lib.Featurizer(space)
-    return self._featurizer
+    featurizer = self._featurizers.get(space)
+    if featurizer is None:
+      featurizer = self._featurizers[space] = features_lib.Featurizer(space)
+    return featurizer
 
   def priors(self, space: ActionSpace, state: State,
              actions: Sequence[Action]) -> np.ndarray:
