@@ -32,6 +32,7 @@ from quality import expert_states  # noqa: E402
 
 import automap  # noqa: E402
 from automap._src import api  # noqa: E402
+from automap._src.plan import build as plan_build  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
@@ -60,7 +61,7 @@ def plans(fn, args, mesh, ilp_seconds: float) -> dict:
   prog = api._program(fn, args, mesh, "cpu", None)
   states = expert_states(prog, ActionSpace(prog))
   for label in ("data parallel", "Megatron+DP"):
-    out[label] = prog.make_plan(states[label], {"strategy": label})
+    out[label] = plan_build.make_plan(prog, states[label], {"strategy": label})
   return out
 
 

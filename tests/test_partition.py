@@ -24,6 +24,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import automap
+from automap._src.plan import build
 
 
 @functools.cache
@@ -237,7 +238,7 @@ def test_scatter_max_and_min_combine_tiled_updates_by_an_all_reduce(reduce):
   g = program.graph
   (op,) = [o for o, p in enumerate(g.prims) if p.startswith("scatter")]
   assert not g.rules[op].replicated and any(g.rules[op].reduction)
-  plan = program.make_plan(program.state_from_specs([P("data"), P("data")]), {})
+  plan = build.make_plan(program, program.state_from_specs([P("data"), P("data")]), {})
   assert set(plan.cost.comm_bytes) == {("all-reduce", ("data",))}
   report = automap.verify(plan, fn, *args, mesh=m)
   assert report.comm_error < 0.05, report.table()

@@ -9,6 +9,7 @@ from helpers import gpt_step, megatron_specs, mesh, mlp
 from jax.sharding import PartitionSpec as P
 
 import automap
+from automap._src.plan import build
 
 
 def test_plan_round_trips_through_json(tmp_path):
@@ -155,7 +156,7 @@ def test_a_plan_reprices_as_searched_inside_scanned_and_rematerialised_layers():
                         hardware="tpu-v4", cache=False)
   assert plan.inferred  # the remat call's values
   program = Program.build(trace.trace(step, args), plan.mesh, plan.hardware)
-  again = Tracker(program.model, program.state_from_plan(plan)).cost()
+  again = Tracker(program.model, build.state_of(program, plan)).cost()
   assert again.step_time == pytest.approx(plan.cost.step_time, rel=1e-9)
   assert again.comm_bytes == pytest.approx(plan.cost.comm_bytes, rel=1e-9)
 
@@ -183,7 +184,7 @@ def test_results_of_a_sealed_call_are_pinned_where_it_returns_them():
   state = program.state_from_specs([P("data"), P(), P()])
   assert state[g.operands[relu][0], 0] == 0  # x @ w: edges tiled
   state[h] = -1  # relu's result whole: gathered before the scatter-add
-  plan = program.make_plan(state, {})
+  plan = build.make_plan(program, state, {})
   assert h in plan.constraints
   report = automap.verify(plan, fn, *args, mesh=m)
   assert report.comm_error < 0.05, report.table()

@@ -25,6 +25,7 @@ from random_programs import MESHES, RandomProgram, Step, random_programs
 import automap
 from automap._src.cost.hardware import CATALOGUE
 from automap._src.ir import trace as trace_lib
+from automap._src.plan import build
 from automap._src.search.program import Program
 from automap._src.sharding.mesh import MeshSpec
 
@@ -50,7 +51,7 @@ def random_state(fn, args, mesh, picks):
 
 def random_plan(fn, args, mesh, picks):
   program, state = random_state(fn, args, mesh, picks)
-  return program.make_plan(state, {})
+  return build.make_plan(program, state, {})
 
 
 def scanned_on_two_dims(program, state) -> bool:
@@ -65,7 +66,7 @@ def check(prog, mesh_shape, picks):
   fn, args = prog.function(), prog.args()
   mesh = jax.make_mesh(mesh_shape, ("a", "b", "c")[:len(mesh_shape)])
   program, state = random_state(fn, args, mesh, picks)
-  plan = program.make_plan(state, {})
+  plan = build.make_plan(program, state, {})
   report = automap.verify(plan, fn, *args, mesh=mesh)
   assert report.max_rel_error < NUMERICS, (prog, plan.explain(), report.table())
   if not scanned_on_two_dims(program, state):

@@ -8,6 +8,7 @@ from helpers import mesh, mlp
 from jax.sharding import PartitionSpec as P
 
 import automap
+from automap._src.plan import build
 from automap._src.run import verify
 
 X = (jnp.ones((16, 32)), jnp.ones((32, 64)), jnp.ones((64, 32)))
@@ -191,7 +192,7 @@ def test_sliced_gradient_reductions_hold_their_results():
   for action in (Tactic("data-parallel", (0, 1)), Tactic("megatron", (1,)),
                  Tactic("megatron", (0,))):
     space.apply(state, action)
-  plan = program.make_plan(state, {})
+  plan = build.make_plan(program, state, {})
   report = automap.verify(plan, step, *args, mesh=m)
   assert ("all-reduce", ("data", "model")) in plan.cost.comm_bytes
   assert report.comm_error < 0.05, report.table()

@@ -23,6 +23,7 @@ from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.cost.model import Cost
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace as trace_lib
+from automap._src.plan import build
 from automap._src.plan import cache as cache_lib
 from automap._src.plan.plan import Plan, PlanError
 from automap._src.run import apply as apply_lib
@@ -296,7 +297,7 @@ def _plan_of(program: Program, found: _Found, memory_limit: float | None) -> Pla
         "devices, or give a larger search budget.")
   stats = dict(found.stats, graph_values=program.graph.num_values,
                graph_ops=program.graph.num_ops)
-  plan = program.make_plan(found.state, stats, memory_limit)
+  plan = build.make_plan(program, found.state, stats, memory_limit)
   plan.timings.update(found.timings)
   return plan
 
@@ -440,7 +441,7 @@ def verify(plan: Plan, fn: Callable, *args, mesh=None,
                            reduce_in_f32=platform == "cpu",
                            fuses_shared_producers=platform != "cpu")
   program = Program.build(traced, plan.mesh, hw)
-  predicted = Tracker(program.model, program.state_from_plan(plan)).cost()
+  predicted = Tracker(program.model, build.state_of(program, plan)).cost()
   jitted = apply_lib.jit_with_plan(traced, mesh, plan)
   with jax.set_mesh(apply_lib.auto_mesh(mesh)):
     compiled = jitted.lower(*_abstract(args)).compile()

@@ -29,7 +29,7 @@ from automap._src.cluster.placement import Layer, LayerCost, LayerGraph, Placeme
 from automap._src.cost.hardware import Hardware
 from automap._src.ir import trace as trace_lib
 from automap._src.ir.naming import layer_of
-from automap._src.plan import report
+from automap._src.plan import build, report
 from automap._src.search.program import Program
 from automap._src.sharding.mesh import MeshSpec
 
@@ -257,7 +257,7 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
         state = search(program)
       if size == example:
         searched[t] = state
-        plan = program.make_plan(state, {})
+        plan = build.make_plan(program, state, {})
         specs[t] = {p: str(tuple(s)) for p, s in zip(plan.in_paths[:params_count],
                                                      plan.in_specs[:params_count])}
       programs[(size, t)] = (program, state)

@@ -4,7 +4,8 @@ A plan names its arguments by pytree path (`0/params/block_0/mlp/wi/kernel`).
 Export matches a user's own pytree (params, an optimizer state, a train
 state's field) against those paths and returns PartitionSpecs shaped like
 it, places arrays on the plan, or restates the plan as flax/MaxText-style
-logical-axis rules where the plan is expressible that way.
+logical-axis rules where the plan is expressible that way. Every `plan`
+argument is an `automap.Plan` (plan/plan.py, whose methods call these).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from automap._src.ir.trace import path_str
-from automap._src.plan.plan import Plan, PlanError
+from automap._src.plan.errors import PlanError
 
 # One mesh-axis assignment of an array dimension: None, an axis name, or a
 # tuple of axis names (as in a PartitionSpec entry).
@@ -34,7 +35,7 @@ def _join(prefix: str, path: str) -> str:
   return f"{prefix}/{path}" if path else prefix
 
 
-def _prefixes(plan: Plan, paths: list[str]) -> list[str]:
+def _prefixes(plan, paths: list[str]) -> list[str]:
   """Prefixes P of the plan's argument paths with P/p a plan path for every p."""
   have = set(plan.in_paths)
   first = paths[0]
@@ -48,7 +49,7 @@ def _prefixes(plan: Plan, paths: list[str]) -> list[str]:
   return list(dict.fromkeys(found))
 
 
-def _resolve(plan: Plan, paths: list[str], at: int | str | None, what: str) -> list[int]:
+def _resolve(plan, paths: list[str], at: int | str | None, what: str) -> list[int]:
   """Index into the plan's arguments of each of `paths`, under prefix `at`."""
   if not paths:
     raise PlanError(f"{what} has no leaves to match against the plan.")
@@ -84,7 +85,7 @@ def _resolve(plan: Plan, paths: list[str], at: int | str | None, what: str) -> l
   return [index[_join(prefix, p)] for p in paths]
 
 
-def specs(plan: Plan, tree, at: int | str | None = None):
+def specs(plan, tree, at: int | str | None = None):
   """PartitionSpecs for `tree`'s leaves, in `tree`'s structure.
 
   `tree` is one argument of the planned function, or a sub-tree of one (a
@@ -103,7 +104,7 @@ def specs(plan: Plan, tree, at: int | str | None = None):
   return jax.tree.unflatten(treedef, [plan.in_specs[i] for i in idx])
 
 
-def shard_like(tree, plan: Plan, mesh: Mesh | None = None, at: int | str | None = None):
+def shard_like(tree, plan, mesh: Mesh | None = None, at: int | str | None = None):
   """`tree` placed on the plan's shardings over `mesh` (default: a mesh of
   the plan's axis names and sizes over the local devices), as
   `jax.device_put` does."""
@@ -159,7 +160,7 @@ def _canonical(spec: PartitionSpec, rank: int) -> tuple[Axes, ...]:
   return tuple(_entry(spec, d) for d in range(rank))
 
 
-def logical_rules(plan: Plan, names, at: int | str | None = None) -> LogicalRules:
+def logical_rules(plan, names, at: int | str | None = None) -> LogicalRules:
   """The plan restated as logical-axis rules.
 
   `names` gives each parameter's logical dimension names: a pytree of

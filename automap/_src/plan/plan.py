@@ -21,14 +21,12 @@ from jax.sharding import PartitionSpec
 
 from automap._src.cost.hardware import Hardware
 from automap._src.cost.model import Cost
+from automap._src.plan import explain, export
+from automap._src.plan.errors import PlanError
 from automap._src.plan.report import LayerRow
 from automap._src.sharding.mesh import MeshSpec
 
 SCHEMA = "automap.plan/1"
-
-
-class PlanError(ValueError):
-  """A plan file that cannot be read or does not fit the program."""
 
 
 def spec_to_json(spec: PartitionSpec) -> list:
@@ -212,23 +210,19 @@ class Plan:
     """PartitionSpecs shaped like `tree`: one argument of the planned
     function (params, an optimizer state) or a sub-tree of one; `at` picks
     the argument by index or path prefix when the leaves alone don't."""
-    from automap._src.plan import export
     return export.specs(self, tree, at)
 
   def logical_rules(self, names, at: int | str | None = None):
     """The plan as flax/MaxText logical-axis rules, given each parameter's
     logical dimension names; a `LogicalRules` with the leaves they miss."""
-    from automap._src.plan import export
     return export.logical_rules(self, names, at)
 
   def explain(self) -> str:
     """A readable account: parameter layouts, collectives and cost."""
-    from automap._src.plan import explain
     return explain.explain(self)
 
   def plot(self, path: str | os.PathLike) -> None:
     """Writes a PNG of per-layer time and memory (needs matplotlib)."""
-    from automap._src.plan import explain
     explain.plot(self, path)
 
 

@@ -29,7 +29,7 @@ strategy and values in identical positions share their reshard terms, so
 repeated layers cost the solver one layer. A training step's carried state
 (a result under an argument's path, shape and dtype) comes back in the
 layout it came in: the next step reads it as it is. The solution becomes a
-state like any other, and `Program.make_plan` prices it with `Tracker`: the
+state like any other, and `plan.build.make_plan` prices it with `Tracker`: the
 figures a plan reports never come from the solver's model.
 
 Solved with OR-Tools CP-SAT; costs are integers in picoseconds and bytes.
