@@ -106,7 +106,7 @@ def test_memory_limit_forces_megatron():
 def test_optimum_matches_exhaustive_enumeration(limit):
   program = Program.build(trace.trace(mlp, mlp_args()), MeshSpec(("x",), (2,)),
                           HW)
-  result = ilp.solve(program, ilp.Settings(memory_limit=limit))
+  result = ilp.solve(program, ilp.SolverSettings(memory_limit=limit))
   tracker = Tracker(program.model, result.state)
   assert result.status == "optimal"
   assert tracker.step_time == pytest.approx(exhaustive_best(program, limit), rel=1e-9)
@@ -144,7 +144,7 @@ def test_solver_objective_is_the_cost_models_price_of_its_solution(shape, names)
   step, args = gpt_step(SMALL)
   program = Program.build(trace.trace(step, args), MeshSpec(names, shape),
                           automap.HARDWARE["cpu"])
-  result = ilp.solve(program, ilp.Settings(seconds=30))
+  result = ilp.solve(program, ilp.SolverSettings(seconds=30))
   assert result.status in ("optimal", "feasible")
   assert result.bound <= result.objective
   assert result.objective == pytest.approx(

@@ -161,7 +161,7 @@ def test_policy_guides_only_the_shallow_nodes(gpt_space):
 
   policy = Counting()
   search = mcts.Search(gpt_space.program, gpt_space, None, 0, policy=policy,
-                       settings=mcts.Settings(policy_depth=0))
+                       settings=mcts.MCTSSettings(policy_depth=0))
   search.run(100, 60.0)
   expanded = [n for n in search.table.values() if n.actions is not None]
   assert len(expanded) > 1

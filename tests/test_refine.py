@@ -58,7 +58,7 @@ def test_refinement_keeps_the_router_whole_beside_expert_parallel_weights():
   args = moe_args()
   program = program_of(moe_step, args, (8,))
   searched = mcts.Search(program, ActionSpace(program), None).run(200, 60)
-  optimum = ilp.solve(program, ilp.Settings(seconds=60))
+  optimum = ilp.solve(program, ilp.SolverSettings(seconds=60))
   assert optimum.status == "optimal"
   m = mesh((8,), ("data",))
   plan = automap.search(moe_step, *args, mesh=m, hardware="cpu",

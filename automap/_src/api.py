@@ -257,7 +257,7 @@ def _run_ilp(program: Program, space: ActionSpace, request: _Request) -> _Found:
   t0 = time.perf_counter()
   limit, budget = request.memory_limit, request.budget
   warm = _run_mcts(program, space, request, budget.seconds * _WARM_SHARE)
-  result = ilp.solve(program, ilp.Settings(
+  result = ilp.solve(program, ilp.SolverSettings(
       seconds=budget.seconds - (time.perf_counter() - t0), memory_limit=limit,
       seed=request.seed), hint=warm.state)
   timings = {"search": time.perf_counter() - t0, "warm_start": warm.timings["search"]}

@@ -82,7 +82,7 @@ class Strategy(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings:
+class SolverSettings:
   seconds: float = 60.0
   share: bool = True  # ops with identical neighbourhoods share a strategy
   memory_limit: float | None = None
@@ -91,7 +91,7 @@ class Settings:
 
 
 @dataclasses.dataclass
-class Result:
+class Solution:
   """state: the solution (None when the solver found none in time).
   status: "optimal", "feasible" (time ran out first), "infeasible" or
     "unknown" (time ran out before any solution).
@@ -130,7 +130,7 @@ def _layouts(shape: tuple[int, ...], sizes: tuple[int, ...]) -> list[Layout]:
   return out
 
 
-class _Pricer:
+class _StrategyPricer:
   """Prices strategies of ops and reshards of values with `CostModel`."""
 
   def __init__(self, program: Program):
@@ -262,12 +262,12 @@ class _Formulation:
   (recorded in `derived`, so a hint can set it too).
   """
 
-  def __init__(self, program: Program, settings: Settings):
+  def __init__(self, program: Program, settings: SolverSettings):
     self.program, self.settings = program, settings
     g = program.graph
     self.graph = g
     self.real = [a for a, size in enumerate(program.mesh.axis_sizes) if size > 1]
-    pricer = _Pricer(program)
+    pricer = _StrategyPricer(program)
     colour = colours(g) if settings.share else None
     self.cls = _op_classes(program, colour)
     reps = {}
@@ -464,7 +464,7 @@ class _Formulation:
       out.setdefault(s.makes[r], []).append(x)
     return out
 
-  def _reshards(self, v: int, n: int, pricer: _Pricer, terms: list) -> None:
+  def _reshards(self, v: int, n: int, pricer: _StrategyPricer, terms: list) -> None:
     if self.program.model.free[v]:
       return  # XLA makes it anew in each layout its readers want
     g, m = self.graph, self.model
@@ -619,8 +619,8 @@ def _chosen(solver: cp_model.CpSolver, xs: list) -> int:
   return next(i for i, x in enumerate(xs) if solver.BooleanValue(x))
 
 
-def solve(program: Program, settings: Settings = Settings(),
-          hint: State | None = None) -> Result:
+def solve(program: Program, settings: SolverSettings = SolverSettings(),
+          hint: State | None = None) -> Solution:
   """Solves the program's ILP, starting from `hint` if given (a good plan
   found otherwise); see the module docstring."""
   start = time.perf_counter()
@@ -644,7 +644,7 @@ def solve(program: Program, settings: Settings = Settings(),
     # Building the model may spend the budget: then the solver is not run.
     code = solver.Solve(form.model) if left > 0 else cp_model.UNKNOWN
     if code == cp_model.INFEASIBLE:
-      return Result(None, "infeasible", math.nan, math.nan, time.perf_counter() - start,
+      return Solution(None, "infeasible", math.nan, math.nan, time.perf_counter() - start,
                     rounds, len(form.x), form.variables, _least_memory(form, settings))
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
       break  # out of time: the last solution stands
@@ -660,12 +660,12 @@ def solve(program: Program, settings: Settings = Settings(),
     form.bound(point, limit)
   seconds = time.perf_counter() - start
   if found is None:
-    return Result(None, "unknown", math.nan, math.nan, seconds, rounds, len(form.x),
+    return Solution(None, "unknown", math.nan, math.nan, seconds, rounds, len(form.x),
                   form.variables)
-  return Result(*found, seconds, rounds, len(form.x), form.variables)
+  return Solution(*found, seconds, rounds, len(form.x), form.variables)
 
 
-def _least_memory(form: _Formulation, settings: Settings) -> tuple[float, int]:
+def _least_memory(form: _Formulation, settings: SolverSettings) -> tuple[float, int]:
   """The least peak, over the bounded points, that any choice of strategies
   reaches (bytes per device), and the point where it peaks."""
   probe = _Formulation(form.program, dataclasses.replace(settings, memory_limit=None))

@@ -68,7 +68,7 @@ _UNIFORM = UniformPolicy()
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings:
+class MCTSSettings:
   c_puct: float = 2.5
   noise: float = 0.0  # share of Dirichlet noise in the root's priors
   max_depth: int = 12
@@ -94,7 +94,7 @@ class Node:
 
 
 @dataclasses.dataclass
-class Result:
+class MCTSResult:
   state: State
   score: Score
   path: tuple[Action, ...]
@@ -116,7 +116,7 @@ class Search:
 
   def __init__(self, program: Program, space: ActionSpace,
                memory_limit: float | None, seed: int = 0,
-               policy: Policy | None = None, settings: Settings = Settings()):
+               policy: Policy | None = None, settings: MCTSSettings = MCTSSettings()):
     self.program, self.space = program, space
     self.memory_limit = memory_limit
     self.policy = policy or UniformPolicy()
@@ -242,7 +242,7 @@ class Search:
     self.episodes += 1
 
   def run(self, episodes: int, seconds: float,
-          progress: Callable[[Search], None] | None = None) -> Result:
+          progress: Callable[[Search], None] | None = None) -> MCTSResult:
     """Runs episodes until `episodes` in all or `seconds` since the search
     was made; `progress` is called after each."""
     deadline = self.t0 + seconds
@@ -250,7 +250,7 @@ class Search:
       self.episode()
       if progress is not None:
         progress(self)
-    return Result(self.best.state, self.best.score, self.best.path, self.episodes,
+    return MCTSResult(self.best.state, self.best.score, self.best.path, self.episodes,
                   self.episode_of_best, self.evaluations, len(self.table),
                   time.perf_counter() - self.t0, self.seconds_to_best)
 

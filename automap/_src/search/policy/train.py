@@ -65,7 +65,7 @@ def examples_of(sample: synthetic.Sample, episodes: int, seed: int) -> list[Exam
   space = ActionSpace(program)
   # Wide: every action of a node is tried before any is deepened much, so
   # the targets see all of them, not only those first in widening order.
-  search = mcts.Search(program, space, None, seed, settings=mcts.Settings(widen=_WIDEN))
+  search = mcts.Search(program, space, None, seed, settings=mcts.MCTSSettings(widen=_WIDEN))
   search.run(episodes, 300.0)
   featurize = Featurizer(space)
   out = []
