@@ -140,7 +140,7 @@ class Search:
       return -over / (self.memory_limit or 1.0)
     return self.reference / max(seconds, 1e-30)
 
-  def _goto(self, target: State) -> None:
+  def _move_to(self, target: State) -> None:
     """Moves the working state (and its running cost) to `target`."""
     diff = np.flatnonzero((self.state != target).any(axis=1))
     if len(diff):
@@ -191,7 +191,7 @@ class Search:
     """Applies the edge's action to the parent's state; the node reached
     (None when the action changes nothing)."""
     action = parent.actions[edge]
-    self._goto(parent.state)
+    self._move_to(parent.state)
     changed = self.space.apply(self.state, action)
     self.tracker.update(changed)
     self.evaluations += 1

@@ -78,8 +78,8 @@ class Refiner:
       self.class_of[members] = i
     self.axes = [a for a, s in enumerate(program.mesh.axis_sizes) if s > 1]
 
-  def _talking(self, tracker: Tracker) -> np.ndarray:
-    """The classes of the movable values next to an op that talks."""
+  def _classes_by_collectives(self, tracker: Tracker) -> np.ndarray:
+    """The classes of the movable values next to an op with collectives."""
     g = self.program.graph
     values = {v for o in tracker.talking_ops().tolist()
               for v in g.operands[o] + g.results[o] if v >= 0}
@@ -131,7 +131,7 @@ class Refiner:
     improved = True
     while improved and time.perf_counter() < deadline and self.tried < tries:
       improved = False
-      for c in self._talking(tracker).tolist():
+      for c in self._classes_by_collectives(tracker).tolist():
         members = self.classes[c][self.movable[self.classes[c]]]
         for a in self.axes if len(members) else ():
           best, best_move = score, None
