@@ -15,7 +15,7 @@ from automap._src.api import flat_specs
 from automap._src.cost import analysis, collectives, compiler, hardware
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace
-from automap._src.run import verify
+from automap._src.run import compiled as hlo
 from automap._src.search import program
 from automap._src.sharding.mesh import MeshSpec
 from automap._src.sharding.state import set_spec
@@ -36,7 +36,7 @@ def test_megatron_dp_prediction_matches_the_formula_and_xla():
   shardings = jax.tree.map(lambda p: NamedSharding(m, p), specs,
                            is_leaf=lambda x: isinstance(x, P))
   compiled = jax.jit(step, in_shardings=shardings).lower(*args).compile()
-  found = verify.summarize(verify.collectives(compiled.as_text(), m))
+  found = hlo.summarize(hlo.collectives(compiled.as_text(), m))
   for key, predicted in c.comm_bytes.items():
     assert found.get(key, 0) == pytest.approx(predicted, rel=0.05), key
   assert set(found) == set(c.comm_bytes)
@@ -132,7 +132,7 @@ def test_cpu_reductions_store_the_producers_they_share():
                                     hardware=cpu).peak_memory
   shardings = jax.tree.map(lambda p: NamedSharding(m, p), specs,
                            is_leaf=lambda x: isinstance(x, P))
-  compiled, _ = verify.compiled_memory(
+  compiled, _ = hlo.compiled_memory(
       jax.jit(fn, in_shardings=shardings).lower(*grads_args).compile())
   assert abs(shared - compiled) < 0.1 * compiled
   assert fused < 0.85 * compiled
@@ -181,7 +181,7 @@ def test_reshards_move_axes_as_xla_does(have, want):
                for k, mask, b, *_ in comms}
   f = jax.jit(lambda x: x * 2, in_shardings=NamedSharding(m, have),
               out_shardings=NamedSharding(m, want))
-  assert verify.summarize(verify.collectives(f.lower(x).compile().as_text(), m)) == predicted
+  assert hlo.summarize(hlo.collectives(f.lower(x).compile().as_text(), m)) == predicted
 
 
 def test_cpu_library_reductions_take_in_no_gather():

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 import automap
 from automap._src.plan import build
-from automap._src.run import verify
+from automap._src.run import compiled as hlo
 
 X = (jnp.ones((16, 32)), jnp.ones((32, 64)), jnp.ones((64, 32)))
 
@@ -111,7 +111,7 @@ def test_numpy_scalar_arguments_still_get_numerics_checked():
 def test_async_collectives_count_their_result_only():
   line = ("%ags = (f32[4,8]{1,0}, f32[16,8]{1,0}) all-gather-start(%p), "
           "replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}")
-  (c,) = verify.collectives(line, mesh((4, 2)))
+  (c,) = hlo.collectives(line, mesh((4, 2)))
   assert (c.kind, c.nbytes, c.axes) == ("all-gather", 16 * 8 * 4, ("data",))
 
 

@@ -4,13 +4,14 @@ import jax
 from helpers import mesh
 
 import automap
+from automap._src.run import compiled as hlo
 from automap._src.run import verify
 
 M = mesh((4, 2))
 
 
 def parse(line):
-  (c,) = verify.collectives(line, M)
+  (c,) = hlo.collectives(line, M)
   return c
 
 
@@ -45,7 +46,7 @@ def test_compiled_program_round_trip():
   f = jax.jit(lambda x: x.sum(0), in_shardings=jax.sharding.NamedSharding(
       M, jax.sharding.PartitionSpec("data")))
   text = f.lower(jax.numpy.ones((8, 4))).compile().as_text()
-  found = verify.collectives(text, M)
+  found = hlo.collectives(text, M)
   assert [c.axes for c in found] == [("data",)]
 
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 from rich import progress as progress_lib
 
@@ -25,7 +24,7 @@ from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace as trace_lib
 from automap._src.plan import build
 from automap._src.plan import cache as cache_lib
-from automap._src.plan.plan import Plan, PlanError
+from automap._src.plan.plan import Plan
 from automap._src.run import apply as apply_lib
 from automap._src.run import verify as verify_lib
 from automap._src.search import ilp, mcts, refine
@@ -381,14 +380,6 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
   return _plan_of(*best, request.memory_limit)
 
 
-def _abstract(args: tuple) -> tuple:
-  """`args` as ShapeDtypeStructs, for `lower`: jit refuses host (numpy)
-  arguments whose shardings span devices of other processes."""
-  _, tree, _, avals = trace_lib.flatten_args(args)
-  return jax.tree.unflatten(tree, [
-      jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals])
-
-
 def _is_spec_leaf(x) -> bool:
   return x is None or isinstance(x, (PartitionSpec, NamedSharding))
 
@@ -427,43 +418,7 @@ def verify(plan: Plan, fn: Callable, *args, mesh=None,
   The prediction is re-priced for the platform compiled on (XLA:CPU, for one,
   never forms reduce-scatters), so it is comparable with what XLA emitted.
   """
-  traced = trace_lib.trace(fn, args)
-  if traced.fingerprint() != plan.fingerprint:
-    raise PlanError(
-        "the plan was made for a different program (fingerprint "
-        f"{plan.fingerprint}, this one {traced.fingerprint()}); search again.")
-  mesh = mesh if mesh is not None else jax.make_mesh(
-      plan.mesh.axis_sizes, plan.mesh.axis_names)
-  if MeshSpec.of(mesh) != plan.mesh:
-    raise MeshError(f"mesh {MeshSpec.of(mesh)} differs from the plan's {plan.mesh}.")
-  platform = mesh.devices.flat[0].platform
-  hw = dataclasses.replace(plan.hardware, reduce_scatter=platform != "cpu",
-                           reduce_in_f32=platform == "cpu",
-                           fuses_shared_producers=platform != "cpu")
-  program = Program.build(traced, plan.mesh, hw)
-  predicted = Tracker(program.model, build.state_of(program, plan)).cost()
-  jitted = apply_lib.jit_with_plan(traced, mesh, plan)
-  with jax.set_mesh(apply_lib.auto_mesh(mesh)):
-    compiled = jitted.lower(*_abstract(args)).compile()
-  found = verify_lib.collectives(compiled.as_text(), mesh)
-  memory, stats = verify_lib.compiled_memory(compiled)
-  max_abs = max_rel = worst = None
-  concrete = all(isinstance(x, (jax.Array, np.ndarray, np.generic, int, float,
-                                complex)) for x in jax.tree.leaves(args))
-  if check_numerics and concrete:
-    expected = jax.jit(fn)(*args)
-    with jax.set_mesh(apply_lib.auto_mesh(mesh)):
-      placed = jax.device_put(
-          args, apply_lib.plan_shardings(mesh, plan.in_specs, traced.in_tree))
-      actual = jitted(*placed)
-    if not all(x.is_fully_addressable for x in jax.tree.leaves(actual)):
-      # The mesh spans processes: every process compares the whole result.
-      actual = multihost_utils.process_allgather(actual, tiled=True)
-    max_abs, max_rel, worst = verify_lib.worst_error(verify_lib.leaf_errors(expected, actual))
-  return verify_lib.Report(
-      predicted=predicted, compiled_comm_bytes=verify_lib.summarize(found),
-      collectives=tuple(found), compiled_memory=memory, memory_stats=stats,
-      max_abs_error=max_abs, max_rel_error=max_rel, worst_leaf=worst)
+  return verify_lib.verify(plan, fn, args, mesh, check_numerics)
 
 
 @dataclasses.dataclass
@@ -568,7 +523,7 @@ class Partitioned:
     args, fn = self._positional(args, kwargs)
     entry = self._entry(args, fn)  # Traced outside the mesh context, like calls.
     with jax.set_mesh(self._auto):
-      return entry.jitted.lower(*_abstract(args))
+      return entry.jitted.lower(*apply_lib.abstract_args(args))
 
   def verify(self, *args, check_numerics: bool = True, **kwargs) -> verify_lib.Report:
     """`automap.verify` of the plan for these arguments (planned first if

@@ -21,6 +21,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from automap._src.ir import graph as graph_lib
+from automap._src.ir import trace as trace_lib
 from automap._src.ir.graph import Step, Walk
 from automap._src.ir.trace import Traced
 
@@ -120,3 +121,11 @@ def jit_with_plan(traced: Traced, mesh: Mesh, plan,
                     plan.natural)
   return jax.jit(run, in_shardings=tuple(in_shardings),
                  out_shardings=out_shardings, donate_argnums=donate_argnums)
+
+
+def abstract_args(args: tuple) -> tuple:
+  """`args` as ShapeDtypeStructs, for `lower`: jit refuses host (numpy)
+  arguments whose shardings span devices of other processes."""
+  _, tree, _, avals = trace_lib.flatten_args(args)
+  return jax.tree.unflatten(tree, [
+      jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals])

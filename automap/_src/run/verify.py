@@ -1,135 +1,31 @@
 """Verify: what XLA actually compiled, next to what the cost model predicted.
 
-Reads the collectives of the compiled, partitioned HLO (kind, result bytes,
-replica groups mapped back to mesh axes), its `memory_analysis()`, and runs
-the partitioned and unpartitioned functions to compare numerics.
+Compiles a plan, reads its collectives and `memory_analysis()`
+(`run/compiled.py`), prices the plan again for the platform compiled on,
+and runs the partitioned and unpartitioned functions to compare numerics.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
-from automap._src.cost.model import KINDS, Cost
-
-_COLLECTIVE = re.compile(
-    r"\s(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|"
-    r"collective-permute)(?:-start)?\(")
-_ARRAY = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
-_GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
-_GROUPS_IOTA = re.compile(
-    r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
-# Shardy's form: replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'b'}
-_GROUPS_MESH = re.compile(
-    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((?:\[([0-9,]+)\]"
-    r"(?:T\(([0-9,]+)\))?|([0-9,]+))\))?\s*\{([^}]*)\}")
-_PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
-                "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
-                "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-  """One collective of the compiled program, per device.
-
-  kind: all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute.
-  nbytes: bytes of its result on one device.
-  axes: mesh axes its replica groups span.
-  """
-
-  kind: str
-  nbytes: int
-  axes: tuple[str, ...]
-  line: str
-
-
-def _shape_bytes(text: str) -> int:
-  total = 0
-  for dtype, dims in _ARRAY.findall(text):
-    n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-    total += n * _DTYPE_BYTES.get(dtype, 4)
-  return total
-
-
-def _iota(shape: str, transpose: str | None) -> np.ndarray:
-  dims = [int(x) for x in shape.split(",")]
-  ids = np.arange(int(np.prod(dims))).reshape(dims)
-  return ids.transpose([int(x) for x in transpose.split(",")]) if transpose else ids
-
-
-def _groups(line: str) -> list[list[int]]:
-  m = _GROUPS_MESH.search(line)
-  if m:
-    axes = re.findall(r"'([^']*)'=([0-9]+)", m.group(1))
-    names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
-    if m.group(2):
-      ids = _iota(m.group(2), m.group(3))
-    elif m.group(4):
-      ids = np.array([int(x) for x in m.group(4).split(",")])
-    else:  # Devices in mesh order.
-      ids = np.arange(int(np.prod(sizes)))
-    ids = ids.reshape(sizes)
-    grouped = [names.index(n) for n in re.findall(r"'([^']*)'", m.group(5))]
-    rest = [i for i in range(len(names)) if i not in grouped]
-    size = int(np.prod([sizes[i] for i in grouped])) if grouped else 1
-    return ids.transpose(rest + grouped).reshape(-1, size).tolist()
-  m = _GROUPS_IOTA.search(line)
-  if m:
-    shape = [int(x) for x in m.group(1).split(",")]
-    return _iota(m.group(2), m.group(3)).reshape(shape).tolist()
-  m = _GROUPS_LIST.search(line)
-  if m and m.group(1):
-    return [[int(x) for x in g.split(",") if x]
-            for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
-  m = _PAIRS.search(line)
-  if m:
-    return [[int(x) for x in g.split(",") if x]
-            for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
-  return []
-
-
-def _axes_of_groups(groups: list[list[int]], mesh) -> tuple[str, ...]:
-  """Mesh axes along which the members of a replica group differ."""
-  shape = tuple(mesh.devices.shape)
-  if not groups:  # One group of every device.
-    return tuple(n for n, s in zip(mesh.axis_names, shape) if s > 1)
-  varying = np.zeros(len(shape), bool)
-  for group in groups:
-    coords = np.array([np.unravel_index(i, shape) for i in group])
-    if len(coords) > 1:
-      varying |= (coords != coords[0]).any(axis=0)
-  return tuple(n for n, v in zip(mesh.axis_names, varying) if v)
-
-
-def collectives(hlo_text: str, mesh) -> list[Collective]:
-  """Every collective in compiled HLO text, with its mesh axes."""
-  found = []
-  for line in hlo_text.splitlines():
-    m = _COLLECTIVE.search(line)
-    if not m or "=" not in line[:m.start()]:
-      continue
-    shape = line[:m.start()].split("=", 1)[1]  # "%name = <shape> kind(...)"
-    if m.group(0).endswith("-start(") and m.group("kind") != "all-reduce":
-      # Async all-gather / permute / ...: (operand, result, [contexts]).
-      arrays = _ARRAY.findall(shape)
-      shape = "{}[{}]".format(*arrays[1]) if len(arrays) > 1 else shape
-    found.append(Collective(m.group("kind"), _shape_bytes(shape),
-                            _axes_of_groups(_groups(line), mesh), line.strip()))
-  return found
-
-
-def summarize(found: list[Collective]) -> dict[tuple[str, tuple[str, ...]], float]:
-  out: dict[tuple[str, tuple[str, ...]], float] = {}
-  for c in found:
-    out[(c.kind, c.axes)] = out.get((c.kind, c.axes), 0) + c.nbytes
-  return out
+from automap._src.cost.model import KINDS, Cost, Tracker
+from automap._src.ir import trace as trace_lib
+from automap._src.plan import build
+from automap._src.plan.errors import PlanError
+from automap._src.plan.plan import Plan
+from automap._src.run import apply as apply_lib
+from automap._src.run.compiled import Collective, collectives, compiled_memory, summarize
+from automap._src.search.program import Program
+from automap._src.sharding.mesh import MeshError, MeshSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,15 +86,6 @@ class Report:
     return "\n".join(rows)
 
 
-def compiled_memory(compiled) -> tuple[float, Any]:
-  stats = compiled.memory_analysis()
-  if stats is None:
-    return float("nan"), None
-  total = (stats.argument_size_in_bytes + stats.output_size_in_bytes
-           - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
-  return float(total), stats
-
-
 def leaf_errors(expected, actual) -> list[tuple[str, float, float]]:
   """(path, max abs error, relative error) of each output leaf.
 
@@ -255,3 +142,49 @@ def worst_error(errors: list[tuple[str, float, float]]) -> tuple[float, float, s
 def compare_numerics(expected, actual) -> tuple[float, float]:
   """Max abs and relative error over the output leaves (`leaf_errors`)."""
   return worst_error(leaf_errors(expected, actual))[:2]
+
+
+def verify(plan: Plan, fn: Callable, args: tuple, mesh=None,
+           check_numerics: bool = True) -> Report:
+  """Compiles `plan` for `fn(*args)`; compares collectives, memory, numerics.
+
+  The prediction is re-priced for the platform compiled on (XLA:CPU, for one,
+  never forms reduce-scatters), so it is comparable with what XLA emitted.
+  """
+  traced = trace_lib.trace(fn, args)
+  if traced.fingerprint() != plan.fingerprint:
+    raise PlanError(
+        "the plan was made for a different program (fingerprint "
+        f"{plan.fingerprint}, this one {traced.fingerprint()}); search again.")
+  mesh = mesh if mesh is not None else jax.make_mesh(
+      plan.mesh.axis_sizes, plan.mesh.axis_names)
+  if MeshSpec.of(mesh) != plan.mesh:
+    raise MeshError(f"mesh {MeshSpec.of(mesh)} differs from the plan's {plan.mesh}.")
+  platform = mesh.devices.flat[0].platform
+  hw = dataclasses.replace(plan.hardware, reduce_scatter=platform != "cpu",
+                           reduce_in_f32=platform == "cpu",
+                           fuses_shared_producers=platform != "cpu")
+  program = Program.build(traced, plan.mesh, hw)
+  predicted = Tracker(program.model, build.state_of(program, plan)).cost()
+  jitted = apply_lib.jit_with_plan(traced, mesh, plan)
+  with jax.set_mesh(apply_lib.auto_mesh(mesh)):
+    compiled = jitted.lower(*apply_lib.abstract_args(args)).compile()
+  found = collectives(compiled.as_text(), mesh)
+  memory, stats = compiled_memory(compiled)
+  max_abs = max_rel = worst = None
+  concrete = all(isinstance(x, (jax.Array, np.ndarray, np.generic, int, float,
+                                complex)) for x in jax.tree.leaves(args))
+  if check_numerics and concrete:
+    expected = jax.jit(fn)(*args)
+    with jax.set_mesh(apply_lib.auto_mesh(mesh)):
+      placed = jax.device_put(
+          args, apply_lib.plan_shardings(mesh, plan.in_specs, traced.in_tree))
+      actual = jitted(*placed)
+    if not all(x.is_fully_addressable for x in jax.tree.leaves(actual)):
+      # The mesh spans processes: every process compares the whole result.
+      actual = multihost_utils.process_allgather(actual, tiled=True)
+    max_abs, max_rel, worst = worst_error(leaf_errors(expected, actual))
+  return Report(
+      predicted=predicted, compiled_comm_bytes=summarize(found),
+      collectives=tuple(found), compiled_memory=memory, memory_stats=stats,
+      max_abs_error=max_abs, max_rel_error=max_rel, worst_leaf=worst)

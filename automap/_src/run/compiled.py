@@ -1,0 +1,133 @@
+"""What XLA compiled: the collectives of the partitioned HLO (kind, result
+bytes, replica groups mapped back to mesh axes) and its `memory_analysis()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import numpy as np
+
+_COLLECTIVE = re.compile(
+    r"\s(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|"
+    r"collective-permute)(?:-start)?\(")
+_ARRAY = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
+_GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
+_GROUPS_IOTA = re.compile(
+    r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+# Shardy's form: replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'b'}
+_GROUPS_MESH = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((?:\[([0-9,]+)\]"
+    r"(?:T\(([0-9,]+)\))?|([0-9,]+))\))?\s*\{([^}]*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
+                "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
+                "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective of the compiled program, per device.
+
+  kind: all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute.
+  nbytes: bytes of its result on one device.
+  axes: mesh axes its replica groups span.
+  """
+
+  kind: str
+  nbytes: int
+  axes: tuple[str, ...]
+  line: str
+
+
+def _shape_bytes(text: str) -> int:
+  total = 0
+  for dtype, dims in _ARRAY.findall(text):
+    n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+    total += n * _DTYPE_BYTES.get(dtype, 4)
+  return total
+
+
+def _iota(shape: str, transpose: str | None) -> np.ndarray:
+  dims = [int(x) for x in shape.split(",")]
+  ids = np.arange(int(np.prod(dims))).reshape(dims)
+  return ids.transpose([int(x) for x in transpose.split(",")]) if transpose else ids
+
+
+def _groups(line: str) -> list[list[int]]:
+  m = _GROUPS_MESH.search(line)
+  if m:
+    axes = re.findall(r"'([^']*)'=([0-9]+)", m.group(1))
+    names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
+    if m.group(2):
+      ids = _iota(m.group(2), m.group(3))
+    elif m.group(4):
+      ids = np.array([int(x) for x in m.group(4).split(",")])
+    else:  # Devices in mesh order.
+      ids = np.arange(int(np.prod(sizes)))
+    ids = ids.reshape(sizes)
+    grouped = [names.index(n) for n in re.findall(r"'([^']*)'", m.group(5))]
+    rest = [i for i in range(len(names)) if i not in grouped]
+    size = int(np.prod([sizes[i] for i in grouped])) if grouped else 1
+    return ids.transpose(rest + grouped).reshape(-1, size).tolist()
+  m = _GROUPS_IOTA.search(line)
+  if m:
+    shape = [int(x) for x in m.group(1).split(",")]
+    return _iota(m.group(2), m.group(3)).reshape(shape).tolist()
+  m = _GROUPS_LIST.search(line)
+  if m and m.group(1):
+    return [[int(x) for x in g.split(",") if x]
+            for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+  m = _PAIRS.search(line)
+  if m:
+    return [[int(x) for x in g.split(",") if x]
+            for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+  return []
+
+
+def _axes_of_groups(groups: list[list[int]], mesh) -> tuple[str, ...]:
+  """Mesh axes along which the members of a replica group differ."""
+  shape = tuple(mesh.devices.shape)
+  if not groups:  # One group of every device.
+    return tuple(n for n, s in zip(mesh.axis_names, shape) if s > 1)
+  varying = np.zeros(len(shape), bool)
+  for group in groups:
+    coords = np.array([np.unravel_index(i, shape) for i in group])
+    if len(coords) > 1:
+      varying |= (coords != coords[0]).any(axis=0)
+  return tuple(n for n, v in zip(mesh.axis_names, varying) if v)
+
+
+def collectives(hlo_text: str, mesh) -> list[Collective]:
+  """Every collective in compiled HLO text, with its mesh axes."""
+  found = []
+  for line in hlo_text.splitlines():
+    m = _COLLECTIVE.search(line)
+    if not m or "=" not in line[:m.start()]:
+      continue
+    shape = line[:m.start()].split("=", 1)[1]  # "%name = <shape> kind(...)"
+    if m.group(0).endswith("-start(") and m.group("kind") != "all-reduce":
+      # Async all-gather / permute / ...: (operand, result, [contexts]).
+      arrays = _ARRAY.findall(shape)
+      shape = "{}[{}]".format(*arrays[1]) if len(arrays) > 1 else shape
+    found.append(Collective(m.group("kind"), _shape_bytes(shape),
+                            _axes_of_groups(_groups(line), mesh), line.strip()))
+  return found
+
+
+def summarize(found: list[Collective]) -> dict[tuple[str, tuple[str, ...]], float]:
+  out: dict[tuple[str, tuple[str, ...]], float] = {}
+  for c in found:
+    out[(c.kind, c.axes)] = out.get((c.kind, c.axes), 0) + c.nbytes
+  return out
+
+
+def compiled_memory(compiled) -> tuple[float, Any]:
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return float("nan"), None
+  total = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+           - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+  return float(total), stats
