@@ -38,19 +38,17 @@ Solved with OR-Tools CP-SAT; costs are integers in picoseconds and bytes.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 import numpy as np
 from ortools.sat.python import cp_model
 
-from automap._src.cost.model import CostModel, OpCost
 from automap._src.cost.tracker import Tracker
 from automap._src.ir.groups import colours
 from automap._src.search.program import Program
+from automap._src.search.strategies import Layout, StrategyPricer, layouts, op_classes
 from automap._src.sharding.state import UNSHARDED, State, empty_state
 
 PICOSECONDS = 1e12
@@ -59,27 +57,6 @@ PICOSECONDS = 1e12
 _MEMORY_ROUNDS = 8
 # Points where the unsharded program peaks, bounded from the first round.
 _FIRST_POINTS = 4
-
-Layout = tuple[int, ...]  # per mesh axis, the dim it tiles or UNSHARDED
-
-
-class Strategy(NamedTuple):
-  """How one op computes.
-
-  factors: per mesh axis, the factor of the op's rule it tiles (UNSHARDED: none).
-  wants: per operand, the layout the op reads it in (None: a literal).
-  makes: per result, the layout the op makes it in.
-  seconds: compute plus result collectives, the latency of combinable
-    (late) collectives left out.
-  late: (kind, axes mask) of the combinable collectives it emits.
-  """
-
-  factors: Layout
-  wants: tuple[Layout | None, ...]
-  makes: tuple[Layout, ...]
-  seconds: float
-  late: tuple[tuple[int, int], ...]
-
 
 @dataclasses.dataclass(frozen=True)
 class SolverSettings:
@@ -113,147 +90,6 @@ class Solution:
   least_memory: tuple[float, int] | None = None
 
 
-def _layouts(shape: tuple[int, ...], sizes: tuple[int, ...]) -> list[Layout]:
-  """Every layout of an array of `shape`: per axis a dim or none, each dim
-  divisible by the tiles it is cut into."""
-  real = [a for a, s in enumerate(sizes) if s > 1]
-  out = []
-  for dims in itertools.product(range(-1, len(shape)), repeat=len(real)):
-    row = [UNSHARDED] * len(sizes)
-    tiles = [1] * len(shape)
-    for a, d in zip(real, dims):
-      row[a] = d
-      if d >= 0:
-        tiles[d] *= sizes[a]
-    if all(n % t == 0 for n, t in zip(shape, tiles)):
-      out.append(tuple(row))
-  return out
-
-
-class _StrategyPricer:
-  """Prices strategies of ops and reshards of values with `CostModel`."""
-
-  def __init__(self, program: Program):
-    self.program = program
-    self.model: CostModel = program.model
-    self.graph = program.graph
-    self.sizes = program.mesh.axis_sizes
-    self.scratch = np.full((self.graph.num_values, len(self.sizes)), UNSHARDED, np.int8)
-    self.reshard_steps: dict[tuple, tuple] = {}
-    self.costs: dict[tuple, OpCost] = {}  # (op class, member layouts) -> cost
-
-  def strategies(self, o: int) -> list[Strategy]:
-    """The strategies of op o that `CostModel` prices as they are (its
-    derived layout is the strategy's, no operand resharded within)."""
-    g, sizes = self.graph, self.sizes
-    rule = g.rules[o]
-    real = [a for a, s in enumerate(sizes) if s > 1]
-    choices = [range(-1, len(rule.sizes))] * len(real)
-    if rule.replicated or not rule.sizes:
-      choices = [[-1]] * len(real)
-    results = g.results[o]
-    out = []
-    for picks in itertools.product(*choices):
-      factors = [UNSHARDED] * len(sizes)
-      tiles = [1] * len(rule.sizes)
-      for a, f in zip(real, picks):
-        factors[a] = f
-        if f >= 0:
-          tiles[f] *= sizes[a]
-      if any(n % t for n, t in zip(rule.sizes, tiles)):
-        continue
-      reducing = [a for a in real if factors[a] >= 0 and rule.reduction[factors[a]]]
-      # Each reducing axis all-reduces (-1) or scatters into a result dim.
-      options = [[-1] for _ in reducing]
-      if len(results) == 1 and results[0] >= 0:
-        dims = rule.results[0]
-        # Any dim with a factor, even one another axis tiles too (the
-        # cost model checks the nesting).
-        free = [d for d in range(len(dims)) if dims[d] >= 0]
-        options = [[-1] + free for _ in reducing]
-      for scatter in itertools.product(*options):
-        s = self._price(o, tuple(factors), dict(zip(reducing, scatter)))
-        if s is not None:
-          out.append(s)
-    return out
-
-  def _price(self, o: int, factors: Layout, scatter: dict[int, int]) -> Strategy | None:
-    g, model, state = self.graph, self.model, self.scratch
-    rule = g.rules[o]
-    wants: list[Layout | None] = []
-    for v, dims in zip(g.operands[o], rule.operands):
-      if v < 0 or dims is None:
-        wants.append(None)
-        continue
-      wants.append(tuple(dims.index(f) if f >= 0 and f in dims else UNSHARDED
-                         for f in factors))
-    makes = []
-    for r in range(len(g.results[o])):
-      dims = rule.results[r]
-      makes.append(tuple(scatter.get(a, -1) if f >= 0 and rule.reduction[f] else
-                         (dims.index(f) if f >= 0 and f in dims else UNSHARDED)
-                         for a, f in enumerate(factors)))
-    members = [(v, w) for v, w in zip(g.operands[o], wants) if w is not None]
-    members += [(v, m) for v, m in zip(g.results[o], makes) if v >= 0]
-    layout: dict[int, Layout] = {}
-    for v, row in members:
-      if layout.setdefault(v, row) != row:
-        return None  # one value read in two layouts at once
-    for v, row in layout.items():
-      tiles = [1] * g.rank(v)
-      for a, d in enumerate(row):
-        if d >= 0:
-          tiles[d] *= self.sizes[a]
-      if any(n % t for n, t in zip(g.shapes[v], tiles)):
-        return None
-      state[v] = row
-    try:
-      derived = model.layout(state, o)[0]
-      key = (int(model.op_class[o]), tuple(row for _, row in members))
-      cost = self.costs.get(key)
-      if cost is None:
-        cost = self.costs[key] = model.price(state, o)
-    finally:
-      state[list(layout)] = UNSHARDED
-    if tuple(derived) != factors or cost.reshards:
-      return None
-    seconds, late = cost.time, []
-    for kind, mask, _, sec, position, _ in cost.comms:
-      if position >= 0:
-        return None  # a result the op cannot make in its own layout
-      if model.late[o]:  # combined with its kind's other late collectives
-        sec -= model.latency[kind, mask]
-        late.append((kind, mask))
-      seconds += sec
-    return Strategy(factors, tuple(wants), tuple(makes), seconds, tuple(late))
-
-  def steps(self, nbytes: int, have: Layout, want: Layout) -> tuple:
-    """The collectives that reshard an array of `nbytes` from `have` to
-    `want`: ((kind, axes mask, layout after), seconds) each, one run. Readers
-    of one value whose reshards pass through the same step share it."""
-    key = (nbytes, have, want)
-    steps = self.reshard_steps.get(key)
-    if steps is None:
-      tiles = math.prod(s for s, d in zip(self.sizes, have) if d >= 0)
-      comms: list = []
-      self.model.transition(comms, have, want, nbytes / tiles, 0)
-      steps = self.reshard_steps[key] = tuple(((k, m, t), sec) for k, m, _, sec, _, t in comms)
-    return steps
-
-
-def _op_classes(program: Program, colour: np.ndarray | None) -> np.ndarray:
-  """[O] class of each op: ops of a class share one strategy (each its own
-  without value colours)."""
-  g = program.graph
-  if colour is None:
-    return np.arange(g.num_ops)
-  index: dict = {}
-  return np.array([index.setdefault(
-      (int(program.model.op_class[o]), tuple(int(colour[v]) if v >= 0 else -1
-                                             for v in g.operands[o] + g.results[o])),
-      len(index)) for o in range(g.num_ops)], np.int64)
-
-
 class _Formulation:
   """The CP-SAT model of one program; memory points are added by `bound`.
 
@@ -267,9 +103,9 @@ class _Formulation:
     g = program.graph
     self.graph = g
     self.real = [a for a, size in enumerate(program.mesh.axis_sizes) if size > 1]
-    pricer = _StrategyPricer(program)
+    pricer = StrategyPricer(program)
     colour = colours(g) if settings.share else None
-    self.cls = _op_classes(program, colour)
+    self.cls = op_classes(program, colour)
     reps = {}
     for o in range(g.num_ops):
       reps.setdefault(int(self.cls[o]), o)
@@ -306,7 +142,7 @@ class _Formulation:
       else:
         key = int(colour[v])
         if key not in by_colour:
-          rows = _layouts(g.shapes[v], program.mesh.axis_sizes)
+          rows = layouts(g.shapes[v], program.mesh.axis_sizes)
           xs = [m.NewBoolVar(f"in{v}l{i}") for i in range(len(rows))]
           m.AddExactlyOne(xs)
           by_colour[key] = (rows, xs)
@@ -464,7 +300,7 @@ class _Formulation:
       out.setdefault(s.makes[r], []).append(x)
     return out
 
-  def _reshards(self, v: int, n: int, pricer: _StrategyPricer, terms: list) -> None:
+  def _reshards(self, v: int, n: int, pricer: StrategyPricer, terms: list) -> None:
     if self.program.model.free[v]:
       return  # XLA makes it anew in each layout its readers want
     g, m = self.graph, self.model
