@@ -218,6 +218,6 @@ def test_plans_saved_before_hardware_had_a_platform_load_and_price_the_same():
   with pytest.warns(DeprecationWarning):
     written_so = automap.Hardware(**old_own)
   programs = [Program.build(trace.trace(mlp, x), MeshSpec.of(m), hw) for hw in (loaded, written_so)]
-  costs = [Tracker(p.model, p.state_from_plan(plan)).cost() for p in programs]
+  costs = [Tracker(p.model, build.state_of(p, plan)).cost() for p in programs]
   assert costs[0] == costs[1]
   assert automap.Plan.from_json(json.loads(json.dumps(d))).hardware == plan.hardware

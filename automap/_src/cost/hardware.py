@@ -45,7 +45,7 @@ class Hardware:
     GPU compile alike as the cost model sees them).
   reduce_scatter, reduce_in_f32, fuses_shared_producers: deprecated
     overrides of the platform's `Compiler` fields of those names (None:
-    the platform's). Set on a spec that names no platform, they warn.
+    the platform's); setting one warns.
   """
 
   name: str
@@ -76,9 +76,7 @@ class Hardware:
             f"Hardware.{field.name} must be a positive finite number, got "
             f"{value!r}. Fix the spec (units: FLOP/s, bytes/s, bytes, s).")
     given = [b for b in _BEHAVIOURS if getattr(self, b) is not None]
-    # Only specs written the old way warn: `api.verify` still re-prices
-    # with dataclasses.replace, which names the platform.
-    if given and self.platform is None:
+    if given:
       warnings.warn(
           f"Hardware({', '.join(f'{b}=...' for b in given)}) is deprecated: name the "
           f"platform instead (platform='tpu', 'gpu' or 'cpu'); its Compiler has these "
@@ -115,7 +113,9 @@ class Hardware:
       d["platform"] = known.platform if known else (matches or ["tpu"])[0]
       compiler = compiler_for(d["platform"])
       d.update({b: v for b, v in stored.items() if getattr(compiler, b) != v})
-    return cls(**d)
+    with warnings.catch_warnings():  # a stored spec is read as it was written
+      warnings.simplefilter("ignore", DeprecationWarning)
+      return cls(**d)
 
 
 _G, _T = 1e9, 1e12

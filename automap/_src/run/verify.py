@@ -17,7 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from automap._src.cost.model import KINDS, Cost, Tracker
+from automap._src.cost.compiler import compiler_for
+from automap._src.cost.model import KINDS, Cost
+from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace as trace_lib
 from automap._src.plan import build
 from automap._src.plan.errors import PlanError
@@ -160,11 +162,9 @@ def verify(plan: Plan, fn: Callable, args: tuple, mesh=None,
       plan.mesh.axis_sizes, plan.mesh.axis_names)
   if MeshSpec.of(mesh) != plan.mesh:
     raise MeshError(f"mesh {MeshSpec.of(mesh)} differs from the plan's {plan.mesh}.")
-  platform = mesh.devices.flat[0].platform
-  hw = dataclasses.replace(plan.hardware, reduce_scatter=platform != "cpu",
-                           reduce_in_f32=platform == "cpu",
-                           fuses_shared_producers=platform != "cpu")
-  program = Program.build(traced, plan.mesh, hw)
+  # Priced for the backend that compiles it (XLA:CPU forms no reduce-scatter).
+  compiler = compiler_for(mesh.devices.flat[0].platform)
+  program = Program.build(traced, plan.mesh, plan.hardware, compiler=compiler)
   predicted = Tracker(program.model, build.state_of(program, plan)).cost()
   jitted = apply_lib.jit_with_plan(traced, mesh, plan)
   with jax.set_mesh(apply_lib.auto_mesh(mesh)):
