@@ -48,15 +48,15 @@ import numpy as np
 from automap._src import api
 from automap._src.cluster import accelerator as acc_lib
 from automap._src.cluster import layers as layers_lib
-from automap._src.cluster.placement import (
+from automap._src.cluster.model import (
   JsonFile,
   Layer,
   LayerCost,
   LayerGraph,
   Placement,
   PlacementError,
-  place_any,
 )
+from automap._src.cluster.placement import place_any
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.plan import report
 

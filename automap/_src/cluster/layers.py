@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from automap._src import api
-from automap._src.cluster.placement import Layer, LayerCost, LayerGraph, PlacementError
+from automap._src.cluster.model import Layer, LayerCost, LayerGraph, PlacementError
 from automap._src.cost.hardware import Hardware
 from automap._src.ir import trace as trace_lib
 from automap._src.ir.naming import layer_of

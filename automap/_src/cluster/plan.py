@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 
 from automap._src import api
 from automap._src.cluster import layers as layers_lib
-from automap._src.cluster.placement import JsonFile, Placement, PlacementError, place_any
+from automap._src.cluster.model import JsonFile, Placement, PlacementError
+from automap._src.cluster.placement import place_any
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.plan.explain import _fmt_bytes
 

@@ -1,0 +1,229 @@
+"""The cluster planner's data model: layer graphs with per-layer costs, and placements.
+
+A `LayerGraph` is what placement reads (layers, each priced at every
+tensor-parallel width it supports, and the bytes on edges between them); a
+`Placement` is what it returns (pipeline stages, each a set of layers on a
+tensor-parallel group, replicated data-parallel). The dynamic program that
+finds placements is in `placement.py`. Units: seconds, bytes (per device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+
+class PlacementError(ValueError):
+  """A layer graph or placement option that cannot be planned."""
+
+
+class JsonFile:
+  """`save(path)` / `load(path)` for a type with `to_json` / `from_json`."""
+
+  def save(self, path: str | os.PathLike) -> None:
+    with open(path, "w") as f:
+      json.dump(self.to_json(), f, indent=1, sort_keys=True)
+
+  @classmethod
+  def load(cls, path: str | os.PathLike):
+    with open(path) as f:
+      return cls.from_json(json.load(f))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+  """One layer at one tensor-parallel width, per microbatch and per device.
+
+  forward, backward: seconds, tensor-parallel collectives included.
+  params: bytes of parameters the device holds (gradients are as large).
+  activations: bytes stashed for the backward pass.
+  collectives: seconds of forward + backward spent in tensor-parallel
+    collectives (already inside forward/backward; kept for the breakdown).
+  """
+
+  forward: float
+  backward: float
+  params: float
+  activations: float
+  collectives: float = 0.0
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if (isinstance(value, bool) or not isinstance(value, (int, float))
+          or not math.isfinite(value) or value < 0):
+        raise PlacementError(
+            f"LayerCost.{field.name} must be a finite number >= 0 (seconds or bytes), "
+            f"got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+  """A node of the layer graph: its cost at each tensor-parallel width."""
+
+  name: str
+  widths: Mapping[int, LayerCost]
+
+  @classmethod
+  def of(cls, name: str, forward: float, backward: float, params: float, activations: float,
+         tensor_parallel: Mapping[int, LayerCost] | None = None) -> Layer:
+    """A layer from its width-1 costs, plus optional costs at other widths."""
+    widths = {1: LayerCost(forward, backward, params, activations)}
+    widths.update(tensor_parallel or {})
+    return cls(name, widths)
+
+  def __post_init__(self):
+    if not isinstance(self.name, str) or not self.name:
+      raise PlacementError(f"Layer.name must be a non-empty string, got {self.name!r}.")
+    if not self.widths or any(
+        not isinstance(t, int) or isinstance(t, bool) or t < 1 for t in self.widths):
+      raise PlacementError(
+          f"Layer {self.name!r}: widths must map tensor-parallel widths (int >= 1) to "
+          f"LayerCost, got keys {list(self.widths)}.")
+    for t, cost in self.widths.items():
+      if not isinstance(cost, LayerCost):
+        raise PlacementError(
+            f"Layer {self.name!r}: widths[{t}] must be a LayerCost, got {type(cost).__name__}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGraph:
+  """Layers in any order and edges (src, dst, bytes per microbatch) between them.
+
+  An edge's bytes cross between stages forward (activations) and backward
+  (their gradients) when its ends sit in different stages; they are also what a
+  recomputing stage keeps per in-flight microbatch.
+  """
+
+  layers: tuple[Layer, ...]
+  edges: tuple[tuple[str, str, float], ...] = ()
+
+  @classmethod
+  def chain(cls, layers: Sequence[Layer], edge_bytes: float | Sequence[float] = 0.0) -> LayerGraph:
+    """Layers in sequence; `edge_bytes` per link (one number for all, or one each)."""
+    layers = tuple(layers)
+    links = len(layers) - 1
+    sizes = [edge_bytes] * links if isinstance(edge_bytes, (int, float)) else list(edge_bytes)
+    if len(sizes) != links:
+      raise PlacementError(
+          f"edge_bytes must be one number or {links} numbers (one per link), got {len(sizes)}.")
+    return cls(layers, tuple((a.name, b.name, float(s))
+                             for a, b, s in zip(layers, layers[1:], sizes)))
+
+  def repeat(self, name: str, times: int) -> LayerGraph:
+    """The graph with layer `name` replaced by `times` copies in a chain
+    ("name", "name*2", ...): a model profiled with few blocks standing for a
+    deep one. Edges into the layer enter the first copy, edges out leave the
+    last, and consecutive copies pass what enters the original."""
+    names = [layer.name for layer in self.layers]
+    if name not in names:
+      raise PlacementError(f"repeat: no layer {name!r}; layers are {names}.")
+    if isinstance(times, bool) or not isinstance(times, int) or times < 1:
+      raise PlacementError(f"repeat: times must be a positive int, got {times!r}.")
+    copies = [name] + [f"{name}*{i}" for i in range(2, times + 1)]
+    i = names.index(name)
+    template = self.layers[i]
+    layers = (self.layers[:i] + tuple(Layer(c, template.widths) for c in copies)
+              + self.layers[i + 1:])
+    handed = sum(b for _, d, b in self.edges if d == name)
+    edges = [(s, d if d != name else copies[0], b) if s != name else (copies[-1], d, b)
+             for s, d, b in self.edges]
+    edges += [(a, b, handed) for a, b in zip(copies, copies[1:])]
+    return LayerGraph(layers, tuple(edges))
+
+  def __post_init__(self):
+    if not self.layers:
+      raise PlacementError("LayerGraph needs at least one layer.")
+    names = [layer.name for layer in self.layers]
+    if len(set(names)) != len(names):
+      dup = sorted({n for n in names if names.count(n) > 1})
+      raise PlacementError(f"LayerGraph: layer names must be unique, repeated: {dup}.")
+    for edge in self.edges:
+      if len(edge) != 3 or edge[0] not in names or edge[1] not in names or edge[0] == edge[1]:
+        raise PlacementError(
+            f"LayerGraph edge {edge!r} must be (src, dst, bytes) between two different "
+            f"known layers; layers are {names}.")
+      if not isinstance(edge[2], (int, float)) or not edge[2] >= 0:
+        raise PlacementError(f"LayerGraph edge {edge!r}: bytes must be a number >= 0.")
+    self.order()  # rejects cycles
+
+  def order(self) -> list[int]:
+    """Layer indices in a topological order (Kahn, stable in the given order)."""
+    index = {layer.name: i for i, layer in enumerate(self.layers)}
+    preds = [set() for _ in self.layers]
+    for src, dst, _ in self.edges:
+      preds[index[dst]].add(index[src])
+    done: list[int] = []
+    placed: set[int] = set()
+    while len(done) < len(self.layers):
+      ready = [i for i in range(len(self.layers)) if i not in placed and preds[i] <= placed]
+      if not ready:
+        cycle = [self.layers[i].name for i in range(len(self.layers)) if i not in placed]
+        raise PlacementError(f"LayerGraph edges form a cycle among {cycle}.")
+      done.extend(ready)
+      placed.update(ready)
+    return done
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """One pipeline stage of a placement (costs per microbatch, per device)."""
+
+  layers: tuple[str, ...]
+  width: int                  # tensor-parallel devices
+  recompute: bool
+  first_device: int           # offset within a pipeline replica
+  in_flight: int              # microbatches stashed under 1F1B
+  time: float                 # seconds per microbatch, T_i
+  compute: float              # of which forward + backward (+ recompute)
+  collectives: float          # of which tensor-parallel collectives
+  transfers: float            # of which sends/receives to other stages
+  zero: float                 # of which ZeRO gathers / reduce-scatters
+  sync: float                 # data-parallel sync once per batch, Y_i
+  memory: float               # bytes per device
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """A cluster plan over a layer graph, with its predicted time per batch."""
+
+  data_parallel: int
+  microbatches: int           # per pipeline replica (the batch has data_parallel x this)
+  zero: int
+  stages: tuple[Stage, ...]
+  devices: int                # devices the plan uses (<= the cluster's)
+  time: float                 # seconds per batch
+
+  @property
+  def bubble(self) -> float:
+    return (len(self.stages) - 1) * max(s.time for s in self.stages)
+
+  @property
+  def breakdown(self) -> dict[str, float]:
+    """Seconds per batch: the bottleneck stage's parts over the batch, bubble, sync."""
+    slow = max(self.stages, key=lambda s: s.time)
+    m = self.microbatches
+    return {"compute": m * (slow.compute - slow.collectives),
+            "tensor_parallel": m * slow.collectives,
+            "transfers": m * slow.transfers,
+            "zero": m * slow.zero,
+            "bubble": self.bubble,
+            "data_parallel_sync": max(s.sync for s in self.stages)}
+
+  def to_json(self) -> dict:
+    return {"data_parallel": self.data_parallel, "microbatches": self.microbatches,
+            "zero": self.zero, "devices": self.devices, "time": self.time,
+            "stages": [dataclasses.asdict(s) | {"layers": list(s.layers)} for s in self.stages]}
+
+  @classmethod
+  def from_json(cls, data: Mapping) -> Placement:
+    stages = tuple(Stage(**(dict(s) | {"layers": tuple(s["layers"])})) for s in data["stages"])
+    return cls(int(data["data_parallel"]), int(data["microbatches"]), int(data["zero"]),
+               stages, int(data["devices"]), float(data["time"]))
+
+
+__all__ = ["JsonFile", "Layer", "LayerCost", "LayerGraph", "Placement", "PlacementError",
+           "Stage"]
