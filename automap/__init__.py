@@ -1,10 +1,6 @@
 """automap: automatic partitioning of JAX programs."""
 
-from automap._src.api import Budget as Budget
-from automap._src.api import Hints as Hints
-from automap._src.api import MemoryLimitError as MemoryLimitError
 from automap._src.api import Partitioned as Partitioned
-from automap._src.api import SearchWarning as SearchWarning
 from automap._src.api import evaluate as evaluate
 from automap._src.api import partition as partition
 from automap._src.api import search as search
@@ -41,6 +37,10 @@ from automap._src.plan.export import shard_like as shard_like
 from automap._src.plan.plan import Plan as Plan
 from automap._src.plan.plan import PlanError as PlanError
 from automap._src.run.verify import Report as Report
+from automap._src.search.request import Budget as Budget
+from automap._src.search.request import Hints as Hints
+from automap._src.search.request import MemoryLimitError as MemoryLimitError
+from automap._src.search.request import SearchWarning as SearchWarning
 from automap._src.sharding.mesh import MeshError as MeshError
 
 __version__ = "0.1.0"

@@ -26,12 +26,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 import numpy as np  # noqa: E402
 import programs  # noqa: E402
 
-from automap._src import api  # noqa: E402
 from automap._src.cost.hardware import get_hardware  # noqa: E402
 from automap._src.cost.tracker import Tracker  # noqa: E402
 from automap._src.ir import trace  # noqa: E402
+from automap._src.search import driver  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
 from automap._src.search.program import Program  # noqa: E402
+from automap._src.search.request import Budget, Request  # noqa: E402
 from automap._src.sharding.mesh import MeshSpec  # noqa: E402
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8), (2, 2, 2)]
@@ -64,16 +65,14 @@ def row(program: Program, ilp_seconds: float | None, episodes: int) -> dict:
            expert_states(program, space).items()}
   out = {name: (t.step_time, t.peak_memory) for name, t in costs.items()}
   if ilp_seconds is None:
-    request = api._Request.of(None, api.Budget(episodes=episodes, seconds=600), None, 0,
-                              "mcts")
-    found = api._run_mcts(program, space, request, 600.0)
+    request = Request.of(None, Budget(episodes=episodes, seconds=600), None, 0, "mcts")
+    found = driver.run_mcts(program, space, request, 600.0)
     t = Tracker(program.model, found.state)
     out["MCTS"] = (t.step_time, t.peak_memory)
     return out
-  request = api._Request.of(None, api.Budget(episodes=episodes, seconds=ilp_seconds),
-                            None, 0, "ilp")
+  request = Request.of(None, Budget(episodes=episodes, seconds=ilp_seconds), None, 0, "ilp")
   start = time.perf_counter()
-  found = api._run_ilp(program, space, request)
+  found = driver.run_ilp(program, space, request)
   out["ilp_s"] = time.perf_counter() - start
   out["MCTS"] = (found.stats["warm_start"]["step_time"], np.nan)
   t = Tracker(program.model, found.state)

@@ -182,12 +182,12 @@ def test_sliced_gradient_reductions_hold_their_results():
   # sliced: its whole results sit beside its unreduced inputs.
   from helpers import gpt_step
 
-  from automap._src import api
+  from automap._src.search import driver
   from automap._src.search.actions import ActionSpace, Tactic
 
   step, args = gpt_step()
   m = mesh((2, 4))
-  program = api._program(step, args, m, "cpu", None)
+  program = driver.build_program(step, args, m, "cpu")
   space, state = ActionSpace(program), program.initial_state()
   for action in (Tactic("data-parallel", (0, 1)), Tactic("megatron", (1,)),
                  Tactic("megatron", (0,))):

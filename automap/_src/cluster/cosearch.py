@@ -45,7 +45,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from automap._src import api
 from automap._src.cluster import accelerator as acc_lib
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster.model import (
@@ -59,6 +58,7 @@ from automap._src.cluster.model import (
 from automap._src.cluster.placement import place_any
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.plan import report
+from automap._src.search.request import Budget
 
 # The grid: each field's candidate values.
 SPACE: dict[str, tuple] = {
@@ -512,7 +512,7 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
                        optimizer: str | float = "adam", zero: int | Sequence[int] = (0, 1, 2, 3),
                        schedule_seconds: float = 2.0, bucket: float = 0.1, gap: float = 0.01,
                        finalists: int = 3,
-                       budget: api.Budget | None = None,
+                       budget: Budget | None = None,
                        progress: bool | None = None, seed: int = 0) -> AcceleratorPlan:
   """The architecture (within `area_budget`, default the baseline's area) and
   the placements that together train `workloads` fastest on `devices`
@@ -544,7 +544,7 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
           f"microbatches {tuple(microbatches)} must divide workload {w.name!r}'s global_batch "
           f"{w.global_batch}.")
   search = layers_lib.sharding_search(
-      budget or api.Budget(episodes=20, seconds=30, progress=False), seed)
+      budget or Budget(episodes=20, seconds=30, progress=False), seed)
   profiled = [_profile(w, hw, widths, microbatches, search) for w in workloads]
   knobs = {"optimizer": optimizer, "zero": zero}
   passes = [_all_passes(p) for p in profiled]

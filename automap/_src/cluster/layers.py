@@ -24,13 +24,14 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from automap._src import api
 from automap._src.cluster.model import Layer, LayerCost, LayerGraph, PlacementError
 from automap._src.cost.hardware import Hardware
 from automap._src.ir import trace as trace_lib
 from automap._src.ir.naming import layer_of
 from automap._src.plan import build, report
+from automap._src.search import driver
 from automap._src.search.program import Program
+from automap._src.search.request import Request
 from automap._src.sharding.mesh import MeshSpec
 
 # Name-scope marker of ops JAX's autodiff emits for the backward pass.
@@ -157,12 +158,12 @@ def backward_share(fw: np.ndarray, layers: list[int]) -> np.ndarray:
 def sharding_search(budget, seed: int = 0) -> Callable[[Program], np.ndarray]:
   """`search(program) -> state` for `measure`: the sharding search's plan
   under `budget` (an automap.Budget), or everything whole on one device."""
-  request = api._Request.of(None, budget, None, seed, "mcts")
+  request = Request.of(None, budget, None, seed, "mcts")
 
   def search(program: Program) -> np.ndarray:
     if program.mesh.num_devices == 1:
       return program.initial_state()
-    return api._run_search(program, request).state
+    return driver.run(program, request).state
 
   return search
 

@@ -12,12 +12,12 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
-from automap._src import api
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster.model import JsonFile, Placement, PlacementError
 from automap._src.cluster.placement import place_any
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.plan.explain import _fmt_bytes
+from automap._src.search.request import Budget
 
 SCHEMA = 1
 
@@ -98,7 +98,7 @@ def plan_cluster(loss_fn: Callable, params, *batch, devices: int, global_batch: 
                  optimizer: str | float = "adam", zero: int | Sequence[int] = (0, 1, 2, 3),
                  recompute: bool | None = None, widths: Sequence[int] | None = None,
                  microbatches: Sequence[int] | None = None,
-                 budget: api.Budget | None = None, seed: int = 0) -> ClusterPlan:
+                 budget: Budget | None = None, seed: int = 0) -> ClusterPlan:
   """Plans training `loss_fn(params, *batch) -> scalar` on `devices` devices.
 
   The example `batch` may be any size (its leading dimension); costs are

@@ -1,0 +1,177 @@
+"""The search driver: a program and a request in, the best state found out.
+
+`run` checks the memory limit and runs the requested backend: MCTS followed
+by refinement of its best plans, or the ILP warm-started from MCTS.
+`build_program` traces a function into the program a search reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+import warnings
+
+from rich import progress as progress_lib
+
+from automap._src.cost.hardware import get_hardware
+from automap._src.cost.model import Tracker
+from automap._src.ir import trace as trace_lib
+from automap._src.search import ilp, mcts, refine
+from automap._src.search.actions import ActionSpace
+from automap._src.search.program import Program
+from automap._src.search.request import Hints, MemoryLimitError, Request, SearchWarning
+from automap._src.sharding import kernels
+from automap._src.sharding.mesh import MeshSpec
+from automap._src.sharding.state import State
+
+
+def build_program(fn, args, mesh, hardware, hints: Hints | None = None) -> Program:
+  traced = trace_lib.trace(fn, args)
+  return Program.build(traced, MeshSpec.of(mesh), get_hardware(hardware),
+                       (hints or Hints()).fixed)
+
+
+@dataclasses.dataclass
+class Found:
+  state: State
+  score: mcts.Score  # (bytes over the memory limit, step seconds)
+  stats: dict  # what the inputs determine: saved with the plan
+  timings: dict[str, float]  # wall seconds of this run: kept on the Plan only
+
+
+def check_memory_limit(program: Program, memory_limit: float | None) -> None:
+  if memory_limit is None:
+    return
+  if not memory_limit > 0:
+    raise MemoryLimitError(
+        f"memory_limit must be a positive number of bytes, got {memory_limit!r}.")
+  bound = program.memory_lower_bound()
+  if memory_limit < bound:
+    raise MemoryLimitError(
+        f"memory_limit={memory_limit:,.0f} bytes per device is below the "
+        f"lower bound of {bound:,.0f} bytes (arguments and results spread "
+        f"evenly over {program.mesh.num_devices} devices). Raise the limit "
+        "or use more devices.")
+
+
+def run(program: Program, request: Request) -> Found:
+  check_memory_limit(program, request.memory_limit)
+  space = ActionSpace(program, request.hints.groups)
+  try:
+    if request.method == "ilp":
+      return run_ilp(program, space, request)
+    return run_mcts(program, space, request, request.budget.seconds)
+  except SystemError as e:
+    # Ctrl-C landing inside a compiled kernel's call (while numba compiles,
+    # loads or boxes) surfaces as a SystemError around it.
+    if kernels.interrupted(e):
+      raise KeyboardInterrupt from None
+    raise
+
+
+# Share of the seconds MCTS leaves to refining its best plans, and the
+# moves refinement may try per episode of the budget: bounded by tries, not
+# by the clock, a search is reproducible. It ends sooner when no move helps.
+_REFINE_SHARE = 0.2
+_REFINE_TRIES = 10
+
+
+def run_mcts(program: Program, space: ActionSpace, request: Request,
+              seconds: float) -> Found:
+  """MCTS, then refinement of its best plans (`search/refine.py`)."""
+  t0 = time.perf_counter()
+  budget = request.budget
+  policy = None
+  if request.policy != "uniform":
+    from automap._src.search.policy import learned
+
+    policy = learned.cached(None if request.policy == "learned" else request.policy)
+  run = mcts.Search(program, space, request.memory_limit, request.seed, policy=policy)
+  show = budget.progress if budget.progress is not None else sys.stderr.isatty()
+  searching = seconds * (1 - _REFINE_SHARE)
+  if not show:
+    result = run.run(budget.episodes, searching)
+  else:
+    with progress_lib.Progress(
+        *progress_lib.Progress.get_default_columns(),
+        progress_lib.TextColumn("{task.fields[best]}"), transient=True) as bar:
+      task = bar.add_task(f"automap: searching {program.mesh}",
+                          total=budget.episodes, best="")
+      result = run.run(budget.episodes, searching, lambda s: bar.update(
+          task, completed=s.episodes,
+          best=f"best {s.best.score[1] * 1e3:.3f} ms, {s.best.score[0]:,.0f} B over"))
+  stats = {"strategy": "mcts", "policy": "uniform" if policy is None else "learned",
+           "episodes": result.episodes,
+           "episode_of_best": result.episode_of_best,
+           "evaluations": result.evaluations, "states": result.nodes,
+           "actions": [space.describe(a) for a in result.path],
+           "groups": len(space.groups)}
+  start = time.perf_counter()
+  state, score, moves = refine.refine_best(
+      program, space.colour, [(n.state, n.score) for n in run.table.values()],
+      request.memory_limit, seconds - (start - t0), _REFINE_TRIES * budget.episodes)
+  stats["refine_moves"] = moves
+  return Found(state, score, stats,
+                {"search": time.perf_counter() - t0, "to_best": result.seconds_to_best,
+                 "refine": time.perf_counter() - start})
+
+
+# Share of Budget.seconds the ILP's warm start (MCTS) may take.
+_WARM_SHARE = 0.25
+
+
+def run_ilp(program: Program, space: ActionSpace, request: Request) -> Found:
+  """Solves the ILP from MCTS's best plan (a warm start within a quarter of
+  the budget's seconds) and keeps the better of the two; on a timeout
+  without a solution, the warm start, with a warning."""
+  t0 = time.perf_counter()
+  limit, budget = request.memory_limit, request.budget
+  warm = run_mcts(program, space, request, budget.seconds * _WARM_SHARE)
+  result = ilp.solve(program, ilp.Settings(
+      seconds=budget.seconds - (time.perf_counter() - t0), memory_limit=limit,
+      seed=request.seed), hint=warm.state)
+  timings = {"search": time.perf_counter() - t0, "warm_start": warm.timings["search"]}
+  stats = {"strategy": "ilp", "status": result.status, "memory_rounds": result.rounds,
+           "choices": result.ops, "variables": result.variables,
+           "objective": result.objective, "bound": result.bound,
+           "warm_start": {k: warm.stats[k] for k in ("episodes", "actions")}
+           | {"step_time": warm.score[1]}}
+  if result.status == "infeasible":
+    least, at = result.least_memory
+    g = program.graph
+    raise MemoryLimitError(
+        f"no strategy meets memory_limit={limit:,.0f} bytes per device: the "
+        f"least peak any choice of per-op strategies reaches is {least:,.0f} "
+        f"bytes, at op {at} ({g.prims[at]} in {g.scopes[at] or 'the top level'!r}). "
+        "Raise the limit or use more devices.")
+  if result.state is None:
+    warnings.warn(SearchWarning(
+        f"search='ilp' found no solution within {budget.seconds:g} s "
+        f"({result.variables:,} variables); using its warm start, MCTS's best "
+        "plan, instead. Give a larger Budget(seconds=...) or use search='mcts'."),
+        stacklevel=4)
+    return Found(warm.state, warm.score, dict(stats, kept="warm start"), timings)
+  score = mcts.score_of(Tracker(program.model, result.state), limit)
+  if warm.score < score:  # the solver's classes could not express the start
+    return Found(warm.state, warm.score, dict(stats, kept="warm start"), timings)
+  return Found(result.state, score, stats, timings)
+
+
+def mesh_shapes(devices: int) -> list[tuple[int, ...]]:
+  """The ways to lay `devices` out as a mesh of 1 to 3 axes, each of size
+  at least 2 (one axis of 1 for a single device)."""
+  if devices == 1:
+    return [(1,)]
+  out = [(devices,)]
+  for a in range(2, devices):
+    if devices % a == 0:
+      out.append((a, devices // a))
+      for b in range(2, devices // a):
+        if (devices // a) % b == 0 and devices // a // b > 1:
+          out.append((a, b, devices // a // b))
+  return sorted(out, key=len)
+
+
+__all__ = ["Found", "build_program", "check_memory_limit", "mesh_shapes", "run", "run_ilp",
+           "run_mcts"]

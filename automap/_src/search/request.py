@@ -1,0 +1,133 @@
+"""What a sharding search is asked for: hints, budget, and the request that bundles them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+from collections.abc import Mapping
+
+import numpy as np
+from jax.sharding import PartitionSpec
+
+
+class MemoryLimitError(ValueError):
+  """No plan can fit the requested memory limit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Hints:
+  """What the user knows.
+
+  groups: name-scope patterns (fnmatch, e.g. "block_*") of repeated layers
+    that should share one decision.
+  fixed: argument-path pattern (fnmatch, e.g. "*/embed/*") -> PartitionSpec
+    the plan must keep.
+  """
+
+  groups: tuple[str, ...] = ()
+  fixed: Mapping[str, PartitionSpec] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    groups = (self.groups,) if isinstance(self.groups, str) else tuple(self.groups)
+    for g in groups:
+      if not isinstance(g, str) or not g:
+        raise TypeError(f"Hints.groups must be non-empty strings, got {g!r}.")
+    if not isinstance(self.fixed, Mapping):
+      raise TypeError(f"Hints.fixed must be a mapping, got {self.fixed!r}.")
+    for k, v in self.fixed.items():
+      if not isinstance(k, str) or not isinstance(v, PartitionSpec):
+        raise TypeError(
+            f"Hints.fixed maps argument-path patterns (str) to PartitionSpec, "
+            f"got {k!r}: {v!r}.")
+    object.__setattr__(self, "groups", groups)
+    # Read-only, so a Hints stays immutable and hashable.
+    object.__setattr__(self, "fixed", types.MappingProxyType(dict(self.fixed)))
+
+  def __hash__(self):
+    return hash((self.groups, tuple(self.fixed.items())))
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  """How much search to spend: MCTS episodes and wall seconds, whichever
+  runs out first. progress: show a live display of the best plan so far
+  (None: only when stderr is a terminal)."""
+
+  episodes: int = 200
+  seconds: float = 60.0
+  progress: bool | None = None
+
+  def __post_init__(self):
+    if (not isinstance(self.episodes, (int, np.integer)) or isinstance(self.episodes, bool)
+        or self.episodes <= 0):
+      raise ValueError(
+          f"Budget.episodes must be a positive integer, got {self.episodes!r}.")
+    if (not isinstance(self.seconds, (int, float, np.integer, np.floating))
+        or isinstance(self.seconds, bool) or not self.seconds > 0):
+      raise ValueError(
+          f"Budget.seconds must be a positive number, got {self.seconds!r}.")
+    if self.progress not in (None, True, False):
+      raise ValueError(f"Budget.progress must be True, False or None, got {self.progress!r}.")
+
+
+SEARCHES = ("mcts", "ilp")
+
+
+class SearchWarning(UserWarning):
+  """A search fell short of what was asked and says what it did instead."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """What a search is asked for, everything but the program."""
+
+  hints: Hints
+  budget: Budget
+  memory_limit: float | None
+  seed: int
+  method: str
+  policy: str = "uniform"  # "uniform", "learned", or a weights file path
+
+  @classmethod
+  def of(cls, hints, budget, memory_limit, seed, method, policy="uniform") -> Request:
+    hints = hints if hints is not None else Hints()
+    if not isinstance(hints, Hints):
+      raise TypeError(f"hints must be an automap.Hints, got {hints!r}.")
+    budget = budget if budget is not None else Budget()
+    if not isinstance(budget, Budget):
+      raise TypeError(f"budget must be an automap.Budget, got {budget!r}.")
+    if method not in SEARCHES:
+      raise ValueError(
+          f"search must be one of {SEARCHES}, got {method!r}: 'mcts' (tree "
+          "search over layer-group tilings and tactics) or 'ilp' (Alpa's "
+          "per-op integer program, solved by CP-SAT within the budget's seconds).")
+    if (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)
+        or seed < 0):
+      raise TypeError(f"seed must be a non-negative integer, got {seed!r}.")
+    if memory_limit is not None and (
+        not isinstance(memory_limit, (int, float, np.integer, np.floating))
+        or isinstance(memory_limit, bool)):
+      raise TypeError(
+          f"memory_limit must be a number of bytes per device (or None for "
+          f"no limit), got {memory_limit!r}.")
+    if isinstance(policy, os.PathLike):
+      policy = os.fspath(policy)
+    if not isinstance(policy, str) or not policy:
+      raise TypeError(
+          f"policy must be 'uniform' (no learned priors), 'learned' (the "
+          f"shipped weights) or the path of a weights file, got {policy!r}.")
+    if policy not in ("learned", "uniform"):
+      policy = os.path.abspath(policy)
+    return cls(hints, budget, memory_limit, int(seed), method, policy)
+
+  def policy_id(self) -> str:
+    """What the policy's priors depend on: none, or its weights' digest."""
+    if self.policy == "uniform":
+      return "uniform"
+    from automap._src.search.policy import learned
+
+    return learned.digest(None if self.policy == "learned" else self.policy)
+
+
+__all__ = ["SEARCHES", "Budget", "Hints", "MemoryLimitError", "Request", "SearchWarning"]
