@@ -16,7 +16,7 @@ from automap._src.cluster import layers as layers_lib
 from automap._src.cluster.model import JsonFile, Placement, PlacementError
 from automap._src.cluster.placement import place_any
 from automap._src.cost.hardware import Hardware, get_hardware
-from automap._src.plan.explain import _fmt_bytes
+from automap._src.plan.explain import format_bytes
 from automap._src.search.request import Budget
 
 SCHEMA = 1
@@ -85,7 +85,7 @@ class ClusterPlan(JsonFile):
       lines.append(
           f"  {i:<6}{names:<34}{s.width:>4}  {'yes' if s.recompute else 'no':<10}"
           f"{s.in_flight:>9}{_seconds(s.time):>17}{_seconds(s.sync):>12}"
-          f"{_fmt_bytes(s.memory):>14}")
+          f"{format_bytes(s.memory):>14}")
     return "\n".join(lines)
 
 

@@ -9,7 +9,8 @@ from jax.sharding import PartitionSpec
 from automap._src.ir.naming import layer_of
 
 
-def _fmt_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+  """Bytes in binary units, e.g. "1.5 GiB" (whole bytes below 1 KiB)."""
   for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
     if abs(n) < 1024 or unit == "TiB":
       return f"{n:,.1f} {unit}" if unit != "B" else f"{n:,.0f} B"
@@ -45,12 +46,12 @@ def _summary(plan) -> list[str]:
       f"  step time {_ms(c.step_time)} = compute {_ms(c.compute_time)} "
       f"+ communication {_ms(c.comm_time)}; {c.flops / 1e9:.3f} GFLOP per device"]
   for axes, (t, nbytes) in _axes_of(plan).items():
-    lines.append(f"    communication over {axes:<14} {_ms(t)}, {_fmt_bytes(nbytes)}")
+    lines.append(f"    communication over {axes:<14} {_ms(t)}, {format_bytes(nbytes)}")
   limit = ("no memory limit" if plan.memory_limit is None else
            f"{c.peak_memory / plan.memory_limit:.0%} of the "
-           f"{_fmt_bytes(plan.memory_limit)} limit")
-  lines.append(f"  peak memory {_fmt_bytes(c.peak_memory)} per device ({limit}), "
-               f"arguments {_fmt_bytes(c.argument_memory)}")
+           f"{format_bytes(plan.memory_limit)} limit")
+  lines.append(f"  peak memory {format_bytes(c.peak_memory)} per device ({limit}), "
+               f"arguments {format_bytes(c.argument_memory)}")
   return lines
 
 
@@ -62,14 +63,14 @@ def _yardsticks(plan) -> list[str]:
            f"  {'strategy':<26} {'step time':>12} {'compute':>12} {'comm':>12} "
            f"{'peak memory':>12}  layouts",
            f"  {'automap':<26} {_ms(c.step_time):>12} {_ms(c.compute_time):>12} "
-           f"{_ms(c.comm_time):>12} {_fmt_bytes(c.peak_memory):>12}"]
+           f"{_ms(c.comm_time):>12} {format_bytes(c.peak_memory):>12}"]
   n = len(plan.in_paths)
   for name, y in plan.yardsticks.items():
     k = y.cost
     speed = k.step_time / c.step_time if c.step_time else float("nan")
     lines.append(
         f"  {name:<26} {_ms(k.step_time):>12} {_ms(k.compute_time):>12} "
-        f"{_ms(k.comm_time):>12} {_fmt_bytes(k.peak_memory):>12}  "
+        f"{_ms(k.comm_time):>12} {format_bytes(k.peak_memory):>12}  "
         f"{len(y.differs)} of {n} differ; automap {speed:.2f}x faster")
   for name, y in plan.yardsticks.items():
     if not y.differs:
@@ -90,7 +91,7 @@ def _layers(plan) -> list[str]:
            f"{'temporaries':>12}"]
   for r in plan.layers:
     lines.append(f"  {r.name:<24} {_ms(r.compute):>12} {_ms(r.comm):>12} "
-                 f"{_fmt_bytes(r.resident):>12} {_fmt_bytes(r.temporary):>12}")
+                 f"{format_bytes(r.resident):>12} {format_bytes(r.temporary):>12}")
   return lines
 
 
@@ -115,7 +116,7 @@ def explain(plan) -> str:
     lines.append("  none")
   for (layer, kind, axes), (nbytes, count) in sorted(per_layer.items()):
     lines.append(f"  {layer:<24} {kind:<15} over {','.join(axes):<12} "
-                 f"x{count:<4} {_fmt_bytes(nbytes)}")
+                 f"x{count:<4} {format_bytes(nbytes)}")
   stats = dict(plan.stats)
   actions = stats.pop("actions", None)
   if stats:
