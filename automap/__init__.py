@@ -18,6 +18,9 @@ from automap._src.cluster.model import LayerGraph as LayerGraph
 from automap._src.cluster.model import Placement as Placement
 from automap._src.cluster.model import PlacementError as PlacementError
 from automap._src.cluster.model import Stage as Stage
+from automap._src.cluster.options import ClusterOptions as ClusterOptions
+from automap._src.cluster.options import CoSearchOptions as CoSearchOptions
+from automap._src.cluster.options import PlacementOptions as PlacementOptions
 from automap._src.cluster.pipeline import PipelineError as PipelineError
 from automap._src.cluster.pipeline import pipelined as pipelined
 from automap._src.cluster.pipeline import pipelined_loss as pipelined_loss
@@ -52,7 +55,9 @@ __all__ = (
     "AcceleratorPlan",
     "ArgumentError",
     "Budget",
+    "ClusterOptions",
     "ClusterPlan",
+    "CoSearchOptions",
     "Cost",
     "GroupError",
     "HARDWARE",
@@ -69,6 +74,7 @@ __all__ = (
     "PipelineError",
     "Placement",
     "PlacementError",
+    "PlacementOptions",
     "Plan",
     "PlanCacheWarning",
     "PlanError",

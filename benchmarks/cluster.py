@@ -29,6 +29,7 @@ import automap
 from automap import Budget
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster.model import LayerGraph, PlacementError
+from automap._src.cluster.options import PlacementOptions
 from automap._src.cluster.placement import place_any
 from automap._src.models.gpt import GPT, GPTConfig
 
@@ -81,8 +82,9 @@ def model_graph(profile: layers_lib.Profile, depth: int, batch: int) -> LayerGra
 def best(profile, depth, devices, global_batch, hardware, microbatches, **fixed):
   sizes = [b for b in microbatches if global_batch % b == 0]
   try:
+    options = PlacementOptions(optimizer=OPTIMIZER, **fixed)
     plan, i = place_any([(model_graph(profile, depth, b), global_batch // b) for b in sizes],
-                        devices=devices, hardware=hardware, optimizer=OPTIMIZER, **fixed)
+                        devices=devices, hardware=hardware, options=options)
   except PlacementError:
     return None
   return plan, sizes[i]

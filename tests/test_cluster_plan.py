@@ -143,3 +143,41 @@ def test_plain_jax_function_with_named_scopes():
                                                                   "dense_2"]
   with pytest.raises(automap.PlacementError, match="leading .batch. dimension"):
     automap.plan_cluster(mlp_loss, params, x, x[:8], devices=4, global_batch=64, budget=BUDGET)
+
+
+def test_options_object_and_keywords_plan_alike():
+  params = [(jnp.zeros((32, 32)), jnp.zeros(32)) for _ in range(3)]
+  x = jnp.zeros((16, 32))
+  keywords = {"optimizer": "momentum", "zero": (0, 1), "recompute": False, "widths": [1, 2],
+              "microbatches": [4, 8], "budget": BUDGET, "seed": 1, "memory_limit": 1e9}
+  by_keywords = automap.plan_cluster(mlp_loss, params, x, x, devices=4, global_batch=64,
+                                     **keywords)
+  by_options = automap.plan_cluster(mlp_loss, params, x, x, devices=4, global_batch=64,
+                                    options=automap.ClusterOptions(**keywords))
+  assert by_options == by_keywords
+  assert by_options.explain() == by_keywords.explain()
+
+
+@pytest.mark.parametrize("fields, error, match", [
+    ({"microbatches": [4, 0]}, automap.PlacementError,
+     r"ClusterOptions.microbatches must be positive ints, got \[4, 0\]; e.g. microbatches="),
+    ({"widths": ()}, automap.PlacementError, r"ClusterOptions.widths must be positive ints"),
+    ({"zero": "all"}, automap.PlacementError, r"ClusterOptions.zero must be a stage in 0..3"),
+    ({"optimizer": "lion"}, automap.PlacementError, r"ClusterOptions.optimizer must be one of"),
+    ({"budget": 20}, TypeError, r"ClusterOptions.budget must be an automap.Budget.*Budget\("),
+    ({"seed": -1}, TypeError, r"ClusterOptions.seed must be a non-negative integer"),
+])
+def test_bad_cluster_options_name_the_field(fields, error, match):
+  with pytest.raises(error, match=match):
+    automap.ClusterOptions(**fields)
+  loss, params, batch = gpt_loss()
+  # Given as keywords, they fail the same way, before any tracing.
+  with pytest.raises(error, match=match):
+    automap.plan_cluster(loss, params, batch, devices=8, global_batch=32, **fields)
+
+
+def test_plan_cluster_refuses_an_option_given_both_ways():
+  loss, params, batch = gpt_loss()
+  with pytest.raises(TypeError, match=r"plan_cluster\(\) got seed= as keyword\(s\) and options"):
+    automap.plan_cluster(loss, params, batch, devices=8, global_batch=32,
+                         options=automap.ClusterOptions(budget=BUDGET), seed=1)

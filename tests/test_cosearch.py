@@ -160,7 +160,7 @@ def test_lazy_scheduling_places_as_scheduling_every_pass_does(profiled):
   passes = cosearch._all_passes(profiled)
   bounds = cosearch._Bounds(passes)
   hw = get_hardware("tpu-v4")
-  knobs = {"optimizer": "adam", "zero": (0, 1, 2, 3)}
+  knobs = automap.PlacementOptions()
   for acc in (acc_lib.TPU_V4_LIKE, acc_lib.Accelerator(tensor_units=16, array=64)):
     lazy = cosearch._Pricer(acc, 0.0, "greedy", bounds)
     eager = cosearch._Pricer(acc, 0.0, "greedy", bounds)
@@ -176,7 +176,7 @@ def test_a_point_no_faster_on_every_pass_places_no_faster(profiled):
   """What lets the search bound a point by another's placement at bound."""
   bounds = cosearch._Bounds(cosearch._all_passes(profiled))
   hw = get_hardware("tpu-v4")
-  knobs = {"optimizer": "adam", "zero": (0, 1, 2, 3)}
+  knobs = automap.PlacementOptions()
   fast = acc_lib.TPU_V4_LIKE
   for slow in (acc_lib.Accelerator(vector_units=1), acc_lib.Accelerator(buffer=16 * 2**20),
                acc_lib.Accelerator(vector_units=1, hbm_capacity=16 * 2**30)):
@@ -184,3 +184,40 @@ def test_a_point_no_faster_on_every_pass_places_no_faster(profiled):
     times = [cosearch._place(cosearch._Pricer(acc, 0.0, "bound", bounds), profiled, acc, hw, 8,
                              (2, 4), knobs).placement.time for acc in (fast, slow)]
     assert times[1] >= times[0] * (1 - 1e-12)
+
+
+def test_options_object_and_keywords_search_alike():
+  keywords = {"space": {"tensor_units": (4, 8), "array": (64, 128)}, "widths": (1, 2),
+              "microbatches": (4,), "schedule_seconds": 0.0, "finalists": 1, "gap": 0.0,
+              "budget": BUDGET, "progress": False, "optimizer": "sgd", "zero": (0, 1)}
+  by_keywords = automap.search_accelerator(mlp_workload(), devices=4, **keywords)
+  by_options = automap.search_accelerator(mlp_workload(), devices=4,
+                                          options=automap.CoSearchOptions(**keywords))
+  assert by_options == by_keywords
+  assert by_options.history == by_keywords.history
+
+
+@pytest.mark.parametrize("fields, error, match", [
+    ({"gap": -0.1}, automap.PlacementError,
+     r"CoSearchOptions.gap must be a finite number >= 0, got -0.1; the default is 0.01"),
+    ({"bucket": 0}, automap.PlacementError, r"CoSearchOptions.bucket must be a finite number > 0"),
+    ({"finalists": 1.5}, automap.PlacementError, r"CoSearchOptions.finalists must be an int >= 0"),
+    ({"space": {"arrays": (64,)}}, automap.PlacementError,
+     r"CoSearchOptions.space: 'arrays' is not an Accelerator field; the fields are \['tensor_"),
+    ({"space": {"array": ()}}, automap.PlacementError,
+     r"CoSearchOptions.space\['array'\] must be a non-empty sequence"),
+    ({"widths": (1, 0)}, automap.PlacementError, r"CoSearchOptions.widths must be positive ints"),
+    ({"baseline": "tpu-v4"}, TypeError, r"CoSearchOptions.baseline must be an automap.Accel"),
+    ({"progress": "yes"}, automap.PlacementError, r"CoSearchOptions.progress must be True"),
+])
+def test_bad_cosearch_options_name_the_field(fields, error, match):
+  with pytest.raises(error, match=match):
+    automap.CoSearchOptions(**fields)
+  with pytest.raises(error, match=match):
+    automap.search_accelerator(mlp_workload(), devices=4, **fields)
+
+
+def test_search_accelerator_refuses_an_option_given_both_ways():
+  with pytest.raises(TypeError, match=r"search_accelerator\(\) got gap=, bucket= as keyword"):
+    automap.search_accelerator(mlp_workload(), devices=4, options=automap.CoSearchOptions(),
+                               gap=0.0, bucket=1.0)

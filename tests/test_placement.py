@@ -175,8 +175,9 @@ def test_memory_bound_never_exceeds_the_best_assignment(seed):
   # best such choice, or the search would discard optimal plans.
   rng = np.random.default_rng(200 + seed)
   graph = random_graph(rng, 4, branching=False)
-  options = placement._options(8, 8, flat(4e9), None, 2.0, (0, 1), None, None, None)
-  costs = placement._StageCosts(graph, options)
+  options = automap.PlacementOptions(optimizer=2.0, zero=(0, 1))
+  problem = placement._problem(8, 8, flat(4e9), options)
+  costs = placement._StageCosts(graph, problem)
   in_flight, d, zero = int(rng.integers(1, 5)), int(rng.choice([1, 2])), int(rng.integers(0, 2))
   menus = []
   for layer in graph.layers:
@@ -190,7 +191,7 @@ def test_memory_bound_never_exceeds_the_best_assignment(seed):
   for devices in (1, 2, 4, 5, 6, 7, 8, 10, 12, 16):
     best = min((sum(w for w, _ in pick) for pick in itertools.product(*menus)
                 if sum(b for _, b in pick) <= devices * 4e9), default=np.inf)
-    bound = costs.packed(everything, in_flight, d, zero, devices)
+    bound = costs.packed_work(everything, in_flight, d, zero, devices)
     assert bound <= best * (1 + 1e-12)
     assert bound >= sum(min(w for w, _ in menu) for menu in menus) * (1 - 1e-12)
 
@@ -296,3 +297,43 @@ def test_repeat_stands_a_block_for_many():
                                        ("block*2", "block*3", 3e6), ("block*3", "head", 5e6)])
   with pytest.raises(automap.PlacementError, match="no layer 'tail'"):
     graph.repeat("tail", 2)
+
+
+def test_options_object_and_keywords_place_alike():
+  keywords = {"optimizer": "sgd", "zero": 0, "recompute": False, "widths": [1],
+              "data_parallel": 2, "stages": 4, "memory_limit": 90e9}
+  by_keywords = automap.place(phaze_chain(), devices=8, microbatches=16, hardware=flat(100e9),
+                              **keywords)
+  options = automap.PlacementOptions(**keywords)
+  assert options.zero == (0,) and options.widths == (1,)
+  by_options = automap.place(phaze_chain(), devices=8, microbatches=16, hardware=flat(100e9),
+                             options=options)
+  assert by_options == by_keywords
+  default = automap.place(phaze_chain(), devices=8, microbatches=16, hardware=flat(5e9))
+  assert automap.place(phaze_chain(), devices=8, microbatches=16, hardware=flat(5e9),
+                       options=automap.PlacementOptions()) == default
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"zero": (1, 5)}, r"PlacementOptions.zero must be a stage in 0..3.*zero=1"),
+    ({"optimizer": "lion"}, r"PlacementOptions.optimizer must be one of \['adam'.*factor"),
+    ({"optimizer": -1.0}, r"PlacementOptions.optimizer state factor must be a number >= 0"),
+    ({"recompute": "yes"}, r"PlacementOptions.recompute must be True .*, False .* or None"),
+    ({"widths": 4}, r"PlacementOptions.widths must be positive ints, got 4; e.g. widths="),
+    ({"memory_limit": 0}, r"PlacementOptions.memory_limit must be a positive number.*None"),
+    ({"stages": 0}, r"PlacementOptions.stages must be None \(searched\) or a positive int"),
+])
+def test_bad_placement_options_name_the_field(fields, match):
+  with pytest.raises(automap.PlacementError, match=match):
+    automap.PlacementOptions(**fields)
+
+
+def test_an_option_given_both_ways_or_misspelt_is_a_type_error():
+  run = lambda **kw: automap.place(phaze_chain(), devices=8, microbatches=16,  # noqa: E731
+                                   hardware=flat(5e9), **kw)
+  with pytest.raises(TypeError, match=r"place\(\) got zero= as keyword\(s\) and options= too"):
+    run(options=automap.PlacementOptions(zero=1), zero=1)
+  with pytest.raises(TypeError, match=r"unexpected keyword argument 'zeros'.*memory_limit"):
+    run(zeros=1)
+  with pytest.raises(TypeError, match=r"options must be an automap.PlacementOptions, got dict"):
+    run(options={"zero": 1})

@@ -55,6 +55,7 @@ from automap._src.cluster.model import (
   Placement,
   PlacementError,
 )
+from automap._src.cluster.options import CoSearchOptions, PlacementOptions, with_keywords
 from automap._src.cluster.placement import place_any
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.plan import report
@@ -475,7 +476,7 @@ def _candidates(budget: float, base: acc_lib.Accelerator,
 
 
 def _place(pricer: _Pricer, profiled: _Profiled, acc: acc_lib.Accelerator, hw: Hardware,
-           devices: int, sizes: Sequence[int], knobs: dict,
+           devices: int, sizes: Sequence[int], options: PlacementOptions,
            bound: float = math.inf) -> Result | None:
   """The best placement on `acc`; None when none fits (or beats `bound`
   seconds per batch)."""
@@ -487,7 +488,7 @@ def _place(pricer: _Pricer, profiled: _Profiled, acc: acc_lib.Accelerator, hw: H
     try:
       placement, i = place_any(
           [(pricer.graph(profiled, b), wl.global_batch // b) for b in sizes],
-          devices=devices, hardware=hardware, bound=bound, **knobs)
+          devices=devices, hardware=hardware, options=options, bound=bound)
     except PlacementError:
       return None
     # With passes at their bounds the plan is a lower bound on every plan:
@@ -503,38 +504,28 @@ def _pairs(result: Result) -> list[tuple[int, int]]:
 
 
 def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int,
-                       hardware: str | Hardware = "tpu-v4",
-                       area_budget: float | None = None,
-                       baseline: acc_lib.Accelerator | None = None,
-                       space: dict[str, tuple] | None = None,
-                       widths: Sequence[int] = (1, 2, 4, 8),
-                       microbatches: Sequence[int] = (1, 2, 4, 8),
-                       optimizer: str | float = "adam", zero: int | Sequence[int] = (0, 1, 2, 3),
-                       schedule_seconds: float = 2.0, bucket: float = 0.1, gap: float = 0.01,
-                       finalists: int = 3,
-                       budget: Budget | None = None,
-                       progress: bool | None = None, seed: int = 0) -> AcceleratorPlan:
-  """The architecture (within `area_budget`, default the baseline's area) and
-  the placements that together train `workloads` fastest on `devices`
-  accelerators linked like `hardware` (its links; compute and memory come
-  from the architecture). Several workloads share one architecture: the score
-  is the geometric mean of their throughputs relative to the baseline's.
+                       hardware: str | Hardware = "tpu-v4", area_budget: float | None = None,
+                       options: CoSearchOptions | None = None, **keywords) -> AcceleratorPlan:
+  """The architecture (within `area_budget` mm^2, default the baseline's
+  area) and the placements that together train `workloads` fastest on
+  `devices` accelerators linked like `hardware` (its links; compute and
+  memory come from the architecture). Several workloads share one
+  architecture: the score is the geometric mean of their throughputs
+  relative to the baseline's.
 
-  space: field -> candidate values (default SPACE); other fields as `baseline`.
-  schedule_seconds: CP-SAT time limit per distinct layer pass.
-  bucket: width of the area buckets, as a share of the budget; the search
-    stops at the first bucket (below the largest) that improves nothing.
-  gap: stop once no bound beats the best list-scheduled score by more than
-    this share (0: every point that might win is list-scheduled).
-  finalists: how many of the best list-scheduled points CP-SAT schedules.
-  budget: the sharding search's budget per width (intra-stage sharding).
+  options: an automap.CoSearchOptions: baseline, space, widths,
+    microbatches, optimizer, zero, schedule_seconds, bucket, gap, finalists,
+    budget, progress, seed (see its docstring). Each field may be given as a
+    keyword instead (`search_accelerator(..., gap=0.0)`), but not both ways.
   """
+  options = with_keywords(CoSearchOptions, options, keywords, "search_accelerator")
+  microbatches = options.microbatches
   t0 = time.perf_counter()
   workloads = [workloads] if isinstance(workloads, Workload) else list(workloads)
   if not workloads or not all(isinstance(w, Workload) for w in workloads):
     raise PlacementError("workloads must be an automap.Workload or a non-empty list of them.")
   hw = get_hardware(hardware)
-  base = baseline or acc_lib.TPU_V4_LIKE
+  base = options.baseline or acc_lib.TPU_V4_LIKE
   budget_area = base.area() if area_budget is None else float(area_budget)
   if not budget_area > 0:
     raise PlacementError(f"area_budget must be a positive area in mm^2, got {area_budget!r}.")
@@ -544,15 +535,15 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
           f"microbatches {tuple(microbatches)} must divide workload {w.name!r}'s global_batch "
           f"{w.global_batch}.")
   search = layers_lib.sharding_search(
-      budget or Budget(episodes=20, seconds=30, progress=False), seed)
-  profiled = [_profile(w, hw, widths, microbatches, search) for w in workloads]
-  knobs = {"optimizer": optimizer, "zero": zero}
+      options.budget or Budget(episodes=20, seconds=30, progress=False), options.seed)
+  profiled = [_profile(w, hw, options.widths, microbatches, search) for w in workloads]
+  placing = PlacementOptions(optimizer=options.optimizer, zero=options.zero)
   passes = [_all_passes(p) for p in profiled]
   lower = _Bounds(list(dict.fromkeys(p for ps in passes for p in ps)))
 
   def place(pricer, bounds=None) -> list[Result | None]:
     bounds = bounds or [math.inf] * len(profiled)  # seconds per batch, per workload
-    return [_place(pricer, p, pricer.acc, hw, devices, microbatches, knobs, bound)
+    return [_place(pricer, p, pricer.acc, hw, devices, microbatches, placing, bound)
             for p, bound in zip(profiled, bounds)]
 
   twins: dict[tuple, list[Result | None]] = {}
@@ -563,7 +554,7 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
     kind = lower.twins(acc)
     key = (kind, mode, tuple(bounds or ()))
     if key not in twins:
-      pricer = _Pricer(acc, schedule_seconds, mode, lower)
+      pricer = _Pricer(acc, options.schedule_seconds, mode, lower)
       # The plan found at the level before mostly stands: with its passes
       # scheduled up front, the first placement is mostly the final one.
       for p, result in zip(profiled, last.get(kind, ())):
@@ -573,7 +564,7 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
       twins[key] = last[kind] = place(pricer, bounds)
     return twins[key]
 
-  base_pricer = _Pricer(base, schedule_seconds, "exact", lower)
+  base_pricer = _Pricer(base, options.schedule_seconds, "exact", lower)
   base_results = place(base_pricer)
   if any(r is None for r in base_results):
     missing = [w.name for w, r in zip(workloads, base_results) if r is None]
@@ -586,7 +577,7 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
     return math.exp(np.mean([math.log(r.throughput / b.throughput)
                              for r, b in zip(results, base_results)]))
 
-  points = _candidates(budget_area, base, space or SPACE)
+  points = _candidates(budget_area, base, options.space or SPACE)
   history: list[tuple[acc_lib.Accelerator, float, str]] = []
   owned = [np.array([lower.index[p] for p in ps], np.int64) for ps in passes]
   high = np.array([base_pricer.most(p) for p in lower.passes])
@@ -595,7 +586,7 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
   # refined lazily: "ratio", then "bound", then the exact score, until no
   # bound beats the best. A bucket that improves nothing ends the search:
   # smaller chips stopped helping.
-  width = budget_area * bucket
+  width = budget_area * options.bucket
   buckets: dict[int, list[int]] = {}
   for i, acc in enumerate(points):
     buckets.setdefault(int((budget_area - acc.area()) // width), []).append(i)
@@ -628,7 +619,7 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
     low = lower(acc)
     return min((s for other, memory, s in placed
                 if memory >= acc.hbm_capacity and np.all(other <= low)), default=math.inf)
-  show = progress if progress is not None else sys.stderr.isatty()
+  show = options.progress if options.progress is not None else sys.stderr.isatty()
   bar = None
   if show:
     from rich import progress as progress_lib
@@ -644,11 +635,11 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
         heapq.heappush(heap, (-ub, i, "ratio"))
         if bar is not None:
           bar.update(task, advance=1)
-      while heap and -heap[0][0] > floor * (1 + gap):
+      while heap and -heap[0][0] > floor * (1 + options.gap):
         key, i, level = heapq.heappop(heap)
         mode = "bound" if level == "ratio" else "greedy"
         # A bound only matters if it beats the best found by the gap.
-        cut = floor * (1 + gap)
+        cut = floor * (1 + options.gap)
         if mode == "bound" and monotone and (s := dominated(points[i])) <= cut:
           history.append((points[i], min(s, -key), "dominated"))
           continue
@@ -669,7 +660,7 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
   # The few best by list schedule, scheduled by CP-SAT (never worse); on
   # ties the smaller chip, then the earlier point of the grid.
   best = (1.0, base, base_results)
-  for _, _, i in sorted((-s, points[i].area(), i) for s, i in listed)[:finalists]:
+  for _, _, i in sorted((-s, points[i].area(), i) for s, i in listed)[:options.finalists]:
     results = price(points[i], "exact")
     history.append((points[i], score(results), "exact"))
     if history[-1][1] > best[0]:

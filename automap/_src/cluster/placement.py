@@ -27,7 +27,7 @@ The search is exact: a dynamic program over (downset still to place, stages
 after it) that keeps, per state, the Pareto front of (devices used, max T, max
 Y), inside an outer loop over the data-parallel degree and ZeRO stage. It
 prunes with lower bounds on what a partial plan can still reach (the work
-left over the devices left, in their memory: `_StageCosts.packed`), and
+left over the devices left, in their memory: `_StageCosts.packed_work`), and
 prices stages by what their costs depend on (`_StageCosts.signature`), so the
 stages of a repeated block are priced once.
 """
@@ -40,23 +40,26 @@ import math
 from collections.abc import Sequence
 
 from automap._src.cluster.model import Layer, LayerGraph, Placement, PlacementError, Stage
+from automap._src.cluster.options import PlacementOptions, with_keywords
 from automap._src.cost.collectives import ALL_GATHER, ALL_REDUCE, ring_seconds, send_seconds
 from automap._src.cost.hardware import Hardware, get_hardware
 
-# Optimizer state per parameter byte, in the parameters' dtype.
-OPTIMIZERS: dict[str, float] = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0}
 # Downsets enumerated at most; wider graphs should be coarsened into layer groups.
 MAX_DOWNSETS = 4096
 
+
 @dataclasses.dataclass(frozen=True)
-class _Options:
+class _Problem:
+  """One search: a graph's cluster and microbatches, with the options resolved
+  against the hardware."""
+
   devices: int
   microbatches: int
-  memory: float
+  memory: float                 # bytes per device
   hw: Hardware
-  optimizer: float
-  zero: tuple[int, ...]
-  recompute: tuple[bool, ...]
+  optimizer: float              # bytes of optimizer state per parameter byte
+  zero: tuple[int, ...]         # ZeRO stages to try
+  recompute: tuple[bool, ...]   # per stage, the choices tried
   widths: tuple[int, ...] | None
   stages: int | None
 
@@ -121,11 +124,11 @@ def _downsets(graph: LayerGraph) -> list[int]:
 
 
 class _StageCosts:
-  """Costs of one candidate stage (a set of layers) under fixed options."""
+  """Costs of one candidate stage (a set of layers) in one placement problem."""
 
-  def __init__(self, graph: LayerGraph, options: _Options):
-    self.graph, self.options = graph, options
-    self.ring = _Ring(options.hw)
+  def __init__(self, graph: LayerGraph, problem: _Problem):
+    self.graph, self.problem = graph, problem
+    self.ring = _Ring(problem.hw)
     self.index = {layer.name: i for i, layer in enumerate(graph.layers)}
     self.edges = [(self.index[s], self.index[d], float(b)) for s, d, b in graph.edges]
     self._ins: list[list[tuple[int, float]]] = [[] for _ in graph.layers]
@@ -134,8 +137,8 @@ class _StageCosts:
       self._ins[d].append((s, b))
       self._outs[s].append((d, b))
     self._signatures: dict[int, tuple] = {}
-    self._sums: dict[tuple, tuple[float, ...]] = {}
-    self._menu_of: dict[tuple, tuple[float, list]] = {}
+    self._totals: dict[tuple, tuple[float, ...]] = {}
+    self._choices: dict[tuple, tuple[float, list]] = {}
     self._terms: dict[tuple, tuple[float, float, float]] = {}
     self._levels: dict[tuple[int, int, int], tuple[bool, bool, bool]] = {}
     self._tables: dict[tuple, dict[int, tuple[float, float]]] = {}
@@ -155,22 +158,22 @@ class _StageCosts:
     self._packs: dict[tuple, tuple[float, float, list[tuple[float, float]]]] = {}
 
   @functools.cached_property
-  def flat(self) -> bool:
+  def single_level(self) -> bool:
     """One link level: a stage's position changes none of its times."""
-    return self.options.hw.devices_per_node >= self.options.devices
+    return self.problem.hw.devices_per_node >= self.problem.devices
 
   @functools.cached_property
-  def cut(self) -> float:
+  def least_transfer(self) -> float:
     """Seconds every stage of a pipeline of two or more spends at least on
     transfers: a connected graph's stage has an edge crossing its border,
     sent forward and its gradient back, at the widest width on the fastest
     link."""
-    graph, hw = self.graph, self.options.hw
+    graph, hw = self.graph, self.problem.hw
     if len(graph.layers) < 2 or not self._connected():
       return 0.0
     widest = max(max(layer.widths) for layer in graph.layers)
-    if self.options.widths is not None:
-      widest = min(widest, max(self.options.widths))
+    if self.problem.widths is not None:
+      widest = min(widest, max(self.problem.widths))
     least = min(b for _, _, b in self.edges)
     if not least:
       return 0.0
@@ -198,12 +201,12 @@ class _StageCosts:
     P (as they fit in P devices' memory), and the slowest layer; the largest
     stage holds at least 1/P of the parameters' device-bytes, which the sync
     moves over the fastest link."""
-    o = self.options
+    o = self.problem
     m, per_pipeline = o.microbatches // d, o.devices // d
     layers = self.graph.layers
     everything = (1 << len(layers)) - 1
     # Each stage keeps a microbatch in flight at least, on P devices' memory.
-    work, longest = self.packed(everything, 1, d, zero, per_pipeline), self.longest(everything)
+    work, longest = self.packed_work(everything, 1, d, zero, per_pipeline), self.longest(everything)
     fastest = self.fastest(everything)
     param_work = sum(min(t * c.params for t, c in layer.widths.items()) for layer in layers)
     # A replica's stage and its copies span (d - 1) * P + 1 devices at least:
@@ -217,19 +220,19 @@ class _StageCosts:
     per_microbatch = {0: 0.0, 1: 0.0, 2: 1.0, 3: 3.0}[zero] * (d - 1) / d
     floor = max((work + per_microbatch * param_work / bandwidth) / per_pipeline, longest)
     # Two stages or more: each also sends and receives across its border.
-    cut = self.cut
+    cut = self.least_transfer
     return ring * param_work / per_pipeline / bandwidth + min(
         (m + s - 1) * (max(fastest / s, floor) + (cut if s > 1 else 0.0))
         for s in range(1, min(len(layers), per_pipeline) + 1))
 
-  def packed(self, members: int, in_flight: int, d: int, zero: int, devices: int) -> float:
+  def packed_work(self, members: int, in_flight: int, d: int, zero: int, devices: int) -> float:
     """Device-seconds per microbatch the layers need at least when every
     stage holding them keeps `in_flight` microbatches or more and they share
     `devices` devices' memory: each layer takes a (width, recompute) option
     priced in device-seconds and device-bytes, and the fractional relaxation
     of that multiple-choice knapsack is solved exactly (each layer starts at
     its fastest option and trades time for bytes along its convex hull,
-    cheapest trades first). Infinite when even the smallest options overflow."""
+    cheapest trades first). Infinite when even the smallest choices overflow."""
     kinds = self.signature(members)[0]
     key = (kinds, in_flight, d, zero)
     pack = self._packs.get(key)
@@ -242,7 +245,7 @@ class _StageCosts:
         trades += [(rate, count * saved) for rate, saved in hull]
       pack = self._packs[key] = (work, size, sorted(trades))
     work, size, trades = pack
-    excess = size - devices * self.options.memory
+    excess = size - devices * self.problem.memory
     for rate, saved in trades:
       if excess <= 0:
         break
@@ -256,7 +259,7 @@ class _StageCosts:
     hull, rates increasing."""
     key = (kind, in_flight, d, zero)
     if key not in self._hulls:
-      o = self.options
+      o = self.problem
       layer = self.example[kind]
       points = []
       for t, c in layer.widths.items():
@@ -286,7 +289,7 @@ class _StageCosts:
     if members not in self._fastest:
       self._fastest[members] = sum(
           min(c.forward + c.backward for c in self.graph.layers[i].widths.values())
-          for i in _bits(members))
+          for i in _layer_indices(members))
     return self._fastest[members]
 
   def longest(self, members: int) -> float:
@@ -295,7 +298,7 @@ class _StageCosts:
     if members not in self._longest:
       self._longest[members] = max(
           (min(c.forward + c.backward for c in self.graph.layers[i].widths.values())
-           for i in _bits(members)), default=0.0)
+           for i in _layer_indices(members)), default=0.0)
     return self._longest[members]
 
   def widths(self, members: int) -> list[int]:
@@ -303,17 +306,17 @@ class _StageCosts:
     kinds = self.signature(members)[0]
     if kinds not in self._widths:
       common = set.intersection(*(set(self.example[kind].widths) for kind, _ in kinds))
-      if self.options.widths is not None:
-        common &= set(self.options.widths)
+      if self.problem.widths is not None:
+        common &= set(self.problem.widths)
       self._widths[kinds] = sorted(common)
     return self._widths[kinds]
 
-  def sums(self, members: int, t: int) -> tuple[float, ...]:
+  def totals(self, members: int, t: int) -> tuple[float, ...]:
     """(forward, backward, params, activations, collectives, largest params,
     bytes in, bytes out) of a stage, per microbatch per device at width t."""
     sig = self.signature(members)
     key = (sig, t)
-    if key not in self._sums:
+    if key not in self._totals:
       kinds, b_in, b_out = sig
       costs = [(n, self.example[kind].widths[t]) for kind, n in kinds]
       fw = sum(n * c.forward for n, c in costs)
@@ -322,8 +325,8 @@ class _StageCosts:
       acts = sum(n * c.activations for n, c in costs)
       coll = sum(n * c.collectives for n, c in costs)
       largest = max(c.params for _, c in costs)
-      self._sums[key] = (fw, bw, params, acts, coll, largest, b_in / t, b_out / t)
-    return self._sums[key]
+      self._totals[key] = (fw, bw, params, acts, coll, largest, b_in / t, b_out / t)
+    return self._totals[key]
 
   def signature(self, members: int) -> tuple:
     """What a stage's costs depend on: how many layers of each kind it
@@ -333,7 +336,7 @@ class _StageCosts:
     if sig is None:
       counts: dict[int, int] = {}
       into = out = 0.0
-      for i in _bits(members):
+      for i in _layer_indices(members):
         counts[self.kind[i]] = counts.get(self.kind[i], 0) + 1
         into += sum(b for s, b in self._ins[i] if not members >> s & 1)
         out += sum(b for d, b in self._outs[i] if not members >> d & 1)
@@ -344,7 +347,7 @@ class _StageCosts:
     """Bytes per device of parameters, their gradients and optimizer state,
     each sharded over the d replicas from its ZeRO stage on."""
     shard = lambda level: d if zero >= level else 1  # noqa: E731
-    return params / shard(3) + params / shard(2) + self.options.optimizer * params / shard(1)
+    return params / shard(3) + params / shard(2) + self.problem.optimizer * params / shard(1)
 
   def memory_terms(self, members: int, t: int, d: int, zero: int) -> tuple[float, ...]:
     """(fixed, bytes in, activations): a stage's memory per device is
@@ -353,7 +356,7 @@ class _StageCosts:
     state, each sharded over data parallelism from its ZeRO stage on."""
     key = (self.signature(members), t, d, zero)
     if key not in self._terms:
-      _, _, params, acts, _, largest, b_in, _ = self.sums(members, t)
+      _, _, params, acts, _, largest, b_in, _ = self.totals(members, t)
       fixed = self.state_bytes(params, d, zero)
       if zero >= 3:
         fixed += largest * (1 - 1 / d)  # one layer's parameters gathered at a time
@@ -366,26 +369,26 @@ class _StageCosts:
     fixed, b_in, acts = self.memory_terms(members, t, d, zero)
     return fixed + (in_flight * b_in + acts if recompute else in_flight * acts)
 
-  def menu(self, members: int, d: int, zero: int, per_pipeline: int) -> tuple[float, list]:
+  def choices(self, members: int, d: int, zero: int, per_pipeline: int) -> tuple[float, list]:
     """A stage's choices: (the most microbatches any keeps in flight within
     the memory limit, [(width, recompute, bytes, bytes per microbatch in
     flight, timing)]), timing being (T, Y) where the stage's position changes
     nothing (one link level) and else a memo of them by first device."""
     key = (self.signature(members), d, zero)
-    if key not in self._menu_of:
-      limit, most, menu = self.options.memory, -math.inf, []
+    if key not in self._choices:
+      limit, most, choices = self.problem.memory, -math.inf, []
       for t in self.widths(members):
         fixed, b_in, acts = self.memory_terms(members, t, d, zero)
-        for recompute in self.options.recompute:
+        for recompute in self.problem.recompute:
           base, per_flight = (fixed + acts, b_in) if recompute else (fixed, acts)
           if base + per_flight > limit:  # not even one microbatch in flight fits
             continue
           most = max(most, (limit - base) / per_flight * (1 + 1e-9) if per_flight else math.inf)
-          timing = (self.times(members, t, recompute, 0, d, per_pipeline, zero) if self.flat
-                    else self.table(members, t, recompute, d, zero))
-          menu.append((t, recompute, base, per_flight, timing))
-      self._menu_of[key] = (most, menu)
-    return self._menu_of[key]
+          timing = (self.times(members, t, recompute, 0, d, per_pipeline, zero) if self.single_level
+                    else self.times_by_first(members, t, recompute, d, zero))
+          choices.append((t, recompute, base, per_flight, timing))
+      self._choices[key] = (most, choices)
+    return self._choices[key]
 
   def times(self, members: int, t: int, recompute: bool, first: int, d: int,
             per_pipeline: int, zero: int) -> tuple[float, float]:
@@ -396,24 +399,24 @@ class _StageCosts:
     spot = (first, t, d)
     levels = self._levels.get(spot)
     if levels is None:
-      node = self.options.hw.devices_per_node
+      node = self.problem.hw.devices_per_node
       levels = self._levels[spot] = (
           first // node != ((d - 1) * per_pipeline + first + t - 1) // node,
           first // node != (first - 1) // node,
           (first + t - 1) // node != (first + t) // node)
     key = (self.signature(members), t, recompute, d, zero, levels)
     if key not in self._times:
-      parts = self.parts(members, t, recompute, first, d, per_pipeline, zero)
+      parts = self.time_parts(members, t, recompute, first, d, per_pipeline, zero)
       self._times[key] = (parts[0] + parts[1] + parts[2], parts[3])
     return self._times[key]
 
-  def table(self, members: int, t: int, recompute: bool, d: int, zero: int) -> dict:
+  def times_by_first(self, members: int, t: int, recompute: bool, d: int, zero: int) -> dict:
     """A memo of `times` by first device for one stage choice."""
     return self._tables.setdefault((self.signature(members), t, recompute, d, zero), {})
 
-  def parts(self, members, t, recompute, first, d, per_pipeline, zero) -> tuple[float, ...]:
+  def time_parts(self, members, t, recompute, first, d, per_pipeline, zero) -> tuple[float, ...]:
     """(compute, transfers, ZeRO collectives, sync) of a stage, seconds."""
-    fw, bw, params, _, _, _, b_in, b_out = self.sums(members, t)
+    fw, bw, params, _, _, _, b_in, b_out = self.totals(members, t)
     ring = self.ring
     group = (d, first, (d - 1) * per_pipeline + first + t - 1)
     # Activations in and out, forward, and their gradients back: each crosses
@@ -431,52 +434,52 @@ class _StageCosts:
   def stage(self, members: int, t: int, recompute: bool, first: int, in_flight: int, d: int,
             per_pipeline: int, zero: int) -> Stage:
     """The stage at device offset `first`, with its breakdown."""
-    compute, transfers, zero_time, sync = self.parts(members, t, recompute, first, d,
+    compute, transfers, zero_time, sync = self.time_parts(members, t, recompute, first, d,
                                                      per_pipeline, zero)
-    coll = self.sums(members, t)[4]
+    coll = self.totals(members, t)[4]
     return Stage(
-        layers=tuple(self.graph.layers[i].name for i in _bits(members)), width=t,
+        layers=tuple(self.graph.layers[i].name for i in _layer_indices(members)), width=t,
         recompute=recompute, first_device=first, in_flight=in_flight,
         time=compute + transfers + zero_time, compute=compute,
         collectives=coll + (coll / 2 if recompute else 0.0), transfers=transfers,
         zero=zero_time, sync=sync,
         memory=self.memory(members, t, recompute, in_flight, d, zero))
 
-  def inside(self, rest: int, downs: list[int]) -> list[int]:
+  def downsets_inside(self, rest: int, downs: list[int]) -> list[int]:
     """The downsets strictly inside `rest`."""
     if rest not in self._inside:
       self._inside[rest] = [h for h in downs if not h & ~rest and h != rest]
     return self._inside[rest]
 
 
-def _floor(before: int, t_max: float, longest: float, work: float, fastest: float, spare: int,
-           head: int, cut: float) -> float:
+def _completion_floor(before: int, t_max: float, longest: float, work: float, fastest: float,
+                      spare: int, head: int, transfer: float) -> float:
   """A lower bound on (m + S - 1) * max T with `before` = m + (stages so far)
   and `head` still to place on at most `spare` devices in S' >= 1 more stages:
   min over S' of (before + S') * max(T so far, the slowest layer, the work
   over the devices, the layers' fastest times over S'), at the S' where the
-  last two cross; each new stage also pays the least transfer `cut`."""
+  last two cross; each new stage also pays the least transfer `transfer`."""
   if not head:
     return before * t_max
   if spare <= 0:
     return math.inf
   floor = max(longest, work / spare)
   cross = fastest / floor
-  options = {max(1, min(spare, math.floor(cross))), max(1, min(spare, math.ceil(cross)))}
-  return min((before + s) * max(t_max, max(floor, fastest / s) + cut) for s in options)
+  counts = {max(1, min(spare, math.floor(cross))), max(1, min(spare, math.ceil(cross)))}
+  return min((before + s) * max(t_max, max(floor, fastest / s) + transfer) for s in counts)
 
 
-def _bits(mask: int) -> list[int]:
+def _layer_indices(mask: int) -> list[int]:
   return [i for i in range(mask.bit_length()) if mask >> i & 1]
 
 
-def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, zero: int,
+def _best_at(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, zero: int,
                bound: float) -> Placement | None:
   """The best placement with data-parallel degree d and ZeRO stage `zero`
   taking less than `bound` seconds per batch, if any."""
-  options = costs.options
-  m = options.microbatches // d
-  per_pipeline = options.devices // d
+  problem = costs.problem
+  m = problem.microbatches // d
+  per_pipeline = problem.devices // d
   # fronts[k][remaining downset] -> Pareto front of (devices used, max T, max Y,
   # stages), built from the end of the graph backwards: stage positions count
   # from the pipeline's last device, and the k stages after a state fix the
@@ -486,7 +489,7 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
   fronts: list[dict[int, list[tuple]]] = [{downs[-1]: [(0, 0.0, 0.0, None)]}]
   best: Placement | None = None
   earlier: dict[int, list[tuple]] = {}
-  flat = costs.flat
+  single_level = costs.single_level
   for k in range(len(graph.layers)):
     after: dict[int, list[tuple]] = {}
     # This stage's microbatches in flight; the head's stages keep more.
@@ -494,21 +497,21 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
     for rest, front in fronts[k].items():
       least_used = min(f[0] for f in front)
       least_t, least_y = min(f[1] for f in front), min(f[2] for f in front)
-      for head in costs.inside(rest, downs):
+      for head in costs.downsets_inside(rest, downs):
         members = rest & ~head
-        most, menu = costs.menu(members, d, zero, per_pipeline)
+        most, choices = costs.choices(members, d, zero, per_pipeline)
         if in_flight > most:
           continue
         spare = per_pipeline - least_used - 1
         longest, work = costs.longest(head), (
-            costs.packed(head, ahead, d, zero, spare) if head and spare > 0 else 0.0)
-        if _floor(m + k, least_t, longest, work, costs.fastest(head), spare, head,
-                  costs.cut) + least_y >= bound:
+            costs.packed_work(head, ahead, d, zero, spare) if head and spare > 0 else 0.0)
+        if _completion_floor(m + k, least_t, longest, work, costs.fastest(head), spare, head,
+                  costs.least_transfer) + least_y >= bound:
           continue
-        for t, recompute, base, per_flight, timing in menu:
-          if base + in_flight * per_flight > options.memory:
+        for t, recompute, base, per_flight, timing in choices:
+          if base + in_flight * per_flight > problem.memory:
             continue
-          if flat:  # one link level: the stage's position changes nothing
+          if single_level:  # one link level: the stage's position changes nothing
             time, sync = timing
           else:
             table = timing  # first device -> (T, Y)
@@ -516,7 +519,7 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
             if used + t > per_pipeline:
               continue
             first = per_pipeline - used - t
-            if not flat:
+            if not single_level:
               found = table.get(first)
               if found is None:
                 found = table[first] = costs.times(members, t, recompute, first, d,
@@ -534,7 +537,7 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
             if (m + k) * floor + y_new >= bound:
               continue
             if head and first < spare:  # the head's memory on fewer devices
-              packed = costs.packed(head, ahead, d, zero, first) / first
+              packed = costs.packed_work(head, ahead, d, zero, first) / first
               if (m + k) * packed + y_new >= bound:
                 continue
             entry = (used + t, t_new, y_new, ((members, t, recompute, first, in_flight), chosen))
@@ -549,7 +552,7 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
             target.append(entry)
     for used, t_max, y_max, chosen in after.pop(0, []):
       time = (m + k) * t_max + y_max
-      if time < bound and options.stages in (None, k + 1):
+      if time < bound and problem.stages in (None, k + 1):
         # Stage offsets were counted from the end; shift onto device 0.
         shift = per_pipeline - used
         stages = []
@@ -558,9 +561,9 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
           stage = costs.stage(members, t, recompute, first, n, d, per_pipeline, zero)
           stages.append(dataclasses.replace(stage, first_device=first - shift))
         bound, best = time, Placement(d, m, zero, tuple(stages), used * d, time)
-    if not after or (options.stages is not None and k + 1 >= options.stages):
+    if not after or (problem.stages is not None and k + 1 >= problem.stages):
       break
-    if options.stages is None:  # keep what no later entry can beat
+    if problem.stages is None:  # keep what no later entry can beat
       for rest, front in after.items():
         kept = [f for f in earlier.get(rest, ())
                 if not any(e[0] <= f[0] and e[1] <= f[1] and e[2] <= f[2] for e in front)]
@@ -569,53 +572,41 @@ def _place_for(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, 
   return best
 
 
-def place(graph: LayerGraph, *, devices: int, microbatches: int,
-          hardware: str | Hardware, memory_limit: float | None = None,
-          optimizer: str | float = "adam", zero: int | Sequence[int] = (0, 1, 2, 3),
-          recompute: bool | None = None, widths: Sequence[int] | None = None,
-          data_parallel: int | None = None, stages: int | None = None) -> Placement:
+def place(graph: LayerGraph, *, devices: int, microbatches: int, hardware: str | Hardware,
+          options: PlacementOptions | None = None, **keywords) -> Placement:
   """The fastest placement of `graph` on `devices` devices.
 
   microbatches: microbatches per batch over all data-parallel replicas (each of
     d replicas runs microbatches / d of them; d must divide it).
   hardware: its links price collectives and transfers; its `hbm_capacity` is
-    the memory limit unless `memory_limit` (bytes per device) is given.
-  optimizer: a name in OPTIMIZERS or bytes of optimizer state per parameter byte.
-  zero: ZeRO stage(s) to consider: 1 shards optimizer state over data
-    parallelism, 2 also gradients (reduce-scattered every microbatch), 3 also
-    parameters (gathered for every use).
-  recompute: force recompute (True) or stash (False); None chooses per stage.
-  widths: tensor-parallel widths allowed (default: every width the layers price).
-  data_parallel, stages: fix the data-parallel degree or the stage count (to
-    price a hand-written split such as Megatron's p x d x t).
+    the memory limit unless the options give `memory_limit` (bytes per device).
+  options: an automap.PlacementOptions: memory_limit, optimizer, zero,
+    recompute, widths, data_parallel, stages (see its docstring). Each field
+    may be given as a keyword instead (`place(..., zero=0)`), but not both ways.
   """
+  options = with_keywords(PlacementOptions, options, keywords, "place")
   return place_any([(graph, microbatches)], devices=devices, hardware=hardware,
-                   memory_limit=memory_limit, optimizer=optimizer, zero=zero,
-                   recompute=recompute, widths=widths, data_parallel=data_parallel,
-                   stages=stages)[0]
+                   options=options)[0]
 
 
 def place_any(candidates: Sequence[tuple[LayerGraph, int]], *, devices: int,
-              hardware: str | Hardware, memory_limit: float | None = None,
-              optimizer: str | float = "adam", zero: int | Sequence[int] = (0, 1, 2, 3),
-              recompute: bool | None = None, widths: Sequence[int] | None = None,
-              data_parallel: int | None = None, stages: int | None = None,
+              hardware: str | Hardware, options: PlacementOptions | None = None,
               bound: float = math.inf) -> tuple[Placement, int]:
   """The fastest placement of any of (graph, microbatches) candidates (a model
   at several microbatch sizes), and the index of the one it places; the
   candidates share one bound, so the later ones are mostly pruned. Only
   plans faster than `bound` seconds per batch count: a caller that needs no
   slower one says so and the search prunes from the start."""
+  options = options if options is not None else PlacementOptions()
+  data_parallel, stages = options.data_parallel, options.stages
   for name, value in (("data_parallel", data_parallel), ("stages", stages)):
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                              or not 1 <= value <= devices):
+    if value is not None and not value <= devices:
       raise PlacementError(f"{name} must be None or an int in 1..devices={devices}, "
                            f"got {value!r}.")
   best: tuple[Placement, int] | None = None
   for i, (graph, microbatches) in enumerate(candidates):
-    options = _options(devices, microbatches, hardware, memory_limit, optimizer, zero,
-                       recompute, widths, stages)
-    found = _search(graph, options, data_parallel, bound if best is None else best[0].time)
+    problem = _problem(devices, microbatches, hardware, options)
+    found = _search(graph, problem, data_parallel, bound if best is None else best[0].time)
     if found is not None:
       best = (found, i)
   if best is None and bound < math.inf:
@@ -628,28 +619,28 @@ def place_any(candidates: Sequence[tuple[LayerGraph, int]], *, devices: int,
         f"no placement of the {len(graph.layers)} layers on {devices} devices"
         f"{'' if data_parallel is None else f' with data_parallel={data_parallel}'}"
         f"{'' if stages is None else f' in {stages} stages'} fits "
-        f"memory_limit={options.memory:.4g} bytes per device (parameters alone need at least "
+        f"memory_limit={problem.memory:.4g} bytes per device (parameters alone need at least "
         f"{need:.4g} bytes per device when spread over all devices); raise the memory "
         "limit, allow recompute or ZeRO, or add devices.")
   return best
 
 
-def _search(graph: LayerGraph, options: _Options, data_parallel: int | None,
+def _search(graph: LayerGraph, problem: _Problem, data_parallel: int | None,
             bound: float) -> Placement | None:
   """The fastest placement under `bound` seconds per batch, if any."""
   downs = _downsets(graph)
-  costs = _StageCosts(graph, options)
+  costs = _StageCosts(graph, problem)
   best: Placement | None = None
   # ZeRO 1 costs what ZeRO 0 does (one all-reduce per batch) in less memory:
   # with both allowed only ZeRO 1 is searched, and its plan is reported as
   # ZeRO 0 when it fits unsharded too.
-  either = 0 in options.zero and 1 in options.zero
+  zero1_for_zero0 = 0 in problem.zero and 1 in problem.zero
   # Most promising first (by lower bound): a good plan early prunes the rest.
-  tries = sorted((costs.lower_bound(d, z), -d, z) for d in range(1, options.devices + 1)
-                 for z in options.zero
-                 if not options.microbatches % d and data_parallel in (None, d)
-                 and not (z and d == 1 and 0 in options.zero)  # d = 1: nothing to shard
-                 and not (z == 0 and d > 1 and either))
+  tries = sorted((costs.lower_bound(d, z), -d, z) for d in range(1, problem.devices + 1)
+                 for z in problem.zero
+                 if not problem.microbatches % d and data_parallel in (None, d)
+                 and not (z and d == 1 and 0 in problem.zero)  # d = 1: nothing to shard
+                 and not (z == 0 and d > 1 and zero1_for_zero0))
   # A tight bound prunes hard: with none given, plans are first sought under
   # a guess a little above the most promising floor, raised until some plan
   # beats it. A round that finds one is exact, as every try ran under the
@@ -661,12 +652,12 @@ def _search(graph: LayerGraph, options: _Options, data_parallel: int | None,
     for floor, d, z in tries:
       if floor >= (limit if best is None else best.time):
         break
-      plan = _place_for(graph, costs, downs, -d, z, limit if best is None else best.time)
+      plan = _best_at(graph, costs, downs, -d, z, limit if best is None else best.time)
       best = plan or best
     if best is not None or limit >= bound:
       break
     slack = slack * 2 if slack < 2 else math.inf
-  if best is not None and best.zero == 1 and either:
+  if best is not None and best.zero == 1 and zero1_for_zero0:
     best = _unsharded(costs, best) or best
   return best
 
@@ -677,42 +668,21 @@ def _unsharded(costs: _StageCosts, plan: Placement) -> Placement | None:
   for s in plan.stages:
     members = sum(1 << costs.index[name] for name in s.layers)
     memory = costs.memory(members, s.width, s.recompute, s.in_flight, plan.data_parallel, 0)
-    if memory > costs.options.memory:
+    if memory > costs.problem.memory:
       return None
     stages.append(dataclasses.replace(s, memory=memory))
   return dataclasses.replace(plan, zero=0, stages=tuple(stages))
 
 
-def _options(devices, microbatches, hardware, memory_limit, optimizer, zero, recompute,
-             widths, stages) -> _Options:
+def _problem(devices, microbatches, hardware, options: PlacementOptions) -> _Problem:
   for name, value in (("devices", devices), ("microbatches", microbatches)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise PlacementError(f"{name} must be a positive int, got {value!r}.")
   hw = get_hardware(hardware)
-  memory = hw.hbm_capacity if memory_limit is None else memory_limit
-  if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not memory > 0:
-    raise PlacementError(f"memory_limit must be a positive number of bytes, got {memory!r}.")
-  if isinstance(optimizer, str):
-    if optimizer.lower() not in OPTIMIZERS:
-      raise PlacementError(
-          f"optimizer must be one of {sorted(OPTIMIZERS)} or bytes of state per parameter "
-          f"byte, got {optimizer!r}.")
-    optimizer = OPTIMIZERS[optimizer.lower()]
-  if isinstance(optimizer, bool) or not isinstance(optimizer, (int, float)) or optimizer < 0:
-    raise PlacementError(f"optimizer state factor must be a number >= 0, got {optimizer!r}.")
-  zeros = (zero,) if isinstance(zero, int) else tuple(zero)
-  if not zeros or any(isinstance(z, bool) or z not in (0, 1, 2, 3) for z in zeros):
-    raise PlacementError(f"zero must be a stage in 0..3 or a sequence of them, got {zero!r}.")
-  if recompute is not None and not isinstance(recompute, bool):
-    raise PlacementError(f"recompute must be True, False or None, got {recompute!r}.")
-  choices = (False, True) if recompute is None else (recompute,)
-  if widths is not None:
-    widths = tuple(widths)
-    if not widths or any(isinstance(t, bool) or not isinstance(t, int) or t < 1
-                         for t in widths):
-      raise PlacementError(f"widths must be positive ints, got {widths!r}.")
-  return _Options(devices, microbatches, float(memory), hw, float(optimizer), zeros, choices,
-                  widths, stages)
+  memory = hw.hbm_capacity if options.memory_limit is None else options.memory_limit
+  choices = (False, True) if options.recompute is None else (options.recompute,)
+  return _Problem(devices, microbatches, float(memory), hw, options.optimizer_state,
+                  options.zero, choices, options.widths, options.stages)
 
 
-__all__ = ["MAX_DOWNSETS", "OPTIMIZERS", "place", "place_any"]
+__all__ = ["MAX_DOWNSETS", "place", "place_any"]

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster.model import JsonFile, Placement, PlacementError
+from automap._src.cluster.options import ClusterOptions, with_keywords
 from automap._src.cluster.placement import place_any
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.plan.explain import format_bytes
-from automap._src.search.request import Budget
 
 SCHEMA = 1
 
@@ -94,53 +94,47 @@ def _seconds(x: float) -> str:
 
 
 def plan_cluster(loss_fn: Callable, params, *batch, devices: int, global_batch: int,
-                 hardware: str | Hardware = "tpu-v4", memory_limit: float | None = None,
-                 optimizer: str | float = "adam", zero: int | Sequence[int] = (0, 1, 2, 3),
-                 recompute: bool | None = None, widths: Sequence[int] | None = None,
-                 microbatches: Sequence[int] | None = None,
-                 budget: Budget | None = None, seed: int = 0) -> ClusterPlan:
+                 hardware: str | Hardware = "tpu-v4", options: ClusterOptions | None = None,
+                 **keywords) -> ClusterPlan:
   """Plans training `loss_fn(params, *batch) -> scalar` on `devices` devices.
 
   The example `batch` may be any size (its leading dimension); costs are
   scaled to each microbatch size. Leaves may be `jax.ShapeDtypeStruct`s.
   global_batch: samples per optimizer step over the whole cluster.
-  widths: tensor-parallel widths to consider (default: powers of two up to a
-    node, at most 8).
-  microbatches: microbatch sizes to consider (default: the powers of two that
-    divide global_batch and leave at most 512 microbatches); the step is
-    traced and priced at each.
-  budget: the sharding search's budget for each width.
-  Other knobs as in `automap.place`.
+  options: an automap.ClusterOptions: memory_limit, optimizer, zero,
+    recompute, widths, microbatches, budget, seed (see its docstring). Each
+    field may be given as a keyword instead (`plan_cluster(..., zero=0)`),
+    but not both ways.
   """
+  options = with_keywords(ClusterOptions, options, keywords, "plan_cluster")
   t0 = time.perf_counter()
   hw = get_hardware(hardware)
   for name, value in (("devices", devices), ("global_batch", global_batch)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise PlacementError(f"{name} must be a positive int, got {value!r}.")
+  widths = options.widths
   if widths is None:
     widths = [t for t in (1, 2, 4, 8) if t <= min(devices, hw.devices_per_node)]
   widths = sorted(set(widths))
-  if not widths or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 or t > devices
-                       for t in widths):
+  if any(t > devices for t in widths):
     raise PlacementError(f"widths must be ints in 1..devices={devices}, got {widths!r}.")
+  microbatches = options.microbatches
   if microbatches is None:
     microbatches = [1 << k for k in range(global_batch.bit_length())
                     if global_batch % (1 << k) == 0 and global_batch >> k <= 512
                     ] or [global_batch]
   microbatches = sorted(set(microbatches))
-  if not microbatches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
-                             or global_batch % b for b in microbatches):
+  if any(global_batch % b for b in microbatches):
     raise PlacementError(
         f"microbatches must be sizes that divide global_batch={global_batch}, "
         f"got {microbatches!r}.")
   profile = layers_lib.measure(loss_fn, params, batch, widths=widths, hardware=hw,
-                               search=layers_lib.sharding_search(budget, seed),
+                               search=layers_lib.sharding_search(options.budget, options.seed),
                                sizes=microbatches)
   t1 = time.perf_counter()
   placement, i = place_any(
       [(profile.at(b), global_batch // b) for b in microbatches], devices=devices,
-      hardware=hw, memory_limit=memory_limit, optimizer=optimizer, zero=zero,
-      recompute=recompute, widths=widths)
+      hardware=hw, options=options.placement(widths))
   b = microbatches[i]
   used = {s.width for s in placement.stages}
   return ClusterPlan(placement, b, global_batch, devices, hw.name,

@@ -1,0 +1,306 @@
+"""Options objects of the cluster planners: `place`, `plan_cluster`, `search_accelerator`.
+
+Each planner takes its few essential arguments (the model, the devices, the
+hardware) directly and its tuning knobs in one frozen dataclass that
+validates itself, so a bad value fails before any tracing or search, with a
+message naming the field. The planners still take every field as a keyword,
+as they did before the options objects existed (`with_keywords`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import types
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from automap._src.cluster.accelerator import Accelerator
+from automap._src.cluster.model import PlacementError
+from automap._src.search.request import Budget
+
+# Optimizer state per parameter byte, in the parameters' dtype.
+OPTIMIZERS: Mapping[str, float] = types.MappingProxyType(
+    {"sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0})
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def with_keywords(cls: type, options, keywords: dict, function: str):
+  """`options` (a `cls`, or None for its defaults) with a planner's keyword
+  arguments folded in, each naming a field of `cls`. With options= given,
+  any such keyword is an error: the field would be given twice."""
+  fields = [f.name for f in dataclasses.fields(cls)]
+  unknown = [k for k in keywords if k not in fields]
+  if unknown:
+    raise TypeError(
+        f"{function}() got an unexpected keyword argument {unknown[0]!r}; its options "
+        f"(keywords, or fields of automap.{cls.__name__}) are {', '.join(fields)}.")
+  if options is None:
+    return cls(**keywords)
+  if not isinstance(options, cls):
+    raise TypeError(
+        f"{function}(): options must be an automap.{cls.__name__}, got "
+        f"{type(options).__name__}; build one with automap.{cls.__name__}(...).")
+  if keywords:
+    names = ", ".join(f"{k}=" for k in keywords)
+    raise TypeError(
+        f"{function}() got {names} as keyword(s) and options= too; give each option one way: "
+        f"options=dataclasses.replace(options, {next(iter(keywords))}=...), or no options=.")
+  return options
+
+
+def _memory_limit(owner: str, value) -> None:
+  if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                            or not value > 0):
+    raise PlacementError(
+        f"{owner}.memory_limit must be a positive number of bytes per device, got {value!r}; "
+        "or None for the hardware's hbm_capacity.")
+
+
+def _optimizer(owner: str, value) -> None:
+  if isinstance(value, str):
+    if value.lower() not in OPTIMIZERS:
+      raise PlacementError(
+          f"{owner}.optimizer must be one of {sorted(OPTIMIZERS)} or bytes of state per "
+          f"parameter byte, got {value!r}; for another optimizer give its factor (Adam: 2.0).")
+  elif isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+    raise PlacementError(
+        f"{owner}.optimizer state factor must be a number >= 0 (bytes of optimizer state "
+        f"per parameter byte) or a name in {sorted(OPTIMIZERS)}, got {value!r}.")
+
+
+def _zero(owner: str, value) -> tuple:
+  """The ZeRO stages as a tuple (an int is one stage)."""
+  try:
+    stages = (value,) if isinstance(value, int) else tuple(value)
+  except TypeError:
+    stages = ()
+  if not stages or any(isinstance(z, bool) or z not in ZERO_STAGES for z in stages):
+    raise PlacementError(
+        f"{owner}.zero must be a stage in 0..3 or a sequence of them, got {value!r}; e.g. "
+        "zero=1 (optimizer state sharded) or zero=(0, 1, 2, 3) to let the planner choose.")
+  return stages
+
+
+def _recompute(owner: str, value) -> None:
+  if value is not None and not isinstance(value, bool):
+    raise PlacementError(
+        f"{owner}.recompute must be True (always), False (never) or None (chosen per "
+        f"stage), got {value!r}.")
+
+
+def _positive_ints(owner: str, name: str, value, integral: type = int) -> tuple[int, ...]:
+  """`value` as a non-empty tuple of ints >= 1 (instances of `integral`, not bools)."""
+  try:
+    items = tuple(value)
+  except TypeError:
+    items = ()
+  if not items or any(isinstance(t, bool) or not isinstance(t, integral) or t < 1
+                      for t in items):
+    raise PlacementError(
+        f"{owner}.{name} must be positive ints, got {value!r}; e.g. {name}=(1, 2, 4).")
+  return tuple(int(t) for t in items) if integral is not int else items
+
+
+def _optional_count(owner: str, name: str, value) -> None:
+  if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    raise PlacementError(
+        f"{owner}.{name} must be None (searched) or a positive int, got {value!r}.")
+
+
+def _budget(owner: str, value) -> None:
+  # TypeError, as the sharding search itself raises for a bad budget.
+  if value is not None and not isinstance(value, Budget):
+    raise TypeError(
+        f"{owner}.budget must be an automap.Budget (the sharding search's per width), got "
+        f"{value!r}; e.g. automap.Budget(episodes=20, seconds=30).")
+
+
+def _seed(owner: str, value) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+    raise TypeError(f"{owner}.seed must be a non-negative integer, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementOptions:
+  """How `automap.place` may place a layer graph.
+
+  memory_limit: bytes per device; None: the hardware's `hbm_capacity`.
+  optimizer: a name in OPTIMIZERS or bytes of optimizer state per parameter byte.
+  zero: ZeRO stage(s) to consider (an int is one): 1 shards optimizer state
+    over data parallelism, 2 also gradients (reduce-scattered every
+    microbatch), 3 also parameters (gathered for every use).
+  recompute: force recompute (True) or stash (False); None chooses per stage.
+  widths: tensor-parallel widths allowed (None: every width the layers price).
+  data_parallel, stages: fix the data-parallel degree or the stage count (to
+    price a hand-written split such as Megatron's p x d x t); None searches.
+  """
+
+  memory_limit: float | None = None
+  optimizer: str | float = "adam"
+  zero: tuple[int, ...] = ZERO_STAGES
+  recompute: bool | None = None
+  widths: tuple[int, ...] | None = None
+  data_parallel: int | None = None
+  stages: int | None = None
+
+  def __post_init__(self):
+    owner = type(self).__name__
+    _memory_limit(owner, self.memory_limit)
+    _optimizer(owner, self.optimizer)
+    object.__setattr__(self, "zero", _zero(owner, self.zero))
+    _recompute(owner, self.recompute)
+    if self.widths is not None:
+      object.__setattr__(self, "widths", _positive_ints(owner, "widths", self.widths))
+    _optional_count(owner, "data_parallel", self.data_parallel)
+    _optional_count(owner, "stages", self.stages)
+
+  @property
+  def optimizer_state(self) -> float:
+    """Bytes of optimizer state per parameter byte."""
+    if isinstance(self.optimizer, str):
+      return float(OPTIMIZERS[self.optimizer.lower()])
+    return float(self.optimizer)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterOptions:
+  """How `automap.plan_cluster` may plan a training step.
+
+  memory_limit, optimizer, zero, recompute: as in PlacementOptions.
+  widths: tensor-parallel widths to consider (None: powers of two up to a
+    node, at most 8).
+  microbatches: microbatch sizes to consider (None: the powers of two that
+    divide global_batch and leave at most 512 microbatches); the step is
+    traced and priced at each.
+  budget: the sharding search's budget for each width (None: Budget()).
+  seed: the sharding search's seed.
+  """
+
+  memory_limit: float | None = None
+  optimizer: str | float = "adam"
+  zero: tuple[int, ...] = ZERO_STAGES
+  recompute: bool | None = None
+  widths: tuple[int, ...] | None = None
+  microbatches: tuple[int, ...] | None = None
+  budget: Budget | None = None
+  seed: int = 0
+
+  def __post_init__(self):
+    owner = type(self).__name__
+    _memory_limit(owner, self.memory_limit)
+    _optimizer(owner, self.optimizer)
+    object.__setattr__(self, "zero", _zero(owner, self.zero))
+    _recompute(owner, self.recompute)
+    for name in ("widths", "microbatches"):
+      if getattr(self, name) is not None:
+        object.__setattr__(self, name, _positive_ints(owner, name, getattr(self, name)))
+    _budget(owner, self.budget)
+    _seed(owner, self.seed)
+
+  def placement(self, widths: Sequence[int]) -> PlacementOptions:
+    """The placement's options, over the `widths` the step was profiled at."""
+    return PlacementOptions(memory_limit=self.memory_limit, optimizer=self.optimizer,
+                            zero=self.zero, recompute=self.recompute, widths=tuple(widths))
+
+
+@dataclasses.dataclass(frozen=True)
+class CoSearchOptions:
+  """How `automap.search_accelerator` may search architectures and placements.
+
+  baseline: the architecture scores are relative to (None: TPU_V4_LIKE);
+    its area is the default area budget.
+  space: Accelerator field -> candidate values (None: cosearch.SPACE); other
+    fields as `baseline`.
+  widths: tensor-parallel widths to profile and place.
+  microbatches: microbatch sizes to profile and place (each must divide
+    every workload's global_batch).
+  optimizer, zero: as in PlacementOptions.
+  schedule_seconds: CP-SAT time limit per distinct layer pass.
+  bucket: width of the area buckets, as a share of the area budget; the
+    search stops at the first bucket (below the largest) that improves nothing.
+  gap: stop once no bound beats the best list-scheduled score by more than
+    this share (0: every point that might win is list-scheduled).
+  finalists: how many of the best list-scheduled points CP-SAT schedules.
+  budget: the sharding search's budget per width (None: 20 episodes, 30 s).
+  progress: show a progress bar (None: only when stderr is a terminal).
+  seed: the sharding search's seed.
+  """
+
+  baseline: Accelerator | None = None
+  space: Mapping[str, tuple] | None = None
+  widths: tuple[int, ...] = (1, 2, 4, 8)
+  microbatches: tuple[int, ...] = (1, 2, 4, 8)
+  optimizer: str | float = "adam"
+  zero: tuple[int, ...] = ZERO_STAGES
+  schedule_seconds: float = 2.0
+  bucket: float = 0.1
+  gap: float = 0.01
+  finalists: int = 3
+  budget: Budget | None = None
+  progress: bool | None = None
+  seed: int = 0
+
+  def __post_init__(self):
+    owner = type(self).__name__
+    if self.baseline is not None and not isinstance(self.baseline, Accelerator):
+      raise TypeError(
+          f"{owner}.baseline must be an automap.Accelerator or None (TPU_V4_LIKE), got "
+          f"{type(self.baseline).__name__}.")
+    # An empty space has always meant the default grid.
+    object.__setattr__(self, "space", _space(owner, self.space) if self.space else None)
+    for name in ("widths", "microbatches"):
+      object.__setattr__(self, name,
+                         _positive_ints(owner, name, getattr(self, name), numbers.Integral))
+    _optimizer(owner, self.optimizer)
+    object.__setattr__(self, "zero", _zero(owner, self.zero))
+    for name, least, strict in (("schedule_seconds", 0.0, False), ("bucket", 0.0, True),
+                                ("gap", 0.0, False)):
+      value = getattr(self, name)
+      if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+          or not math.isfinite(value) or value < least or (strict and value == least)):
+        raise PlacementError(
+            f"{owner}.{name} must be a finite number {'>' if strict else '>='} {least:g}, "
+            f"got {value!r}; the default is "
+            f"{getattr(CoSearchOptions, name)!r}.")
+    if (isinstance(self.finalists, bool) or not isinstance(self.finalists, int)
+        or self.finalists < 0):
+      raise PlacementError(
+          f"{owner}.finalists must be an int >= 0 (points CP-SAT schedules), got "
+          f"{self.finalists!r}; the default is 3.")
+    if self.progress not in (None, True, False):
+      raise PlacementError(
+          f"{owner}.progress must be True, False or None (when stderr is a terminal), "
+          f"got {self.progress!r}.")
+    _budget(owner, self.budget)
+    _seed(owner, self.seed)
+
+
+def _space(owner: str, space) -> Mapping[str, tuple]:
+  """The grid as a read-only mapping of field -> tuple of values."""
+  fields = [f.name for f in dataclasses.fields(Accelerator)]
+  if not isinstance(space, Mapping):
+    raise PlacementError(
+        f"{owner}.space must map Accelerator fields to candidate values, got "
+        f"{type(space).__name__}; e.g. {{'tensor_units': (4, 8), 'array': (64, 128)}}.")
+  out = {}
+  for name, values in space.items():
+    if name not in fields:
+      raise PlacementError(
+          f"{owner}.space: {name!r} is not an Accelerator field; the fields are {fields}.")
+    try:
+      values = () if isinstance(values, str) else tuple(values)
+    except TypeError:
+      values = ()
+    if not values:
+      raise PlacementError(
+          f"{owner}.space[{name!r}] must be a non-empty sequence of candidate values, got "
+          f"{space[name]!r}.")
+    out[name] = values
+  return types.MappingProxyType(out)
+
+
+__all__ = ["OPTIMIZERS", "ZERO_STAGES", "ClusterOptions", "CoSearchOptions", "PlacementOptions",
+           "with_keywords"]
