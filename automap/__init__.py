@@ -10,7 +10,6 @@ from automap._src.cluster.accelerator import TPU_V4_LIKE as TPU_V4_LIKE
 from automap._src.cluster.accelerator import Accelerator as Accelerator
 from automap._src.cluster.accelerator import AcceleratorError as AcceleratorError
 from automap._src.cluster.cosearch import AcceleratorPlan as AcceleratorPlan
-from automap._src.cluster.cosearch import Workload as Workload
 from automap._src.cluster.cosearch import search_accelerator as search_accelerator
 from automap._src.cluster.model import Layer as Layer
 from automap._src.cluster.model import LayerCost as LayerCost
@@ -21,6 +20,7 @@ from automap._src.cluster.model import Stage as Stage
 from automap._src.cluster.options import ClusterOptions as ClusterOptions
 from automap._src.cluster.options import CoSearchOptions as CoSearchOptions
 from automap._src.cluster.options import PlacementOptions as PlacementOptions
+from automap._src.cluster.passes import Workload as Workload
 from automap._src.cluster.pipeline import PipelineError as PipelineError
 from automap._src.cluster.pipeline import pipelined as pipelined
 from automap._src.cluster.pipeline import pipelined_loss as pipelined_loss

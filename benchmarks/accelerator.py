@@ -21,7 +21,6 @@ import statistics
 import sys
 
 import automap
-from automap._src.cluster import cosearch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster import MODELS, OPTIMIZER, block_model  # noqa: E402
@@ -29,12 +28,12 @@ from cluster import MODELS, OPTIMIZER, block_model  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def workload(name: str) -> cosearch.Workload:
+def workload(name: str) -> automap.Workload:
   """The 2-block model of the named shape, its second block standing for the rest."""
   loss, params, batch = block_model(name)
   layers, *_, global_batch, _ = MODELS[name]
-  return cosearch.Workload(loss, params, batch, global_batch, name,
-                           repeat={"block_1": layers - 1})
+  return automap.Workload(loss, params, batch, global_batch, name,
+                          repeat={"block_1": layers - 1})
 
 
 def main():
@@ -51,7 +50,7 @@ def main():
   print("|---|---|---|---|---|---|---|---|---|")
   ratios, times = [], []
   for name in models:
-    plan = cosearch.search_accelerator(
+    plan = automap.search_accelerator(
         workload(name), devices=1024, hardware="tpu-v4", optimizer=OPTIMIZER,
         microbatches=(1, 2, 4), schedule_seconds=0.5 if opts.quick else 1.0,
         budget=automap.Budget(episodes=10 if opts.quick else 20, seconds=60, progress=False),

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from automap._src.cluster import accelerator as acc_lib
+from automap._src.cluster import scheduling as scheduling_lib
 from automap._src.cluster.accelerator import (
   AREA_BUDGET,
   TPU_V4_LIKE,
@@ -18,10 +19,8 @@ from automap._src.cluster.accelerator import (
   AcceleratorError,
   Op,
   latency,
-  schedule,
-  schedule_latencies,
-  schedule_layers,
 )
+from automap._src.cluster.scheduling import schedule, schedule_latencies, schedule_layers
 
 MiB = 2**20
 
@@ -230,8 +229,8 @@ def test_schedule_on_an_accelerator_uses_its_latencies():
 
 def test_schedule_layers_solves_each_distinct_layer_once(monkeypatch):
   calls = []
-  solve = acc_lib.schedule
-  monkeypatch.setattr(acc_lib, "schedule", lambda *a, **k: calls.append(a) or solve(*a, **k))
+  solve = scheduling_lib.schedule
+  monkeypatch.setattr(scheduling_lib, "schedule", lambda *a, **k: calls.append(a) or solve(*a, **k))
   other = ([Op.matmul("x", m=256, n=256, k=256)], [])
   got = schedule_layers([layer("l0"), layer("l1"), other, layer("l2")], TPU_V4_LIKE, seconds=1)
   assert len(calls) == 2

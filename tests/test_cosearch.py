@@ -11,8 +11,9 @@ import pytest
 
 import automap
 from automap._src.cluster import accelerator as acc_lib
-from automap._src.cluster import cosearch
+from automap._src.cluster import cosearch, pass_times, scheduling
 from automap._src.cluster import layers as layers_lib
+from automap._src.cluster import passes as passes_lib
 from automap._src.cost.hardware import get_hardware
 from automap._src.models import gpt
 
@@ -32,7 +33,7 @@ def gpt_workload(name="gpt", depth=None):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
   repeat = {} if depth is None else {"block_1": depth - 1}
-  return cosearch.Workload(loss, params, (batch,), global_batch=64, name=name, repeat=repeat)
+  return automap.Workload(loss, params, (batch,), global_batch=64, name=name, repeat=repeat)
 
 
 def mlp_workload():
@@ -43,7 +44,7 @@ def mlp_workload():
     return jnp.mean(x**2)
 
   params = [jax.ShapeDtypeStruct((256, 256), jnp.float32) for _ in range(3)]
-  return cosearch.Workload(loss, params, (jax.ShapeDtypeStruct((16, 256), jnp.float32),),
+  return automap.Workload(loss, params, (jax.ShapeDtypeStruct((16, 256), jnp.float32),),
                            global_batch=64, name="mlp")
 
 
@@ -61,7 +62,7 @@ def test_the_search_never_loses_to_the_baseline_and_stays_in_budget():
   # schedule <= its CP-SAT schedule <= its placed bound <= its ratio bound.
   by = {how: {a: x for a, x, h in plan.history if h == how}
         for how in ("ratio", "bound", "dominated", "greedy", "exact")}
-  grid = cosearch._candidates(plan.area_budget, acc_lib.TPU_V4_LIKE, SPACE)
+  grid = cosearch._grid_points(plan.area_budget, acc_lib.TPU_V4_LIKE, SPACE)
   assert {a for a in grid if a.area() > 0.9 * plan.area_budget} <= set(by["ratio"]) <= set(grid)
   assert by["exact"] and set(by["exact"]) <= set(by["greedy"]) <= set(by["bound"])
   assert not set(by["dominated"]) & set(by["bound"])
@@ -99,7 +100,7 @@ def test_one_architecture_for_two_models():
 
 
 def test_candidates_are_the_grid_within_budget():
-  points = cosearch._candidates(acc_lib.AREA_BUDGET, acc_lib.TPU_V4_LIKE, SPACE)
+  points = cosearch._grid_points(acc_lib.AREA_BUDGET, acc_lib.TPU_V4_LIKE, SPACE)
   assert acc_lib.TPU_V4_LIKE in points
   assert all(p.area() <= acc_lib.AREA_BUDGET for p in points)
   grid = 1
@@ -118,10 +119,11 @@ def test_bad_arguments():
 @pytest.fixture(scope="module")
 def profiled():
   search = layers_lib.sharding_search(BUDGET)
-  return cosearch._profile(gpt_workload(depth=6), get_hardware("tpu-v4"), (1, 2), (2, 4), search)
+  return passes_lib.profile_workload(gpt_workload(depth=6), get_hardware("tpu-v4"), (1, 2),
+                                     (2, 4), search)
 
 
-def bound_of(p: cosearch._Pass, acc: acc_lib.Accelerator) -> float:
+def bound_of(p: passes_lib.LayerPass, acc: acc_lib.Accelerator) -> float:
   """A pass's lower bound, op by op: its critical path at each op's best
   latency, or its work over every core."""
   single = [acc_lib.latency(op, acc, 1) for op in p.ops]
@@ -140,49 +142,49 @@ def test_the_op_table_prices_every_op_as_latency_does():
   ops += [acc_lib.Op("add", "vector", elements=e, bytes=3.0 * e) for e in (0, 1, 1e3, 3.3e8)]
   ops += [acc_lib.Op("nobytes", "tensor", m=300, n=200, k=100)]
   table = acc_lib.OpTable(ops)
-  for acc in cosearch._candidates(math.inf, acc_lib.TPU_V4_LIKE, SPACE):
+  for acc in cosearch._grid_points(math.inf, acc_lib.TPU_V4_LIKE, SPACE):
     for cores in (1, acc.tensor_units):
       assert np.array_equal(table.latency(acc, cores),
                             [acc_lib.latency(op, acc, cores) for op in ops])
 
 
 def test_bounds_of_every_pass_at_once_are_those_op_by_op(profiled):
-  passes = cosearch._all_passes(profiled)
-  bounds = cosearch._Bounds(passes)
-  for acc in cosearch._candidates(acc_lib.AREA_BUDGET, acc_lib.TPU_V4_LIKE, SPACE)[::3]:
+  passes = passes_lib.all_passes(profiled)
+  bounds = pass_times.PassBounds(passes)
+  for acc in cosearch._grid_points(acc_lib.AREA_BUDGET, acc_lib.TPU_V4_LIKE, SPACE)[::3]:
     want = [bound_of(p, acc) for p in passes]
     np.testing.assert_allclose(bounds(acc), want, rtol=1e-12)
     for p, low in zip(passes[::5], bounds(acc)[::5]):
-      assert low <= acc_lib.schedule(p.ops, p.edges, acc, seconds=0).makespan * (1 + 1e-12)
+      assert low <= scheduling.schedule(p.ops, p.edges, acc, seconds=0).makespan * (1 + 1e-12)
 
 
 def test_lazy_scheduling_places_as_scheduling_every_pass_does(profiled):
-  passes = cosearch._all_passes(profiled)
-  bounds = cosearch._Bounds(passes)
+  passes = passes_lib.all_passes(profiled)
+  bounds = pass_times.PassBounds(passes)
   hw = get_hardware("tpu-v4")
   knobs = automap.PlacementOptions()
   for acc in (acc_lib.TPU_V4_LIKE, acc_lib.Accelerator(tensor_units=16, array=64)):
-    lazy = cosearch._Pricer(acc, 0.0, "greedy", bounds)
-    eager = cosearch._Pricer(acc, 0.0, "greedy", bounds)
+    lazy = pass_times.PassTimes(acc, 0.0, "greedy", bounds)
+    eager = pass_times.PassTimes(acc, 0.0, "greedy", bounds)
     for p in passes:
       eager.schedule(p)
-    got = cosearch._place(lazy, profiled, acc, hw, 8, (2, 4), knobs)
-    want = cosearch._place(eager, profiled, acc, hw, 8, (2, 4), knobs)
+    got = cosearch._place_on(lazy, profiled, acc, hw, 8, (2, 4), knobs)
+    want = cosearch._place_on(eager, profiled, acc, hw, 8, (2, 4), knobs)
     assert got.throughput == pytest.approx(want.throughput, rel=1e-12)
-    assert len(lazy.cache) < len(passes)  # only the passes of the pairs it places
+    assert len(lazy.scheduled) < len(passes)  # only the passes of the pairs it places
 
 
 def test_a_point_no_faster_on_every_pass_places_no_faster(profiled):
   """What lets the search bound a point by another's placement at bound."""
-  bounds = cosearch._Bounds(cosearch._all_passes(profiled))
+  bounds = pass_times.PassBounds(passes_lib.all_passes(profiled))
   hw = get_hardware("tpu-v4")
   knobs = automap.PlacementOptions()
   fast = acc_lib.TPU_V4_LIKE
   for slow in (acc_lib.Accelerator(vector_units=1), acc_lib.Accelerator(buffer=16 * 2**20),
                acc_lib.Accelerator(vector_units=1, hbm_capacity=16 * 2**30)):
     assert np.all(bounds(slow) >= bounds(fast))
-    times = [cosearch._place(cosearch._Pricer(acc, 0.0, "bound", bounds), profiled, acc, hw, 8,
-                             (2, 4), knobs).placement.time for acc in (fast, slow)]
+    times = [cosearch._place_on(pass_times.PassTimes(acc, 0.0, "bound", bounds), profiled, acc,
+                                hw, 8, (2, 4), knobs).placement.time for acc in (fast, slow)]
     assert times[1] >= times[0] * (1 - 1e-12)
 
 

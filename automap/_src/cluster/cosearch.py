@@ -1,17 +1,15 @@
 """search_accelerator: the accelerator architecture and the placement, together.
 
-For each workload (a loss function, its arguments and a global batch) the
-gradient program is profiled once per tensor-parallel width and microbatch
-size (`layers.measure`): per layer, the ops of its forward and backward
-passes with their per-device shapes under that width's sharding, plus the
-tensor-parallel collectives, parameters, activations and edges the cost model
-reads. An architecture then prices each layer pass by scheduling its ops on
-its cores (`accelerator.schedule`, one CP-SAT solve per distinct pass), and
-the placement DP finds the best cluster plan on it. Passes are scheduled
-lazily: the DP first places every pass at its lower bound, then the passes
-of the (microbatch size, width) pairs its plan uses are scheduled and it
-places again, until the plan it picks is priced by schedules alone; no plan
-then beats it, and most passes never reach the solver.
+Each workload is profiled once into layer passes, the ops of each layer's
+forward and backward pass per tensor-parallel width and microbatch size
+(`passes.py`). An architecture then prices each layer pass by scheduling
+its ops on its cores (`pass_times.PassTimes`, one CP-SAT solve per distinct
+pass), and the placement DP finds the best cluster plan on it. Passes are
+scheduled lazily: the DP first places every pass at its lower bound, then
+the passes of the (microbatch size, width) pairs its plan uses are
+scheduled and it places again, until the plan it picks is priced by
+schedules alone; no plan then beats it, and most passes never reach the
+solver.
 
 The architecture space is a grid of powers of two within the area budget.
 Every point is first priced optimistically (each layer pass at the larger of
@@ -41,24 +39,18 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from automap._src.cluster import accelerator as acc_lib
 from automap._src.cluster import layers as layers_lib
-from automap._src.cluster.model import (
-  JsonFile,
-  Layer,
-  LayerCost,
-  LayerGraph,
-  Placement,
-  PlacementError,
-)
+from automap._src.cluster.model import JsonFile, Placement, PlacementError
 from automap._src.cluster.options import CoSearchOptions, PlacementOptions, with_keywords
+from automap._src.cluster.pass_times import PassBounds, PassTimes
+from automap._src.cluster.passes import ProfiledWorkload, Workload, all_passes, profile_workload
 from automap._src.cluster.placement import place_any
 from automap._src.cost.hardware import Hardware, get_hardware
-from automap._src.plan import report
 from automap._src.search.request import Budget
 
 # The grid: each field's candidate values.
@@ -71,287 +63,7 @@ SPACE: dict[str, tuple] = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Workload:
-  """A model to train: `loss_fn(params, *batch) -> scalar`, `global_batch`
-  samples per step (batch leaves may be `jax.ShapeDtypeStruct`s).
-
-  repeat: layer name -> copies, to let a few profiled blocks stand for a deep
-    model (see `LayerGraph.repeat`), e.g. {"block_1": 47} for 48 blocks.
-  """
-
-  loss_fn: Callable
-  params: object
-  batch: tuple
-  global_batch: int
-  name: str = "model"
-  repeat: dict[str, int] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pass:
-  ops: tuple[acc_lib.Op, ...]
-  edges: tuple[tuple[int, int], ...]
-
-  def __post_init__(self):
-    # Passes key every memo: hash their hundreds of ops once, not per lookup.
-    object.__setattr__(self, "_hash", hash((self.ops, self.edges)))
-
-  def __hash__(self) -> int:
-    return self._hash
-
-
-@dataclasses.dataclass(frozen=True)
-class _Profiled:
-  """A workload's layers per (microbatch size, width): ops per pass, and the
-  cost model's layer graph for everything the accelerator does not change."""
-
-  workload: Workload
-  graphs: dict[int, dict[int, LayerGraph]]
-  # (size, width) -> per layer (forward pass, backward share), backward
-  # passes per label with the layers they split over and their shares.
-  forward: dict[tuple[int, int], list[_Pass]]
-  backward: dict[tuple[int, int], list[tuple[_Pass, list[int]]]]
-  comm: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]
-
-  def passes(self, size: int, width: int) -> list[_Pass]:
-    """The passes whose times make the layer costs at (size, width)."""
-    return self.forward[(size, width)] + [p for p, _ in self.backward[(size, width)]]
-
-
-def _tiles(state: np.ndarray, sizes: Sequence[int], v: int, dim: int) -> int:
-  return int(np.prod([sizes[a] for a in np.flatnonzero(state[v] == dim)] or [1]))
-
-
-def _op(program, state, o: int) -> acc_lib.Op | None:
-  """The accelerator's view of op o under `state` (per device), or None when
-  the cost model charges it nothing (fused, free, or a relabel)."""
-  g, model = program.graph, program.model
-  if model.op_cost(state, o).time <= 0:
-    return None
-  sizes = program.mesh.axis_sizes
-  values = [v for v in g.operands[o] if v >= 0] + list(g.results[o])
-  nbytes = sum(model.local_bytes(state, v) for v in values) * g.trips[o]
-  prim, rule = g.prims[o], g.rules[o]
-  if prim == "dot_general" and not rule.replicated and len(rule.operands) >= 2:
-    local: dict[int, int] = {}
-    for position in (0, 1):
-      v, factors = g.operands[o][position], rule.operands[position]
-      for dim, f in enumerate(factors or ()):
-        if f >= 0:
-          local[f] = max(1, rule.sizes[f] // (_tiles(state, sizes, v, dim) if v >= 0 else 1))
-    lhs = {f for f in rule.operands[0] or () if f >= 0}
-    rhs = {f for f in rule.operands[1] or () if f >= 0}
-    prod = lambda fs: int(np.prod([local[f] for f in fs] or [1]))  # noqa: E731
-    return acc_lib.Op(
-        prim, "tensor", m=prod(lhs - rhs), n=prod(rhs - lhs),
-        k=prod({f for f in lhs & rhs if rule.reduction[f]}),
-        batch=prod({f for f in lhs & rhs if not rule.reduction[f]}) * int(g.trips[o]),
-        bytes=nbytes)
-  if prim.startswith("conv"):
-    # A convolution as a square matmul of its FLOPs.
-    side = max(1, round((model.op_cost(state, o).flops / 2) ** (1 / 3)))
-    return acc_lib.Op(prim, "tensor", m=side, n=side, k=side,
-                      batch=int(g.trips[o]), bytes=nbytes)
-  elements = max(model.local_bytes(state, v) / g.dtypes[v].itemsize
-                 if hasattr(g.dtypes[v], "itemsize") else 0.0 for v in values)
-  return acc_lib.Op(prim, "vector", elements=elements * g.trips[o], bytes=nbytes)
-
-
-def _passes(program, state, group: list[int]) -> _Pass:
-  """The ops of `group` (op indices in program order) the accelerator runs,
-  with precedence from their data flow (through ops it skips)."""
-  g = program.graph
-  members = set(group)
-  kept: dict[int, int] = {}
-  ops = []
-  for o in group:
-    op = _op(program, state, o)
-    if op is not None:
-      kept[o] = len(ops)
-      ops.append(op)
-  # Nearest kept ancestors of each op's operands, within the group.
-  near: dict[int, frozenset] = {}
-  edges = set()
-  for o in group:
-    deps: set[int] = set()
-    for v in g.operands[o]:
-      p = g.producer[v] if v >= 0 else -1
-      if p in members:
-        deps |= {kept[p]} if p in kept else near.get(p, frozenset())
-    near[o] = frozenset(deps)
-    if o in kept:
-      edges |= {(d, kept[o]) for d in deps}
-  return _Pass(tuple(ops), tuple(sorted(edges)))
-
-
-def _profile(workload: Workload, hardware: Hardware, widths, sizes, search) -> _Profiled:
-  profile = layers_lib.measure(workload.loss_fn, workload.params, workload.batch, widths=widths,
-                               hardware=hardware, search=search, sizes=sizes)
-  forward, backward, comm = {}, {}, {}
-  for (size, t), (program, state) in profile.programs.items():
-    cut = layers_lib.Cut.of(program.graph)
-    fw_ops = [[] for _ in cut.names]
-    bw_ops: dict[str, list[int]] = {}
-    for o in range(program.graph.num_ops):
-      if cut.forward[o]:
-        fw_ops[cut.segment[o]].append(o)
-      else:
-        bw_ops.setdefault(cut.labels[o], []).append(o)
-    forward[(size, t)] = [_passes(program, state, ops) for ops in fw_ops]
-    backward[(size, t)] = [(_passes(program, state, ops), cut.runs.get(label, [len(cut.names) - 1]))
-                           for label, ops in bw_ops.items()]
-    comm[(size, t)] = cut.split(report.op_seconds(program.model, state)[1])
-  return _Profiled(workload, profile.graphs, forward, backward, comm)
-
-
-class _Pricer:
-  """Layer graphs of profiled workloads on one accelerator.
-
-  Mode "bound" prices each pass at its lower bound. Modes "greedy" (list
-  schedules) and "exact" (CP-SAT) price a pass at its schedule once
-  `schedule` has made it, and at its bound until then: a placement on those
-  times is a lower bound, and `_place` schedules only the passes of the
-  (size, width) pairs it picks.
-  """
-
-  def __init__(self, acc: acc_lib.Accelerator, seconds: float, mode: str, bounds: _Bounds):
-    self.acc, self.seconds, self.mode = acc, seconds, mode
-    self.index, self.low = bounds.index, bounds(acc)
-    self.cache: dict[_Pass, float] = {}
-    self.upper: dict[_Pass, float] = {}
-
-  def makespan(self, p: _Pass) -> float:
-    found = self.cache.get(p)
-    return self.low[self.index[p]] if found is None else found
-
-  def schedule(self, p: _Pass) -> bool:
-    """Schedules the pass (in modes other than "bound"); whether it was not yet."""
-    if self.mode == "bound" or p in self.cache:
-      return False
-    if not p.ops:
-      self.cache[p] = 0.0
-    else:  # a greedy list schedule starts the solver; without time, it stands
-      seconds = self.seconds if self.mode == "exact" else 0.0
-      self.cache[p] = acc_lib.schedule(p.ops, p.edges, self.acc, seconds=seconds).makespan
-    return True
-
-  def most(self, p: _Pass) -> float:
-    """No schedule of the pass the pricer settles on is longer."""
-    if p in self.cache:
-      return self.cache[p]
-    if p not in self.upper:
-      self.upper[p] = acc_lib.schedule(p.ops, p.edges, self.acc, seconds=0.0).makespan
-    return self.upper[p]
-
-  def graph(self, profiled: _Profiled, size: int) -> LayerGraph:
-    widths = sorted(t for s, t in profiled.forward if s == size)
-    base = profiled.graphs[size][widths[0]]
-    per_width: dict[int, list[LayerCost]] = {}
-    for t in widths:
-      forward = profiled.forward[(size, t)]
-      fw = np.array([self.makespan(p) for p in forward])
-      bw = np.zeros(len(fw))
-      for p, layers in profiled.backward[(size, t)]:
-        if len(layers) == 1:
-          bw[layers] += self.makespan(p)
-        else:  # shares of bounds need not bound the shares: take the least
-          high = np.array([self.most(forward[i]) for i in layers])
-          bw[layers] += _least_share(fw[layers], high) * self.makespan(p)
-      comm_fw, comm_bw = profiled.comm[(size, t)]
-      graph = profiled.graphs[size][t]
-      per_width[t] = [
-          LayerCost(fw[i] + comm_fw[i], bw[i] + comm_bw[i], c.params, c.activations,
-                    comm_fw[i] + comm_bw[i])
-          for i, c in enumerate(layer.widths[t] for layer in graph.layers)]
-    layers = tuple(Layer(layer.name, {t: per_width[t][i] for t in widths})
-                   for i, layer in enumerate(base.layers))
-    graph = LayerGraph(layers, base.edges)
-    for name, times in profiled.workload.repeat.items():
-      graph = graph.repeat(name, times)
-    return graph
-
-
-def _least_share(low: np.ndarray, high: np.ndarray) -> np.ndarray:
-  """Per layer, the least share of its label's backward (split as the
-  layers' forward seconds are, `layers_lib.backward_share`) over forward
-  seconds anywhere in [low, high]; the share itself where low == high."""
-  if np.array_equal(low, high):
-    return layers_lib.backward_share(low, list(range(len(low))))
-  rest = high.sum() - high
-  with np.errstate(invalid="ignore", divide="ignore"):
-    share = np.where(low > 0, low / (low + rest), 0.0)
-  return share if high.sum() > 0 else np.full(len(low), 1 / len(low))
-
-
-def _all_passes(profiled: _Profiled) -> list[_Pass]:
-  return list(dict.fromkeys([p for ps in profiled.forward.values() for p in ps]
-                            + [p for ps in profiled.backward.values() for p, _ in ps]))
-
-
-class _Bounds:
-  """Lower bounds on the passes' schedules, all passes of an accelerator at
-  once: no schedule of a pass is shorter than its critical path at each op's
-  best latency, nor than its work spread over every core."""
-
-  def __init__(self, passes: Sequence[_Pass]):
-    self.passes = list(passes)
-    self.index = {p: i for i, p in enumerate(self.passes)}
-    ops: dict[acc_lib.Op, int] = {}  # passes repeat ops: price each once
-    kind, owner, edges, starts = [], [], [], []
-    for i, p in enumerate(self.passes):
-      starts.append(len(kind))
-      edges += [(starts[-1] + a, starts[-1] + b) for a, b in p.edges]
-      kind += [ops.setdefault(op, len(ops)) for op in p.ops]
-      owner += [i] * len(p.ops)
-    self.table = acc_lib.OpTable(list(ops))
-    self.kind, self.owner = np.array(kind, np.int64), np.array(owner, np.int64)
-    self.starts = np.array(starts, np.int64)
-    self.empty = np.array([not p.ops for p in self.passes])
-    # Critical paths level by level: an op's level is one past its
-    # predecessors', so each level's edges start at finished ops.
-    level = np.zeros(len(kind), np.int64)
-    for a, b in edges:  # edges go forward in program order, sorted by source within a pass
-      level[b] = max(level[b], level[a] + 1)
-    edges = sorted(edges, key=lambda e: level[e[1]])
-    cuts = np.cumsum(np.bincount([level[b] for _, b in edges], minlength=1))
-    src = np.array([a for a, _ in edges], np.int64)
-    dst = np.array([b for _, b in edges], np.int64)
-    self.levels = [(src[lo:hi], dst[lo:hi]) for lo, hi in zip(np.r_[0, cuts[:-1]], cuts)
-                   if hi > lo]
-    self.memo: dict[acc_lib.Accelerator, tuple[np.ndarray, tuple]] = {}
-
-  def __call__(self, acc: acc_lib.Accelerator) -> np.ndarray:
-    """Per pass (in `passes` order), seconds."""
-    return self._priced(acc)[0]
-
-  def twins(self, acc: acc_lib.Accelerator) -> tuple:
-    """What pricing `acc` reads of it: every op's latencies on one core and
-    on all, the cores and the memory. Points that agree on these (vector
-    units and width with one product, a buffer larger than any op needs)
-    price alike."""
-    return self._priced(acc)[1]
-
-  def _priced(self, acc: acc_lib.Accelerator) -> tuple[np.ndarray, tuple]:
-    if acc not in self.memo:
-      cores = acc.tensor_units
-      one, every = self.table.latency(acc, 1), self.table.latency(acc, cores)
-      single, spread = one[self.kind], every[self.kind]
-      best = np.minimum(single, spread)
-      finish = best.copy()
-      for src, dst in self.levels:
-        np.maximum.at(finish, dst, finish[src] + best[dst])
-      work = np.bincount(self.owner, np.minimum(single, spread * cores),
-                         len(self.passes)) / cores
-      path = np.zeros(len(self.passes))
-      if len(finish):
-        path[~self.empty] = np.maximum.reduceat(finish, self.starts[~self.empty])
-      self.memo[acc] = (np.maximum(path, work), (cores, acc.hbm_capacity, acc.hbm_bandwidth,
-                                                 acc.peak_flops, one.tobytes(), every.tobytes()))
-    return self.memo[acc]
-
-
-def _ratio_bound(acc: acc_lib.Accelerator, passes: list[np.ndarray], bounds: _Bounds,
+def _ratio_bound(acc: acc_lib.Accelerator, passes: list[np.ndarray], bounds: PassBounds,
                  base: acc_lib.Accelerator, high: np.ndarray) -> float:
   """An upper bound on the score without placing: if every pass takes at
   least rho times its baseline schedule (rho <= 1), every placement takes at
@@ -463,8 +175,8 @@ class AcceleratorPlan(JsonFile):
     plt.close(fig)
 
 
-def _candidates(budget: float, base: acc_lib.Accelerator,
-                space: dict[str, tuple]) -> list[acc_lib.Accelerator]:
+def _grid_points(budget: float, base: acc_lib.Accelerator,
+                 space: Mapping[str, tuple]) -> list[acc_lib.Accelerator]:
   """Grid points within the area budget, largest area first. Not only the
   maximal ones: more tensor units shrink each core's share of bandwidth and
   buffer, and larger arrays waste cycles on small matmuls, so a smaller point
@@ -475,11 +187,11 @@ def _candidates(budget: float, base: acc_lib.Accelerator,
   return sorted((p for p in points if p.area() <= budget), key=lambda p: -p.area())
 
 
-def _place(pricer: _Pricer, profiled: _Profiled, acc: acc_lib.Accelerator, hw: Hardware,
-           devices: int, sizes: Sequence[int], options: PlacementOptions,
-           bound: float = math.inf) -> Result | None:
-  """The best placement on `acc`; None when none fits (or beats `bound`
-  seconds per batch)."""
+def _place_on(times: PassTimes, profiled: ProfiledWorkload, acc: acc_lib.Accelerator,
+              hw: Hardware, devices: int, sizes: Sequence[int], options: PlacementOptions,
+              bound: float = math.inf) -> Result | None:
+  """The best placement on `acc` with its layer passes at `times`; None when
+  none fits (or beats `bound` seconds per batch)."""
   wl = profiled.workload
   hardware = dataclasses.replace(hw, name=f"{hw.name}-links", hbm_capacity=acc.hbm_capacity,
                                  flops=acc.peak_flops, fp32_flops=acc.peak_flops / 4,
@@ -487,18 +199,19 @@ def _place(pricer: _Pricer, profiled: _Profiled, acc: acc_lib.Accelerator, hw: H
   while True:
     try:
       placement, i = place_any(
-          [(pricer.graph(profiled, b), wl.global_batch // b) for b in sizes],
+          [(times.layer_graph(profiled, b), wl.global_batch // b) for b in sizes],
           devices=devices, hardware=hardware, options=options, bound=bound)
     except PlacementError:
       return None
     # With passes at their bounds the plan is a lower bound on every plan:
     # once those of the pairs it uses are scheduled, it is also the best.
     result = Result(wl.name, placement, sizes[i], wl.global_batch / placement.time)
-    if not sum(pricer.schedule(p) for pair in _pairs(result) for p in profiled.passes(*pair)):
+    pairs = _size_width_pairs(result)
+    if not sum(times.schedule(p) for pair in pairs for p in profiled.passes(*pair)):
       return result
 
 
-def _pairs(result: Result) -> list[tuple[int, int]]:
+def _size_width_pairs(result: Result) -> list[tuple[int, int]]:
   """The (microbatch size, width) pairs whose passes price the result's plan."""
   return sorted({(result.microbatch, s.width) for s in result.placement.stages})
 
@@ -536,36 +249,36 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
           f"{w.global_batch}.")
   search = layers_lib.sharding_search(
       options.budget or Budget(episodes=20, seconds=30, progress=False), options.seed)
-  profiled = [_profile(w, hw, options.widths, microbatches, search) for w in workloads]
+  profiled = [profile_workload(w, hw, options.widths, microbatches, search) for w in workloads]
   placing = PlacementOptions(optimizer=options.optimizer, zero=options.zero)
-  passes = [_all_passes(p) for p in profiled]
-  lower = _Bounds(list(dict.fromkeys(p for ps in passes for p in ps)))
+  passes = [all_passes(p) for p in profiled]
+  pass_bounds = PassBounds(list(dict.fromkeys(p for ps in passes for p in ps)))
 
-  def place(pricer, bounds=None) -> list[Result | None]:
+  def place(times, bounds=None) -> list[Result | None]:
     bounds = bounds or [math.inf] * len(profiled)  # seconds per batch, per workload
-    return [_place(pricer, p, pricer.acc, hw, devices, microbatches, placing, bound)
+    return [_place_on(times, p, times.acc, hw, devices, microbatches, placing, bound)
             for p, bound in zip(profiled, bounds)]
 
-  twins: dict[tuple, list[Result | None]] = {}
-  last: dict[tuple, list[Result | None]] = {}  # the latest results of a class of points
+  results_by_key: dict[tuple, list[Result | None]] = {}
+  latest: dict[tuple, list[Result | None]] = {}  # the latest results of a class of points
 
   def price(acc, mode, bounds=None) -> list[Result | None]:
     """The point's results, found once per class of points that price alike."""
-    kind = lower.twins(acc)
-    key = (kind, mode, tuple(bounds or ()))
-    if key not in twins:
-      pricer = _Pricer(acc, options.schedule_seconds, mode, lower)
+    pricing = pass_bounds.pricing_key(acc)
+    key = (pricing, mode, tuple(bounds or ()))
+    if key not in results_by_key:
+      times = PassTimes(acc, options.schedule_seconds, mode, pass_bounds)
       # The plan found at the level before mostly stands: with its passes
       # scheduled up front, the first placement is mostly the final one.
-      for p, result in zip(profiled, last.get(kind, ())):
-        for pair in _pairs(result) if result is not None else ():
+      for p, result in zip(profiled, latest.get(pricing, ())):
+        for pair in _size_width_pairs(result) if result is not None else ():
           for pass_ in p.passes(*pair):
-            pricer.schedule(pass_)
-      twins[key] = last[kind] = place(pricer, bounds)
-    return twins[key]
+            times.schedule(pass_)
+      results_by_key[key] = latest[pricing] = place(times, bounds)
+    return results_by_key[key]
 
-  base_pricer = _Pricer(base, options.schedule_seconds, "exact", lower)
-  base_results = place(base_pricer)
+  base_times = PassTimes(base, options.schedule_seconds, "exact", pass_bounds)
+  base_results = place(base_times)
   if any(r is None for r in base_results):
     missing = [w.name for w, r in zip(workloads, base_results) if r is None]
     raise PlacementError(f"the baseline accelerator cannot train {missing} on {devices} "
@@ -577,10 +290,10 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
     return math.exp(np.mean([math.log(r.throughput / b.throughput)
                              for r, b in zip(results, base_results)]))
 
-  points = _candidates(budget_area, base, options.space or SPACE)
+  points = _grid_points(budget_area, base, options.space or SPACE)
   history: list[tuple[acc_lib.Accelerator, float, str]] = []
-  owned = [np.array([lower.index[p] for p in ps], np.int64) for ps in passes]
-  high = np.array([base_pricer.most(p) for p in lower.passes])
+  workload_passes = [np.array([pass_bounds.index[p] for p in ps], np.int64) for ps in passes]
+  baseline_upper = np.array([base_times.upper_bound(p) for p in pass_bounds.passes])
   # Area buckets from the largest down (a tenth of the budget each); within
   # and across them, best-first over upper bounds on each point's score,
   # refined lazily: "ratio", then "bound", then the exact score, until no
@@ -604,7 +317,7 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
     return s
 
   heap: list[tuple[float, int, str]] = []
-  floor, listed = 1.0, []  # the best greedy score; (greedy score, point) listed
+  best_greedy, listed = 1.0, []  # the best greedy score; (greedy score, point) listed
   # Points placed at bound: (their passes' bounds, memory, score). A point
   # whose every pass bound is no shorter than such a one's, in no more
   # memory, places no faster at bound (a placement's time only grows with
@@ -616,7 +329,7 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
                  for _, layers in bw)
 
   def dominated(acc) -> float:
-    low = lower(acc)
+    low = pass_bounds(acc)
     return min((s for other, memory, s in placed
                 if memory >= acc.hbm_capacity and np.all(other <= low)), default=math.inf)
   show = options.progress if options.progress is not None else sys.stderr.isatty()
@@ -628,31 +341,31 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
     task = bar.add_task("automap: searching architectures", total=len(points))
   try:
     for b in sorted(buckets):
-      before = floor
+      before = best_greedy
       for i in buckets[b]:
-        ub = _ratio_bound(points[i], owned, lower, base, high)
+        ub = _ratio_bound(points[i], workload_passes, pass_bounds, base, baseline_upper)
         history.append((points[i], ub, "ratio"))
         heapq.heappush(heap, (-ub, i, "ratio"))
         if bar is not None:
           bar.update(task, advance=1)
-      while heap and -heap[0][0] > floor * (1 + options.gap):
+      while heap and -heap[0][0] > best_greedy * (1 + options.gap):
         key, i, level = heapq.heappop(heap)
         mode = "bound" if level == "ratio" else "greedy"
         # A bound only matters if it beats the best found by the gap.
-        cut = floor * (1 + options.gap)
+        cut = best_greedy * (1 + options.gap)
         if mode == "bound" and monotone and (s := dominated(points[i])) <= cut:
           history.append((points[i], min(s, -key), "dominated"))
           continue
         s = priced(points[i], mode, cut if mode == "bound" else 0.0)
         if mode == "bound":
-          placed.append((lower(points[i]), points[i].hbm_capacity, s))
+          placed.append((pass_bounds(points[i]), points[i].hbm_capacity, s))
           heapq.heappush(heap, (-s, i, "bound"))
         else:
           listed.append((s, i))
-          floor = max(floor, s)
+          best_greedy = max(best_greedy, s)
         if bar is not None:
-          bar.update(task, description=f"automap: best {floor:.3f}x")
-      if b > min(buckets) and floor <= before:
+          bar.update(task, description=f"automap: best {best_greedy:.3f}x")
+      if b > min(buckets) and best_greedy <= before:
         break
   finally:
     if bar is not None:
