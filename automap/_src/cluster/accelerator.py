@@ -38,7 +38,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Sequence
+import types
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -138,22 +139,22 @@ class AreaModel:
             f"got {value!r}.")
 
   @classmethod
-  def calibrated(cls, acc: Accelerator, total: float, shares: dict[str, float]) -> AreaModel:
+  def calibrated(cls, acc: Accelerator, total: float, shares: Mapping[str, float]) -> AreaModel:
     """The model under which `acc` has area `total`, split as `shares` (by field name)."""
     if set(shares) != {f.name for f in dataclasses.fields(cls)} or not math.isclose(
         sum(shares.values()), 1.0):
       raise AcceleratorError(
           f"shares must give each of mac, lane, sram, hbm, fixed a fraction of the area, "
           f"summing to 1; got {shares}.")
-    amounts = _amounts(acc)
+    amounts = _resource_amounts(acc)
     return cls(**{name: total * share / amounts[name] for name, share in shares.items()})
 
   def area(self, acc: Accelerator) -> float:
-    amounts = _amounts(acc)
+    amounts = _resource_amounts(acc)
     return sum(getattr(self, name) * amount for name, amount in amounts.items())
 
 
-def _amounts(acc: Accelerator) -> dict[str, float]:
+def _resource_amounts(acc: Accelerator) -> dict[str, float]:
   """How much of each resource `acc` has, in AreaModel's units."""
   return {"mac": acc.tensor_units * acc.array**2, "lane": acc.lanes,
           "sram": acc.buffer, "hbm": acc.hbm_bandwidth, "fixed": 1.0}
@@ -161,7 +162,8 @@ def _amounts(acc: Accelerator) -> dict[str, float]:
 
 TPU_V4_LIKE = Accelerator()
 BASELINE_AREA = 400.0  # mm^2
-BASELINE_SHARES = {"mac": 0.40, "lane": 0.05, "sram": 0.30, "hbm": 0.10, "fixed": 0.15}
+BASELINE_SHARES: Mapping[str, float] = types.MappingProxyType(
+    {"mac": 0.40, "lane": 0.05, "sram": 0.30, "hbm": 0.10, "fixed": 0.15})
 AREA = AreaModel.calibrated(TPU_V4_LIKE, BASELINE_AREA, BASELINE_SHARES)
 AREA_BUDGET: float = TPU_V4_LIKE.area()
 

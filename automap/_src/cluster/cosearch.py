@@ -39,6 +39,7 @@ import math
 import os
 import sys
 import time
+import types
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -54,13 +55,13 @@ from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.search.request import Budget
 
 # The grid: each field's candidate values.
-SPACE: dict[str, tuple] = {
+SPACE: Mapping[str, tuple] = types.MappingProxyType({
     "tensor_units": (1, 2, 4, 8, 16, 32),
     "array": (32, 64, 128, 256),
     "vector_units": (1, 2, 4, 8, 16),
     "vector_width": (64, 128, 256),
     "buffer": tuple(m * 2**20 for m in (16, 32, 64, 128, 256)),
-}
+})
 
 
 def _ratio_bound(acc: acc_lib.Accelerator, passes: list[np.ndarray], bounds: PassBounds,

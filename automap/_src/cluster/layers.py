@@ -95,7 +95,7 @@ def _labels(graph, forward: np.ndarray) -> list[str | None]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Cut:
+class LayerCut:
   """A gradient program's ops cut into layers.
 
   forward: [O] bool, the op belongs to the forward pass.
@@ -113,7 +113,7 @@ class Cut:
   runs: dict[str, list[int]]
 
   @classmethod
-  def of(cls, g) -> Cut:
+  def of(cls, g) -> LayerCut:
     forward = np.array([_BACKWARD not in s for s in g.scopes])
     labels = _labels(g, forward)
     segment = np.full(g.num_ops, -1)
@@ -176,7 +176,7 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
   params_count: how many leading flat arguments are parameters.
   """
   g = next(iter(width_states.values()))[0].graph
-  cut = Cut.of(g)
+  cut = LayerCut.of(g)
   forward, segment, names = cut.forward, cut.segment, cut.names
   params = set(g.inputs[:params_count])
   graphs = {}
@@ -209,7 +209,7 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
   return graphs
 
 
-def _fits(program: Program, state: np.ndarray) -> bool:
+def _divides_shapes(program: Program, state: np.ndarray) -> bool:
   """Whether every tiled dimension of `state` divides on `program`'s shapes."""
   g, sizes = program.graph, program.mesh.axis_sizes
   if state.shape[0] != g.num_values:
@@ -252,7 +252,7 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
       traced = trace_lib.trace(grad, (params, *resized))
     for t in widths:
       program = Program.build(traced, MeshSpec(("model",), (t,)), hardware)
-      if t in searched and _fits(program, searched[t]):
+      if t in searched and _divides_shapes(program, searched[t]):
         state = searched[t]
       else:
         state = search(program)

@@ -152,7 +152,7 @@ def profile_workload(workload: Workload, hardware: Hardware, widths: Sequence[in
                                hardware=hardware, search=search, sizes=sizes)
   forward, backward, comm = {}, {}, {}
   for (size, t), (program, state) in profile.programs.items():
-    cut = layers_lib.Cut.of(program.graph)
+    cut = layers_lib.LayerCut.of(program.graph)
     fw_ops = [[] for _ in cut.names]
     bw_ops: dict[str, list[int]] = {}
     for o in range(program.graph.num_ops):

@@ -29,7 +29,11 @@ Y), inside an outer loop over the data-parallel degree and ZeRO stage. It
 prunes with lower bounds on what a partial plan can still reach (the work
 left over the devices left, in their memory: `_StageCosts.packed_work`), and
 prices stages by what their costs depend on (`_StageCosts.signature`), so the
-stages of a repeated block are priced once.
+stages of a repeated block are priced once. The DP and `_StageCosts` (which
+prices its candidate stages and bounds what a partial plan can still reach)
+stay one module: the bounds are written for the DP's states (a downset still
+to place, the stages after it), so neither reads alone. The data they read
+and return is in `model.py`, their options in `options.py`.
 """
 
 from __future__ import annotations

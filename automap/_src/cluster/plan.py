@@ -73,9 +73,9 @@ class ClusterPlan(JsonFile):
         f"  {p.data_parallel} data-parallel x {len(p.stages)} pipeline stage(s), "
         f"microbatch {self.microbatch} ({p.microbatches} per replica), ZeRO {p.zero}, "
         f"{p.devices} devices used",
-        f"  time per batch {_seconds(p.time)}, throughput {self.throughput:,.1f} samples/s",
+        f"  time per batch {_format_seconds(p.time)}, throughput {self.throughput:,.1f} samples/s",
         "  breakdown per batch: " + ", ".join(
-            f"{k.replace('_', ' ')} {_seconds(v)}" for k, v in p.breakdown.items()),
+            f"{k.replace('_', ' ')} {_format_seconds(v)}" for k, v in p.breakdown.items()),
         "",
         f"  {'stage':<6}{'layers':<34}{'TP':>4}  {'recompute':<10}{'in flight':>9}"
         f"{'time/microbatch':>17}{'sync':>12}{'memory':>14}"]
@@ -84,12 +84,12 @@ class ClusterPlan(JsonFile):
           f"{s.layers[0]} .. {s.layers[-1]} ({len(s.layers)})")
       lines.append(
           f"  {i:<6}{names:<34}{s.width:>4}  {'yes' if s.recompute else 'no':<10}"
-          f"{s.in_flight:>9}{_seconds(s.time):>17}{_seconds(s.sync):>12}"
+          f"{s.in_flight:>9}{_format_seconds(s.time):>17}{_format_seconds(s.sync):>12}"
           f"{format_bytes(s.memory):>14}")
     return "\n".join(lines)
 
 
-def _seconds(x: float) -> str:
+def _format_seconds(x: float) -> str:
   return f"{x:.3f} s" if x >= 1 else f"{x * 1e3:.3f} ms"
 
 

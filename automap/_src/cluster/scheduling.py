@@ -128,7 +128,9 @@ def schedule_layers(layers: Sequence[tuple[Sequence[Op], Sequence[tuple[int, int
   return tuple(out)
 
 
-# One op's decision: (start, end) in ticks and its core, -1 when spread.
+# One op's decision: (start, end) in ticks and its core, -1 when spread. In the
+# functions below one[i] and every[i] are op i's latency in ticks on one core
+# and spread over every core.
 _Decision = tuple[int, int, int]
 
 
