@@ -15,7 +15,7 @@ import warnings
 from rich import progress as progress_lib
 
 from automap._src.cost.hardware import get_hardware
-from automap._src.cost.model import Tracker
+from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace as trace_lib
 from automap._src.search import ilp, mcts, refine
 from automap._src.search.actions import ActionSpace
