@@ -35,14 +35,15 @@ from automap._src.ir.graph import UnknownPrimitiveWarning as UnknownPrimitiveWar
 from automap._src.ir.groups import GroupError as GroupError
 from automap._src.ir.trace import ArgumentError as ArgumentError
 from automap._src.plan.cache import PlanCacheWarning as PlanCacheWarning
+from automap._src.plan.errors import PlanError as PlanError
 from automap._src.plan.export import LogicalRules as LogicalRules
 from automap._src.plan.export import shard_like as shard_like
 from automap._src.plan.plan import Plan as Plan
-from automap._src.plan.plan import PlanError as PlanError
 from automap._src.run.verify import Report as Report
 from automap._src.search.request import Budget as Budget
 from automap._src.search.request import Hints as Hints
 from automap._src.search.request import MemoryLimitError as MemoryLimitError
+from automap._src.search.request import SearchOptions as SearchOptions
 from automap._src.search.request import SearchWarning as SearchWarning
 from automap._src.sharding.mesh import MeshError as MeshError
 
@@ -79,6 +80,7 @@ __all__ = (
     "PlanCacheWarning",
     "PlanError",
     "Report",
+    "SearchOptions",
     "SearchWarning",
     "Stage",
     "TPU_V4_LIKE",

@@ -32,7 +32,7 @@ from automap._src.ir import trace  # noqa: E402
 from automap._src.search import driver  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
 from automap._src.search.program import Program  # noqa: E402
-from automap._src.search.request import Budget, Request  # noqa: E402
+from automap._src.search.request import Budget, SearchOptions  # noqa: E402
 from automap._src.sharding.mesh import MeshSpec  # noqa: E402
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8), (2, 2, 2)]
@@ -65,12 +65,12 @@ def row(program: Program, ilp_seconds: float | None, episodes: int) -> dict:
            expert_states(program, space).items()}
   out = {name: (t.step_time, t.peak_memory) for name, t in costs.items()}
   if ilp_seconds is None:
-    request = Request.of(None, Budget(episodes=episodes, seconds=600), None, 0, "mcts")
+    request = SearchOptions(budget=Budget(episodes=episodes, seconds=600))
     found = driver.run_mcts(program, space, request, 600.0)
     t = Tracker(program.model, found.state)
     out["MCTS"] = (t.step_time, t.peak_memory)
     return out
-  request = Request.of(None, Budget(episodes=episodes, seconds=ilp_seconds), None, 0, "ilp")
+  request = SearchOptions(budget=Budget(episodes=episodes, seconds=ilp_seconds), search="ilp")
   start = time.perf_counter()
   found = driver.run_ilp(program, space, request)
   out["ilp_s"] = time.perf_counter() - start

@@ -26,27 +26,12 @@ from automap._src.run import verify as verify_lib
 from automap._src.search import driver
 from automap._src.search.driver import mesh_shapes
 from automap._src.search.program import Program
-from automap._src.search.request import Budget, Hints, MemoryLimitError, Request
+from automap._src.search.request import Budget, SearchOptions
 from automap._src.sharding.mesh import MeshError, MeshSpec
 
 
-def _plan_of(program: Program, found: driver.Found, memory_limit: float | None) -> Plan:
-  if found.score[0] > 0:
-    raise MemoryLimitError(
-        f"no plan found within memory_limit={memory_limit:,.0f} bytes per "
-        f"device: the best found needs "
-        f"{memory_limit + found.score[0]:,.0f} bytes (lower bound "
-        f"{program.memory_lower_bound():,.0f}). Raise the limit, use more "
-        "devices, or give a larger search budget.")
-  stats = dict(found.stats, graph_values=program.graph.num_values,
-               graph_ops=program.graph.num_ops)
-  plan = build.make_plan(program, found.state, stats, memory_limit)
-  plan.timings.update(found.timings)
-  return plan
-
-
 def _plan(traced: trace_lib.Traced, mesh: MeshSpec, hardware: Hardware,
-          request: Request, store: cache_lib.PlanCache | None) -> Plan:
+          request: SearchOptions, store: cache_lib.PlanCache | None) -> Plan:
   """The plan `store` holds for this search (tied to the program's argument
   and result structure), else a fresh search, stored."""
   if store is not None:
@@ -56,7 +41,7 @@ def _plan(traced: trace_lib.Traced, mesh: MeshSpec, hardware: Hardware,
       return dataclasses.replace(plan, stats=dict(plan.stats, cached=True),
                                  in_tree=traced.in_tree, out_tree=traced.out_tree)
   program = Program.build(traced, mesh, hardware, request.hints.fixed)
-  plan = _plan_of(program, driver.run(program, request), request.memory_limit)
+  plan = build.plan_of(program, driver.run(program, request), request.memory_limit)
   if store is not None:
     store.store(k, plan)
   return plan
@@ -66,26 +51,24 @@ _AXIS_NAMES = ("x", "y", "z")
 
 
 def search(fn: Callable, *args, mesh=None, devices: int | None = None,
-           hints: Hints | None = None, hardware: str | Hardware = "tpu-v4",
-           budget: Budget | None = None, memory_limit: float | None = None,
-           seed: int = 0, cache: bool | str | os.PathLike = False,
-           search: str = "mcts", policy: str | os.PathLike = "uniform") -> Plan:
+           hardware: str | Hardware = "tpu-v4", options: SearchOptions | None = None,
+           cache: bool | str | os.PathLike = False, **search_options) -> Plan:
   """Plans `fn(*args)` without running it, on `mesh`, or on the best mesh
   of `devices` devices (axes named "x", "y", "z"; the budget is shared by
   the mesh shapes tried).
 
-  Argument leaves may be `jax.ShapeDtypeStruct`s. `cache` (off by default
-  here, on for `partition`) reuses and stores plans of `mesh=` searches as
-  `partition` does. `search` picks the backend: "mcts" (default) or "ilp"
-  (exact per-op strategies; for small programs and as a yardstick).
-  `policy` guides MCTS: "uniform" (default: every action alike, admitted in
-  the action space's order), "learned" (the shipped network's priors), or
-  the path of weights trained with `python -m automap.policy.train`.
+  Argument leaves may be `jax.ShapeDtypeStruct`s. `options` says how to
+  search (`automap.SearchOptions`: hints, budget, memory_limit, seed, search
+  backend "mcts" or "ilp", policy "uniform", "learned" or a weights file);
+  each of its fields may be given as a keyword instead
+  (`automap.search(fn, *args, mesh=mesh, budget=automap.Budget(episodes=50))`).
+  `cache` (off by default here, on for `partition`) reuses and stores plans
+  of `mesh=` searches as `partition` does.
   """
   if (mesh is None) == (devices is None):
     raise TypeError("search takes exactly one of mesh= (a jax.sharding.Mesh) "
                     "or devices= (a device count to choose a mesh for).")
-  request = Request.of(hints, budget, memory_limit, seed, search, policy)
+  request = SearchOptions.merged(options, search_options, "search")
   if mesh is not None:
     folder = cache_lib.resolve(cache)
     return _plan(trace_lib.trace(fn, args), MeshSpec.of(mesh), get_hardware(hardware),
@@ -106,7 +89,7 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
     found = driver.run(program, share)
     if best is None or found.score < best[1].score:
       best = (program, found)
-  return _plan_of(*best, request.memory_limit)
+  return build.plan_of(*best, request.memory_limit)
 
 
 def _is_spec_leaf(x) -> bool:
@@ -167,12 +150,10 @@ class Partitioned:
   as `jax.jit` donates them: their buffers may back the results.
   """
 
-  def __init__(self, fn: Callable, *, mesh, hints: Hints | None = None,
-               hardware: str | Hardware = "tpu-v4", budget: Budget | None = None,
-               memory_limit: float | None = None, seed: int = 0,
-               cache: bool | str | os.PathLike = True, search: str = "mcts",
-               policy: str | os.PathLike = "uniform",
-               donate_argnums: int | tuple[int, ...] = ()):
+  def __init__(self, fn: Callable, *, mesh, hardware: str | Hardware = "tpu-v4",
+               options: SearchOptions | None = None,
+               cache: bool | str | os.PathLike = True,
+               donate_argnums: int | tuple[int, ...] = (), **search_options):
     self._mesh_spec = MeshSpec.of(mesh)
     if not isinstance(mesh, jax.sharding.Mesh):
       raise MeshError(
@@ -182,7 +163,7 @@ class Partitioned:
     self.fn, self.mesh = fn, mesh
     self._auto = apply_lib.auto_mesh(mesh)
     self._signature = _signature_of(fn)
-    self.request = Request.of(hints, budget, memory_limit, seed, search, policy)
+    self.request = SearchOptions.merged(options, search_options, "partition")
     for pattern, spec in self.request.hints.fixed.items():
       for entry in spec:
         for name in entry if isinstance(entry, tuple) else (entry,):
@@ -289,26 +270,24 @@ def _signature_of(fn) -> inspect.Signature | None:
     return None
 
 
-def partition(fn: Callable | None = None, *, mesh, hints: Hints | None = None,
-              hardware: str | Hardware = "tpu-v4", budget: Budget | None = None,
-              memory_limit: float | None = None, seed: int = 0,
-              cache: bool | str | os.PathLike = True, search: str = "mcts",
-              policy: str | os.PathLike = "uniform",
-              donate_argnums: int | tuple[int, ...] = ()):
+def partition(fn: Callable | None = None, *, mesh, hardware: str | Hardware = "tpu-v4",
+              options: SearchOptions | None = None, cache: bool | str | os.PathLike = True,
+              donate_argnums: int | tuple[int, ...] = (), **search_options):
   """Partitions `fn` automatically over `mesh`.
 
   Use as `@automap.partition(mesh=mesh)` or `automap.partition(fn, mesh=mesh)`.
-  Plans are cached on disk (`cache=True`: $AUTOMAP_CACHE_DIR, else
-  ~/.cache/automap; a folder path; or False for none), keyed by the
-  program, mesh, hardware, hints, budget, memory limit, seed, search
-  policy and versions. `search` and `policy` are as for `automap.search`.
-  `donate_argnums` donates arguments as `jax.jit` does (a train step's
-  params and optimizer state, so the update happens in place).
+  `options` (or its fields as keywords: hints, budget, memory_limit, seed,
+  search, policy) says how to search, as for `automap.search`. Plans are
+  cached on disk (`cache=True`: $AUTOMAP_CACHE_DIR, else ~/.cache/automap; a
+  folder path; or False for none), keyed by the program, mesh, hardware,
+  search options and versions. `donate_argnums` donates arguments as
+  `jax.jit` does (a train step's params and optimizer state, so the update
+  happens in place).
   """
-  make = functools.partial(Partitioned, mesh=mesh, hints=hints, hardware=hardware,
-                           budget=budget, memory_limit=memory_limit, seed=seed,
-                           cache=cache, search=search, policy=policy,
-                           donate_argnums=donate_argnums)
+  # Checked now, not at the first call, so a decorator fails where it is written.
+  request = SearchOptions.merged(options, search_options, "partition")
+  make = functools.partial(Partitioned, mesh=mesh, hardware=hardware, options=request,
+                           cache=cache, donate_argnums=donate_argnums)
   if fn is None:
     return make
   if not callable(fn):

@@ -31,7 +31,7 @@ from automap._src.ir.naming import layer_of
 from automap._src.plan import build, report
 from automap._src.search import driver
 from automap._src.search.program import Program
-from automap._src.search.request import Request
+from automap._src.search.request import SearchOptions
 from automap._src.sharding.mesh import MeshSpec
 
 # Name-scope marker of ops JAX's autodiff emits for the backward pass.
@@ -158,7 +158,7 @@ def backward_share(fw: np.ndarray, layers: list[int]) -> np.ndarray:
 def sharding_search(budget, seed: int = 0) -> Callable[[Program], np.ndarray]:
   """`search(program) -> state` for `measure`: the sharding search's plan
   under `budget` (an automap.Budget), or everything whole on one device."""
-  request = Request.of(None, budget, None, seed, "mcts")
+  request = SearchOptions(budget=budget, seed=seed)
 
   def search(program: Program) -> np.ndarray:
     if program.mesh.num_devices == 1:

@@ -72,7 +72,7 @@ class Tracker:
     self.compute = float(model.memo.time[self.op_ids].sum())
     self.flops = float(model.memo.flops[self.op_ids].sum())
     # [V] footprint of each temporary, and the timeline they make.
-    self.foot = np.zeros(g.num_values)
+    self.footprint = np.zeros(g.num_values)
     self.live = np.zeros(g.num_ops + 1)
     none = np.zeros(0, np.int64)
     self._swap_collectives(ops, none, self.op_ids)
@@ -216,7 +216,7 @@ class Tracker:
     """Sets the footprints of the results of `ops` to those of entries `ids`."""
     a = self.model.analysis
     kernels.set_footprints(ops, ids, a.result_table, self.model.memo.footprint, a.temporary,
-                           self.foot, a.start, a.end, self.live)
+                           self.footprint, a.start, a.end, self.live)
 
   def update(self, changed: Iterable[int]) -> None:
     """Re-costs the ops around `changed` values of `self.state`."""
@@ -236,7 +236,7 @@ class Tracker:
         changed, a.resident, state, model.sizes, model.graph.nbytes, self.held, a.is_input,
         self.resident, self.args)
 
-  def talking_ops(self) -> np.ndarray:
+  def ops_with_collectives(self) -> np.ndarray:
     """[n] the ops whose current cost includes a collective or a reshard."""
     return np.flatnonzero(self.model.memo.has_comms[self.op_ids])
 
@@ -272,7 +272,7 @@ class Tracker:
     may hold: values outside loops, and the inputs of combined reductions
     held until the collective."""
     a = self.model.analysis
-    values = np.flatnonzero((self.foot > 0) & a.hostable)
+    values = np.flatnonzero((self.footprint > 0) & a.hostable)
     held = [(first, last, nbytes) for group in self.pending.values() if group
             for last in (max(group),)
             for first, nbytes, _, _ in group.values() if first <= last]
@@ -280,7 +280,7 @@ class Tracker:
         np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
     return (np.concatenate([a.start[values], first.astype(np.int64)]),
             np.concatenate([a.end[values], last.astype(np.int64)]),
-            np.concatenate([self.foot[values], nbytes.astype(np.float64)]))
+            np.concatenate([self.footprint[values], nbytes.astype(np.float64)]))
 
   def _in_result_buffers(self) -> np.ndarray:
     """[O + 1] bytes of temporaries that results' buffers hold."""

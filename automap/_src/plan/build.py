@@ -16,7 +16,9 @@ from automap._src.ir.naming import layer_of
 from automap._src.plan import report
 from automap._src.plan.plan import Plan, Yardstick
 from automap._src.search import tactics
+from automap._src.search.driver import Found
 from automap._src.search.program import Program
+from automap._src.search.request import MemoryLimitError
 from automap._src.sharding.state import State, spec_from_row, spec_of
 
 
@@ -109,3 +111,20 @@ def yardsticks(program: Program, state: State) -> dict[str, Yardstick]:
         differs[path] = spec_of(other, mesh, v, g.rank(v))
     out[name] = Yardstick(Tracker(program.model, other).cost(), differs)
   return out
+
+
+def plan_of(program: Program, found: Found, memory_limit: float | None) -> Plan:
+  """The plan of a search's result; a MemoryLimitError if its best is over
+  the limit."""
+  if found.score[0] > 0:
+    raise MemoryLimitError(
+        f"no plan found within memory_limit={memory_limit:,.0f} bytes per "
+        f"device: the best found needs "
+        f"{memory_limit + found.score[0]:,.0f} bytes (lower bound "
+        f"{program.memory_lower_bound():,.0f}). Raise the limit, use more "
+        "devices, or give a larger search budget.")
+  stats = dict(found.stats, graph_values=program.graph.num_values,
+               graph_ops=program.graph.num_ops)
+  plan = make_plan(program, found.state, stats, memory_limit)
+  plan.timings.update(found.timings)
+  return plan

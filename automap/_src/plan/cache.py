@@ -68,7 +68,7 @@ def resolve(cache) -> pathlib.Path | None:
 
 def key(fingerprint: str, mesh: MeshSpec, hardware: Hardware, request) -> str:
   """Digest of everything a searched plan depends on (`request`: the
-  search's hints, budget, memory limit, seed, method and policy)."""
+  search's hints, budget, memory limit, seed, backend and policy)."""
   hints, budget = request.hints, request.budget
   parts = {
       "schema": SCHEMA, "automap": VERSION, "jax": jax.__version__,
@@ -79,7 +79,7 @@ def key(fingerprint: str, mesh: MeshSpec, hardware: Hardware, request) -> str:
       "fixed": sorted([k, str(v)] for k, v in hints.fixed.items()),
       "budget": [budget.episodes, budget.seconds],
       "memory_limit": request.memory_limit, "seed": request.seed,
-      "search": request.method, "policy": request.policy_id(),
+      "search": request.search, "policy": request.policy_id(),
   }
   return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 

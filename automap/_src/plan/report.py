@@ -105,9 +105,9 @@ def layers(program, tracker: Tracker) -> tuple[LayerRow, ...]:
     # What is alive at the peak: temporaries, resharded copies (their first
     # reader's), and gradients held for a combined reduction (their maker's).
     at_peak, peak = tracker.peak()
-    alive = np.flatnonzero((model.start <= peak) & (model.end >= peak) & (tracker.foot > 0))
+    alive = np.flatnonzero((model.start <= peak) & (model.end >= peak) & (tracker.footprint > 0))
     for v in alive:
-      temporary[owner(int(v))] += float(tracker.foot[v])
+      temporary[owner(int(v))] += float(tracker.footprint[v])
     for key, readers in tracker.reshards.items():
       if min(readers) <= peak <= max(readers):
         temporary[of_op[min(readers)]] += key[4]

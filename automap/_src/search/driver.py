@@ -20,7 +20,7 @@ from automap._src.ir import trace as trace_lib
 from automap._src.search import ilp, mcts, refine
 from automap._src.search.actions import ActionSpace
 from automap._src.search.program import Program
-from automap._src.search.request import Hints, MemoryLimitError, Request, SearchWarning
+from automap._src.search.request import Hints, MemoryLimitError, SearchOptions, SearchWarning
 from automap._src.sharding import kernels
 from automap._src.sharding.mesh import MeshSpec
 from automap._src.sharding.state import State
@@ -55,11 +55,11 @@ def check_memory_limit(program: Program, memory_limit: float | None) -> None:
         "or use more devices.")
 
 
-def run(program: Program, request: Request) -> Found:
+def run(program: Program, request: SearchOptions) -> Found:
   check_memory_limit(program, request.memory_limit)
   space = ActionSpace(program, request.hints.groups)
   try:
-    if request.method == "ilp":
+    if request.search == "ilp":
       return run_ilp(program, space, request)
     return run_mcts(program, space, request, request.budget.seconds)
   except SystemError as e:
@@ -77,7 +77,7 @@ _REFINE_SHARE = 0.2
 _REFINE_TRIES = 10
 
 
-def run_mcts(program: Program, space: ActionSpace, request: Request,
+def run_mcts(program: Program, space: ActionSpace, request: SearchOptions,
               seconds: float) -> Found:
   """MCTS, then refinement of its best plans (`search/refine.py`)."""
   t0 = time.perf_counter()
@@ -121,14 +121,14 @@ def run_mcts(program: Program, space: ActionSpace, request: Request,
 _WARM_SHARE = 0.25
 
 
-def run_ilp(program: Program, space: ActionSpace, request: Request) -> Found:
+def run_ilp(program: Program, space: ActionSpace, request: SearchOptions) -> Found:
   """Solves the ILP from MCTS's best plan (a warm start within a quarter of
   the budget's seconds) and keeps the better of the two; on a timeout
   without a solution, the warm start, with a warning."""
   t0 = time.perf_counter()
   limit, budget = request.memory_limit, request.budget
   warm = run_mcts(program, space, request, budget.seconds * _WARM_SHARE)
-  result = ilp.solve(program, ilp.Settings(
+  result = ilp.solve(program, ilp.SolverSettings(
       seconds=budget.seconds - (time.perf_counter() - t0), memory_limit=limit,
       seed=request.seed), hint=warm.state)
   timings = {"search": time.perf_counter() - t0, "warm_start": warm.timings["search"]}

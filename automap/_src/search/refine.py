@@ -81,7 +81,7 @@ class Refiner:
   def _classes_by_collectives(self, tracker: Tracker) -> np.ndarray:
     """The classes of the movable values next to an op with collectives."""
     g = self.program.graph
-    values = {v for o in tracker.talking_ops().tolist()
+    values = {v for o in tracker.ops_with_collectives().tolist()
               for v in g.operands[o] + g.results[o] if v >= 0}
     values = [v for v in values if self.movable[v]]
     return np.unique(self.class_of[values]) if values else np.zeros(0, np.int64)

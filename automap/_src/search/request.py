@@ -1,4 +1,4 @@
-"""What a sharding search is asked for: hints, budget, and the request that bundles them."""
+"""What a sharding search is asked for: hints, budget, and the options that bundle them."""
 
 from __future__ import annotations
 
@@ -78,48 +78,83 @@ class SearchWarning(UserWarning):
   """A search fell short of what was asked and says what it did instead."""
 
 
+# The keywords `search` and `partition` accept as shorthands for these fields.
+OPTION_KEYWORDS = ("hints", "budget", "memory_limit", "seed", "search", "policy")
+
+
 @dataclasses.dataclass(frozen=True)
-class Request:
-  """What a search is asked for, everything but the program."""
+class SearchOptions:
+  """How a sharding search runs: one value to reuse across `automap.search`,
+  `automap.partition` and saved configurations. Each field is also a
+  keyword of those functions.
 
-  hints: Hints
-  budget: Budget
-  memory_limit: float | None
-  seed: int
-  method: str
-  policy: str = "uniform"  # "uniform", "learned", or a weights file path
+  hints: what the user knows (`Hints`: layer groups, pinned layouts).
+  budget: MCTS episodes and wall seconds (`Budget`).
+  memory_limit: bytes per device a plan may use; None for no limit.
+  seed: the search's random seed (same inputs and seed, same plan).
+  search: the backend, "mcts" (tree search over layer-group tilings and
+    tactics, then refinement) or "ilp" (the exact per-op integer program).
+  policy: MCTS's priors, "uniform", "learned" (the shipped network) or the
+    path of a weights file (stored as an absolute path).
+  """
 
-  @classmethod
-  def of(cls, hints, budget, memory_limit, seed, method, policy="uniform") -> Request:
-    hints = hints if hints is not None else Hints()
+  hints: Hints | None = None
+  budget: Budget | None = None
+  memory_limit: float | None = None
+  seed: int = 0
+  search: str = "mcts"
+  policy: str | os.PathLike = "uniform"
+
+  def __post_init__(self):
+    hints = self.hints if self.hints is not None else Hints()
     if not isinstance(hints, Hints):
       raise TypeError(f"hints must be an automap.Hints, got {hints!r}.")
-    budget = budget if budget is not None else Budget()
+    budget = self.budget if self.budget is not None else Budget()
     if not isinstance(budget, Budget):
       raise TypeError(f"budget must be an automap.Budget, got {budget!r}.")
-    if method not in SEARCHES:
+    if self.search not in SEARCHES:
       raise ValueError(
-          f"search must be one of {SEARCHES}, got {method!r}: 'mcts' (tree "
+          f"search must be one of {SEARCHES}, got {self.search!r}: 'mcts' (tree "
           "search over layer-group tilings and tactics) or 'ilp' (Alpa's "
           "per-op integer program, solved by CP-SAT within the budget's seconds).")
-    if (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)
-        or seed < 0):
+    seed = self.seed
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
       raise TypeError(f"seed must be a non-negative integer, got {seed!r}.")
-    if memory_limit is not None and (
-        not isinstance(memory_limit, (int, float, np.integer, np.floating))
-        or isinstance(memory_limit, bool)):
+    limit = self.memory_limit
+    if limit is not None and (not isinstance(limit, (int, float, np.integer, np.floating))
+                              or isinstance(limit, bool)):
       raise TypeError(
           f"memory_limit must be a number of bytes per device (or None for "
-          f"no limit), got {memory_limit!r}.")
-    if isinstance(policy, os.PathLike):
-      policy = os.fspath(policy)
+          f"no limit), got {limit!r}.")
+    policy = os.fspath(self.policy) if isinstance(self.policy, os.PathLike) else self.policy
     if not isinstance(policy, str) or not policy:
       raise TypeError(
           f"policy must be 'uniform' (no learned priors), 'learned' (the "
           f"shipped weights) or the path of a weights file, got {policy!r}.")
     if policy not in ("learned", "uniform"):
       policy = os.path.abspath(policy)
-    return cls(hints, budget, memory_limit, int(seed), method, policy)
+    for name, value in (("hints", hints), ("budget", budget), ("seed", int(seed)),
+                        ("policy", policy)):
+      object.__setattr__(self, name, value)
+
+  @classmethod
+  def merged(cls, options: SearchOptions | None, keywords: dict, where: str) -> SearchOptions:
+    """`options` (default: the defaults) with the shorthand `keywords` set;
+    a field given both ways, or an unknown keyword, is a TypeError."""
+    unknown = sorted(set(keywords) - set(OPTION_KEYWORDS))
+    if unknown:
+      raise TypeError(
+          f"{where} got unexpected keyword argument(s) {unknown}; its search "
+          f"options are {list(OPTION_KEYWORDS)} (or options=automap.SearchOptions(...)).")
+    if options is None:
+      return cls(**keywords)
+    if not isinstance(options, cls):
+      raise TypeError(f"options must be an automap.SearchOptions, got {options!r}.")
+    if keywords:
+      raise TypeError(
+          f"{where} got {sorted(keywords)} both as keywords and in options=; "
+          f"give each once (e.g. options=dataclasses.replace(options, ...)).")
+    return options
 
   def policy_id(self) -> str:
     """What the policy's priors depend on: none, or its weights' digest."""
@@ -130,4 +165,5 @@ class Request:
     return learned.digest(None if self.policy == "learned" else self.policy)
 
 
-__all__ = ["SEARCHES", "Budget", "Hints", "MemoryLimitError", "Request", "SearchWarning"]
+__all__ = ["OPTION_KEYWORDS", "SEARCHES", "Budget", "Hints", "MemoryLimitError",
+           "SearchOptions", "SearchWarning"]
