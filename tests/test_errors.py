@@ -191,3 +191,25 @@ def test_callbacks_rng_and_custom_calls_next_to_sharded_values_keep_numerics():
   assert g.plan.in_specs[:2] == (P("data"), P(None, "model"))
   np.testing.assert_allclose(actual, expected, rtol=1e-5)
   assert len(seen) == 2 and seen[1] == pytest.approx(seen[0], rel=1e-4)
+
+
+def test_search_options_and_their_keywords_are_one_request():
+  options = automap.SearchOptions(budget=automap.Budget(episodes=12), seed=3)
+  by_object = automap.search(mlp, *X, mesh=mesh((4, 2)), hardware="cpu", options=options)
+  by_keywords = automap.search(mlp, *X, mesh=mesh((4, 2)), hardware="cpu",
+                               budget=automap.Budget(episodes=12), seed=3)
+  assert by_object.to_json() == by_keywords.to_json()
+  step = automap.partition(mlp, mesh=mesh((4, 2)), options=options, cache=False)
+  assert step.request == options
+
+
+def test_search_options_given_twice_or_misspelt_name_the_keyword():
+  options = automap.SearchOptions(seed=1)
+  with pytest.raises(TypeError, match=r"\['seed'\] both as keywords and in options="):
+    automap.search(mlp, *X, mesh=mesh((4, 2)), options=options, seed=2)
+  with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['budjet'\]"):
+    automap.partition(mlp, mesh=mesh((4, 2)), budjet=automap.Budget())
+  with pytest.raises(TypeError, match="options must be an automap.SearchOptions"):
+    automap.search(mlp, *X, mesh=mesh((4, 2)), options={"seed": 1})
+  with pytest.raises(ValueError, match="search must be one of"):
+    automap.SearchOptions(search="greedy")
