@@ -37,10 +37,11 @@ def free_port() -> int:
 
 def worker_env() -> dict[str, str]:
   """This environment with 4 CPU devices a process instead of conftest's 8,
-  and this process's automap first on the path."""
+  and this process's automap and the tests' helpers first on the path."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   root = str(pathlib.Path(automap.__file__).resolve().parents[1])
-  env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+  tests = str(pathlib.Path(__file__).resolve().parents[1])
+  env["PYTHONPATH"] = os.pathsep.join([root, tests, *filter(None, [env.get("PYTHONPATH")])])
   flags = [f for f in env.get("XLA_FLAGS", "").split()
            if not f.startswith("--xla_force_host_platform_device_count")]
   flags.append(f"--xla_force_host_platform_device_count={worker.DEVICES_PER_PROCESS}")

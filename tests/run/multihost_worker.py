@@ -1,6 +1,6 @@
-"""One process of a two-process automap run: tests/test_multihost.py starts two.
+"""One process of a two-process automap run: tests/run/test_multihost.py starts two.
 
-    python tests/multihost_worker.py PROCESS_ID PORT OUT_DIR
+    python tests/run/multihost_worker.py PROCESS_ID PORT OUT_DIR
 
 Each process owns 4 CPU devices; together they form one (4, 2) mesh of 8
 devices with JAX's multi-controller runtime (coordinator on 127.0.0.1:PORT,
