@@ -1,0 +1,1 @@
+"""Cluster planning: layer costs, pipeline placement, execution, accelerator co-search."""
