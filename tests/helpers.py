@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from automap._src.models.gpt import GPTConfig, make_train_step, megatron_specs
 
@@ -70,3 +71,14 @@ def mlp(x, w1, w2):
 __all__ = ["MESHES", "SMALL", "GPTConfig", "assert_faithful", "gpt_step",
            "graph_network_step", "loss_and_grads", "make_train_step", "megatron_specs",
            "mesh", "mlp"]
+
+
+def random_input_tilings(graph, seed: int, count: int, axes: int = 2):
+  """`count` draws of (argument value, dim, mesh axis), skipping scalars:
+  random actions for tests that compare two ways of applying them."""
+  rng = np.random.default_rng(seed)
+  for _ in range(count):
+    v = int(rng.choice(graph.inputs))
+    if graph.rank(v) == 0:
+      continue
+    yield v, int(rng.integers(graph.rank(v))), int(rng.integers(axes))

@@ -26,7 +26,7 @@ from automap._src.run import verify as verify_lib
 from automap._src.search import driver
 from automap._src.search.driver import mesh_shapes
 from automap._src.search.program import Program
-from automap._src.search.request import Budget, SearchOptions
+from automap._src.search.request import Budget, SearchOptions, with_keywords
 from automap._src.sharding.mesh import MeshError, MeshSpec
 
 
@@ -68,7 +68,7 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
   if (mesh is None) == (devices is None):
     raise TypeError("search takes exactly one of mesh= (a jax.sharding.Mesh) "
                     "or devices= (a device count to choose a mesh for).")
-  request = SearchOptions.merged(options, search_options, "search")
+  request = with_keywords(SearchOptions, options, search_options, "search")
   if mesh is not None:
     folder = cache_lib.resolve(cache)
     return _plan(trace_lib.trace(fn, args), MeshSpec.of(mesh), get_hardware(hardware),
@@ -163,7 +163,7 @@ class Partitioned:
     self.fn, self.mesh = fn, mesh
     self._auto = apply_lib.auto_mesh(mesh)
     self._signature = _signature_of(fn)
-    self.request = SearchOptions.merged(options, search_options, "partition")
+    self.request = with_keywords(SearchOptions, options, search_options, "partition")
     for pattern, spec in self.request.hints.fixed.items():
       for entry in spec:
         for name in entry if isinstance(entry, tuple) else (entry,):
@@ -285,7 +285,7 @@ def partition(fn: Callable | None = None, *, mesh, hardware: str | Hardware = "t
   happens in place).
   """
   # Checked now, not at the first call, so a decorator fails where it is written.
-  request = SearchOptions.merged(options, search_options, "partition")
+  request = with_keywords(SearchOptions, options, search_options, "partition")
   make = functools.partial(Partitioned, mesh=mesh, hardware=hardware, options=request,
                            cache=cache, donate_argnums=donate_argnums)
   if fn is None:

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import SMALL, gpt_step, loss_and_grads, megatron_specs, mesh
+from helpers import SMALL, gpt_step, loss_and_grads, megatron_specs, mesh, random_input_tilings
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -58,14 +58,8 @@ def test_incremental_tracker_equals_a_fresh_evaluation():
   state = prog.initial_state()
   tracker = Tracker(prog.model, state)
   prop = prog.propagator()
-  rng = np.random.default_rng(0)
-  g = prog.graph
-  for _ in range(25):
-    v = int(rng.choice(g.inputs))
-    if g.rank(v) == 0:
-      continue
-    tracker.update(prop.tile(state, v, int(rng.integers(g.rank(v))),
-                             int(rng.integers(2))))
+  for v, d, a in random_input_tilings(prog.graph, seed=0, count=25):
+    tracker.update(prop.tile(state, v, d, a))
   fresh = Tracker(prog.model, state.copy())
   assert tracker.step_time == pytest.approx(fresh.step_time, rel=1e-9)
   assert tracker.peak_memory == pytest.approx(fresh.peak_memory, rel=1e-9)

@@ -85,20 +85,15 @@ def test_set_spec_validates_rank_axes_and_divisibility():
 
 
 def test_compiled_propagation_matches_its_python_source():
-  from helpers import gpt_step
+  from helpers import gpt_step, random_input_tilings
 
   from automap._src.sharding import kernels
 
   step, args = gpt_step()
   g = graph.build(trace.trace(step, args))
   compiled, interpreted = Propagator(g, MESH), Propagator(g, MESH)
-  rng = np.random.default_rng(1)
   spread = kernels.spread
-  for _ in range(20):
-    v = int(rng.choice(g.inputs))
-    if g.rank(v) == 0:
-      continue
-    d, a = int(rng.integers(g.rank(v))), int(rng.integers(2))
+  for v, d, a in random_input_tilings(g, seed=1, count=20):
     state = empty_state(g, MESH)
     changed = compiled.tile(state, v, d, a)
     reference = empty_state(g, MESH)

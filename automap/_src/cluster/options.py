@@ -19,36 +19,12 @@ import numpy as np
 
 from automap._src.cluster.accelerator import Accelerator
 from automap._src.cluster.model import PlacementError
-from automap._src.search.request import Budget
+from automap._src.search.request import Budget, with_keywords
 
 # Optimizer state per parameter byte, in the parameters' dtype.
 OPTIMIZERS: Mapping[str, float] = types.MappingProxyType(
     {"sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0})
 ZERO_STAGES = (0, 1, 2, 3)
-
-
-def with_keywords(cls: type, options, keywords: dict, function: str):
-  """`options` (a `cls`, or None for its defaults) with a planner's keyword
-  arguments folded in, each naming a field of `cls`. With options= given,
-  any such keyword is an error: the field would be given twice."""
-  fields = [f.name for f in dataclasses.fields(cls)]
-  unknown = [k for k in keywords if k not in fields]
-  if unknown:
-    raise TypeError(
-        f"{function}() got an unexpected keyword argument {unknown[0]!r}; its options "
-        f"(keywords, or fields of automap.{cls.__name__}) are {', '.join(fields)}.")
-  if options is None:
-    return cls(**keywords)
-  if not isinstance(options, cls):
-    raise TypeError(
-        f"{function}(): options must be an automap.{cls.__name__}, got "
-        f"{type(options).__name__}; build one with automap.{cls.__name__}(...).")
-  if keywords:
-    names = ", ".join(f"{k}=" for k in keywords)
-    raise TypeError(
-        f"{function}() got {names} as keyword(s) and options= too; give each option one way: "
-        f"options=dataclasses.replace(options, {next(iter(keywords))}=...), or no options=.")
-  return options
 
 
 def _memory_limit(owner: str, value) -> None:
@@ -123,6 +99,16 @@ def _seed(owner: str, value) -> None:
     raise TypeError(f"{owner}.seed must be a non-negative integer, got {value!r}.")
 
 
+def _check_placement_fields(options) -> None:
+  """Checks the fields PlacementOptions and ClusterOptions share; stores
+  `zero` as a tuple."""
+  owner = type(options).__name__
+  _memory_limit(owner, options.memory_limit)
+  _optimizer(owner, options.optimizer)
+  object.__setattr__(options, "zero", _zero(owner, options.zero))
+  _recompute(owner, options.recompute)
+
+
 @dataclasses.dataclass(frozen=True)
 class PlacementOptions:
   """How `automap.place` may place a layer graph.
@@ -148,10 +134,7 @@ class PlacementOptions:
 
   def __post_init__(self):
     owner = type(self).__name__
-    _memory_limit(owner, self.memory_limit)
-    _optimizer(owner, self.optimizer)
-    object.__setattr__(self, "zero", _zero(owner, self.zero))
-    _recompute(owner, self.recompute)
+    _check_placement_fields(self)
     if self.widths is not None:
       object.__setattr__(self, "widths", _positive_ints(owner, "widths", self.widths))
     _optional_count(owner, "data_parallel", self.data_parallel)
@@ -190,10 +173,7 @@ class ClusterOptions:
 
   def __post_init__(self):
     owner = type(self).__name__
-    _memory_limit(owner, self.memory_limit)
-    _optimizer(owner, self.optimizer)
-    object.__setattr__(self, "zero", _zero(owner, self.zero))
-    _recompute(owner, self.recompute)
+    _check_placement_fields(self)
     for name in ("widths", "microbatches"):
       if getattr(self, name) is not None:
         object.__setattr__(self, name, _positive_ints(owner, name, getattr(self, name)))

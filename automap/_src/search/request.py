@@ -78,10 +78,6 @@ class SearchWarning(UserWarning):
   """A search fell short of what was asked and says what it did instead."""
 
 
-# The keywords `search` and `partition` accept as shorthands for these fields.
-OPTION_KEYWORDS = ("hints", "budget", "memory_limit", "seed", "search", "policy")
-
-
 @dataclasses.dataclass(frozen=True)
 class SearchOptions:
   """How a sharding search runs: one value to reuse across `automap.search`,
@@ -137,25 +133,6 @@ class SearchOptions:
                         ("policy", policy)):
       object.__setattr__(self, name, value)
 
-  @classmethod
-  def merged(cls, options: SearchOptions | None, keywords: dict, where: str) -> SearchOptions:
-    """`options` (default: the defaults) with the shorthand `keywords` set;
-    a field given both ways, or an unknown keyword, is a TypeError."""
-    unknown = sorted(set(keywords) - set(OPTION_KEYWORDS))
-    if unknown:
-      raise TypeError(
-          f"{where} got unexpected keyword argument(s) {unknown}; its search "
-          f"options are {list(OPTION_KEYWORDS)} (or options=automap.SearchOptions(...)).")
-    if options is None:
-      return cls(**keywords)
-    if not isinstance(options, cls):
-      raise TypeError(f"options must be an automap.SearchOptions, got {options!r}.")
-    if keywords:
-      raise TypeError(
-          f"{where} got {sorted(keywords)} both as keywords and in options=; "
-          f"give each once (e.g. options=dataclasses.replace(options, ...)).")
-    return options
-
   def policy_id(self) -> str:
     """What the policy's priors depend on: none, or its weights' digest."""
     if self.policy == "uniform":
@@ -165,5 +142,30 @@ class SearchOptions:
     return learned.digest(None if self.policy == "learned" else self.policy)
 
 
-__all__ = ["OPTION_KEYWORDS", "SEARCHES", "Budget", "Hints", "MemoryLimitError",
-           "SearchOptions", "SearchWarning"]
+
+def with_keywords(cls: type, options, keywords: dict, function: str):
+  """`options` (a `cls`, or None for its defaults) with a planner's keyword
+  arguments folded in, each naming a field of `cls`. With options= given,
+  any such keyword is an error: the field would be given twice."""
+  fields = [f.name for f in dataclasses.fields(cls)]
+  unknown = [k for k in keywords if k not in fields]
+  if unknown:
+    raise TypeError(
+        f"{function}() got an unexpected keyword argument {unknown[0]!r}; its options "
+        f"(keywords, or fields of automap.{cls.__name__}) are {', '.join(fields)}.")
+  if options is None:
+    return cls(**keywords)
+  if not isinstance(options, cls):
+    raise TypeError(
+        f"{function}(): options must be an automap.{cls.__name__}, got "
+        f"{type(options).__name__}; build one with automap.{cls.__name__}(...).")
+  if keywords:
+    names = ", ".join(f"{k}=" for k in keywords)
+    raise TypeError(
+        f"{function}() got {names} as keyword(s) and options= too; give each option one way: "
+        f"options=dataclasses.replace(options, {next(iter(keywords))}=...), or no options=.")
+  return options
+
+
+__all__ = ["SEARCHES", "Budget", "Hints", "MemoryLimitError", "SearchOptions",
+           "SearchWarning", "with_keywords"]
