@@ -136,7 +136,7 @@ class CostModel:
                            if m >> a & 1 and mesh.axis_sizes[a] > 1),
                           key=lambda s: (-s[1], s[2]))
                    for m in range(self.masks)]
-    self.itemsize = np.array([graph_lib._itemsize(d) for d in graph.dtypes])
+    self.itemsize = np.array([graph_lib.itemsize(d) for d in graph.dtypes])
     # [V] bytes per element an all-reduce of the value moves.
     self.reduced_itemsize = np.array([
         4 if self.compiler.reduce_in_f32 and size == 2 and graph_lib.is_float(d) else size

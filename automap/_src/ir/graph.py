@@ -191,7 +191,7 @@ class Walk:
     return carry + ys
 
 
-def _itemsize(dtype) -> int:
+def itemsize(dtype) -> int:
   try:
     return int(np.dtype(dtype).itemsize)
   except TypeError:  # Extended dtypes (PRNG keys): two uint32 words.
@@ -486,7 +486,7 @@ def build(traced: Traced) -> Graph:
       if v >= 0:
         uses[v].append((op, pos))
         last_use[v] = op
-  nbytes = np.array([int(np.prod(s, dtype=np.int64)) * _itemsize(d)
+  nbytes = np.array([int(np.prod(s, dtype=np.int64)) * itemsize(d)
                      for s, d in zip(b.shapes, b.dtypes)], np.int64)
   return Graph(
       shapes=tuple(b.shapes), dtypes=tuple(b.dtypes), nbytes=nbytes,
