@@ -41,7 +41,7 @@ EXPERTS = ("data parallel", "Megatron", "Megatron+DP", "FSDP")
 
 
 def expert_states(program: Program, space: ActionSpace) -> dict:
-  tactics, real = space.tactics_of, space.real_axes
+  tactics, real = space.experts, space.real_axes
   out = {}
   for name in EXPERTS:
     state = program.initial_state()

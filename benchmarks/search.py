@@ -21,7 +21,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from automap._src import api  # noqa: E402
 from automap._src.cost.hardware import get_hardware  # noqa: E402
 from automap._src.cost.tracker import Tracker  # noqa: E402
 from automap._src.ir import trace  # noqa: E402
@@ -30,6 +29,7 @@ from automap._src.search import mcts  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
 from automap._src.search.program import Program  # noqa: E402
 from automap._src.sharding.mesh import MeshSpec  # noqa: E402
+from automap._src.sharding.state import flat_specs  # noqa: E402
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8), (2, 2, 2)]
 NAMES = ("data", "model", "seq")
@@ -119,7 +119,7 @@ def main():
       program = Program.build(traced, mesh, get_hardware("tpu-v4"))
       costs = {}
       for name, specs in experts(args, mesh).items():
-        state = program.state_from_specs(api.flat_specs(specs, args))
+        state = program.state_from_specs(flat_specs(specs, args))
         costs[name] = Tracker(program.model, state).step_time
       best = min(costs, key=costs.get)
       for patterns in (("block_*",), ()):

@@ -95,7 +95,10 @@ def test_partition_refuses_an_abstract_mesh():
 
 
 def test_verify_prices_with_the_plans_own_hardware():
-  hw = automap.Hardware("slow", 1e9, 1e9, 1e9, 1e9, 1e8, 1e-5, 1e8, 1e-5, 8, platform="cpu")
+  hw = automap.Hardware(name="slow", flops=1e9, fp32_flops=1e9, hbm_bandwidth=1e9,
+                        hbm_capacity=1e9, link_bandwidth=1e8, link_latency=1e-5,
+                        network_bandwidth=1e8, network_latency=1e-5, devices_per_node=8,
+                        platform="cpu")
   plan = automap.search(mlp, *X, mesh=mesh((4, 2)), hardware=hw)
   report = automap.verify(plan, mlp, *X, mesh=mesh((4, 2)))
   assert report.predicted.step_time == pytest.approx(plan.cost.step_time, rel=1e-9)

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.cost.model import Cost
@@ -28,6 +28,7 @@ from automap._src.search.driver import mesh_shapes
 from automap._src.search.program import Program
 from automap._src.search.request import Budget, SearchOptions, with_keywords
 from automap._src.sharding.mesh import MeshError, MeshSpec
+from automap._src.sharding.state import flat_specs
 
 
 def _plan(traced: trace_lib.Traced, mesh: MeshSpec, hardware: Hardware,
@@ -90,25 +91,6 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
     if best is None or found.score < best[1].score:
       best = (program, found)
   return build.plan_of(*best, request.memory_limit)
-
-
-def _is_spec_leaf(x) -> bool:
-  return x is None or isinstance(x, (PartitionSpec, NamedSharding))
-
-
-def flat_specs(in_shardings, args: tuple, what: str = "in_shardings") -> list:
-  """Flat PartitionSpecs for `args` from a (prefix) pytree of specs."""
-  try:
-    full = jax.tree_util.tree_map(
-        lambda s, sub: jax.tree.map(lambda _: s, sub), in_shardings, args,
-        is_leaf=_is_spec_leaf)
-  except (ValueError, TypeError) as e:
-    raise MeshError(
-        f"{what} must be a pytree of PartitionSpecs matching the arguments "
-        f"(or a prefix of them): {e}") from None
-  leaves = jax.tree.leaves(full, is_leaf=_is_spec_leaf)
-  return [s.spec if isinstance(s, NamedSharding) else
-          (PartitionSpec() if s is None else s) for s in leaves]
 
 
 def evaluate(fn: Callable, *args, mesh, in_shardings,

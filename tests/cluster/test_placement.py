@@ -14,7 +14,9 @@ GiB = 2**30
 
 def flat(hbm: float, sync: float = 4 * GiB, latency: float = 0.0) -> automap.Hardware:
   """One flat interconnect; `sync` counts both directions, as PHAZE does."""
-  return automap.Hardware("flat", 1e12, 1e12, 1e12, hbm, sync / 2, latency, sync / 2, latency,
+  return automap.Hardware(name="flat", flops=1e12, fp32_flops=1e12, hbm_bandwidth=1e12,
+                          hbm_capacity=hbm, link_bandwidth=sync / 2, link_latency=latency,
+                          network_bandwidth=sync / 2, network_latency=latency,
                           devices_per_node=1 << 20)
 
 
@@ -218,8 +220,9 @@ def test_slow_network_keeps_data_parallel_sync_inside_a_node():
   """Across nodes the sync is 100x slower: the plan pipelines over nodes instead."""
   layers = [Layer.of(f"l{i}", 1.0, 2.0, 4e9, 0.1e9) for i in range(4)]
   graph = LayerGraph.chain(layers, 1e6)
-  hw = automap.Hardware("two-level", 1e12, 1e12, 1e12, 100e9, 10e9, 0.0, 0.1e9, 0.0,
-                        devices_per_node=2)
+  hw = automap.Hardware(name="two-level", flops=1e12, fp32_flops=1e12, hbm_bandwidth=1e12,
+                        hbm_capacity=100e9, link_bandwidth=10e9, link_latency=0.0,
+                        network_bandwidth=0.1e9, network_latency=0.0, devices_per_node=2)
   plan = automap.place(graph, devices=8, microbatches=8, hardware=hw, optimizer="sgd", zero=0)
   assert plan.data_parallel <= 2
   flat_plan = automap.place(graph, devices=8, microbatches=8, optimizer="sgd", zero=0,

@@ -11,14 +11,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import automap
-from automap._src.api import flat_specs
 from automap._src.cost import analysis, collectives, compiler, hardware
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace
 from automap._src.run import compiled as hlo
 from automap._src.search import program
 from automap._src.sharding.mesh import MeshSpec
-from automap._src.sharding.state import set_spec
+from automap._src.sharding.state import flat_specs, set_spec
 
 
 def test_megatron_dp_prediction_matches_the_formula_and_xla():
@@ -201,7 +200,9 @@ def test_hardware_catalogue_and_validation():
     hw = hardware.get_hardware(name)
     assert hw.flops > 0 and hw.link_bandwidth > hw.network_bandwidth * 0.5
   with pytest.raises(automap.HardwareError, match="hbm_bandwidth"):
-    automap.Hardware("bad", 1e12, 1e12, -1.0, 1e9, 1e9, 0, 1e9, 0, 8)
+    automap.Hardware(name="bad", flops=1e12, fp32_flops=1e12, hbm_bandwidth=-1.0,
+                     hbm_capacity=1e9, link_bandwidth=1e9, link_latency=0,
+                     network_bandwidth=1e9, network_latency=0, devices_per_node=8)
   with pytest.raises(automap.HardwareError, match="one of"):
     hardware.get_hardware("tpu-v9")
 

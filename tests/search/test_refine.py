@@ -101,8 +101,8 @@ def test_refinement_stays_within_the_memory_limit():
   program = program_of(step, args, (4, 2), ("data", "model"))
   space = ActionSpace(program)
   state = program.initial_state()
-  space.tactics_of.fsdp(state, 0)
-  space.tactics_of.fsdp(state, 1)
+  space.experts.fsdp(state, 0)
+  space.experts.fsdp(state, 1)
   limit = Tracker(program.model, state).peak_memory * 1.001
   refined, score, _ = Refiner(program, space.colour, limit).run(state, 30)
   assert score[0] == 0.0

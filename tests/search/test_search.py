@@ -10,13 +10,13 @@ from helpers import gpt_step, graph_network_step, megatron_specs, mesh
 from jax.sharding import PartitionSpec as P
 
 import automap
-from automap._src.api import mesh_shapes
 from automap._src.ir import graph as graph_lib
 from automap._src.ir import groups as groups_lib
 from automap._src.ir import trace as trace_lib
 from automap._src.models.gpt import GPTConfig, make_train_step
 from automap._src.search import mcts
 from automap._src.search.actions import ActionSpace, Tactic
+from automap._src.search.driver import mesh_shapes
 from automap._src.search.program import Program
 from automap._src.sharding.mesh import MeshSpec
 
@@ -264,3 +264,28 @@ def test_progress_display_runs(capsys):
   plan = automap.search(step, *args, mesh=mesh((4, 2)),
                         budget=automap.Budget(episodes=5, progress=True))
   assert plan.stats["episodes"] == 5
+
+
+def test_the_driver_searches_with_the_policy_it_is_given():
+  """A policy passed to the driver guides MCTS in place of the request's:
+  one that admits only "stop" leaves the initial state as the plan."""
+  from automap._src.search import driver
+  from automap._src.search.request import Budget, SearchOptions
+
+  class StopAtOnce:
+    calls = 0
+
+    def priors(self, space, state, actions):
+      StopAtOnce.calls += 1
+      return np.append(np.zeros(len(actions)), 1.0)
+
+    def value(self, space, state):
+      return None
+
+  step, args = gpt_step()
+  program = Program.build(trace_lib.trace(step, args), MeshSpec(("data", "model"), (4, 2)),
+                          automap.HARDWARE["cpu"])
+  request = SearchOptions(budget=Budget(episodes=8))
+  guided = driver.run(program, request, StopAtOnce())
+  assert StopAtOnce.calls > 0 and guided.stats["actions"] == []
+  assert driver.run(program, request).stats["actions"]  # uniform priors act

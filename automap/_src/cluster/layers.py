@@ -27,15 +27,13 @@ import numpy as np
 from automap._src.cluster.model import Layer, LayerCost, LayerGraph, PlacementError
 from automap._src.cost.hardware import Hardware
 from automap._src.ir import trace as trace_lib
-from automap._src.ir.naming import layer_of
+from automap._src.ir.naming import is_backward, layer_of
 from automap._src.plan import build, report
 from automap._src.search import driver
 from automap._src.search.program import Program
 from automap._src.search.request import SearchOptions
 from automap._src.sharding.mesh import MeshSpec
 
-# Name-scope marker of ops JAX's autodiff emits for the backward pass.
-_BACKWARD = "transpose("
 _UNSCOPED = "(top level)"
 
 
@@ -114,7 +112,7 @@ class LayerCut:
 
   @classmethod
   def of(cls, g) -> LayerCut:
-    forward = np.array([_BACKWARD not in s for s in g.scopes])
+    forward = np.array([not is_backward(s) for s in g.scopes])
     labels = _labels(g, forward)
     segment = np.full(g.num_ops, -1)
     names: list[str] = []

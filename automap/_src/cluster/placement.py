@@ -218,6 +218,8 @@ class _StageCosts:
     bandwidth = max(o.hw.link_bandwidth, o.hw.network_bandwidth)
     if (d - 1) * per_pipeline + 1 > o.hw.devices_per_node:
       bandwidth = o.hw.network_bandwidth
+    # The bandwidth term of `collectives.ring_seconds` for the step's sync
+    # (all-reduce, or reduce-scatter under ZeRO 2), latency left out: a bound.
     ring = {0: 2.0, 1: 2.0, 2: 1.0, 3: 0.0}[zero] * (d - 1) / d
     # ZeRO 2 reduce-scatters gradients every microbatch, ZeRO 3 also gathers
     # parameters twice: device-seconds on top of the compute.

@@ -129,50 +129,41 @@ _GiB = 2**30
 # bidirectional, so 300 / 450 GB/s one way); InfiniBand HDR 200 Gb/s and NDR
 # 400 Gb/s per GPU across nodes. Latencies are typical measured step costs
 # (a few microseconds on NVLink/ICI, ~10 us across nodes), order-of-magnitude.
+# What the devices of a family share: their platform, link latencies and,
+# for TPUs, the data-centre network across slices.
+_TPU = dict(platform="tpu", link_latency=5e-6, network_bandwidth=12.5 * _G,
+            network_latency=1e-5)
+_GPU = dict(platform="gpu", link_latency=5e-6, network_latency=1e-5, devices_per_node=8)
+
 CATALOGUE: Mapping[str, Hardware] = types.MappingProxyType({
-    "tpu-v3": Hardware(
-        name="tpu-v3", platform="tpu", flops=123 * _T, fp32_flops=123 * _T,
-        hbm_bandwidth=900 * _G, hbm_capacity=32 * _GiB, link_bandwidth=2 * 100 * _G,
-        link_latency=5e-6, network_bandwidth=12.5 * _G, network_latency=1e-5,
-        devices_per_node=1024),
-    "tpu-v4": Hardware(
-        name="tpu-v4", platform="tpu", flops=275 * _T, fp32_flops=275 * _T,
-        hbm_bandwidth=1200 * _G, hbm_capacity=32 * _GiB, link_bandwidth=2 * 45 * _G,
-        link_latency=5e-6, network_bandwidth=12.5 * _G, network_latency=1e-5,
-        devices_per_node=4096),
-    "tpu-v5e": Hardware(
-        name="tpu-v5e", platform="tpu", flops=197 * _T, fp32_flops=197 * _T,
-        hbm_bandwidth=819 * _G, hbm_capacity=16 * _GiB, link_bandwidth=2 * 45 * _G,
-        link_latency=5e-6, network_bandwidth=12.5 * _G, network_latency=1e-5,
-        devices_per_node=256),
-    "tpu-v5p": Hardware(
-        name="tpu-v5p", platform="tpu", flops=459 * _T, fp32_flops=459 * _T,
-        hbm_bandwidth=2765 * _G, hbm_capacity=95 * _G, link_bandwidth=2 * 90 * _G,
-        link_latency=5e-6, network_bandwidth=12.5 * _G, network_latency=1e-5,
-        devices_per_node=8960),
-    "a100": Hardware(
-        name="a100", platform="gpu", flops=312 * _T, fp32_flops=156 * _T,
-        hbm_bandwidth=2039 * _G, hbm_capacity=80 * _G, link_bandwidth=300 * _G,
-        link_latency=5e-6, network_bandwidth=25 * _G, network_latency=1e-5,
-        devices_per_node=8),
-    "h100": Hardware(
-        name="h100", platform="gpu", flops=989 * _T, fp32_flops=494 * _T,
-        hbm_bandwidth=3350 * _G, hbm_capacity=80 * _G, link_bandwidth=450 * _G,
-        link_latency=5e-6, network_bandwidth=50 * _G, network_latency=1e-5,
-        devices_per_node=8),
-    "h200": Hardware(
-        name="h200", platform="gpu", flops=989 * _T, fp32_flops=494 * _T,
-        hbm_bandwidth=4800 * _G, hbm_capacity=141 * _G, link_bandwidth=450 * _G,
-        link_latency=5e-6, network_bandwidth=50 * _G, network_latency=1e-5,
-        devices_per_node=8),
+    "tpu-v3": Hardware(name="tpu-v3", flops=123 * _T, fp32_flops=123 * _T,
+                       hbm_bandwidth=900 * _G, hbm_capacity=32 * _GiB,
+                       link_bandwidth=2 * 100 * _G, devices_per_node=1024, **_TPU),
+    "tpu-v4": Hardware(name="tpu-v4", flops=275 * _T, fp32_flops=275 * _T,
+                       hbm_bandwidth=1200 * _G, hbm_capacity=32 * _GiB,
+                       link_bandwidth=2 * 45 * _G, devices_per_node=4096, **_TPU),
+    "tpu-v5e": Hardware(name="tpu-v5e", flops=197 * _T, fp32_flops=197 * _T,
+                        hbm_bandwidth=819 * _G, hbm_capacity=16 * _GiB,
+                        link_bandwidth=2 * 45 * _G, devices_per_node=256, **_TPU),
+    "tpu-v5p": Hardware(name="tpu-v5p", flops=459 * _T, fp32_flops=459 * _T,
+                        hbm_bandwidth=2765 * _G, hbm_capacity=95 * _G,
+                        link_bandwidth=2 * 90 * _G, devices_per_node=8960, **_TPU),
+    "a100": Hardware(name="a100", flops=312 * _T, fp32_flops=156 * _T,
+                     hbm_bandwidth=2039 * _G, hbm_capacity=80 * _G,
+                     link_bandwidth=300 * _G, network_bandwidth=25 * _G, **_GPU),
+    "h100": Hardware(name="h100", flops=989 * _T, fp32_flops=494 * _T,
+                     hbm_bandwidth=3350 * _G, hbm_capacity=80 * _G,
+                     link_bandwidth=450 * _G, network_bandwidth=50 * _G, **_GPU),
+    "h200": Hardware(name="h200", flops=989 * _T, fp32_flops=494 * _T,
+                     hbm_bandwidth=4800 * _G, hbm_capacity=141 * _G,
+                     link_bandwidth=450 * _G, network_bandwidth=50 * _G, **_GPU),
     # A laptop-class CPU "device" (8 simulated devices share its cores and
     # memory): ~100 GFLOP/s of AVX2 per core pair, ~20 GB/s DRAM, copies
     # between simulated devices at memory speed.
-    "cpu": Hardware(
-        name="cpu", platform="cpu", flops=100 * _G, fp32_flops=100 * _G,
-        hbm_bandwidth=20 * _G, hbm_capacity=16 * _GiB, link_bandwidth=10 * _G,
-        link_latency=1e-5, network_bandwidth=10 * _G, network_latency=1e-5,
-        devices_per_node=8),
+    "cpu": Hardware(name="cpu", platform="cpu", flops=100 * _G, fp32_flops=100 * _G,
+                    hbm_bandwidth=20 * _G, hbm_capacity=16 * _GiB, link_bandwidth=10 * _G,
+                    link_latency=1e-5, network_bandwidth=10 * _G, network_latency=1e-5,
+                    devices_per_node=8),
 })
 
 

@@ -6,8 +6,9 @@ changes. Peak memory is counted as XLA's `memory_analysis` counts it:
 arguments and results for the whole program, plus the peak over program
 order of the temporaries alive (producer to last reader) that fusion
 leaves in memory. It reads the model through its public surface:
-`memo`'s per-entry arrays, `analysis`'s per-value and per-op arrays, and
-`entry_ids`, `copy_key`, `latency`, `local_bytes`, `value_bytes`.
+`memo`'s per-entry arrays, `analysis`'s per-value and per-op arrays,
+`entry_ids`, `copy_key`, `latency`, `local_bytes`, `value_bytes`, and the
+mesh tables `masks`, `group_size`, `sizes`, `itemsize`, `reduced_itemsize`.
 """
 
 from __future__ import annotations

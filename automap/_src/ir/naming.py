@@ -1,8 +1,9 @@
 """Layer names: the part of an op's name scope that says which layer it is in.
 
 A layer is the first component of an op's name scope once transformations
-are stripped (`transpose(jvp(GPT))/block_1/mlp` -> `block_1`), so its
-forward and backward ops count together.
+and a leading model-class name every op shares are stripped
+(`transpose(jvp(GPT))/block_1/mlp` -> `block_1`), so its forward and
+backward ops count together. Backward ops are those autodiff transposed.
 """
 
 from __future__ import annotations
@@ -21,3 +22,9 @@ def layer_of(scope: str, depth: int = 1) -> str:
   if len(parts) > 1 and parts[0][:1].isupper():
     parts = parts[1:]
   return "/".join(parts[:depth]) or "(top level)"
+
+
+def is_backward(scope: str) -> bool:
+  """Whether an op of this name scope is part of a backward pass: JAX's
+  autodiff marks the ops it emits by transposing with `transpose(`."""
+  return "transpose(" in scope

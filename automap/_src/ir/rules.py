@@ -306,6 +306,24 @@ def _iota(ins, outs, params) -> Rule:
   return b.rule([], [[b.new(n) for n in outs[0]]])
 
 
+def _whole_windows(b: _Builder, operand, of: list, window_factors: list, window_dims,
+                   skipped, indexed, window_size) -> None:
+  """Gives each operand dim a whole window spans, and no index selects in,
+  one factor with its dim in the window array (a gather's result, a
+  scatter's updates). `skipped`: operand dims without a window dim;
+  `window_size(i, d)`: the window's extent along operand dim i (window dim d)."""
+  windowed = [i for i in range(len(operand)) if i not in skipped]
+  for i, d in zip(windowed, window_dims):
+    if window_size(i, d) == operand[i] and i not in indexed:
+      of[i] = window_factors[d] = b.new(operand[i])
+
+
+def _index_dims(indices) -> list[int]:
+  """The dims of a gather's or scatter's indices that enumerate lookups (all
+  but the last, which holds each lookup's coordinates)."""
+  return [d for d in range(len(indices)) if d != len(indices) - 1]
+
+
 def _gather(ins, outs, params) -> Rule:
   """Row lookups (embeddings, take_along_axis).
 
@@ -319,13 +337,12 @@ def _gather(ins, outs, params) -> Rule:
   of = [UNSHARDABLE] * len(operand)
   inf = [UNSHARDABLE] * len(indices)
   result = [UNSHARDABLE] * len(out)
-  sliced = [i for i in range(len(operand))
-            if i not in dn.collapsed_slice_dims and i not in dn.operand_batching_dims]
-  for i, d in zip(sliced, dn.offset_dims):
-    if params["slice_sizes"][i] == operand[i] and i not in dn.start_index_map:
-      of[i] = result[d] = b.new(operand[i])
+  _whole_windows(b, operand, of, result, dn.offset_dims,
+                 skipped=(*dn.collapsed_slice_dims, *dn.operand_batching_dims),
+                 indexed=dn.start_index_map,
+                 window_size=lambda i, d: params["slice_sizes"][i])
   batch_out = [d for d in range(len(out)) if d not in dn.offset_dims]
-  batch_in = [d for d in range(len(indices)) if d != len(indices) - 1]
+  batch_in = _index_dims(indices)
   if len(batch_in) == len(batch_out):
     for i, d in zip(batch_in, batch_out):
       inf[i] = result[d] = b.new(indices[i])
@@ -358,13 +375,12 @@ def _scatter(ins, outs, params, combinable: bool) -> Rule:
   of = [UNSHARDABLE] * len(operand)
   inf = [UNSHARDABLE] * len(indices)
   uf = [UNSHARDABLE] * len(updates)
-  windows = [i for i in range(len(operand))
-             if i not in dn.inserted_window_dims and i not in dn.operand_batching_dims]
-  for i, d in zip(windows, dn.update_window_dims):
-    if updates[d] == operand[i] and i not in dn.scatter_dims_to_operand_dims:
-      of[i] = uf[d] = b.new(operand[i])
+  _whole_windows(b, operand, of, uf, dn.update_window_dims,
+                 skipped=(*dn.inserted_window_dims, *dn.operand_batching_dims),
+                 indexed=dn.scatter_dims_to_operand_dims,
+                 window_size=lambda i, d: updates[d])
   scatter_u = [d for d in range(len(updates)) if d not in dn.update_window_dims]
-  scatter_i = [d for d in range(len(indices)) if d != len(indices) - 1]
+  scatter_i = _index_dims(indices)
   if combinable and len(scatter_u) == len(scatter_i):
     batching = dict(zip(dn.scatter_indices_batching_dims, dn.operand_batching_dims))
     for i, d in zip(scatter_i, scatter_u):
@@ -435,6 +451,7 @@ _RULES: dict[str, Callable[[Any, Any, dict], Rule]] = {
     "select_n": _select_n,
     "clamp": _elementwise,
 }
+
 
 def has_rule(primitive: str) -> bool:
   return primitive in _RULES or primitive in ELEMENTWISE

@@ -1,4 +1,4 @@
-"""Trace: from a function and example arguments to its jaxpr and StableHLO.
+"""Trace: from a function and example arguments to its jaxpr.
 
 Arguments may be arrays, numpy arrays, Python scalars or
 `jax.ShapeDtypeStruct`s, so a model too large for this machine can be planned

@@ -1,1 +1,1 @@
-"""Plans: the searched layouts, their per-layer report, text, export and cache."""
+"""Plans: the searched layouts made into plans, their per-layer report, text, export and cache."""

@@ -99,6 +99,7 @@ def make_plan(program: Program, state: State, stats: dict,
       layers=report.layers(program, tracker), yardsticks=yardsticks(program, state),
       in_tree=program.traced.in_tree, out_tree=program.traced.out_tree)
 
+
 def yardsticks(program: Program, state: State) -> dict[str, Yardstick]:
   """The expert strategies' costs, and where their argument layouts
   differ from `state`'s."""

@@ -1,8 +1,7 @@
 """Report: a state's cost per layer.
 
-A layer is the first component of an op's name scope once transformations
-are stripped (`transpose(jvp(GPT))/block_1/mlp` -> `block_1`), so its
-forward and backward ops count together. Memory is the peak's make-up:
+Layers are named as `ir/naming.layer_of` names them, forward and backward
+together. Memory is the peak's make-up:
 resident arguments and results, and the temporaries alive at the peak, each
 charged to the layer that reads (or makes) it (less, in proportion, what
 results' buffers hold before the results are made).

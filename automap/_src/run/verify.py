@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from automap._src.cost.compiler import compiler_for
+from automap._src.cost.compiler import PLATFORMS, XLA_TPU, compiler_for
 from automap._src.cost.model import KINDS, Cost
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace as trace_lib
@@ -163,7 +163,9 @@ def verify(plan: Plan, fn: Callable, args: tuple, mesh=None,
   if MeshSpec.of(mesh) != plan.mesh:
     raise MeshError(f"mesh {MeshSpec.of(mesh)} differs from the plan's {plan.mesh}.")
   # Priced for the backend that compiles it (XLA:CPU forms no reduce-scatter).
-  compiler = compiler_for(mesh.devices.flat[0].platform)
+  platform = mesh.devices.flat[0].platform
+  # A platform XLA names otherwise (a plugin's) is priced as TPU and GPU are.
+  compiler = compiler_for(platform) if platform.lower() in PLATFORMS else XLA_TPU
   program = Program.build(traced, plan.mesh, plan.hardware, compiler=compiler)
   predicted = Tracker(program.model, build.state_of(program, plan)).cost()
   jitted = apply_lib.jit_with_plan(traced, mesh, plan)

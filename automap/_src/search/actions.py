@@ -44,6 +44,7 @@ class Tactic:
 
 Action = Tile | Tactic
 
+
 class ActionSpace:
   """The actions of one program and the groups they act on."""
 
@@ -61,8 +62,10 @@ class ActionSpace:
     inter = structural_groups(g, big, colour)
     inter.sort(key=lambda x: -self.group_bytes(x))
     self.groups += inter[:_MAX_INTERMEDIATE_GROUPS]
-    self.tactics_of = tactics.Tactics(program.traced, g, program.mesh, self.prop)
-    self.data = self.tactics_of.data
+    # The expert strategies the tactics apply, and the data arguments (the
+    # batch: arguments the step does not carry) they split.
+    self.experts = tactics.Tactics(program.traced, g, program.mesh, self.prop)
+    self.data = self.experts.data
     mesh = program.mesh
     self.real_axes = [a for a in range(mesh.num_axes) if mesh.axis_sizes[a] > 1]
     # Tactics first, then tilings of the biggest groups: the order in which
@@ -103,7 +106,7 @@ class ActionSpace:
   def apply(self, state: State, action: Action) -> np.ndarray:
     """Carries out `action` on `state` in place; returns the values changed."""
     if isinstance(action, Tactic):
-      t = self.tactics_of
+      t = self.experts
       if action.name == "data-parallel":
         return t.data_parallel(state, action.axes)
       if action.name == "fsdp":  # axis by axis: later axes nest in earlier ones

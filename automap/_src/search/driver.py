@@ -27,6 +27,8 @@ from automap._src.sharding.state import State
 
 
 def build_program(fn, args, mesh, hardware, hints: Hints | None = None) -> Program:
+  """The program a search reads: `fn(*args)` traced on `mesh` and `hardware`,
+  with `hints`' pinned layouts."""
   traced = trace_lib.trace(fn, args)
   return Program.build(traced, MeshSpec.of(mesh), get_hardware(hardware),
                        (hints or Hints()).fixed)
@@ -34,6 +36,8 @@ def build_program(fn, args, mesh, hardware, hints: Hints | None = None) -> Progr
 
 @dataclasses.dataclass
 class Found:
+  """What a search found: its best state and how it got there."""
+
   state: State
   score: mcts.Score  # (bytes over the memory limit, step seconds)
   stats: dict  # what the inputs determine: saved with the plan
@@ -55,13 +59,26 @@ def check_memory_limit(program: Program, memory_limit: float | None) -> None:
         "or use more devices.")
 
 
-def run(program: Program, request: SearchOptions) -> Found:
+def policy_for(request: SearchOptions) -> mcts.Policy | None:
+  """The priors `request.policy` names: None for uniform ones, else the
+  learned policy (flax and jraph are imported only then)."""
+  if request.policy == "uniform":
+    return None
+  from automap._src.search.policy import learned
+
+  return learned.cached(None if request.policy == "learned" else request.policy)
+
+
+def run(program: Program, request: SearchOptions, policy: mcts.Policy | None = None) -> Found:
+  """The best state the requested backend finds for `program`. `policy`
+  guides MCTS (default: the one `request.policy` names, `policy_for`)."""
   check_memory_limit(program, request.memory_limit)
+  policy = policy if policy is not None else policy_for(request)
   space = ActionSpace(program, request.hints.groups)
   try:
     if request.search == "ilp":
-      return run_ilp(program, space, request)
-    return run_mcts(program, space, request, request.budget.seconds)
+      return run_ilp(program, space, request, policy)
+    return run_mcts(program, space, request, request.budget.seconds, policy)
   except SystemError as e:
     # Ctrl-C landing inside a compiled kernel's call (while numba compiles,
     # loads or boxes) surfaces as a SystemError around it.
@@ -78,15 +95,11 @@ _REFINE_TRIES = 10
 
 
 def run_mcts(program: Program, space: ActionSpace, request: SearchOptions,
-              seconds: float) -> Found:
-  """MCTS, then refinement of its best plans (`search/refine.py`)."""
+             seconds: float, policy: mcts.Policy | None = None) -> Found:
+  """MCTS (uniform priors where `policy` is None), then refinement of its
+  best plans (`search/refine.py`)."""
   t0 = time.perf_counter()
   budget = request.budget
-  policy = None
-  if request.policy != "uniform":
-    from automap._src.search.policy import learned
-
-    policy = learned.cached(None if request.policy == "learned" else request.policy)
   run = mcts.Search(program, space, request.memory_limit, request.seed, policy=policy)
   show = budget.progress if budget.progress is not None else sys.stderr.isatty()
   searching = seconds * (1 - _REFINE_SHARE)
@@ -113,21 +126,22 @@ def run_mcts(program: Program, space: ActionSpace, request: SearchOptions,
       request.memory_limit, seconds - (start - t0), _REFINE_TRIES * budget.episodes)
   stats["refine_moves"] = moves
   return Found(state, score, stats,
-                {"search": time.perf_counter() - t0, "to_best": result.seconds_to_best,
-                 "refine": time.perf_counter() - start})
+               {"search": time.perf_counter() - t0, "to_best": result.seconds_to_best,
+               "refine": time.perf_counter() - start})
 
 
 # Share of Budget.seconds the ILP's warm start (MCTS) may take.
 _WARM_SHARE = 0.25
 
 
-def run_ilp(program: Program, space: ActionSpace, request: SearchOptions) -> Found:
+def run_ilp(program: Program, space: ActionSpace, request: SearchOptions,
+            policy: mcts.Policy | None = None) -> Found:
   """Solves the ILP from MCTS's best plan (a warm start within a quarter of
   the budget's seconds) and keeps the better of the two; on a timeout
   without a solution, the warm start, with a warning."""
   t0 = time.perf_counter()
   limit, budget = request.memory_limit, request.budget
-  warm = run_mcts(program, space, request, budget.seconds * _WARM_SHARE)
+  warm = run_mcts(program, space, request, budget.seconds * _WARM_SHARE, policy)
   result = ilp.solve(program, ilp.SolverSettings(
       seconds=budget.seconds - (time.perf_counter() - t0), memory_limit=limit,
       seed=request.seed), hint=warm.state)

@@ -122,12 +122,12 @@ class _Formulation:
     late: dict[tuple[int, int], list] = {}
     for c, xs in self.x.items():
       for x, s in zip(xs, self.strategies[c]):
-        terms.append((x, _ps(s.seconds * count[c])))
+        terms.append((x, _picoseconds(s.seconds * count[c])))
         for key in s.late:
           late.setdefault(key, []).append(x)
     for (kind, mask), xs in late.items():
       terms.append((self._any(xs, f"latency{kind}_{mask}"),
-                    _ps(program.model.latency[kind, mask])))
+                    _picoseconds(program.model.latency[kind, mask])))
     # Arguments (and constants): a layout each, shared by equal colours.
     if colour is None:
       colour = np.arange(g.num_values)
@@ -328,7 +328,7 @@ class _Formulation:
     shared = {key: ws for key, ws in sharing.items() if len(ws) > 1}
     for (row, step), ws in shared.items():
       sec = dict(steps[(row, ws[0])])[step]
-      k = _ps(sec * max(trips[w] for w in ws) * n)
+      k = _picoseconds(sec * max(trips[w] for w in ws) * n)
       if not k:
         continue
       want = self._any([x for w in ws for x in wanted[w]], f"v{v}want")
@@ -340,7 +340,7 @@ class _Formulation:
       self.derived.append((paid, lambda h, want=want, y=y: h[want.Index()] * h[y.Index()]))
       terms.append((paid, k))
     for w, readers in wanted.items():
-      price = [(row, _ps(sum(sec for step, sec in steps[(row, w)]
+      price = [(row, _picoseconds(sum(sec for step, sec in steps[(row, w)]
                              if (row, step) not in shared) * trips[w] * n))
                for row in made]
       price = [(row, k) for row, k in price if k]
@@ -375,7 +375,7 @@ class _Formulation:
     return coef
 
   def bound(self, point: int, limit: float) -> None:
-    self.model.Add(_sum(self.memory(point)) <= int(limit))
+    self.model.Add(_linear(self.memory(point)) <= int(limit))
     self.points.append(point)
 
   def hint(self, state: State) -> None:
@@ -443,11 +443,12 @@ class _Formulation:
     return state
 
 
-def _sum(coef: dict):
+def _linear(coef: dict):
+  """The linear expression of a {key: (variable, coefficient)} map."""
   return sum(k * x for x, k in coef.values())
 
 
-def _ps(seconds: float) -> int:
+def _picoseconds(seconds: float) -> int:
   return int(round(seconds * PICOSECONDS))
 
 
@@ -507,7 +508,7 @@ def _least_memory(form: _Formulation, settings: SolverSettings) -> tuple[float, 
   probe = _Formulation(form.program, dataclasses.replace(settings, memory_limit=None))
   total = int(form.graph.nbytes.sum())
   peak = probe.model.NewIntVar(0, total, "peak")
-  memory = {point: _sum(probe.memory(point)) for point in form.points}
+  memory = {point: _linear(probe.memory(point)) for point in form.points}
   for expr in memory.values():
     probe.model.Add(expr <= peak)
   probe.model.ClearObjective()

@@ -26,6 +26,9 @@ from automap._src.sharding.state import State, empty_state, set_spec, spec_of
 
 @dataclasses.dataclass
 class Program:
+  """A traced signature on a mesh and hardware: its graph, cost model, and
+  the layouts the user pinned (`Hints.fixed`), which no action changes."""
+
   traced: Traced
   graph: Graph
   mesh: MeshSpec

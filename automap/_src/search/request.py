@@ -142,7 +142,6 @@ class SearchOptions:
     return learned.digest(None if self.policy == "learned" else self.policy)
 
 
-
 def with_keywords(cls: type, options, keywords: dict, function: str):
   """`options` (a `cls`, or None for its defaults) with a planner's keyword
   arguments folded in, each naming a field of `cls`. With options= given,

@@ -12,15 +12,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
+import jax
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from automap._src.ir.graph import Graph
 from automap._src.sharding.mesh import MeshError, MeshSpec
 
 UNSHARDED = -1
 State = np.ndarray  # [V, A] int8: the dim each axis tiles, or UNSHARDED.
-
 
 
 def empty_state(graph: Graph, mesh: MeshSpec) -> State:
@@ -92,3 +92,22 @@ def concat(parts: Iterable) -> np.ndarray:
   """Lists of changed values (arrays or sequences of ints) as one [n] int64."""
   parts = [np.asarray(p, np.int64) for p in parts]
   return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _is_spec_leaf(x) -> bool:
+  return x is None or isinstance(x, (PartitionSpec, NamedSharding))
+
+
+def flat_specs(in_shardings, args: tuple, what: str = "in_shardings") -> list:
+  """Flat PartitionSpecs for `args` from a (prefix) pytree of specs."""
+  try:
+    full = jax.tree_util.tree_map(
+        lambda s, sub: jax.tree.map(lambda _: s, sub), in_shardings, args,
+        is_leaf=_is_spec_leaf)
+  except (ValueError, TypeError) as e:
+    raise MeshError(
+        f"{what} must be a pytree of PartitionSpecs matching the arguments "
+        f"(or a prefix of them): {e}") from None
+  leaves = jax.tree.leaves(full, is_leaf=_is_spec_leaf)
+  return [s.spec if isinstance(s, NamedSharding) else
+          (PartitionSpec() if s is None else s) for s in leaves]

@@ -107,7 +107,7 @@ class Featurizer:
     col += MAX_DIMS + 1
     static[np.arange(n), col + np.array([_dtype_class(d) for d in g.dtypes])] = 1
     col += 4
-    carried = set(space.tactics_of.carried)
+    carried = set(space.experts.carried)
     outputs = {v for v in g.outputs if v >= 0}
     for v in range(n):
       if g.kind[v] == graph_lib.INTERMEDIATE:
