@@ -47,12 +47,12 @@ import numpy as np
 from automap._src.cluster import accelerator as acc_lib
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster.model import JsonFile, Placement, PlacementError
-from automap._src.cluster.options import CoSearchOptions, PlacementOptions, with_keywords
+from automap._src.cluster.options import CoSearchOptions, PlacementOptions
 from automap._src.cluster.pass_times import PassBounds, PassTimes
 from automap._src.cluster.passes import ProfiledWorkload, Workload, all_passes, profile_workload
 from automap._src.cluster.placement import place_any
 from automap._src.cost.hardware import Hardware, get_hardware
-from automap._src.search.request import Budget
+from automap._src.search.request import Budget, with_keywords
 
 # The grid: each field's candidate values.
 SPACE: Mapping[str, tuple] = types.MappingProxyType({

@@ -19,7 +19,7 @@ import numpy as np
 
 from automap._src.cluster.accelerator import Accelerator
 from automap._src.cluster.model import PlacementError
-from automap._src.search.request import Budget, with_keywords
+from automap._src.search.request import Budget
 
 # Optimizer state per parameter byte, in the parameters' dtype.
 OPTIMIZERS: Mapping[str, float] = types.MappingProxyType(
@@ -282,5 +282,4 @@ def _space(owner: str, space) -> Mapping[str, tuple]:
   return types.MappingProxyType(out)
 
 
-__all__ = ["OPTIMIZERS", "ZERO_STAGES", "ClusterOptions", "CoSearchOptions", "PlacementOptions",
-           "with_keywords"]
+__all__ = ["OPTIMIZERS", "ZERO_STAGES", "ClusterOptions", "CoSearchOptions", "PlacementOptions"]

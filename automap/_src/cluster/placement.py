@@ -44,9 +44,10 @@ import math
 from collections.abc import Sequence
 
 from automap._src.cluster.model import Layer, LayerGraph, Placement, PlacementError, Stage
-from automap._src.cluster.options import PlacementOptions, with_keywords
+from automap._src.cluster.options import PlacementOptions
 from automap._src.cost.collectives import ALL_GATHER, ALL_REDUCE, ring_seconds, send_seconds
 from automap._src.cost.hardware import Hardware, get_hardware
+from automap._src.search.request import with_keywords
 
 # Downsets enumerated at most; wider graphs should be coarsened into layer groups.
 MAX_DOWNSETS = 4096

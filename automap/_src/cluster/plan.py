@@ -14,10 +14,11 @@ from collections.abc import Callable
 
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster.model import JsonFile, Placement, PlacementError
-from automap._src.cluster.options import ClusterOptions, with_keywords
+from automap._src.cluster.options import ClusterOptions
 from automap._src.cluster.placement import place_any
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.plan.explain import format_bytes
+from automap._src.search.request import with_keywords
 
 SCHEMA = 1
 

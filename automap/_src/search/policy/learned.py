@@ -101,17 +101,16 @@ def digest(path: str | None = None) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _load_contents(path: str, sha256: str | None) -> LearnedPolicy | None:
-  """`load(path)` for one version of its contents (None: unreadable).
-  Keyed by the contents' digest, so a rewritten file is loaded anew."""
+def _load_version(path: str, version: str) -> LearnedPolicy | None:
+  """`load(path)` for one version of its contents (`digest`), so a
+  rewritten file is loaded anew."""
   return load(path)
 
 
 def cached(path: str | None = None) -> LearnedPolicy | None:
-  """`load`, once per weights file contents (path and SHA-256)."""
+  """`load`, once per weights file contents (path and `digest`)."""
   path = DEFAULT_WEIGHTS if path is None else path
-  data = _read(path)
-  return _load_contents(path, None if data is None else hashlib.sha256(data).hexdigest())
+  return _load_version(path, digest(path))
 
 
 @functools.cache
