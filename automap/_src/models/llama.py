@@ -1,0 +1,255 @@
+"""A MaxText-style llama decoder and its optax training step.
+
+The layout is the user's: parameters carry MaxText's logical axis names
+(`nn.with_logical_partitioning`) and activations MaxText's constraints
+(`nn.with_logical_constraint`), resolved to a mesh by `RULES`. Used by the
+benchmarks to ask whether automap prices a layout written by hand. Shape
+letters: B batch, S sequence, E embed, F MLP width, N query heads, K
+key/value heads (N = K * G), D head dim, V vocabulary, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  vocab: int = 1024  # V
+  embed: int = 256  # E
+  mlp: int = 512  # F
+  heads: int = 8  # N
+  kv_heads: int = 4  # K, divides N
+  head_dim: int = 32  # D, even (rotary pairs)
+  layers: int = 4  # L
+  seq: int = 128  # S
+  batch: int = 16  # B
+  dtype: Any = jnp.float32
+  remat_policy: str = "nothing_saveable"  # a name in jax.checkpoint_policies
+
+
+# MaxText's rules (base.yml) for the axes this mesh may have, in order of
+# precedence; flax skips a rule whose mesh axis the array already uses, so
+# k/v's "activation_kv" stays unsharded once its heads take "tensor".
+RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("activation_batch", ("data", "fsdp")),
+    ("activation_length", None),
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("activation_kv_heads", "tensor"),
+    ("activation_kv", None),
+    ("activation_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("kv", None),
+    ("norm", None),
+    ("layers", None),
+)
+
+
+def rules_for(mesh) -> tuple[tuple[str, Any], ...]:
+  """`RULES` without the mesh axes `mesh` lacks (a Mesh or AbstractMesh).
+
+  flax would emit a missing axis into the PartitionSpec; a rule left with
+  no axis is dropped, so its logical axis stays unsharded.
+  """
+  have = set(mesh.axis_names)
+  out = []
+  for name, axes in RULES:
+    if axes is None:
+      out.append((name, None))
+      continue
+    kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a in have)
+    if kept:
+      out.append((name, kept[0] if len(kept) == 1 else kept))
+  return tuple(out)
+
+
+class Dense(nn.Module):
+  """x's `axis` contracted with a kernel [*x.shape[axis], *features].
+
+  Its own (not flax's DenseGeneral, which boxes the flattened kernel with
+  the full-rank names and so fails their constraint under a mesh).
+  """
+
+  features: tuple[int, ...]
+  axis: tuple[int, ...]  # contracted axes of x
+  names: tuple[str, ...]  # logical names of the kernel's axes
+  dtype: Any
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    axis = tuple(a % x.ndim for a in self.axis)
+    n = len(axis)
+    shape = tuple(x.shape[a] for a in axis) + self.features
+    init = nn.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal", in_axis=tuple(range(n)),
+        out_axis=tuple(range(n, len(shape))))
+    kernel = self.param("kernel", nn.with_logical_partitioning(init, self.names), shape)
+    return jax.lax.dot_general(x, kernel.astype(self.dtype),
+                               ((axis, tuple(range(n))), ((), ())))
+
+
+def _dense(features, axis, names: tuple[str, ...], dtype, name: str) -> Dense:
+  as_tuple = lambda v: tuple(v) if isinstance(v, tuple) else (v,)
+  return Dense(as_tuple(features), as_tuple(axis), names, dtype, name=name)
+
+
+class RMSNorm(nn.Module):
+  dtype: Any
+  epsilon: float = 1e-6
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                       (x.shape[-1],))
+    y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.epsilon)
+    return (y * scale).astype(self.dtype)
+
+
+def rotary(x: jax.Array, max_timescale: float = 10_000.0) -> jax.Array:
+  """Rotary embedding of [B, S, heads, D] at positions 0..S-1, halves paired."""
+  d = x.shape[-1]
+  timescale = max_timescale ** (2 * jnp.arange(d // 2) / d)  # [D/2]
+  angle = jnp.arange(x.shape[1])[:, None] / timescale  # [S, D/2]
+  sin, cos = jnp.sin(angle)[None, :, None], jnp.cos(angle)[None, :, None]
+  first, second = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([first * cos - second * sin, second * cos + first * sin],
+                         axis=-1).astype(x.dtype)
+
+
+class Attention(nn.Module):
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:  # [B, S, E] -> [B, S, E]
+    c = self.config
+    q = _dense((c.heads, c.head_dim), -1, ("embed", "heads", "kv"), c.dtype, "query")(x)
+    k = _dense((c.kv_heads, c.head_dim), -1, ("embed", "kv_heads", "kv"), c.dtype, "key")(x)
+    v = _dense((c.kv_heads, c.head_dim), -1, ("embed", "kv_heads", "kv"), c.dtype, "value")(x)
+    q = nn.with_logical_constraint(
+        rotary(q), ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
+    kv_names = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
+    k = nn.with_logical_constraint(rotary(k), kv_names)
+    v = nn.with_logical_constraint(v, kv_names)
+    b, s = x.shape[:2]
+    q = q.reshape(b, s, c.kv_heads, c.heads // c.kv_heads, c.head_dim)  # [B, S, K, G, D]
+    logits = jnp.einsum("bqkgd,bskd->bkgqs", q, k) / jnp.sqrt(c.head_dim).astype(c.dtype)
+    causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+    logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(c.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, c.heads, c.head_dim)
+    out = nn.with_logical_constraint(
+        out, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
+    return _dense(c.embed, (-2, -1), ("heads", "kv", "embed"), c.dtype, "out")(out)
+
+
+class MLP(nn.Module):
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:  # [B, S, E] -> [B, S, E]
+    c = self.config
+    gate = _dense(c.mlp, -1, ("embed", "mlp"), c.dtype, "wi_0")(x)
+    up = _dense(c.mlp, -1, ("embed", "mlp"), c.dtype, "wi_1")(x)
+    h = nn.with_logical_constraint(
+        nn.silu(gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
+    return _dense(c.embed, -1, ("mlp", "embed"), c.dtype, "wo")(h)
+
+
+class DecoderLayer(nn.Module):
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:
+    c = self.config
+    x = x + Attention(c, name="self_attention")(RMSNorm(c.dtype, name="pre_attention_norm")(x))
+    x = x + MLP(c, name="mlp")(RMSNorm(c.dtype, name="post_attention_norm")(x))
+    x = nn.with_logical_constraint(
+        x, ("activation_batch", "activation_length", "activation_embed"))
+    return x, None
+
+
+class Decoder(nn.Module):
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:  # [B, S] int -> [B, S, V]
+    c = self.config
+    embed_init = nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed"))
+    x = nn.Embed(c.vocab, c.embed, dtype=c.dtype, embedding_init=embed_init,
+                 name="token_embedder")(tokens)
+    x = nn.with_logical_constraint(
+        x, ("activation_batch", "activation_length", "activation_embed"))
+    policy = getattr(jax.checkpoint_policies, c.remat_policy)
+    layer = nn.remat(DecoderLayer, prevent_cse=False, policy=policy)
+    x, _ = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                   length=c.layers, metadata_params={nn.PARTITION_NAME: "layers"})(
+                       c, name="layers")(x, None)
+    x = RMSNorm(c.dtype, name="decoder_norm")(x)
+    logits = _dense(c.vocab, -1, ("embed", "vocab"), c.dtype, "logits_dense")(x)
+    return nn.with_logical_constraint(
+        logits, ("activation_batch", "activation_length", "activation_vocab"))
+
+
+def _optimizer() -> optax.GradientTransformation:
+  return optax.adamw(1e-3, weight_decay=0.1)
+
+
+def train_step(config: LlamaConfig, seed: int = 0) -> tuple[Callable, tuple]:
+  """(step_fn, (params, opt_state, batch)) with small concrete arrays.
+
+  step_fn(params, opt_state, batch) -> (params, opt_state, loss) takes plain
+  arrays; batch is {"inputs", "targets"}: [B, S] int32, targets the next
+  tokens. The constraints bind to the mesh the caller traces under
+  (`with jax.set_mesh(mesh): jax.jit(step_fn)...`, Auto axis types); with
+  none in context they are no-ops.
+  """
+  model, optimizer = Decoder(config), _optimizer()
+  k_init, k_data = jax.random.split(jax.random.key(seed))
+  tokens = jax.random.randint(k_data, (config.batch, config.seq + 1), 0, config.vocab)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  params = nn.meta.unbox(model.init(k_init, batch["inputs"])["params"])
+
+  def loss_fn(params, batch):
+    logits = model.apply({"params": params}, batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), batch["targets"]).mean()
+
+  def step_fn(params, opt_state, batch):
+    with nn.logical_axis_rules(rules_for(jax.sharding.get_abstract_mesh())):
+      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step_fn, (params, optimizer.init(params), batch)
+
+
+def param_specs(config: LlamaConfig, mesh) -> tuple[Any, Any, P]:
+  """(params, opt_state, batch) PartitionSpecs from the logical names.
+
+  Adam's moments are laid out as the parameters; its step count replicated.
+  """
+  model, rules = Decoder(config), rules_for(mesh)
+  tokens = jax.ShapeDtypeStruct((config.batch, config.seq), jnp.int32)
+  boxed = jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)["params"]
+  is_spec = lambda x: isinstance(x, P)
+  params = jax.tree.map(lambda s: nn.logical_to_mesh_axes(s, rules),
+                        nn.get_partition_spec(boxed), is_leaf=is_spec)
+  optimizer = _optimizer()
+  state = jax.eval_shape(optimizer.init, nn.meta.unbox(boxed))
+  opt = optax.tree_map_params(optimizer, lambda _, spec: spec, state, params,
+                              transform_non_params=lambda _: P(), is_leaf=is_spec)
+  return params, opt, nn.logical_to_mesh_axes(("activation_batch", None), rules)
