@@ -28,6 +28,7 @@ SECTIONS = {
                 ["--ilp-seconds", "4"], ["--quick", "--ilp-seconds", "4"]),
     "fidelity": ("Fidelity: predicted against compiled", ["--ilp-seconds", "2"],
                  ["--quick"]),
+    "constraints": ("Constraints: the user's own layout, priced", [], ["--quick"]),
     "search": ("Search efficiency: MCTS against the experts, with and without hints",
                ["--layers", "2", "12", "24", "--plot", "benchmarks/search.png"],
                ["--layers", "2", "--episodes", "100", "--plot", "benchmarks/search.png"]),
