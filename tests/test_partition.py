@@ -234,7 +234,8 @@ def test_scatter_max_and_min_combine_tiled_updates_by_an_all_reduce(reduce):
   args = (jax.random.normal(jax.random.key(0), (512, 32)),
           jnp.arange(512, dtype=jnp.int32) % 64)
   m = mesh((8,), ("data",))
-  program = Program.build(trace.trace(fn, args), MeshSpec.of(m), automap.HARDWARE["cpu"])
+  program = Program.build(trace.trace(fn, args, MeshSpec.of(m)), MeshSpec.of(m),
+                          automap.HARDWARE["cpu"])
   g = program.graph
   (op,) = [o for o, p in enumerate(g.prims) if p.startswith("scatter")]
   assert not g.rules[op].replicated and any(g.rules[op].reduction)

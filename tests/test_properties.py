@@ -36,7 +36,8 @@ COMM = 0.05
 def random_state(fn, args, mesh, picks):
   """The program and the state after the actions `picks` selects among
   those legal in turn."""
-  program = Program.build(trace_lib.trace(fn, args), MeshSpec.of(mesh), CATALOGUE["cpu"])
+  program = Program.build(trace_lib.trace(fn, args, MeshSpec.of(mesh)), MeshSpec.of(mesh),
+                          CATALOGUE["cpu"])
   g, prop = program.graph, program.propagator()
   state = program.initial_state()
   for pick in picks:

@@ -41,7 +41,8 @@ def _plan(traced: trace_lib.Traced, mesh: MeshSpec, hardware: Hardware,
     if plan is not None:
       return dataclasses.replace(plan, stats=dict(plan.stats, cached=True),
                                  in_tree=traced.in_tree, out_tree=traced.out_tree)
-  program = Program.build(traced, mesh, hardware, request.hints.fixed)
+  program = Program.build(traced, mesh, hardware, request.hints.fixed,
+                          constraints=request.constraints)
   plan = build.plan_of(program, driver.run(program, request), request.memory_limit)
   if store is not None:
     store.store(k, plan)
@@ -60,7 +61,9 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
 
   Argument leaves may be `jax.ShapeDtypeStruct`s. `options` says how to
   search (`automap.SearchOptions`: hints, budget, memory_limit, seed, search
-  backend "mcts" or "ilp", policy "uniform", "learned" or a weights file);
+  backend "mcts" or "ilp", policy "uniform", "learned" or a weights file,
+  constraints: what to do with the program's own `with_sharding_constraint`s,
+  "keep", "hints" or "ignore");
   each of its fields may be given as a keyword instead
   (`automap.search(fn, *args, mesh=mesh, budget=automap.Budget(episodes=50))`).
   `cache` (off by default here, on for `partition`) reuses and stores plans
@@ -72,7 +75,8 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
   request = with_keywords(SearchOptions, options, search_options, "search")
   if mesh is not None:
     folder = cache_lib.resolve(cache)
-    return _plan(trace_lib.trace(fn, args), MeshSpec.of(mesh), get_hardware(hardware),
+    spec = MeshSpec.of(mesh)
+    return _plan(trace_lib.trace(fn, args, spec), spec, get_hardware(hardware),
                  request, None if folder is None else cache_lib.PlanCache(folder))
   if (not isinstance(devices, (int, np.integer)) or isinstance(devices, bool)
       or devices < 1):
@@ -86,7 +90,7 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
   best = None
   for shape in shapes:
     program = Program.build(traced, MeshSpec(_AXIS_NAMES[:len(shape)], shape), hw,
-                            request.hints.fixed)
+                            request.hints.fixed, constraints=request.constraints)
     found = driver.run(program, share)
     if best is None or found.score < best[1].score:
       best = (program, found)
@@ -94,13 +98,21 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
 
 
 def evaluate(fn: Callable, *args, mesh, in_shardings,
-             hardware: str | Hardware = "tpu-v4") -> Cost:
+             hardware: str | Hardware = "tpu-v4", constraints: str = "keep") -> Cost:
   """Cost of a hand-written strategy under the same cost model.
 
   `in_shardings` is a pytree of PartitionSpecs (a prefix of the arguments
-  works); intermediates follow by propagation, as XLA's would.
+  works). The program's own constraints (`with_sharding_constraint`, flax
+  logical constraints under the rules active now; traced with `mesh` in
+  context) lay out the values they name, and everything else follows by
+  propagation, as XLA compiles the program under `jax.jit(in_shardings=...)`.
+  `constraints="ignore"` prices the layout as if the program had none.
   """
-  program = driver.build_program(fn, args, mesh, hardware)
+  if constraints not in ("keep", "ignore"):
+    raise ValueError(
+        f"evaluate: constraints must be 'keep' (price the program as XLA compiles "
+        f"it) or 'ignore' (as if it had no constraints), got {constraints!r}.")
+  program = driver.build_program(fn, args, mesh, hardware, constraints=constraints)
   state = program.state_from_specs(flat_specs(in_shardings, args))
   return Tracker(program.model, state).cost()
 
@@ -184,7 +196,7 @@ class Partitioned:
     entry = self._entries.get(key)
     if entry is None:
       t0 = time.perf_counter()
-      traced = trace_lib.trace(fn, args)
+      traced = trace_lib.trace(fn, args, self._mesh_spec)
       plan = _plan(traced, self._mesh_spec, self.hardware, self.request, self._cache)
       plan.timings["plan"] = time.perf_counter() - t0
       if self.donate_argnums and max(self.donate_argnums) >= len(args):
@@ -259,7 +271,9 @@ def partition(fn: Callable | None = None, *, mesh, hardware: str | Hardware = "t
 
   Use as `@automap.partition(mesh=mesh)` or `automap.partition(fn, mesh=mesh)`.
   `options` (or its fields as keywords: hints, budget, memory_limit, seed,
-  search, policy) says how to search, as for `automap.search`. Plans are
+  search, policy, constraints) says how to search, as for `automap.search`;
+  the program's own `with_sharding_constraint`s are kept by default (the
+  plan respects them, as `jax.jit` would). Plans are
   cached on disk (`cache=True`: $AUTOMAP_CACHE_DIR, else ~/.cache/automap; a
   folder path; or False for none), keyed by the program, mesh, hardware,
   search options and versions. `donate_argnums` donates arguments as

@@ -129,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
   search.add_argument("--search", choices=("mcts", "ilp"), default="mcts",
                       help="backend (default mcts)")
   search.add_argument("--seed", type=int, default=0)
+  search.add_argument("--constraints", choices=("keep", "hints", "ignore"), default="keep",
+                      help="what to do with the program's own with_sharding_constraint "
+                      "layouts (default keep)")
   search.add_argument("--out", metavar="PATH", help="save the plan as JSON")
   search.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer time "
                       "and memory")
@@ -217,6 +220,7 @@ def _search(args) -> int:
     where = {"devices": args.devices}
   plan = automap.search(
       fn, *fn_args, **where, hardware=args.hardware, seed=args.seed, search=args.search,
+      constraints=args.constraints,
       budget=automap.Budget(episodes=args.episodes, seconds=args.seconds),
       memory_limit=args.memory_limit, hints=automap.Hints(groups=tuple(args.group)))
   if not args.quiet:

@@ -8,7 +8,10 @@ rewritten program binds them whole, so their inner values take no
 constraints. A `scan` body joins the graph once, its ops marked with the
 trip count, linked to the scan's operands and results by tie ops that keep
 the step dimension whole; the rewritten program runs the scan with its body
-re-interpreted, constraints inside. `while` and `cond` stay single opaque
+re-interpreted, constraints inside. The program's own layout constraints
+(`with_sharding_constraint`) are no ops: their result is their operand's
+value, and the layout they state is recorded beside the graph
+(`constraints.py`). `while` and `cond` stay single opaque
 ops whose operands and results are kept whole: conservative and always
 correct (operands no branch of a `cond` reads take no layout: XLA drops them).
 
@@ -27,7 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
 
+from automap._src.ir import constraints as constraints_lib
 from automap._src.ir import rules
+from automap._src.ir.constraints import Constraint
 from automap._src.ir.trace import Traced
 
 ARG, CONST, INTERMEDIATE = 0, 1, 2
@@ -46,8 +51,7 @@ DELIBERATELY_REPLICATED = frozenset({
     "while", "cond", "random_bits", "random_seed", "random_wrap",
     "random_unwrap", "random_fold_in", "random_split", "threefry2x32",
     "rng_bit_generator", "rng_uniform", "debug_callback", "pure_callback",
-    "io_callback", "debug_print", "sharding_constraint", "mesh_cast", "reshard",
-    "device_put", "shard_map", "custom_call", "platform_index"})
+    "io_callback", "debug_print", "device_put", "shard_map", "custom_call", "platform_index"})
 
 
 class UnknownPrimitiveWarning(UserWarning):
@@ -84,15 +88,19 @@ class Walk:
   Both the graph builder and the rewriting interpreter walk with this class,
   so value ids agree between the IR and the program apply rewrites. With
   `open_sealed=False` a sealed call is visited whole; its result ids are those
-  the graph gave its body's results.
+  the graph gave its body's results. A layout constraint takes no id:
+  `constrain` sees it and its operand and returns its result (by default the
+  operand itself).
   """
 
   def __init__(self, visit: Callable[[Step, list], list],
                const: Callable[[int, Any], Any],
                literal: Callable[[Any], Any], open_sealed: bool,
                tie: Callable[[str, list, tuple, list, str, int, bool], list] | None = None,
-               after_scan: Callable[[tuple, list], list] | None = None):
+               after_scan: Callable[[tuple, list], list] | None = None,
+               constrain: Callable[[Step, list], list] | None = None):
     self.visit, self.const, self.literal = visit, const, literal
+    self.constrain = constrain or (lambda step, ins: ins[:1])
     self.open_sealed = open_sealed
     # Results of the outermost sealed calls opened: what a walk that binds
     # those calls whole sees them return.
@@ -131,7 +139,9 @@ class Walk:
       inner_scope = _join(scope, str(eqn.source_info.name_stack))
       ins = [read(a) for a in eqn.invars]
       sub = _sub_jaxpr(eqn)
-      if name == "scan":
+      if name in constraints_lib.PRIMITIVES:
+        outs = self.constrain(Step(eqn, inner_scope, sealed, (), self.trips), ins)
+      elif name == "scan":
         outs = self._scan(eqn, ins, inner_scope, sealed)
       elif sub is not None and (name in INLINE or self.open_sealed):
         outs = self.closed(sub, ins, inner_scope, sealed or name in SEALED)
@@ -253,7 +263,8 @@ class Graph:
   results (value ids), rules, flops (whole op, one run), trips (runs per
   call: the product of the lengths of the scans around it), scopes.
   inputs: value ids of the flat arguments; outputs: value ids of the flat
-  outputs (-1 for a literal output); fingerprint: digest of the program.
+  outputs (-1 for a literal output); fingerprint: digest of the program;
+  constraints: the program's own layout constraints, in program order.
   """
 
   shapes: tuple[tuple[int, ...], ...]
@@ -279,6 +290,7 @@ class Graph:
   fingerprint: str
   unknown: tuple[str, ...]  # primitives replicated for want of a rule
   touching: tuple[tuple[int, ...], ...]  # [V] ops that read or write it
+  constraints: tuple[Constraint, ...] = ()
 
   @property
   def num_values(self) -> int:
@@ -311,6 +323,7 @@ class _Builder:
     # concatenate results -> (dimension, operands, operand shapes), for
     # `within_one_operand`.
     self.concats: dict[int, tuple] = {}
+    self.constraints: list[Constraint] = []
 
   def value(self, vid: int, aval, kind: int, producer: int, sealed: bool,
             name: str) -> int:
@@ -329,6 +342,15 @@ class _Builder:
 
   def literal(self, atom) -> Literal:
     return Literal(tuple(np.shape(atom.val)), atom.val)
+
+  def constrain(self, step: Step, ins: list) -> list:
+    if step.eqn.primitive.name != constraints_lib.CONSTRAINT:
+      return ins[:1]
+    spec, axes = constraints_lib.spec_of(step.eqn)
+    value = -1 if isinstance(ins[0], Literal) else ins[0]
+    self.constraints.append(
+        Constraint(value, spec, axes, step.scope, step.eqn.primitive.name))
+    return ins[:1]
 
   def visit(self, step: Step, ins: list) -> list:
     eqn = step.eqn
@@ -467,7 +489,8 @@ def _last_selected(start: int, limit: int, stride: int) -> int | None:
 def build(traced: Traced) -> Graph:
   """Builds the partitioning IR of a traced program (one pass, linear)."""
   b = _Builder()
-  walk = Walk(b.visit, b.const, b.literal, open_sealed=True, tie=b.tie)
+  walk = Walk(b.visit, b.const, b.literal, open_sealed=True, tie=b.tie,
+              constrain=b.constrain)
   arg_ids = walk.fresh(len(traced.in_avals))
   for vid, aval, path in zip(arg_ids, traced.in_avals, traced.in_paths):
     b.value(vid, aval, ARG, -1, False, path)
@@ -503,5 +526,6 @@ def build(traced: Traced) -> Graph:
       outputs=tuple(x if isinstance(x, int) else -1 for x in outs),
       fingerprint=traced.fingerprint(), unknown=tuple(sorted(b.unknown)),
       touching=tuple(tuple(sorted({o for o, _ in u} | ({p} if p >= 0 else set())))
-                     for u, p in zip(uses, b.producer)))
+                     for u, p in zip(uses, b.producer)),
+      constraints=tuple(b.constraints))
 

@@ -5,10 +5,17 @@ Arguments may be arrays, numpy arrays, Python scalars or
 without materialising it. Each flat argument keeps the path of its leaf in the
 argument pytree (`params/block_0/mlp/wi/kernel`): flax nnx attribute names and
 raw pytrees never reach the jaxpr's name stacks, their paths always exist.
+
+Given the mesh planned on, the function is traced with that mesh in context
+(an abstract mesh of Auto axes, the view the rewritten program runs on), as
+`jax.jit` traces it under `jax.set_mesh`: `with_sharding_constraint` with a
+bare PartitionSpec resolves against it, and flax's logical constraints,
+which are no-ops without a mesh, resolve under the rules active then.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -18,6 +25,9 @@ from typing import Any
 import jax
 import numpy as np
 from jax.extend import core as jex
+from jax.sharding import AbstractMesh, AxisType
+
+from automap._src.ir import constraints as constraints_lib
 
 
 class ArgumentError(TypeError):
@@ -47,6 +57,10 @@ class Traced:
   def fingerprint(self) -> str:
     """Stable digest of the program: equations, shapes, dtypes, structure."""
     return self._digest
+
+  def without_constraints(self) -> Traced:
+    """The same program with its layout constraints removed."""
+    return dataclasses.replace(self, jaxpr=constraints_lib.strip(self.jaxpr))
 
   @functools.cached_property
   def _digest(self) -> str:  # Printing a large jaxpr takes a tenth of a second.
@@ -89,12 +103,31 @@ def flatten_args(args: tuple) -> tuple[list, Any, tuple[str, ...], tuple]:
   return leaves, tree, paths, avals
 
 
-def trace(fn: Callable, args: tuple) -> Traced:
-  """Traces `fn(*args)`. Errors raised by `fn` itself surface unchanged."""
+def trace(fn: Callable, args: tuple, mesh=None) -> Traced:
+  """Traces `fn(*args)`, under `mesh` (anything with `axis_names` and
+  `axis_sizes`) if given. Errors raised by `fn` itself surface unchanged,
+  but for explicit-axis sharding, which the Auto view cannot trace."""
   _, in_tree, paths, avals = flatten_args(args)
   specs = jax.tree.unflatten(in_tree, [
       jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals])
-  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*specs)
+  context = contextlib.nullcontext()
+  if mesh is not None:
+    names = tuple(mesh.axis_names)
+    context = jax.sharding.use_abstract_mesh(AbstractMesh(
+        tuple(mesh.axis_sizes), names, axis_types=(AxisType.Auto,) * len(names)))
+  try:
+    with context:
+      # A fresh callable: JAX's trace cache does not key on context outside
+      # JAX's own (flax's logical axis rules), so a cached trace may be stale.
+      closed, out_shape = jax.make_jaxpr(lambda *a: fn(*a), return_shape=True)(*specs)
+  except ValueError as e:
+    if "reshard" not in str(e) or "Auto" not in str(e):
+      raise
+    raise ValueError(
+        "automap plans a program on an Auto-axis view of the mesh, where "
+        "explicit-axis sharding (jax.sharding.reshard) cannot be traced. State "
+        "the layout with jax.lax.with_sharding_constraint instead: automap "
+        "honours it as the compiled program does.") from e
   out_with_paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
   out_leaves = [leaf for _, leaf in out_with_paths]
   return Traced(

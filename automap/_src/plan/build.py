@@ -19,6 +19,7 @@ from automap._src.search import tactics
 from automap._src.search.driver import Found
 from automap._src.search.program import Program
 from automap._src.search.request import MemoryLimitError
+from automap._src.sharding.mesh import MeshError
 from automap._src.sharding.state import State, spec_from_row, spec_of
 
 
@@ -95,17 +96,27 @@ def make_plan(program: Program, state: State, stats: dict,
       inferred=inferred, cost=tracker.cost(),
       collectives=tuple((s, KINDS[k], a, b, n)
                         for (s, k, a), (b, n) in collectives.items()),
-      stats=stats, memory_limit=memory_limit,
+      program_constraints=program.constraints, stats=stats, memory_limit=memory_limit,
       layers=report.layers(program, tracker), yardsticks=yardsticks(program, state),
       in_tree=program.traced.in_tree, out_tree=program.traced.out_tree)
 
 
+# The yardstick of the program as written, where it has constraints.
+USER_LAYOUT = "your layout"
+
+
 def yardsticks(program: Program, state: State) -> dict[str, Yardstick]:
-  """The expert strategies' costs, and where their argument layouts
-  differ from `state`'s."""
+  """The expert strategies' costs (and the program's own layout's, where
+  it states one), and where their argument layouts differ from `state`'s."""
   g, mesh = program.graph, program.mesh
   out = {}
-  for name, other in tactics.yardsticks(program).items():
+  others = dict(tactics.yardsticks(program))
+  if program.has_constraints:
+    try:
+      others[USER_LAYOUT] = program.user_layout()
+    except MeshError:  # Ignored constraints for another mesh: nothing to price.
+      pass
+  for name, other in others.items():
     differs = {}
     for v, path in zip(g.inputs, program.traced.in_paths):
       if (state[v] != other[v]).any():

@@ -68,7 +68,8 @@ def resolve(cache) -> pathlib.Path | None:
 
 def key(fingerprint: str, mesh: MeshSpec, hardware: Hardware, request) -> str:
   """Digest of everything a searched plan depends on (`request`: the
-  search's hints, budget, memory limit, seed, backend and policy)."""
+  search's hints, budget, memory limit, seed, backend, policy and what it
+  does with the program's constraints)."""
   hints, budget = request.hints, request.budget
   parts = {
       "schema": SCHEMA, "automap": VERSION, "jax": jax.__version__,
@@ -80,6 +81,7 @@ def key(fingerprint: str, mesh: MeshSpec, hardware: Hardware, request) -> str:
       "budget": [budget.episodes, budget.seconds],
       "memory_limit": request.memory_limit, "seed": request.seed,
       "search": request.search, "policy": request.policy_id(),
+      "constraints": request.constraints,
   }
   return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 

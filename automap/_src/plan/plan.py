@@ -84,6 +84,9 @@ class Plan:
     of the peak memory (`report.LayerRow`), in program order.
   yardsticks: expert strategy name -> its cost on the same program and
     mesh, and the argument layouts where it differs from the plan.
+  program_constraints: what the plan did with the program's own layout
+    constraints ("keep": compiled as written; "hints", "ignore": removed
+    from the rewritten program, whose layouts are the plan's alone).
   stats: search statistics (strategy, episodes, evaluations, actions, ...),
     what the inputs and seed determine: the saved JSON is the same bytes
     run after run.
@@ -109,6 +112,7 @@ class Plan:
   layers: tuple[LayerRow, ...] = ()
   yardsticks: dict[str, Yardstick] = dataclasses.field(default_factory=dict)
   inferred: dict[int, PartitionSpec] = dataclasses.field(default_factory=dict)
+  program_constraints: str = "keep"
   in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
   out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
   timings: dict[str, float] = dataclasses.field(default_factory=dict, compare=False,
@@ -140,6 +144,7 @@ class Plan:
                      for (v, p), s in sorted(self.reshards.items())],
         "natural": [[v, spec_to_json(s)] for v, s in sorted(self.natural.items())],
         "inferred": [[v, spec_to_json(s)] for v, s in sorted(self.inferred.items())],
+        "program_constraints": self.program_constraints,
         "cost": self.cost.to_json(),
         "collectives": [[s, k, list(a), b, n] for s, k, a, b, n in self.collectives],
         "stats": self.stats,
@@ -170,6 +175,7 @@ class Plan:
                     for v, p, s in d["reshards"]},
           natural={int(v): spec_from_json(s) for v, s in d["natural"]},
           inferred={int(v): spec_from_json(s) for v, s in d.get("inferred", ())},
+          program_constraints=d.get("program_constraints", "keep"),
           cost=Cost.from_json(d["cost"]),
           collectives=tuple((s, k, tuple(a), b, n)
                             for s, k, a, b, n in d["collectives"]),

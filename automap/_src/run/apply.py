@@ -5,6 +5,10 @@ built the graph, so value ids agree) and every value the plan constrains is
 wrapped in `with_sharding_constraint`. Arguments and results get the plan's
 `NamedSharding`s through `jax.jit(in_shardings=, out_shardings=)`.
 
+The program's own layout constraints stay where it wrote them when the plan
+keeps them; otherwise they are removed before the rewrite
+(`Traced.without_constraints`), inside sealed calls too.
+
 `with_sharding_constraint` accepts only Auto mesh axes, and flax layers reject
 sharded contractions under Explicit axes, so the program runs on an Auto view
 of the user's mesh (same devices, same names); behaviour is identical for
@@ -20,6 +24,7 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from automap._src.ir import constraints as constraints_lib
 from automap._src.ir import graph as graph_lib
 from automap._src.ir import trace as trace_lib
 from automap._src.ir.graph import Step, Walk
@@ -85,6 +90,14 @@ def interpreter(traced: Traced, constraints: Mapping[int, PartitionSpec],
                               [tuple(x.aval.shape) for x in eqn.invars])
     return outs
 
+  def constrain(step: Step, ins: list) -> list:
+    """A constraint the plan keeps, as written; JAX's own reshards on the
+    Auto view are identities (`constraints.PRIMITIVES`)."""
+    eqn = step.eqn
+    if eqn.primitive.name == constraints_lib.CONSTRAINT:
+      return [eqn.primitive.bind(*ins, **eqn.params)]
+    return ins[:1]
+
   def after_scan(ids: tuple, outs: list) -> list:
     return [jax.lax.with_sharding_constraint(x, shardings[v]) if v in shardings else x
             for v, x in zip(ids, outs)]
@@ -96,7 +109,7 @@ def interpreter(traced: Traced, constraints: Mapping[int, PartitionSpec],
           f"arguments have structure {tree}, but the plan was made for "
           f"{traced.in_tree}.")
     walk = Walk(visit, lambda i, c: c, lambda atom: atom.val, open_sealed=False,
-                after_scan=after_scan)
+                after_scan=after_scan, constrain=constrain)
     ids = walk.fresh(len(flat))
     # Arguments carry their layout from in_shardings; nothing to insert.
     del ids
@@ -117,6 +130,8 @@ def jit_with_plan(traced: Traced, mesh: Mesh, plan,
   """`jax.jit` of the rewritten program with the plan's shardings."""
   in_shardings = plan_shardings(mesh, plan.in_specs, traced.in_tree)
   out_shardings = plan_shardings(mesh, plan.out_specs, traced.out_tree)
+  if plan.program_constraints != constraints_lib.KEEP:
+    traced = traced.without_constraints()
   run = interpreter(traced, plan.constraints, auto_mesh(mesh), plan.reshards,
                     plan.natural)
   return jax.jit(run, in_shardings=tuple(in_shardings),

@@ -153,7 +153,7 @@ def verify(plan: Plan, fn: Callable, args: tuple, mesh=None,
   The prediction is re-priced for the platform compiled on (XLA:CPU, for one,
   never forms reduce-scatters), so it is comparable with what XLA emitted.
   """
-  traced = trace_lib.trace(fn, args)
+  traced = trace_lib.trace(fn, args, plan.mesh)
   if traced.fingerprint() != plan.fingerprint:
     raise PlanError(
         "the plan was made for a different program (fingerprint "
@@ -166,7 +166,8 @@ def verify(plan: Plan, fn: Callable, args: tuple, mesh=None,
   platform = mesh.devices.flat[0].platform
   # A platform XLA names otherwise (a plugin's) is priced as TPU and GPU are.
   compiler = compiler_for(platform) if platform.lower() in PLATFORMS else XLA_TPU
-  program = Program.build(traced, plan.mesh, plan.hardware, compiler=compiler)
+  program = Program.build(traced, plan.mesh, plan.hardware, compiler=compiler,
+                          constraints=plan.program_constraints)
   predicted = Tracker(program.model, build.state_of(program, plan)).cost()
   jitted = apply_lib.jit_with_plan(traced, mesh, plan)
   with jax.set_mesh(apply_lib.auto_mesh(mesh)):
@@ -177,8 +178,8 @@ def verify(plan: Plan, fn: Callable, args: tuple, mesh=None,
   concrete = all(isinstance(x, (jax.Array, np.ndarray, np.generic, int, float,
                                 complex)) for x in jax.tree.leaves(args))
   if check_numerics and concrete:
-    expected = jax.jit(fn)(*args)
-    with jax.set_mesh(apply_lib.auto_mesh(mesh)):
+    with jax.set_mesh(apply_lib.auto_mesh(mesh)):  # The program's constraints resolve.
+      expected = jax.jit(fn)(*args)
       placed = jax.device_put(
           args, apply_lib.plan_shardings(mesh, plan.in_specs, traced.in_tree))
       actual = jitted(*placed)

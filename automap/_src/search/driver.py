@@ -16,6 +16,7 @@ from rich import progress as progress_lib
 
 from automap._src.cost.hardware import get_hardware
 from automap._src.cost.tracker import Tracker
+from automap._src.ir import constraints as constraints_lib
 from automap._src.ir import trace as trace_lib
 from automap._src.search import ilp, mcts, refine
 from automap._src.search.actions import ActionSpace
@@ -26,12 +27,15 @@ from automap._src.sharding.mesh import MeshSpec
 from automap._src.sharding.state import State
 
 
-def build_program(fn, args, mesh, hardware, hints: Hints | None = None) -> Program:
+def build_program(fn, args, mesh, hardware, hints: Hints | None = None,
+                  constraints: str = constraints_lib.KEEP) -> Program:
   """The program a search reads: `fn(*args)` traced on `mesh` and `hardware`,
-  with `hints`' pinned layouts."""
-  traced = trace_lib.trace(fn, args)
-  return Program.build(traced, MeshSpec.of(mesh), get_hardware(hardware),
-                       (hints or Hints()).fixed)
+  with `hints`' pinned layouts and its own constraints used as `constraints`
+  says."""
+  mesh = MeshSpec.of(mesh)
+  traced = trace_lib.trace(fn, args, mesh)
+  return Program.build(traced, mesh, get_hardware(hardware), (hints or Hints()).fixed,
+                       constraints=constraints)
 
 
 @dataclasses.dataclass
@@ -77,8 +81,12 @@ def run(program: Program, request: SearchOptions, policy: mcts.Policy | None = N
   space = ActionSpace(program, request.hints.groups)
   try:
     if request.search == "ilp":
-      return run_ilp(program, space, request, policy)
-    return run_mcts(program, space, request, request.budget.seconds, policy)
+      found = run_ilp(program, space, request, policy)
+    else:
+      found = run_mcts(program, space, request, request.budget.seconds, policy)
+    if program.constraints == constraints_lib.HINTS and program.has_constraints:
+      found = from_user_layout(program, space, request, found)
+    return found
   except SystemError as e:
     # Ctrl-C landing inside a compiled kernel's call (while numba compiles,
     # loads or boxes) surfaces as a SystemError around it.
@@ -128,6 +136,23 @@ def run_mcts(program: Program, space: ActionSpace, request: SearchOptions,
   return Found(state, score, stats,
                {"search": time.perf_counter() - t0, "to_best": result.seconds_to_best,
                "refine": time.perf_counter() - start})
+
+
+def from_user_layout(program: Program, space: ActionSpace, request: SearchOptions,
+                     found: Found) -> Found:
+  """The better of `found` and the program's own layout refined (its
+  constraints as hints: refinement may leave any of them whole). The search
+  that made `found` never saw the constraints, so a program with hints is
+  never planned worse than the same program without them."""
+  start = program.user_layout()
+  score = mcts.score_of(Tracker(program.model, start), request.memory_limit)
+  state, score, moves = refine.refine_best(
+      program, space.colour, [(start, score)], request.memory_limit,
+      request.budget.seconds * _REFINE_SHARE, _REFINE_TRIES * request.budget.episodes)
+  if not mcts.better(score, found.score):
+    return dataclasses.replace(found, stats=dict(found.stats, start="search"))
+  return Found(state, score, dict(found.stats, start="your layout", refine_moves=moves),
+               found.timings)
 
 
 # Share of Budget.seconds the ILP's warm start (MCTS) may take.

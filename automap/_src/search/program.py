@@ -1,7 +1,11 @@
 """Program: one traced signature with its graph, mesh, cost model and pins.
 
 Built once per (function, argument signature, mesh, hardware) and shared by
-search, evaluation and plan making (`plan/build.py`).
+search, evaluation and plan making (`plan/build.py`). Pins come from
+`Hints.fixed` and, in mode "keep", from the program's own layout
+constraints (`ir/constraints.py`): a constrained value has the constraint's
+layout, as XLA gives it, with dimensions the constraint leaves
+UNCONSTRAINED whole.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from jax.sharding import PartitionSpec
 from automap._src.cost.compiler import Compiler
 from automap._src.cost.hardware import Hardware
 from automap._src.cost.model import CostModel
+from automap._src.ir import constraints as constraints_lib
 from automap._src.ir import graph as graph_lib
+from automap._src.ir.constraints import Constraint
 from automap._src.ir.graph import Graph
 from automap._src.ir.trace import Traced
 from automap._src.sharding.mesh import MeshError, MeshSpec
@@ -27,7 +33,8 @@ from automap._src.sharding.state import State, empty_state, set_spec, spec_of
 @dataclasses.dataclass
 class Program:
   """A traced signature on a mesh and hardware: its graph, cost model, and
-  the layouts the user pinned (`Hints.fixed`), which no action changes."""
+  the layouts the user pinned (`Hints.fixed`, and the program's constraints
+  when `constraints` is "keep"), which no action changes."""
 
   traced: Traced
   graph: Graph
@@ -36,11 +43,14 @@ class Program:
   model: CostModel
   pinned: State  # [V, A] user-fixed layouts (rows of unfixed values unused)
   fixed: np.ndarray  # [V] bool
+  constraints: str = constraints_lib.KEEP  # what the search does with the program's
 
   @classmethod
   def build(cls, traced: Traced, mesh: MeshSpec, hardware: Hardware,
             fixed_specs: Mapping[str, PartitionSpec] | None = None,
-            compiler: Compiler | None = None) -> Program:
+            compiler: Compiler | None = None,
+            constraints: str = constraints_lib.KEEP) -> Program:
+    constraints_lib.check_mode(constraints, "Program.build")
     graph = graph_lib.build(traced)
     pinned = empty_state(graph, mesh)
     fixed = np.zeros(graph.num_values, bool)
@@ -61,8 +71,27 @@ class Program:
               f"specs ({spec_of(before[None], mesh, 0, graph.rank(v))} and "
               f"{spec}); make the patterns disjoint.")
         fixed[v] = True
+    if constraints == constraints_lib.KEEP:
+      _pin_constraints(graph, mesh, pinned, fixed)
+    elif constraints == constraints_lib.HINTS:
+      for c in graph.constraints:  # The search's start: checked now.
+        _on_mesh(c, mesh)
     return cls(traced, graph, mesh, hardware,
-               CostModel(graph, mesh, hardware, compiler), pinned, fixed)
+               CostModel(graph, mesh, hardware, compiler), pinned, fixed, constraints)
+
+  @property
+  def has_constraints(self) -> bool:
+    return any(c.value >= 0 for c in self.graph.constraints)
+
+  def user_layout(self) -> State:
+    """The program as written: the pins and the program's constraints,
+    everything else propagated from them, as XLA's propagation would."""
+    state, fixed = self.pinned.copy(), self.fixed.copy()
+    _pin_constraints(self.graph, self.mesh, state, fixed)
+    prop = self.propagator()
+    prop.fixed = fixed
+    prop.seed_all(state)
+    return state
 
   def carried_pairs(self) -> list[tuple[int, int]]:
     """(argument, result) value ids of the state a step carries: a result
@@ -94,7 +123,14 @@ class Program:
     state = self.pinned.copy()
     fixed = self.fixed.copy()
     for v, spec in layouts:
+      before = state[v].copy()
       set_spec(state, mesh, v, g.shapes[v], spec, f"{what} for {g.names[v]!r}")
+      if self.fixed[v] and (before != state[v]).any():
+        raise MeshError(
+            f"{what} gives {g.names[v]!r} the layout {spec}, but it is pinned to "
+            f"{spec_of(before[None], mesh, 0, g.rank(v))}{_by_constraint(g, v)}. "
+            "automap prices one layout per value: give that one, or trace the "
+            "program without the pin (constraints='ignore').")
       fixed[v] = True
     prop = self.propagator()
     prop.fixed = fixed
@@ -112,3 +148,60 @@ class Program:
     outs = [v for v in g.outputs if v >= 0 and g.kind[v] == graph_lib.INTERMEDIATE]
     total = float(g.nbytes[list(g.inputs)].sum() + g.nbytes[outs].sum())
     return total / self.mesh.num_devices
+
+
+def _by_constraint(graph: Graph, v: int) -> str:
+  found = [c for c in graph.constraints if c.value == v]
+  return f" by {found[0].where()}" if found else ""
+
+
+def _pin_constraints(graph: Graph, mesh: MeshSpec, pinned: State, fixed: np.ndarray) -> None:
+  """Writes the program's constraints into `pinned`/`fixed`: errors name a
+  constraint whose mesh axes the mesh lacks, or two that disagree."""
+  first: dict[int, Constraint] = {}
+  for c in graph.constraints:
+    if c.value < 0:
+      continue
+    spec = _on_mesh(c, mesh)
+    before = pinned[c.value].copy()
+    set_spec(pinned, mesh, c.value, graph.shapes[c.value], spec, c.where())
+    if fixed[c.value] and (before != pinned[c.value]).any():
+      had = spec_of(before[None], mesh, 0, graph.rank(c.value))
+      by = (f"{first[c.value].where()}" if c.value in first
+            else f"Hints.fixed for argument {graph.names[c.value]!r}")
+      raise MeshError(
+          f"{c.where()} lays out a value as {spec}, but {by} lays the same value "
+          f"out as {had}; automap gives a value one layout. Constrain the value "
+          "once (or to one layout), or pass constraints='hints' to let the "
+          "search choose.")
+    fixed[c.value] = True
+    first.setdefault(c.value, c)
+
+
+def _on_mesh(c: Constraint, mesh: MeshSpec) -> PartitionSpec:
+  """`c`'s spec on the search mesh, matched by axis name (UNCONSTRAINED
+  dims whole): an error naming `c` if it names an axis the mesh lacks or
+  one of another size."""
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  written = dict(c.axes)
+  entries = []
+  for entry in c.spec:
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+      entries.append(None)
+      continue
+    for name in entry if isinstance(entry, tuple) else (entry,):
+      if name not in sizes:
+        raise MeshError(
+            f"{c.where()} lays its value out as {c.spec}, naming mesh axis "
+            f"{name!r}, but the mesh planned on has axes {mesh.axis_names}. Plan "
+            "on a mesh with that axis, map the logical axis onto one of these in "
+            "your rules, or pass constraints='ignore' to plan as if the program "
+            "had no constraints.")
+      if written.get(name, sizes[name]) != sizes[name]:
+        raise MeshError(
+            f"{c.where()} is written for a mesh whose axis {name!r} has "
+            f"{written[name]} devices, but the mesh planned on has {sizes[name]} "
+            f"({dict(sizes)}). Plan on the mesh the constraint names, or write it "
+            "as a bare PartitionSpec, which resolves against the mesh planned on.")
+    entries.append(entry)
+  return PartitionSpec(*entries)

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from automap._src.ir import constraints as constraints_lib
+
 
 class MemoryLimitError(ValueError):
   """No plan can fit the requested memory limit."""
@@ -92,6 +94,12 @@ class SearchOptions:
     tactics, then refinement) or "ilp" (the exact per-op integer program).
   policy: MCTS's priors, "uniform", "learned" (the shipped network) or the
     path of a weights file (stored as an absolute path).
+  constraints: what to do with the program's own layout constraints
+    (`with_sharding_constraint`, flax logical constraints): "keep" them as
+    decisions the plan must respect, as `jax.jit` compiles them (default);
+    "hints": search without them, then also refine the program's own layout
+    and keep the better plan, so they may be undone; "ignore": plan and
+    compile the program as if it had none.
   """
 
   hints: Hints | None = None
@@ -100,6 +108,7 @@ class SearchOptions:
   seed: int = 0
   search: str = "mcts"
   policy: str | os.PathLike = "uniform"
+  constraints: str = constraints_lib.KEEP
 
   def __post_init__(self):
     hints = self.hints if self.hints is not None else Hints()
@@ -108,6 +117,7 @@ class SearchOptions:
     budget = self.budget if self.budget is not None else Budget()
     if not isinstance(budget, Budget):
       raise TypeError(f"budget must be an automap.Budget, got {budget!r}.")
+    constraints_lib.check_mode(self.constraints, "SearchOptions")
     if self.search not in SEARCHES:
       raise ValueError(
           f"search must be one of {SEARCHES}, got {self.search!r}: 'mcts' (tree "
