@@ -13,14 +13,14 @@ from jax.sharding import PartitionSpec as P
 
 import automap
 from automap._src.run import compiled as hlo
-from automap._src.run.apply import auto_mesh
 
 MESH = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 MEGATRON_DP = (P(None, "model"), P("model", None), P("data"))
 BUDGET = automap.Budget(episodes=40)
+HIDDEN = P("data", "model")
 
 
-def mlp_step(w1, w2, x, spec=P("data", "model")):
+def mlp_step(w1, w2, x, spec=HIDDEN):
   """Two-layer MLP train step (SGD) with the hidden activation constrained."""
   def loss(w1, w2):
     h = jnp.tanh(x @ w1)

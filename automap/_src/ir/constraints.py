@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 from jax.extend import core as jex
 from jax.sharding import PartitionSpec
 
-
 # Primitives that state a layout and compute nothing. On the Auto view a
 # program is traced on, a user's `reshard` cannot be traced (`trace.py`
 # refuses it): the reshards and mesh casts there are JAX's own (AD inserts
