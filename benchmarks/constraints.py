@@ -8,7 +8,12 @@ the user's own layout (`param_specs` under MaxText-like rules), priced by
 `automap.evaluate` for the `cpu` spec and compiled by `jax.jit` under the mesh
 on 8 simulated CPU devices. Prints collective bytes per device and peak
 memory, predicted vs compiled, and the loss against the unpartitioned step;
-`--detail` adds the bytes per (collective, mesh axes).
+`--detail` adds the bytes per (collective, mesh axes). Then automap plans the
+same step on (4, 2) in each constraints mode ("keep", "hints", "ignore")
+and without any constraint (the model with its rules emptied): predicted
+step time and peak memory, "your layout" beside them, and each plan
+compiled (collective bytes against its prediction, numerics against
+`jax.jit` of the program as written).
 
   python benchmarks/constraints.py [--quick] [--detail]
 """
@@ -60,6 +65,28 @@ def measure(config: llama.LlamaConfig, shape: tuple[int, ...]) -> dict:
           "loss_error": abs(float(loss) - float(expected)) / abs(float(expected))}
 
 
+def modes(config: llama.LlamaConfig, episodes: int) -> None:
+  """automap's plan of the step in each constraints mode, compiled."""
+  mesh = jax.make_mesh((4, 2), MESHES[(4, 2)], axis_types=(AxisType.Auto,) * 2)
+  step, args = llama.train_step(config)
+  bare, _ = llama.train_step(config, constrained=False)
+  budget = automap.Budget(episodes=episodes, seconds=600)
+  print("| program | mode | step ms predicted | peak MiB predicted | your layout ms "
+        "| comm MiB compiled | comm error | max rel. numeric error |")
+  print("|---|---|---|---|---|---|---|---|")
+  for label, fn, mode in (("constrained", step, "keep"), ("constrained", step, "hints"),
+                          ("constrained", step, "ignore"), ("no constraints", bare, "keep")):
+    plan = automap.search(fn, *args, mesh=mesh, hardware="cpu", budget=budget,
+                          constraints=mode)
+    report = automap.verify(plan, fn, *args, mesh=mesh)
+    yours = plan.yardsticks.get("your layout")
+    print(f"| {label} | {mode} | {plan.cost.step_time * 1e3:.3f} "
+          f"| {plan.cost.peak_memory / 2**20:.2f} "
+          f"| {'-' if yours is None else f'{yours.cost.step_time * 1e3:.3f}'} "
+          f"| {sum(report.compiled_comm_bytes.values()) / 2**20:.3f} "
+          f"| {report.comm_error:.1%} | {report.max_rel_error:.1e} |", flush=True)
+
+
 def detail(r: dict) -> list[str]:
   """Bytes per (collective, axes): evaluated vs compiled."""
   predicted, compiled = r["predicted"].comm_bytes, r["compiled_comm"]
@@ -103,6 +130,8 @@ def main():
     for name, r in rows:
       print(f"\n{name}, per collective:\n")
       print("\n".join(detail(r)))
+  print()
+  modes(CONFIGS["llama, remat nothing"], 20 if opts.quick else 100)
 
 
 if __name__ == "__main__":

@@ -147,11 +147,9 @@ def test_kept_examples_price_collectives_exactly(prog, mesh_shape, picks):
   check(prog, mesh_shape, picks)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "XLA gathers one operand twice: the same all-gather over 'a' of the take's operand, once "
-    "from its sharding constraint and once for the gather, written with different replica "
-    "groups and not merged; the compiled bytes over 'a' are twice the prediction"))
-def test_a_value_gathered_twice_by_xla():
+def test_takes_of_a_tiled_operand():
+  """Two takes, one along a dim the random actions tile: looked up locally
+  with masked indices and summed, as XLA partitions it."""
   take = lambda axis, n: Step("take", (0,), (axis, n))  # noqa: E731
   prog = RandomProgram(((2, 8, 2), (12, 6)), (), (take(2, 3), Step("take", (2,), (0, 1))), (3,),
                        grad=True)

@@ -61,14 +61,26 @@ def test_reductions_mark_partial_factors_but_argmax_does_not():
   assert a.operands[0][1] == UNSHARDABLE
 
 
-def test_embedding_gather_keeps_vocabulary_rows_whole():
+def test_embedding_gather_looks_up_vocabulary_tiles_locally():
+  # A vocab-tiled table: each device looks up the rows it holds (the others
+  # masked), so the vocabulary is a reduction factor the result is summed over.
   dn = lax.GatherDimensionNumbers(offset_dims=(2,), collapsed_slice_dims=(0,),
                                   start_index_map=(0,))
   r = rules.rule_for("gather", [(256, 64), (8, 32, 1)], [(8, 32, 64)],
                      {"dimension_numbers": dn, "slice_sizes": (1, 64)})
   table, idx = r.operands
-  assert table[0] == UNSHARDABLE
+  assert table[0] != UNSHARDABLE and r.reduction[table[0]]
   assert r.results[0] == (idx[0], idx[1], table[1])
+
+
+def test_a_scatter_add_into_vocabulary_tiles_writes_its_own_rows():
+  dn = lax.ScatterDimensionNumbers(update_window_dims=(2,), inserted_window_dims=(0,),
+                                   scatter_dims_to_operand_dims=(0,))
+  r = rules.rule_for("scatter-add", [(256, 64), (8, 32, 1), (8, 32, 64)], [(256, 64)],
+                     {"dimension_numbers": dn})
+  table, idx, updates = r.operands
+  assert table[0] != UNSHARDABLE and not r.reduction[table[0]]
+  assert r.results[0] == table and table[0] not in updates
 
 
 def test_unknown_primitive_is_replicated():

@@ -318,6 +318,23 @@ def _whole_windows(b: _Builder, operand, of: list, window_factors: list, window_
       of[i] = window_factors[d] = b.new(operand[i])
 
 
+def _trivially_sliced(b: _Builder, operand, of: list, indexed, skipped, batching,
+                      window_size) -> None:
+  """Gives each operand dim an index selects in with a window of one element
+  a factor of its own (XLA's `PartitionGatherTrivialSlicedOperandDimensions`
+  and its scatter twin, in `spmd/gather_scatter_handler.cc`): tiled, each
+  device looks up (or writes) the rows it holds, indices offset to its
+  tile and the others masked. It indexes no dim of the indices or of the
+  windows: a gather's result is then partial (an all-reduce combines the
+  masked lookups), a scatter's result is tiled like its operand."""
+  windowed = [i for i in range(len(operand)) if i not in skipped]
+  for i in indexed:
+    if i in batching or of[i] != UNSHARDABLE:
+      continue
+    if i not in windowed or window_size(i, windowed.index(i)) == 1:
+      of[i] = b.new(operand[i])
+
+
 def _index_dims(indices) -> list[int]:
   """The dims of a gather's or scatter's indices that enumerate lookups (all
   but the last, which holds each lookup's coordinates)."""
@@ -328,7 +345,9 @@ def _gather(ins, outs, params) -> Rule:
   """Row lookups (embeddings, take_along_axis).
 
   Whole slices of the operand and the batch dims of the indices tile; an
-  operand batching dim shares the factor of its indices batching dim.
+  operand batching dim shares the factor of its indices batching dim; a
+  dim rows are looked up along tiles with a masked local lookup whose
+  partial results are summed (`_trivially_sliced`).
   """
   dn = params["dimension_numbers"]
   operand, indices = ins
@@ -351,6 +370,9 @@ def _gather(ins, outs, params) -> Rule:
       of[i] = inf[j]
     else:
       inf[j] = UNSHARDABLE
+  _trivially_sliced(b, operand, of, dn.start_index_map,
+                    (*dn.collapsed_slice_dims, *dn.operand_batching_dims),
+                    dn.operand_batching_dims, lambda i, d: params["slice_sizes"][i])
   return b.rule([of, inf], [result])
 
 
@@ -391,6 +413,10 @@ def _scatter(ins, outs, params, combinable: bool) -> Rule:
           of[batching[i]] = f
         else:
           inf[i] = uf[d] = UNSHARDABLE
+  _trivially_sliced(b, operand, of, dn.scatter_dims_to_operand_dims,
+                    (*dn.inserted_window_dims, *dn.operand_batching_dims),
+                    dn.operand_batching_dims,
+                    lambda i, k: updates[dn.update_window_dims[k]])
   return b.rule([of, inf, uf], [of])
 
 

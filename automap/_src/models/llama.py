@@ -208,14 +208,16 @@ def _optimizer() -> optax.GradientTransformation:
   return optax.adamw(1e-3, weight_decay=0.1)
 
 
-def train_step(config: LlamaConfig, seed: int = 0) -> tuple[Callable, tuple]:
+def train_step(config: LlamaConfig, seed: int = 0,
+               constrained: bool = True) -> tuple[Callable, tuple]:
   """(step_fn, (params, opt_state, batch)) with small concrete arrays.
 
   step_fn(params, opt_state, batch) -> (params, opt_state, loss) takes plain
   arrays; batch is {"inputs", "targets"}: [B, S] int32, targets the next
   tokens. The constraints bind to the mesh the caller traces under
   (`with jax.set_mesh(mesh): jax.jit(step_fn)...`, Auto axis types); with
-  none in context they are no-ops.
+  none in context they are no-ops, as they are with `constrained=False`
+  (no rules: the same step without a layout of its own).
   """
   model, optimizer = Decoder(config), _optimizer()
   k_init, k_data = jax.random.split(jax.random.key(seed))
@@ -229,7 +231,8 @@ def train_step(config: LlamaConfig, seed: int = 0) -> tuple[Callable, tuple]:
         logits.astype(jnp.float32), batch["targets"]).mean()
 
   def step_fn(params, opt_state, batch):
-    with nn.logical_axis_rules(rules_for(jax.sharding.get_abstract_mesh())):
+    rules = rules_for(jax.sharding.get_abstract_mesh()) if constrained else ()
+    with nn.logical_axis_rules(rules):
       loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from automap._src.ir import rules
 from automap._src.ir.graph import Graph
 from automap._src.sharding import kernels
 from automap._src.sharding.mesh import MeshSpec
@@ -30,7 +31,8 @@ class _Tables(NamedTuple):
   mdims [O, M, R] (-2 pads), the member dim each factor indexes fdim
   [O, M, F] (-1: none), factor extents msize [O, F]; per value: its
   padded shape [V, R] and the (op, member slot) views of it, as CSR
-  (vptr [V + 1], vop, vslot).
+  (vptr [V + 1], vop, vslot); the views of elementwise ops alone, as CSR
+  (eptr, eop, eslot).
   """
 
   mval: np.ndarray
@@ -41,6 +43,9 @@ class _Tables(NamedTuple):
   vptr: np.ndarray
   vop: np.ndarray
   vslot: np.ndarray
+  eptr: np.ndarray
+  eop: np.ndarray
+  eslot: np.ndarray
 
 
 # A cache keyed by the graph (immutable, hashed by identity): the search
@@ -77,10 +82,19 @@ def _tables(graph: Graph) -> _Tables:
     shape[v, :len(s)] = s
   vptr = np.zeros(num_values + 1, np.int64)
   vptr[1:] = np.cumsum([len(x) for x in views])
+  vop, vslot = _csr_columns(views)
+  elementwise = [[(o, j) for o, j in x if graph.prims[o] in rules.ELEMENTWISE]
+                 for x in views]
+  eptr = np.zeros(num_values + 1, np.int64)
+  eptr[1:] = np.cumsum([len(x) for x in elementwise])
+  eop, eslot = _csr_columns(elementwise)
+  return _Tables(mval, mdims, fdim, msize, shape, vptr, vop, vslot, eptr, eop, eslot)
+
+
+def _csr_columns(views: list[list[tuple[int, int]]]) -> tuple[np.ndarray, np.ndarray]:
   flat = [pair for x in views for pair in x]
-  vop = np.array([o for o, _ in flat], np.int64)
-  vslot = np.array([j for _, j in flat], np.int64)
-  return _Tables(mval, mdims, fdim, msize, shape, vptr, vop, vslot)
+  return (np.array([o for o, _ in flat], np.int64),
+          np.array([j for _, j in flat], np.int64))
 
 
 class Propagator:
@@ -107,6 +121,7 @@ class Propagator:
     self.mval, self.mdims, self.fdim, self.msize = t.mval, t.mdims, t.fdim, t.msize
     self.shape = t.shape
     self.vptr, self.vop, self.vslot = t.vptr, t.vop, t.vslot
+    self._elementwise = (t.eptr, t.eop, t.eslot)
     self._offer = np.full(graph.num_values, -1, np.int64)  # `kernels.spread`'s scratch
 
   def can_tile(self, state: State, v: int, d: int, a: int) -> bool:
@@ -127,18 +142,30 @@ class Propagator:
       return np.array([v], np.int64)
     return concat([[v], self.propagate(state, [(v, a)])])
 
-  def propagate(self, state: State, seeds: Iterable[tuple[int, int]]) -> np.ndarray:
-    """Spreads each (value, axis) in `seeds` through the graph; in place.
-    Returns the values changed [n], in the order they changed."""
+  def propagate(self, state: State, seeds: Iterable[tuple[int, int]],
+                elementwise_only: bool = False) -> np.ndarray:
+    """Spreads each (value, axis) in `seeds` through the graph (through its
+    elementwise ops only, if asked); in place. Returns the values changed
+    [n], in the order they changed."""
     by_axis: dict[int, list[int]] = {}
     for v, a in seeds:
       by_axis.setdefault(int(a), []).append(int(v))
+    vptr, vop, vslot = self._elementwise if elementwise_only else (
+        self.vptr, self.vop, self.vslot)
     return concat([kernels.spread(
         state, np.unique(np.array(values, np.int64)), a, self.size_row, self.fixed,
-        self.shape, self.vptr, self.vop, self.vslot, self.mval, self.mdims, self.fdim,
+        self.shape, vptr, vop, vslot, self.mval, self.mdims, self.fdim,
         self.msize, self._offer) for a, values in by_axis.items()])
 
   def seed_all(self, state: State) -> np.ndarray:
-    """Propagates every tiled (value, axis) already in the state."""
+    """Propagates every tiled (value, axis) already in the state: through
+    elementwise ops first, then through every op, as Shardy's op-priority
+    propagation does. Layouts given at several points (arguments and
+    constraints) thus reach the values around them before a dot carries
+    one across: a constrained activation's batch tiling reaches the
+    normalised input of a projection before the weight's contracting
+    dimension is offered to it."""
     vs, axes = np.nonzero(state >= 0)
-    return self.propagate(state, zip(vs.tolist(), axes.tolist()))
+    first = self.propagate(state, zip(vs.tolist(), axes.tolist()), elementwise_only=True)
+    vs, axes = np.nonzero(state >= 0)
+    return concat([first, self.propagate(state, zip(vs.tolist(), axes.tolist()))])
