@@ -258,3 +258,23 @@ def test_constraints_option_is_checked_and_part_of_the_options():
                      constraints="hints")
   options = automap.SearchOptions(constraints="hints")
   assert dataclasses.replace(options, seed=1).constraints == "hints"
+
+
+def test_a_plan_searched_on_an_abstract_mesh_verifies_on_devices():
+  args = mlp_args()
+  abstract = jax.sharding.AbstractMesh((4, 2), ("data", "model"),
+                                       axis_types=(AxisType.Auto,) * 2)
+  plan = automap.search(mlp_step, *args, mesh=abstract, hardware="cpu", budget=BUDGET)
+  report = automap.verify(plan, mlp_step, *args, mesh=MESH)
+  assert report.max_rel_error < 1e-5 and report.comm_error < 0.05
+
+
+def test_shard_map_over_the_mesh_planned_on_still_traces():
+  # Traced with the mesh in context, the program's shard_map finds its own mesh.
+  def fn(x):
+    doubled = jax.shard_map(lambda a: a * 2, mesh=MESH, in_specs=P("data"), out_specs=P("data"))
+    return doubled(x).sum()
+
+  x = jnp.arange(32.0).reshape(8, 4)
+  partitioned = automap.partition(fn, mesh=MESH, hardware="cpu", budget=BUDGET, cache=False)
+  assert float(partitioned(x)) == float(x.sum() * 2)

@@ -75,8 +75,7 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
   request = with_keywords(SearchOptions, options, search_options, "search")
   if mesh is not None:
     folder = cache_lib.resolve(cache)
-    spec = MeshSpec.of(mesh)
-    return _plan(trace_lib.trace(fn, args, spec), spec, get_hardware(hardware),
+    return _plan(trace_lib.trace(fn, args, mesh), MeshSpec.of(mesh), get_hardware(hardware),
                  request, None if folder is None else cache_lib.PlanCache(folder))
   if (not isinstance(devices, (int, np.integer)) or isinstance(devices, bool)
       or devices < 1):
@@ -196,7 +195,7 @@ class Partitioned:
     entry = self._entries.get(key)
     if entry is None:
       t0 = time.perf_counter()
-      traced = trace_lib.trace(fn, args, self._mesh_spec)
+      traced = trace_lib.trace(fn, args, self.mesh)
       plan = _plan(traced, self._mesh_spec, self.hardware, self.request, self._cache)
       plan.timings["plan"] = time.perf_counter() - t0
       if self.donate_argnums and max(self.donate_argnums) >= len(args):

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -66,8 +67,13 @@ class Traced:
   def _digest(self) -> str:  # Printing a large jaxpr takes a tenth of a second.
     h = hashlib.sha256()
     h.update(str(self.in_tree).encode())
-    h.update(str(self.jaxpr.jaxpr).encode())
+    # Shardings name the mesh traced under; its devices are not the program's.
+    h.update(_DEVICES.sub("", str(self.jaxpr.jaxpr)).encode())
     return h.hexdigest()[:16]
+
+
+# How an abstract mesh prints the devices it stands for.
+_DEVICES = re.compile(r", device_kind=[^,()]*, num_cores=[^,()]*(, platform=[^,()]*)?")
 
 
 def signature_of(in_tree, avals) -> tuple:
@@ -103,18 +109,27 @@ def flatten_args(args: tuple) -> tuple[list, Any, tuple[str, ...], tuple]:
   return leaves, tree, paths, avals
 
 
+def _auto_view(mesh) -> AbstractMesh:
+  """`mesh` (a Mesh, AbstractMesh or anything with axis names and sizes) as
+  an abstract mesh of Auto axes, on the same devices where it names them
+  (a program's `shard_map` over that mesh must find it in context)."""
+  names = tuple(mesh.axis_names)
+  auto = {n: AxisType.Auto for n in names}
+  if isinstance(mesh, (jax.sharding.Mesh, AbstractMesh)):
+    return mesh.abstract_mesh.update_axis_types(auto)
+  return AbstractMesh(tuple(mesh.axis_sizes), names, axis_types=(AxisType.Auto,) * len(names))
+
+
 def trace(fn: Callable, args: tuple, mesh=None) -> Traced:
-  """Traces `fn(*args)`, under `mesh` (anything with `axis_names` and
-  `axis_sizes`) if given. Errors raised by `fn` itself surface unchanged,
+  """Traces `fn(*args)`, under `mesh` (a Mesh, an AbstractMesh or a
+  `MeshSpec`) if given. Errors raised by `fn` itself surface unchanged,
   but for explicit-axis sharding, which the Auto view cannot trace."""
   _, in_tree, paths, avals = flatten_args(args)
   specs = jax.tree.unflatten(in_tree, [
       jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals])
   context = contextlib.nullcontext()
   if mesh is not None:
-    names = tuple(mesh.axis_names)
-    context = jax.sharding.use_abstract_mesh(AbstractMesh(
-        tuple(mesh.axis_sizes), names, axis_types=(AxisType.Auto,) * len(names)))
+    context = jax.sharding.use_abstract_mesh(_auto_view(mesh))
   try:
     with context:
       # A fresh callable: JAX's trace cache does not key on context outside

@@ -153,15 +153,15 @@ def verify(plan: Plan, fn: Callable, args: tuple, mesh=None,
   The prediction is re-priced for the platform compiled on (XLA:CPU, for one,
   never forms reduce-scatters), so it is comparable with what XLA emitted.
   """
-  traced = trace_lib.trace(fn, args, plan.mesh)
-  if traced.fingerprint() != plan.fingerprint:
-    raise PlanError(
-        "the plan was made for a different program (fingerprint "
-        f"{plan.fingerprint}, this one {traced.fingerprint()}); search again.")
   mesh = mesh if mesh is not None else jax.make_mesh(
       plan.mesh.axis_sizes, plan.mesh.axis_names)
   if MeshSpec.of(mesh) != plan.mesh:
     raise MeshError(f"mesh {MeshSpec.of(mesh)} differs from the plan's {plan.mesh}.")
+  traced = trace_lib.trace(fn, args, mesh)
+  if traced.fingerprint() != plan.fingerprint:
+    raise PlanError(
+        "the plan was made for a different program (fingerprint "
+        f"{plan.fingerprint}, this one {traced.fingerprint()}); search again.")
   # Priced for the backend that compiles it (XLA:CPU forms no reduce-scatter).
   platform = mesh.devices.flat[0].platform
   # A platform XLA names otherwise (a plugin's) is priced as TPU and GPU are.

@@ -32,10 +32,9 @@ def build_program(fn, args, mesh, hardware, hints: Hints | None = None,
   """The program a search reads: `fn(*args)` traced on `mesh` and `hardware`,
   with `hints`' pinned layouts and its own constraints used as `constraints`
   says."""
-  mesh = MeshSpec.of(mesh)
   traced = trace_lib.trace(fn, args, mesh)
-  return Program.build(traced, mesh, get_hardware(hardware), (hints or Hints()).fixed,
-                       constraints=constraints)
+  return Program.build(traced, MeshSpec.of(mesh), get_hardware(hardware),
+                       (hints or Hints()).fixed, constraints=constraints)
 
 
 @dataclasses.dataclass
