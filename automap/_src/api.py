@@ -75,7 +75,8 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
   request = with_keywords(SearchOptions, options, search_options, "search")
   if mesh is not None:
     folder = cache_lib.resolve(cache)
-    return _plan(trace_lib.trace(fn, args, mesh), MeshSpec.of(mesh), get_hardware(hardware),
+    spec = MeshSpec.of(mesh)  # Checked before the trace uses it.
+    return _plan(trace_lib.trace(fn, args, mesh), spec, get_hardware(hardware),
                  request, None if folder is None else cache_lib.PlanCache(folder))
   if (not isinstance(devices, (int, np.integer)) or isinstance(devices, bool)
       or devices < 1):

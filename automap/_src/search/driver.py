@@ -32,8 +32,9 @@ def build_program(fn, args, mesh, hardware, hints: Hints | None = None,
   """The program a search reads: `fn(*args)` traced on `mesh` and `hardware`,
   with `hints`' pinned layouts and its own constraints used as `constraints`
   says."""
+  spec = MeshSpec.of(mesh)  # Checked before the trace uses it.
   traced = trace_lib.trace(fn, args, mesh)
-  return Program.build(traced, MeshSpec.of(mesh), get_hardware(hardware),
+  return Program.build(traced, spec, get_hardware(hardware),
                        (hints or Hints()).fixed, constraints=constraints)
 
 
