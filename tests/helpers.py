@@ -55,6 +55,23 @@ def assert_faithful(fn, args, m, numerics: float = 1e-5):
   return plan, report
 
 
+def compile_as_written(fn, args, m, specs):
+  """`jax.jit` of `fn` as written, under `m` (an Auto-axis mesh, so the
+  program's constraints resolve), arguments laid out by the PartitionSpec
+  pytree `specs`: ({(kind, axes): bytes} of its collectives, its peak
+  memory, the compiled program)."""
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from automap._src.run import compiled as hlo
+
+  shardings = jax.tree.map(lambda s: NamedSharding(m, s), specs,
+                           is_leaf=lambda s: isinstance(s, PartitionSpec))
+  with jax.set_mesh(m):
+    compiled = jax.jit(fn, in_shardings=shardings).lower(*args).compile()
+  return (hlo.summarize(hlo.collectives(compiled.as_text(), m)),
+          hlo.compiled_memory(compiled)[0], compiled)
+
+
 def graph_network_step(n_nodes: int, n_edges: int, width: int):
   """A jraph GraphNetwork train step (adam): edge and node updates, a loss on
   the nodes. Returns `(step, (params, opt_state, graph))`."""
@@ -68,7 +85,7 @@ def mlp(x, w1, w2):
   return jnp.tanh(x @ w1) @ w2
 
 
-__all__ = ["MESHES", "SMALL", "GPTConfig", "assert_faithful", "gpt_step",
+__all__ = ["MESHES", "SMALL", "GPTConfig", "assert_faithful", "compile_as_written", "gpt_step",
            "graph_network_step", "loss_and_grads", "make_train_step", "megatron_specs",
            "mesh", "mlp"]
 

@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import compile_as_written
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import automap
-from automap._src.run import compiled as hlo
 
 MESH = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 MEGATRON_DP = (P(None, "model"), P("model", None), P("data"))
@@ -38,20 +38,10 @@ def mlp_args():
           jax.random.normal(k[2], (64, 128)))
 
 
-def compile_as_written(fn, args, specs):
-  """`jax.jit` of the program as written, arguments laid out by `specs`."""
-  shardings = jax.tree.map(lambda s: NamedSharding(MESH, s), specs,
-                           is_leaf=lambda s: isinstance(s, P))
-  with jax.set_mesh(MESH):
-    compiled = jax.jit(fn, in_shardings=shardings).lower(*args).compile()
-  found = hlo.summarize(hlo.collectives(compiled.as_text(), MESH))
-  return float(sum(found.values())), hlo.compiled_memory(compiled)[0], compiled
-
-
 def assert_priced_as_compiled(fn, args, specs):
   cost = automap.evaluate(fn, *args, mesh=MESH, in_shardings=specs, hardware="cpu")
-  comm, memory, _ = compile_as_written(fn, args, specs)
-  assert cost.total_comm_bytes == pytest.approx(comm, rel=0.05, abs=1024)
+  comm, memory, _ = compile_as_written(fn, args, MESH, specs)
+  assert cost.total_comm_bytes == pytest.approx(sum(comm.values()), rel=0.05, abs=1024)
   assert cost.peak_memory == pytest.approx(memory, rel=0.15)
   return cost
 

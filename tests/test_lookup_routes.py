@@ -4,21 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from helpers import compile_as_written
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import automap
-from automap._src.run import compiled as hlo
 
 MESH = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 VOCAB, WIDTH = 512, 64
-
-
-def compiled_comm(fn, args, specs):
-  shardings = tuple(NamedSharding(MESH, s) for s in specs)
-  with jax.set_mesh(MESH):
-    compiled = jax.jit(fn, in_shardings=shardings).lower(*args).compile()
-  return hlo.summarize(hlo.collectives(compiled.as_text(), MESH))
 
 
 def lookup(table, tokens):
@@ -49,7 +42,7 @@ def test_a_lookup_along_a_tiled_dim_is_priced_as_compiled(name):
   fn, args = ARGS[name]
   specs = SPECS[name]
   cost = automap.evaluate(fn, *args, mesh=MESH, in_shardings=specs, hardware="cpu")
-  compiled = compiled_comm(fn, args, specs)
+  compiled, _, _ = compile_as_written(fn, args, MESH, specs)
   # No gather of the whole table (or logits) over "model": the lookups stay
   # local and, for a gather, an all-reduce sums the masked rows.
   assert cost.comm_bytes.get(("all-gather", ("model",)), 0) == 0

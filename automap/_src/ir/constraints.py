@@ -19,12 +19,13 @@ from typing import Any, NamedTuple
 from jax.extend import core as jex
 from jax.sharding import PartitionSpec
 
-# Primitives that state a layout and compute nothing. On the Auto view a
-# program is traced on, a user's `reshard` cannot be traced (`trace.py`
-# refuses it): the reshards and mesh casts there are JAX's own (AD inserts
-# some), name no axis and lower to nothing, so they are identities.
-PRIMITIVES = frozenset({"sharding_constraint", "reshard", "mesh_cast"})
+# Primitives that state a layout and compute nothing: the constraint, and
+# reshards and mesh casts. On the Auto view a program is traced on, a user's
+# `reshard` cannot be traced (`trace.py` refuses it): those there are JAX's
+# own (AD inserts some), name no axis and lower to nothing, so `graph.Walk`
+# passes them through as identities.
 CONSTRAINT = "sharding_constraint"
+PRIMITIVES = frozenset({CONSTRAINT, "reshard", "mesh_cast"})
 
 # What a search does with the program's constraints.
 KEEP, HINTS, IGNORE = "keep", "hints", "ignore"
@@ -38,22 +39,16 @@ class Constraint(NamedTuple):
   spec: its PartitionSpec, as written (UNCONSTRAINED entries included).
   axes: the mesh it names, as (axis name, size) pairs.
   scope: the name scope it was written in.
-  primitive: the primitive's name, "sharding_constraint".
   """
 
   value: int
   spec: PartitionSpec
   axes: tuple[tuple[str, int], ...]
   scope: str
-  primitive: str
-
-  @property
-  def open_dims(self) -> frozenset[int]:
-    """Dimensions left to propagation (`PartitionSpec.UNCONSTRAINED`)."""
-    return frozenset(d for d, e in enumerate(self.spec) if e is PartitionSpec.UNCONSTRAINED)
 
   def where(self) -> str:
-    return f"the {self.primitive} at {self.scope or 'the top level'!r}"
+    return f"the sharding_constraint at {self.scope or 'the top level'!r}"
+
 
 def spec_of(eqn) -> tuple[PartitionSpec, tuple[tuple[str, int], ...]]:
   """A constraint equation's PartitionSpec and the (name, size) axes of its mesh."""
@@ -62,7 +57,7 @@ def spec_of(eqn) -> tuple[PartitionSpec, tuple[tuple[str, int], ...]]:
   mesh = getattr(sharding, "mesh", None)
   if not isinstance(spec, PartitionSpec) or mesh is None:
     raise ValueError(
-        f"automap reads layouts from NamedShardings, but a {eqn.primitive.name} "
+        f"automap reads layouts from NamedShardings, but a {CONSTRAINT} "
         f"at {str(eqn.source_info.name_stack) or 'the top level'!r} gives "
         f"{sharding!r}. Use a jax.sharding.NamedSharding or a PartitionSpec.")
   spec = PartitionSpec(*spec)  # Drops any reduced/unreduced annotations.

@@ -90,7 +90,7 @@ class Walk:
   `open_sealed=False` a sealed call is visited whole; its result ids are those
   the graph gave its body's results. A layout constraint takes no id:
   `constrain` sees it and its operand and returns its result (by default the
-  operand itself).
+  operand itself); JAX's own reshards are passed through.
   """
 
   def __init__(self, visit: Callable[[Step, list], list],
@@ -139,8 +139,10 @@ class Walk:
       inner_scope = _join(scope, str(eqn.source_info.name_stack))
       ins = [read(a) for a in eqn.invars]
       sub = _sub_jaxpr(eqn)
-      if name in constraints_lib.PRIMITIVES:
+      if name == constraints_lib.CONSTRAINT:
         outs = self.constrain(Step(eqn, inner_scope, sealed, (), self.trips), ins)
+      elif name in constraints_lib.PRIMITIVES:
+        outs = ins[:1]
       elif name == "scan":
         outs = self._scan(eqn, ins, inner_scope, sealed)
       elif sub is not None and (name in INLINE or self.open_sealed):
@@ -344,12 +346,9 @@ class _Builder:
     return Literal(tuple(np.shape(atom.val)), atom.val)
 
   def constrain(self, step: Step, ins: list) -> list:
-    if step.eqn.primitive.name != constraints_lib.CONSTRAINT:
-      return ins[:1]
     spec, axes = constraints_lib.spec_of(step.eqn)
     value = -1 if isinstance(ins[0], Literal) else ins[0]
-    self.constraints.append(
-        Constraint(value, spec, axes, step.scope, step.eqn.primitive.name))
+    self.constraints.append(Constraint(value, spec, axes, step.scope))
     return ins[:1]
 
   def visit(self, step: Step, ins: list) -> list:

@@ -91,12 +91,8 @@ def interpreter(traced: Traced, constraints: Mapping[int, PartitionSpec],
     return outs
 
   def constrain(step: Step, ins: list) -> list:
-    """A constraint the plan keeps, as written; JAX's own reshards on the
-    Auto view are identities (`constraints.PRIMITIVES`)."""
-    eqn = step.eqn
-    if eqn.primitive.name == constraints_lib.CONSTRAINT:
-      return [eqn.primitive.bind(*ins, **eqn.params)]
-    return ins[:1]
+    """A constraint the plan keeps, as written."""
+    return [step.eqn.primitive.bind(*ins, **step.eqn.params)]
 
   def after_scan(ids: tuple, outs: list) -> list:
     return [jax.lax.with_sharding_constraint(x, shardings[v]) if v in shardings else x

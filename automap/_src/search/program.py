@@ -62,14 +62,12 @@ class Program:
             f"Hints.fixed pattern {pattern!r} matches no argument. Argument "
             f"paths look like {list(traced.in_paths[:3])}.")
       for v in hits:
-        before = pinned[v].copy()
-        set_spec(pinned, mesh, v, graph.shapes[v], spec,
-                 f"Hints.fixed[{pattern!r}] for argument {graph.names[v]!r}")
-        if fixed[v] and (before != pinned[v]).any():
+        had = _pin(graph, mesh, pinned, v, spec, fixed[v],
+                   f"Hints.fixed[{pattern!r}] for argument {graph.names[v]!r}")
+        if had is not None:
           raise MeshError(
               f"Hints.fixed gives argument {graph.names[v]!r} two different "
-              f"specs ({spec_of(before[None], mesh, 0, graph.rank(v))} and "
-              f"{spec}); make the patterns disjoint.")
+              f"specs ({had} and {spec}); make the patterns disjoint.")
         fixed[v] = True
     if constraints == constraints_lib.KEEP:
       _pin_constraints(graph, mesh, pinned, fixed)
@@ -88,10 +86,7 @@ class Program:
     everything else propagated from them, as XLA's propagation would."""
     state, fixed = self.pinned.copy(), self.fixed.copy()
     _pin_constraints(self.graph, self.mesh, state, fixed)
-    prop = self.propagator()
-    prop.fixed = fixed
-    prop.seed_all(state)
-    return state
+    return self._propagated(state, fixed)
 
   def carried_pairs(self) -> list[tuple[int, int]]:
     """(argument, result) value ids of the state a step carries: a result
@@ -123,15 +118,18 @@ class Program:
     state = self.pinned.copy()
     fixed = self.fixed.copy()
     for v, spec in layouts:
-      before = state[v].copy()
-      set_spec(state, mesh, v, g.shapes[v], spec, f"{what} for {g.names[v]!r}")
-      if self.fixed[v] and (before != state[v]).any():
+      had = _pin(g, mesh, state, v, spec, self.fixed[v], f"{what} for {g.names[v]!r}")
+      if had is not None:
         raise MeshError(
             f"{what} gives {g.names[v]!r} the layout {spec}, but it is pinned to "
-            f"{spec_of(before[None], mesh, 0, g.rank(v))}{_by_constraint(g, v)}. "
-            "automap prices one layout per value: give that one, or trace the "
-            "program without the pin (constraints='ignore').")
+            f"{had}{_by_constraint(g, v)}. automap prices one layout per value: "
+            "give that one, or trace the program without the pin "
+            "(constraints='ignore').")
       fixed[v] = True
+    return self._propagated(state, fixed)
+
+  def _propagated(self, state: State, fixed: np.ndarray) -> State:
+    """`state` with its layouts spread, the values of `fixed` left as they are."""
     prop = self.propagator()
     prop.fixed = fixed
     prop.seed_all(state)
@@ -163,10 +161,8 @@ def _pin_constraints(graph: Graph, mesh: MeshSpec, pinned: State, fixed: np.ndar
     if c.value < 0:
       continue
     spec = _on_mesh(c, mesh)
-    before = pinned[c.value].copy()
-    set_spec(pinned, mesh, c.value, graph.shapes[c.value], spec, c.where())
-    if fixed[c.value] and (before != pinned[c.value]).any():
-      had = spec_of(before[None], mesh, 0, graph.rank(c.value))
+    had = _pin(graph, mesh, pinned, c.value, spec, fixed[c.value], c.where())
+    if had is not None:
       by = (f"{first[c.value].where()}" if c.value in first
             else f"Hints.fixed for argument {graph.names[c.value]!r}")
       raise MeshError(
@@ -176,6 +172,17 @@ def _pin_constraints(graph: Graph, mesh: MeshSpec, pinned: State, fixed: np.ndar
           "search choose.")
     fixed[c.value] = True
     first.setdefault(c.value, c)
+
+
+def _pin(graph: Graph, mesh: MeshSpec, state: State, v: int, spec: PartitionSpec,
+         was_fixed: bool, where: str) -> PartitionSpec | None:
+  """Writes `spec` into `state` for value v; the spec it replaced, if v was
+  fixed to another (the caller names the conflict), else None."""
+  before = state[v].copy()
+  set_spec(state, mesh, v, graph.shapes[v], spec, where)
+  if was_fixed and (before != state[v]).any():
+    return spec_of(before[None], mesh, 0, graph.rank(v))
+  return None
 
 
 def _on_mesh(c: Constraint, mesh: MeshSpec) -> PartitionSpec:
