@@ -113,7 +113,8 @@ def evaluate(fn: Callable, *args, mesh, in_shardings,
         f"evaluate: constraints must be 'keep' (price the program as XLA compiles "
         f"it) or 'ignore' (as if it had no constraints), got {constraints!r}.")
   program = driver.build_program(fn, args, mesh, hardware, constraints=constraints)
-  state = program.state_from_specs(flat_specs(in_shardings, args))
+  dynamic = program.traced.dynamic_args(args)  # Static leaves take no spec.
+  state = program.state_from_specs(flat_specs(in_shardings, dynamic))
   return Tracker(program.model, state).cost()
 
 
@@ -130,7 +131,8 @@ def verify(plan: Plan, fn: Callable, *args, mesh=None,
 @dataclasses.dataclass
 class _Entry:
   plan: Plan
-  jitted: Any
+  traced: trace_lib.Traced
+  jitted: Any  # takes and returns the dynamic (array) leaves
   in_shardings: Any  # NamedShardings on the Auto view of the mesh
   out_shardings: Any  # NamedShardings on the user's mesh
 
@@ -142,6 +144,11 @@ class Partitioned:
   compiles; later calls with that signature reuse the plan. Results come
   back sharded on the user's mesh. Arguments in `donate_argnums` are donated
   as `jax.jit` donates them: their buffers may back the results.
+
+  Non-array leaves of the arguments (an equinox model's functions, config
+  objects, strings) are static, as under `eqx.filter_jit`: a new static
+  value is a new signature. So are Python numbers where the program needs
+  them concretely; elsewhere they are traced as `jax.jit` traces them.
   """
 
   def __init__(self, fn: Callable, *, mesh, hardware: str | Hardware = "tpu-v4",
@@ -170,6 +177,7 @@ class Partitioned:
     self._cache = None if folder is None else cache_lib.PlanCache(folder)
     self._entries: dict[tuple, _Entry] = {}
     self._last: _Entry | None = None
+    self._numbers = True  # Python numbers traced, until a trace needs them static
     functools.update_wrapper(self, fn)
 
   def _positional(self, args: tuple, kwargs: dict) -> tuple[tuple, Callable]:
@@ -190,13 +198,23 @@ class Partitioned:
     *positional, keywords = args
     return self.fn(*positional, **keywords)
 
-  def _entry(self, args: tuple, fn: Callable) -> _Entry:
-    _, tree, _, avals = trace_lib.flatten_args(args)
-    key = (fn is self.fn, trace_lib.signature_of(tree, avals))
+  def _key(self, args: tuple, fn: Callable) -> tuple[tuple, tuple]:
+    """(signature key, dynamic arguments) of a call."""
+    dynamic, static = trace_lib.split(args, numbers=self._numbers)
+    _, tree, _, avals = trace_lib.flatten_args(dynamic)
+    return (fn is self.fn, trace_lib.signature_of(tree, avals, static)), dynamic
+
+  def _entry(self, args: tuple, fn: Callable) -> tuple[_Entry, tuple]:
+    """The entry for this call's signature (planned if new) and the call's
+    dynamic arguments."""
+    key, dynamic = self._key(args, fn)
     entry = self._entries.get(key)
     if entry is None:
       t0 = time.perf_counter()
       traced = trace_lib.trace(fn, args, self.mesh)
+      if not traced.numbers_traced:  # The program reads its numbers concretely.
+        self._numbers = False
+        key, dynamic = self._key(args, fn)
       plan = _plan(traced, self._mesh_spec, self.hardware, self.request, self._cache)
       plan.timings["plan"] = time.perf_counter() - t0
       if self.donate_argnums and max(self.donate_argnums) >= len(args):
@@ -206,35 +224,36 @@ class Partitioned:
       jitted = apply_lib.jit_with_plan(traced, self.mesh, plan, self.donate_argnums)
       outs = jax.tree.unflatten(traced.out_tree, [
           NamedSharding(self.mesh, s) for s in plan.out_specs])
-      entry = _Entry(plan, jitted,
+      entry = _Entry(plan, traced, jitted,
                      apply_lib.plan_shardings(self.mesh, plan.in_specs, traced.in_tree),
                      outs)
       self._entries[key] = entry
     self._last = entry
-    return entry
+    return entry, dynamic
 
   def __call__(self, *args, **kwargs):
     args, fn = self._positional(args, kwargs)
-    entry = self._entry(args, fn)
+    entry, dynamic = self._entry(args, fn)
     with jax.set_mesh(self._auto):
-      out = entry.jitted(*jax.device_put(args, entry.in_shardings))
-    if self._auto is self.mesh:
-      return out
-    return jax.device_put(out, entry.out_shardings)  # Same devices: no copy.
+      out = entry.jitted(*jax.device_put(dynamic, entry.in_shardings))
+    if self._auto is not self.mesh:
+      out = jax.device_put(out, entry.out_shardings)  # Same devices: no copy.
+    return entry.traced.results(out)
 
   def lower(self, *args, **kwargs):
-    """The partitioned program lowered for these arguments."""
+    """The partitioned program lowered for these arguments (their array
+    leaves: the static ones are part of the program)."""
     args, fn = self._positional(args, kwargs)
-    entry = self._entry(args, fn)  # Traced outside the mesh context, like calls.
+    entry, dynamic = self._entry(args, fn)  # Traced outside the mesh context, like calls.
     with jax.set_mesh(self._auto):
-      return entry.jitted.lower(*apply_lib.abstract_args(args))
+      return entry.jitted.lower(*apply_lib.abstract_args(dynamic))
 
   def verify(self, *args, check_numerics: bool = True, **kwargs) -> verify_lib.Report:
     """`automap.verify` of the plan for these arguments (planned first if
     their signature is new): compiled collectives and memory against the
     prediction, and the numerics against the unpartitioned function."""
     args, fn = self._positional(args, kwargs)
-    entry = self._entry(args, fn)
+    entry, _ = self._entry(args, fn)
     return verify(entry.plan, fn, *args, mesh=self.mesh, check_numerics=check_numerics)
 
   @property

@@ -103,6 +103,12 @@ def test_unknown_primitive_warns_once_with_its_name():
   assert "fft" in g.unknown
 
 
-def test_bad_argument_leaf_names_its_path():
+def test_non_array_leaves_are_static():
+  t = trace.trace(lambda a: a["x"] * len(a["cfg"]["name"]),
+                  ({"x": np.ones(3), "cfg": {"name": "adam"}},))
+  assert t.in_paths == ("0/x",) and t.in_static.values == ("adam",)
+
+
+def test_unhashable_static_leaf_names_its_path():
   with pytest.raises(trace.ArgumentError, match="'0/cfg/name'"):
-    trace.trace(lambda a: a["x"], ({"x": np.ones(3), "cfg": {"name": "adam"}},))
+    trace.trace(lambda a: a["x"], ({"x": np.ones(3), "cfg": {"name": bytearray(b"a")}},))

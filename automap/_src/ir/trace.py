@@ -2,9 +2,15 @@
 
 Arguments may be arrays, numpy arrays, Python scalars or
 `jax.ShapeDtypeStruct`s, so a model too large for this machine can be planned
-without materialising it. Each flat argument keeps the path of its leaf in the
-argument pytree (`params/block_0/mlp/wi/kernel`): flax nnx attribute names and
-raw pytrees never reach the jaxpr's name stacks, their paths always exist.
+without materialising it. Every other leaf (a function, a string, a config
+object: what an equinox model carries beside its arrays) is static, held
+out of the trace as `eqx.filter_jit` holds it (`Static`); so is a Python
+number the program needs concretely (a shape, a branch), as there. Results
+may carry static leaves too; they come back as the trace made them.
+
+Each flat argument keeps the path of its leaf in the argument pytree
+(`params/block_0/mlp/wi/kernel`): flax nnx attribute names and raw pytrees
+never reach the jaxpr's name stacks, their paths always exist.
 
 Given the mesh planned on, the function is traced with that mesh in context
 (an abstract mesh of Auto axes, the view the rewritten program runs on), as
@@ -32,7 +38,71 @@ from automap._src.ir import constraints as constraints_lib
 
 
 class ArgumentError(TypeError):
-  """An argument leaf that is not an array-like value."""
+  """An argument leaf automap can neither trace nor hold static."""
+
+
+# Leaves traced as `jax.jit` traces them; every other leaf is static.
+_ARRAYS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+_NUMBERS = (bool, int, float, complex)
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """The static leaves of a pytree: the whole tree's structure, and the
+  index among its leaves and value of each leaf held out of the trace.
+
+  The traced ("dynamic") tree is the same tree with None at those leaves,
+  as `eqx.partition` makes it, so its leaves keep their paths.
+  """
+
+  tree: Any
+  where: tuple[int, ...] = ()
+  values: tuple = ()
+
+  def key(self) -> tuple:
+    """Hashable identity: equal for equal structures and static values."""
+    return (str(self.tree), self.where, self.values)
+
+  def merge(self, dynamic):
+    """The whole tree from its dynamic part (a tree, or its flat leaves)."""
+    if not self.where:
+      return dynamic
+    leaves = iter(dynamic if isinstance(dynamic, list) else jax.tree.leaves(dynamic))
+    at = dict(zip(self.where, self.values))
+    return self.tree.unflatten([at[i] if i in at else next(leaves)
+                                for i in range(self.tree.num_leaves)])
+
+
+def is_array(leaf, numbers: bool = True) -> bool:
+  """Whether a leaf is traced (an array, or a Python number if `numbers`)."""
+  return isinstance(leaf, _ARRAYS) or (numbers and isinstance(leaf, _NUMBERS))
+
+
+def split(tree, what: str = "argument", numbers: bool = True):
+  """(dynamic tree, `Static`) of `tree`: array leaves (and Python numbers,
+  if `numbers`) stay; every other leaf is held static and must be hashable,
+  since it identifies the program traced. Errors name the leaf's path."""
+  with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  where, values, kept = [], [], []
+  for i, (path, leaf) in enumerate(with_paths):
+    if is_array(leaf, numbers):
+      kept.append(leaf)
+      continue
+    try:
+      hash(leaf)
+    except TypeError:
+      raise ArgumentError(
+          f"{what} leaf {path_str(path) or '<root>'!r} is a {type(leaf).__name__}, "
+          "which is not an array, so automap holds it static as eqx.filter_jit "
+          "does; static leaves identify the program traced and must be "
+          "hashable. Make its type hashable (a frozen dataclass, a tuple), "
+          "register it as a pytree of arrays, or close over it "
+          "(functools.partial).") from None
+    where.append(i)
+    values.append(leaf)
+    kept.append(None)
+  static = Static(treedef, tuple(where), tuple(values))
+  return (treedef.unflatten(kept) if where else tree), static
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +124,39 @@ class Traced:
   in_avals: tuple[Any, ...]
   out_paths: tuple[str, ...]
   out_avals: tuple[Any, ...]
+  # The static leaves of the arguments and results, held out of the trace:
+  # in_tree / out_tree are the dynamic trees (None where a leaf is static).
+  in_static: Static | None = None
+  out_static: Static | None = None
+
+  def dynamic_args(self, args: tuple) -> tuple:
+    """The arguments the traced program takes: `args` without its static
+    leaves (which must be those traced with)."""
+    dynamic, static = split(args, numbers=self.numbers_traced)
+    if self.in_static is not None and static.key() != self.in_static.key():
+      raise ArgumentError(
+          "the static (non-array) leaves of these arguments differ from those "
+          "the program was traced with; trace it again for them.")
+    return dynamic
+
+  @property
+  def numbers_traced(self) -> bool:
+    """Whether Python-number arguments are traced (as jax.jit traces them),
+    not static (because the program needs them concretely)."""
+    return self.in_static is None or not any(
+        isinstance(v, _NUMBERS) for v in self.in_static.values)
+
+  def dynamic_fn(self) -> Callable:
+    """`fn` as the traced program sees it: from the dynamic arguments to the
+    dynamic results (for `jax.jit`, which takes no static leaves)."""
+    if self.in_static is None and self.out_static is None:
+      return self.fn
+    merge = (lambda a: a) if self.in_static is None else self.in_static.merge
+    return lambda *a: split(self.fn(*merge(a)), "result")[0]
+
+  def results(self, outs):
+    """The program's results from the dynamic ones it computes."""
+    return outs if self.out_static is None else self.out_static.merge(outs)
 
   def fingerprint(self) -> str:
     """Stable digest of the program: equations, shapes, dtypes, structure."""
@@ -67,6 +170,8 @@ class Traced:
   def _digest(self) -> str:  # Printing a large jaxpr takes a tenth of a second.
     h = hashlib.sha256()
     h.update(str(self.in_tree).encode())
+    if self.in_static is not None:  # The structure around static leaves.
+      h.update(str(self.in_static.tree).encode())
     # Shardings name the mesh traced under; its devices are not the program's.
     h.update(_DEVICES.sub("", str(self.jaxpr.jaxpr)).encode())
     return h.hexdigest()[:16]
@@ -76,10 +181,11 @@ class Traced:
 _DEVICES = re.compile(r", device_kind=[^,()]*, num_cores=[^,()]*(, platform=[^,()]*)?")
 
 
-def signature_of(in_tree, avals) -> tuple:
-  """Hashable identity of an argument structure, shapes and dtypes."""
-  return (str(in_tree),) + tuple((tuple(a.shape), str(a.dtype), a.weak_type)
-                                 for a in avals)
+def signature_of(in_tree, avals, static: Static | None = None) -> tuple:
+  """Hashable identity of an argument structure, shapes, dtypes and static
+  leaves."""
+  return ((str(in_tree), None if static is None else static.key())
+          + tuple((tuple(a.shape), str(a.dtype), a.weak_type) for a in avals))
 
 
 def path_str(path) -> str:
@@ -96,12 +202,13 @@ def _aval_of(path, leaf):
   raise ArgumentError(
       f"argument leaf {path_str(path) or '<root>'!r} is a "
       f"{type(leaf).__name__}, expected a jax.Array, numpy array, Python "
-      "number or jax.ShapeDtypeStruct. Mark non-array configuration as static "
-      "(close over it, e.g. with functools.partial) instead of passing it.")
+      "number or jax.ShapeDtypeStruct (hold other leaves static: `split`).")
 
 
 def flatten_args(args: tuple) -> tuple[list, Any, tuple[str, ...], tuple]:
-  """Flat leaves, tree, leaf paths and avals; errors name a bad leaf's path."""
+  """Flat leaves, tree, leaf paths and avals of the array leaves of `args`
+  (a dynamic tree: `split` holds other leaves out); errors name a bad leaf's
+  path."""
   with_paths, tree = jax.tree_util.tree_flatten_with_path(args)
   leaves = [leaf for _, leaf in with_paths]
   avals = tuple(_aval_of(p, leaf) for p, leaf in with_paths)
@@ -120,21 +227,49 @@ def _auto_view(mesh) -> AbstractMesh:
   return AbstractMesh(tuple(mesh.axis_sizes), names, axis_types=(AxisType.Auto,) * len(names))
 
 
+# What JAX raises where a program needs a traced value concretely.
+_CONCRETE = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
+             jax.errors.TracerBoolConversionError)
+
+
 def trace(fn: Callable, args: tuple, mesh=None) -> Traced:
   """Traces `fn(*args)`, under `mesh` (a Mesh, an AbstractMesh or a
-  `MeshSpec`) if given. Errors raised by `fn` itself surface unchanged,
-  but for explicit-axis sharding, which the Auto view cannot trace."""
-  _, in_tree, paths, avals = flatten_args(args)
+  `MeshSpec`) if given. Static leaves are held out (`split`); Python
+  numbers are traced as `jax.jit` traces them unless the program needs one
+  concretely, then held static as `eqx.filter_jit` holds them. Errors
+  raised by `fn` itself surface unchanged, but for explicit-axis sharding,
+  which the Auto view cannot trace."""
+  try:
+    return _trace(fn, args, mesh, numbers=True)
+  except (*_CONCRETE, TypeError) as e:
+    _, static = split(args, numbers=False)
+    # A traced shape is a TypeError ("concrete values of integer type").
+    if (not isinstance(e, _CONCRETE) and "concrete" not in str(e)) or not any(
+        isinstance(v, _NUMBERS) for v in static.values):
+      raise
+  return _trace(fn, args, mesh, numbers=False)
+
+
+def _trace(fn: Callable, args: tuple, mesh, numbers: bool) -> Traced:
+  dynamic, in_static = split(args, numbers=numbers)
+  _, in_tree, paths, avals = flatten_args(dynamic)
   specs = jax.tree.unflatten(in_tree, [
       jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals])
+  out_static = []
+
+  def body(*traced):  # A fresh callable: see below.
+    dynamic_out, static = split(fn(*in_static.merge(traced)), "result")
+    out_static.append(static)
+    return dynamic_out
+
   context = contextlib.nullcontext()
   if mesh is not None:
     context = jax.sharding.use_abstract_mesh(_auto_view(mesh))
   try:
     with context:
-      # A fresh callable: JAX's trace cache does not key on context outside
-      # JAX's own (flax's logical axis rules), so a cached trace may be stale.
-      closed, out_shape = jax.make_jaxpr(lambda *a: fn(*a), return_shape=True)(*specs)
+      # JAX's trace cache does not key on context outside JAX's own (flax's
+      # logical axis rules), so a cached trace of the same callable may be stale.
+      closed, out_shape = jax.make_jaxpr(body, return_shape=True)(*specs)
   except ValueError as e:
     if "reshard" not in str(e) or "Auto" not in str(e):
       raise
@@ -154,4 +289,6 @@ def trace(fn: Callable, args: tuple, mesh=None) -> Traced:
       in_avals=avals,
       out_paths=tuple(path_str(p) for p, _ in out_with_paths),
       out_avals=tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in out_leaves),
+      in_static=in_static if in_static.where else None,
+      out_static=out_static[0] if out_static[0].where else None,
   )

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from automap._src.ir.trace import path_str
+from automap._src.ir.trace import is_array, path_str
 from automap._src.plan.errors import PlanError
 
 # One mesh-axis assignment of an array dimension: None, an axis name, or a
@@ -93,7 +93,9 @@ def specs(plan, tree, at: int | str | None = None):
   argument index or path prefix (default: the one argument that holds every
   leaf). Leaves may be arrays or `jax.ShapeDtypeStruct`s; shapes are checked.
   """
-  paths, leaves, treedef = _paths(tree)
+  # Static leaves (an equinox model's functions) and Python numbers (scalars,
+  # traced or static) have no layout: None.
+  paths, leaves, treedef = _paths(_arrays_of(tree))
   idx = _resolve(plan, paths, at, "the tree")
   for p, leaf, i in zip(paths, leaves, idx):
     shape = getattr(leaf, "shape", None)
@@ -117,7 +119,13 @@ def shard_like(tree, plan, mesh: Mesh | None = None, at: int | str | None = None
         f"is for {dict(zip(plan.mesh.axis_names, plan.mesh.axis_sizes))}.")
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(plan, tree, at),
                            is_leaf=lambda x: isinstance(x, PartitionSpec))
-  return jax.device_put(tree, shardings)
+  placed = iter(jax.tree.leaves(jax.device_put(_arrays_of(tree), shardings)))
+  return jax.tree.map(lambda x: next(placed) if is_array(x, numbers=False) else x, tree)
+
+
+def _arrays_of(tree):
+  """`tree` with None in place of its leaves that are not arrays."""
+  return jax.tree.map(lambda x: x if is_array(x, numbers=False) else None, tree)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -170,18 +170,19 @@ def verify(plan: Plan, fn: Callable, args: tuple, mesh=None,
                           constraints=plan.program_constraints)
   predicted = Tracker(program.model, build.state_of(program, plan)).cost()
   jitted = apply_lib.jit_with_plan(traced, mesh, plan)
+  dynamic = traced.dynamic_args(args)  # The static leaves are in the program.
   with jax.set_mesh(apply_lib.auto_mesh(mesh)):
-    compiled = jitted.lower(*apply_lib.abstract_args(args)).compile()
+    compiled = jitted.lower(*apply_lib.abstract_args(dynamic)).compile()
   found = collectives(compiled.as_text(), mesh)
   memory, stats = compiled_memory(compiled)
   max_abs = max_rel = worst = None
   concrete = all(isinstance(x, (jax.Array, np.ndarray, np.generic, int, float,
-                                complex)) for x in jax.tree.leaves(args))
+                                complex)) for x in jax.tree.leaves(dynamic))
   if check_numerics and concrete:
     with jax.set_mesh(apply_lib.auto_mesh(mesh)):  # The program's constraints resolve.
-      expected = jax.jit(fn)(*args)
+      expected = jax.jit(traced.dynamic_fn())(*dynamic)
       placed = jax.device_put(
-          args, apply_lib.plan_shardings(mesh, plan.in_specs, traced.in_tree))
+          dynamic, apply_lib.plan_shardings(mesh, plan.in_specs, traced.in_tree))
       actual = jitted(*placed)
     if not all(x.is_fully_addressable for x in jax.tree.leaves(actual)):
       # The mesh spans processes: every process compares the whole result.
