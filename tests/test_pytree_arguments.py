@@ -92,6 +92,17 @@ def test_a_module_with_static_fields_runs_as_written():
   assert report.max_rel_error < 1e-5 and report.comm_error < 0.05, report.table()
 
 
+def test_numbers_once_static_stay_static_for_every_signature():
+  def f(x, n):  # reads n concretely for matrices only
+    return x.reshape(n, -1).sum(0) if x.ndim == 2 else x * n
+
+  g = automap.partition(f, mesh=mesh((8, 1)), hardware="cpu", cache=False,
+                        budget=automap.Budget(episodes=2))
+  np.testing.assert_allclose(g(X, 4), f(X, 4), rtol=1e-6)
+  np.testing.assert_allclose(g(X[0], 4), f(X[0], 4), rtol=1e-6)
+  assert g.plan.in_paths == ("0",)
+
+
 def test_numbers_are_traced_where_the_program_allows():
   plan = automap.search(lambda x, s: x * s, X, 2.0, mesh=mesh((8, 1)), hardware="cpu")
   assert plan.in_paths == ("0", "1") and plan.in_specs[1] == P()

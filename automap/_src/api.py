@@ -211,7 +211,9 @@ class Partitioned:
     entry = self._entries.get(key)
     if entry is None:
       t0 = time.perf_counter()
-      traced = trace_lib.trace(fn, args, self.mesh)
+      # Once a trace needed numbers static, they are static for every call,
+      # so a key and the program it finds agree on what the numbers are.
+      traced = trace_lib.trace(fn, args, self.mesh, numbers=None if self._numbers else False)
       if not traced.numbers_traced:  # The program reads its numbers concretely.
         self._numbers = False
         key, dynamic = self._key(args, fn)

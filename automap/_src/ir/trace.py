@@ -232,20 +232,22 @@ _CONCRETE = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConvers
              jax.errors.TracerBoolConversionError)
 
 
-def trace(fn: Callable, args: tuple, mesh=None) -> Traced:
+def trace(fn: Callable, args: tuple, mesh=None, numbers: bool | None = None) -> Traced:
   """Traces `fn(*args)`, under `mesh` (a Mesh, an AbstractMesh or a
-  `MeshSpec`) if given. Static leaves are held out (`split`); Python
-  numbers are traced as `jax.jit` traces them unless the program needs one
-  concretely, then held static as `eqx.filter_jit` holds them. Errors
-  raised by `fn` itself surface unchanged, but for explicit-axis sharding,
-  which the Auto view cannot trace."""
+  `MeshSpec`) if given. Static leaves are held out (`split`). Python
+  numbers are traced (`numbers=True`) or static (False); by default traced
+  as `jax.jit` traces them unless the program needs one concretely, then
+  held static as `eqx.filter_jit` holds them. Errors raised by `fn` itself
+  surface unchanged, but for explicit-axis sharding, which the Auto view
+  cannot trace."""
+  if numbers is not None:
+    return _trace(fn, args, mesh, numbers)
   try:
     return _trace(fn, args, mesh, numbers=True)
   except (*_CONCRETE, TypeError) as e:
-    _, static = split(args, numbers=False)
     # A traced shape is a TypeError ("concrete values of integer type").
     if (not isinstance(e, _CONCRETE) and "concrete" not in str(e)) or not any(
-        isinstance(v, _NUMBERS) for v in static.values):
+        isinstance(leaf, _NUMBERS) for leaf in jax.tree.leaves(args)):
       raise
   return _trace(fn, args, mesh, numbers=False)
 

@@ -98,28 +98,20 @@ def _is_spec_leaf(x) -> bool:
   return x is None or isinstance(x, (PartitionSpec, NamedSharding))
 
 
-class _Run:
-  """One spec of a prefix tree and the number of array leaves it covers."""
-
-  def __init__(self, spec, count: int):
-    self.spec, self.count = spec, count
-
-
 def flat_specs(in_shardings, args: tuple, what: str = "in_shardings") -> list:
   """Flat PartitionSpecs for the array leaves of `args` from a (prefix)
   pytree of specs. A None spec is replicated, as under `jax.jit` with a mesh
   in context; a None (or static) argument leaf has no array, so takes none."""
+  out = []
+
+  def cover(s, sub):  # Called in leaf order: each spec once per array under it.
+    s = s.spec if isinstance(s, NamedSharding) else (PartitionSpec() if s is None else s)
+    out.extend([s] * len(jax.tree.leaves(sub)))
+
   try:
-    runs = jax.tree_util.tree_map(
-        lambda s, sub: _Run(s, len(jax.tree.leaves(sub))), in_shardings, args,
-        is_leaf=_is_spec_leaf)
+    jax.tree_util.tree_map(cover, in_shardings, args, is_leaf=_is_spec_leaf)
   except (ValueError, TypeError) as e:
     raise MeshError(
         f"{what} must be a pytree of PartitionSpecs matching the arguments "
         f"(or a prefix of them): {e}") from None
-  out = []
-  for run in jax.tree.leaves(runs):
-    s = run.spec
-    s = s.spec if isinstance(s, NamedSharding) else (PartitionSpec() if s is None else s)
-    out += [s] * run.count
   return out
