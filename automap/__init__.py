@@ -31,9 +31,9 @@ from automap._src.cost.hardware import CATALOGUE as HARDWARE
 from automap._src.cost.hardware import Hardware as Hardware
 from automap._src.cost.hardware import HardwareError as HardwareError
 from automap._src.cost.model import Cost as Cost
+from automap._src.ir.errors import ArgumentError as ArgumentError
 from automap._src.ir.graph import UnknownPrimitiveWarning as UnknownPrimitiveWarning
 from automap._src.ir.groups import GroupError as GroupError
-from automap._src.ir.trace import ArgumentError as ArgumentError
 from automap._src.plan.cache import PlanCacheWarning as PlanCacheWarning
 from automap._src.plan.errors import PlanError as PlanError
 from automap._src.plan.export import LogicalRules as LogicalRules

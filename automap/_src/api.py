@@ -36,7 +36,8 @@ def _plan(traced: trace_lib.Traced, mesh: MeshSpec, hardware: Hardware,
   """The plan `store` holds for this search (tied to the program's argument
   and result structure), else a fresh search, stored."""
   if store is not None:
-    k = cache_lib.key(traced.fingerprint(), mesh, hardware, request)
+    k = cache_lib.key(traced.fingerprint(), mesh, hardware, request,
+                      traced.in_paths + traced.out_paths)
     plan = store.load(k, traced.fingerprint(), mesh)
     if plan is not None:
       return dataclasses.replace(plan, stats=dict(plan.stats, cached=True),
@@ -54,7 +55,7 @@ _AXIS_NAMES = ("x", "y", "z")
 
 def search(fn: Callable, *args, mesh=None, devices: int | None = None,
            hardware: str | Hardware = "tpu-v4", options: SearchOptions | None = None,
-           cache: bool | str | os.PathLike = False, **search_options) -> Plan:
+           cache: bool | str | os.PathLike = False, names=None, **search_options) -> Plan:
   """Plans `fn(*args)` without running it, on `mesh`, or on the best mesh
   of `devices` devices (axes named "x", "y", "z"; the budget is shared by
   the mesh shapes tried).
@@ -67,7 +68,11 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
   each of its fields may be given as a keyword instead
   (`automap.search(fn, *args, mesh=mesh, budget=automap.Budget(episodes=50))`).
   `cache` (off by default here, on for `partition`) reuses and stores plans
-  of `mesh=` searches as `partition` does.
+  of `mesh=` searches as `partition` does. `names` says what argument
+  leaves are called where their paths do not (keras keeps state in lists):
+  a pytree prefix of the arguments with a string or None per leaf or
+  subtree (`names=([v.path for v in model.trainable_variables], None)`);
+  plans, explain, export, hints and errors use those names.
   """
   if (mesh is None) == (devices is None):
     raise TypeError("search takes exactly one of mesh= (a jax.sharding.Mesh) "
@@ -76,12 +81,12 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
   if mesh is not None:
     folder = cache_lib.resolve(cache)
     spec = MeshSpec.of(mesh)  # Checked before the trace uses it.
-    return _plan(trace_lib.trace(fn, args, mesh), spec, get_hardware(hardware),
+    return _plan(trace_lib.trace(fn, args, mesh, names=names), spec, get_hardware(hardware),
                  request, None if folder is None else cache_lib.PlanCache(folder))
   if (not isinstance(devices, (int, np.integer)) or isinstance(devices, bool)
       or devices < 1):
     raise ValueError(f"devices must be a positive integer, got {devices!r}.")
-  traced = trace_lib.trace(fn, args)
+  traced = trace_lib.trace(fn, args, names=names)
   hw = get_hardware(hardware)
   shapes = mesh_shapes(int(devices))
   b = request.budget
@@ -98,7 +103,8 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
 
 
 def evaluate(fn: Callable, *args, mesh, in_shardings,
-             hardware: str | Hardware = "tpu-v4", constraints: str = "keep") -> Cost:
+             hardware: str | Hardware = "tpu-v4", constraints: str = "keep",
+             names=None) -> Cost:
   """Cost of a hand-written strategy under the same cost model.
 
   `in_shardings` is a pytree of PartitionSpecs (a prefix of the arguments
@@ -112,20 +118,21 @@ def evaluate(fn: Callable, *args, mesh, in_shardings,
     raise ValueError(
         f"evaluate: constraints must be 'keep' (price the program as XLA compiles "
         f"it) or 'ignore' (as if it had no constraints), got {constraints!r}.")
-  program = driver.build_program(fn, args, mesh, hardware, constraints=constraints)
+  program = driver.build_program(fn, args, mesh, hardware, constraints=constraints,
+                                 names=names)
   dynamic = program.traced.dynamic_args(args)  # Static leaves take no spec.
   state = program.state_from_specs(flat_specs(in_shardings, dynamic))
   return Tracker(program.model, state).cost()
 
 
 def verify(plan: Plan, fn: Callable, *args, mesh=None,
-           check_numerics: bool = True) -> verify_lib.Report:
+           check_numerics: bool = True, names=None) -> verify_lib.Report:
   """Compiles `plan` for `fn(*args)`; compares collectives, memory, numerics.
 
   The prediction is re-priced for the platform compiled on (XLA:CPU, for one,
   never forms reduce-scatters), so it is comparable with what XLA emitted.
   """
-  return verify_lib.verify(plan, fn, args, mesh, check_numerics)
+  return verify_lib.verify(plan, fn, args, mesh, check_numerics, names)
 
 
 @dataclasses.dataclass
@@ -154,14 +161,14 @@ class Partitioned:
   def __init__(self, fn: Callable, *, mesh, hardware: str | Hardware = "tpu-v4",
                options: SearchOptions | None = None,
                cache: bool | str | os.PathLike = True,
-               donate_argnums: int | tuple[int, ...] = (), **search_options):
+               donate_argnums: int | tuple[int, ...] = (), names=None, **search_options):
     self._mesh_spec = MeshSpec.of(mesh)
     if not isinstance(mesh, jax.sharding.Mesh):
       raise MeshError(
           f"partition runs the program, so mesh must be a concrete "
           f"jax.sharding.Mesh with devices, got {type(mesh).__name__}; plan on "
           "an AbstractMesh with automap.search instead.")
-    self.fn, self.mesh = fn, mesh
+    self.fn, self.mesh, self.names = fn, mesh, names
     self._auto = apply_lib.auto_mesh(mesh)
     self._signature = _signature_of(fn)
     self.request = with_keywords(SearchOptions, options, search_options, "partition")
@@ -213,7 +220,8 @@ class Partitioned:
       t0 = time.perf_counter()
       # Once a trace needed numbers static, they are static for every call,
       # so a key and the program it finds agree on what the numbers are.
-      traced = trace_lib.trace(fn, args, self.mesh, numbers=None if self._numbers else False)
+      traced = trace_lib.trace(fn, args, self.mesh, numbers=None if self._numbers else False,
+                               names=self.names)
       if not traced.numbers_traced:  # The program reads its numbers concretely.
         self._numbers = False
         key, dynamic = self._key(args, fn)
@@ -256,7 +264,7 @@ class Partitioned:
     prediction, and the numerics against the unpartitioned function."""
     args, fn = self._positional(args, kwargs)
     entry, _ = self._entry(args, fn)
-    return verify(entry.plan, fn, *args, mesh=self.mesh, check_numerics=check_numerics)
+    return verify_lib.verify(entry.plan, fn, args, self.mesh, check_numerics, self.names)
 
   @property
   def plan(self) -> Plan | None:
@@ -287,7 +295,7 @@ def _signature_of(fn) -> inspect.Signature | None:
 
 def partition(fn: Callable | None = None, *, mesh, hardware: str | Hardware = "tpu-v4",
               options: SearchOptions | None = None, cache: bool | str | os.PathLike = True,
-              donate_argnums: int | tuple[int, ...] = (), **search_options):
+              donate_argnums: int | tuple[int, ...] = (), names=None, **search_options):
   """Partitions `fn` automatically over `mesh`.
 
   Use as `@automap.partition(mesh=mesh)` or `automap.partition(fn, mesh=mesh)`.
@@ -299,12 +307,12 @@ def partition(fn: Callable | None = None, *, mesh, hardware: str | Hardware = "t
   folder path; or False for none), keyed by the program, mesh, hardware,
   search options and versions. `donate_argnums` donates arguments as
   `jax.jit` does (a train step's params and optimizer state, so the update
-  happens in place).
+  happens in place). `names` names argument leaves, as for `automap.search`.
   """
   # Checked now, not at the first call, so a decorator fails where it is written.
   request = with_keywords(SearchOptions, options, search_options, "partition")
   make = functools.partial(Partitioned, mesh=mesh, hardware=hardware, options=request,
-                           cache=cache, donate_argnums=donate_argnums)
+                           cache=cache, donate_argnums=donate_argnums, names=names)
   if fn is None:
     return make
   if not callable(fn):

@@ -35,11 +35,8 @@ from jax.extend import core as jex
 from jax.sharding import AbstractMesh, AxisType
 
 from automap._src.ir import constraints as constraints_lib
-
-
-class ArgumentError(TypeError):
-  """An argument leaf automap can neither trace nor hold static."""
-
+from automap._src.ir import names as names_lib
+from automap._src.ir.errors import ArgumentError
 
 # Leaves traced as `jax.jit` traces them; every other leaf is static.
 _ARRAYS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
@@ -114,6 +111,8 @@ class Traced:
   in_paths: per flat argument, its path in the argument pytree.
   in_avals: per flat argument, its abstract value (shape, dtype).
   out_paths / out_avals: per flat output, its path and abstract value.
+  tree_paths: per flat argument, its pytree path where `names=` renamed
+    any (in_paths are then the names); empty otherwise.
   """
 
   fn: Callable
@@ -128,6 +127,7 @@ class Traced:
   # in_tree / out_tree are the dynamic trees (None where a leaf is static).
   in_static: Static | None = None
   out_static: Static | None = None
+  tree_paths: tuple[str, ...] = ()
 
   def dynamic_args(self, args: tuple) -> tuple:
     """The arguments the traced program takes: `args` without its static
@@ -232,27 +232,28 @@ _CONCRETE = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConvers
              jax.errors.TracerBoolConversionError)
 
 
-def trace(fn: Callable, args: tuple, mesh=None, numbers: bool | None = None) -> Traced:
+def trace(fn: Callable, args: tuple, mesh=None, numbers: bool | None = None,
+          names=None) -> Traced:
   """Traces `fn(*args)`, under `mesh` (a Mesh, an AbstractMesh or a
   `MeshSpec`) if given. Static leaves are held out (`split`). Python
   numbers are traced (`numbers=True`) or static (False); by default traced
   as `jax.jit` traces them unless the program needs one concretely, then
   held static as `eqx.filter_jit` holds them. Errors raised by `fn` itself
   surface unchanged, but for explicit-axis sharding, which the Auto view
-  cannot trace."""
+  cannot trace. `names` renames argument leaves (`names.apply`)."""
   if numbers is not None:
-    return _trace(fn, args, mesh, numbers)
+    return _trace(fn, args, mesh, numbers, names)
   try:
-    return _trace(fn, args, mesh, numbers=True)
+    return _trace(fn, args, mesh, True, names)
   except (*_CONCRETE, TypeError) as e:
     # A traced shape is a TypeError ("concrete values of integer type").
     if (not isinstance(e, _CONCRETE) and "concrete" not in str(e)) or not any(
         isinstance(leaf, _NUMBERS) for leaf in jax.tree.leaves(args)):
       raise
-  return _trace(fn, args, mesh, numbers=False)
+  return _trace(fn, args, mesh, False, names)
 
 
-def _trace(fn: Callable, args: tuple, mesh, numbers: bool) -> Traced:
+def _trace(fn: Callable, args: tuple, mesh, numbers: bool, names) -> Traced:
   dynamic, in_static = split(args, numbers=numbers)
   _, in_tree, paths, avals = flatten_args(dynamic)
   specs = jax.tree.unflatten(in_tree, [
@@ -282,15 +283,20 @@ def _trace(fn: Callable, args: tuple, mesh, numbers: bool) -> Traced:
         "honours it as the compiled program does.") from e
   out_with_paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
   out_leaves = [leaf for _, leaf in out_with_paths]
+  out_avals = tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in out_leaves)
+  named, out_paths = names_lib.apply(
+      names, dynamic, paths, avals, out_shape,
+      tuple(path_str(p) for p, _ in out_with_paths), out_avals)
   return Traced(
       fn=fn,
       jaxpr=closed,
       in_tree=in_tree,
       out_tree=out_tree,
-      in_paths=paths,
+      in_paths=named,
       in_avals=avals,
-      out_paths=tuple(path_str(p) for p, _ in out_with_paths),
-      out_avals=tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in out_leaves),
+      out_paths=out_paths,
+      out_avals=out_avals,
       in_static=in_static if in_static.where else None,
       out_static=out_static[0] if out_static[0].where else None,
+      tree_paths=paths if named != paths else (),
   )

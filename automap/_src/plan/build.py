@@ -98,6 +98,7 @@ def make_plan(program: Program, state: State, stats: dict,
                         for (s, k, a), (b, n) in collectives.items()),
       program_constraints=program.constraints, stats=stats, memory_limit=memory_limit,
       layers=report.layers(program, tracker), yardsticks=yardsticks(program, state),
+      tree_paths=program.traced.tree_paths,
       in_tree=program.traced.in_tree, out_tree=program.traced.out_tree)
 
 

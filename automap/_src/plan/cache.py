@@ -66,10 +66,12 @@ def resolve(cache) -> pathlib.Path | None:
   raise TypeError(f"cache must be True, False or a folder path, got {cache!r}.")
 
 
-def key(fingerprint: str, mesh: MeshSpec, hardware: Hardware, request) -> str:
+def key(fingerprint: str, mesh: MeshSpec, hardware: Hardware, request,
+        paths: tuple[str, ...] = ()) -> str:
   """Digest of everything a searched plan depends on (`request`: the
   search's hints, budget, memory limit, seed, backend, policy and what it
-  does with the program's constraints)."""
+  does with the program's constraints; `paths`: the names its arguments and
+  results go by, which `names=` may change)."""
   hints, budget = request.hints, request.budget
   parts = {
       "schema": SCHEMA, "automap": VERSION, "jax": jax.__version__,
@@ -83,6 +85,8 @@ def key(fingerprint: str, mesh: MeshSpec, hardware: Hardware, request) -> str:
       "search": request.search, "policy": request.policy_id(),
       "constraints": request.constraints,
   }
+  if paths:
+    parts["paths"] = hashlib.sha256("\0".join(paths).encode()).hexdigest()
   return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 

@@ -35,12 +35,12 @@ def _join(prefix: str, path: str) -> str:
   return f"{prefix}/{path}" if path else prefix
 
 
-def _prefixes(plan, paths: list[str]) -> list[str]:
+def _prefixes(plan_paths: tuple[str, ...], paths: list[str]) -> list[str]:
   """Prefixes P of the plan's argument paths with P/p a plan path for every p."""
-  have = set(plan.in_paths)
+  have = set(plan_paths)
   first = paths[0]
   found = []
-  for full in plan.in_paths:
+  for full in plan_paths:
     if first and not full.endswith("/" + first) and full != first:
       continue
     prefix = full[:len(full) - len(first)].rstrip("/") if first else full
@@ -50,15 +50,27 @@ def _prefixes(plan, paths: list[str]) -> list[str]:
 
 
 def _resolve(plan, paths: list[str], at: int | str | None, what: str) -> list[int]:
-  """Index into the plan's arguments of each of `paths`, under prefix `at`."""
+  """Index into the plan's arguments of each of `paths`, under prefix `at`:
+  matched against the plan's names, else (a tree as the function took it,
+  where `names=` renamed its leaves) against their pytree paths."""
   if not paths:
     raise PlanError(f"{what} has no leaves to match against the plan.")
+  if plan.tree_paths:
+    try:
+      return _resolve_in(plan.tree_paths, plan, paths, at, what)
+    except PlanError:
+      pass
+  return _resolve_in(plan.in_paths, plan, paths, at, what)
+
+
+def _resolve_in(plan_paths: tuple[str, ...], plan, paths: list[str],
+                at: int | str | None, what: str) -> list[int]:
   if isinstance(at, int) and not isinstance(at, bool):
     prefix = str(at)
   elif isinstance(at, str) and at:
     prefix = at.strip("/")
   elif at is None:
-    found = _prefixes(plan, paths)
+    found = _prefixes(plan_paths, paths)
     # A whole argument (a bare index) beats a sub-tree that happens to share
     # its structure, as an optimizer's moments share the params'.
     whole = [p for p in found if p.isdigit()]
@@ -73,10 +85,10 @@ def _resolve(plan, paths: list[str], at: int | str | None, what: str) -> list[in
     prefix = found[0]
   else:
     raise TypeError(f"at must be an argument index, a path prefix or None, got {at!r}.")
-  index = {p: i for i, p in enumerate(plan.in_paths)}
+  index = {p: i for i, p in enumerate(plan_paths)}
   missing = [p for p in paths if _join(prefix, p) not in index]
   if missing:
-    near = [p for p in plan.in_paths if p.startswith(prefix + "/") or p == prefix][:3]
+    near = [p for p in plan_paths if p.startswith(prefix + "/") or p == prefix][:3]
     raise PlanError(
         f"{what} does not match the plan's argument {prefix!r}: no leaf "
         f"{_join(prefix, missing[0])!r} ({len(missing)} of {len(paths)} leaves "

@@ -65,7 +65,10 @@ class Plan:
   mesh: axis names and sizes the plan is for.
   hardware: the hardware spec the cost was predicted on.
   fingerprint: digest of the program the plan belongs to.
-  in_paths / out_paths: per flat argument / output, its pytree path.
+  in_paths / out_paths: per flat argument / output, its pytree path, or
+    the name `names=` gave it.
+  tree_paths: per flat argument, its pytree path where `names=` renamed
+    any (export matches trees by either); empty when in_paths are those.
   in_shapes: per flat argument, its shape.
   in_specs / out_specs: per flat argument / output, its PartitionSpec.
   constraints: value id -> PartitionSpec for intermediates.
@@ -113,6 +116,7 @@ class Plan:
   yardsticks: dict[str, Yardstick] = dataclasses.field(default_factory=dict)
   inferred: dict[int, PartitionSpec] = dataclasses.field(default_factory=dict)
   program_constraints: str = "keep"
+  tree_paths: tuple[str, ...] = ()
   in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
   out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
   timings: dict[str, float] = dataclasses.field(default_factory=dict, compare=False,
@@ -151,7 +155,7 @@ class Plan:
         "memory_limit": self.memory_limit,
         "layers": [r.to_json() for r in self.layers],
         "yardsticks": {k: y.to_json() for k, y in self.yardsticks.items()},
-    }
+    } | ({"tree_paths": list(self.tree_paths)} if self.tree_paths else {})
 
   @classmethod
   def from_json(cls, d: dict) -> Plan:
@@ -182,7 +186,8 @@ class Plan:
           stats=dict(d["stats"]), memory_limit=d.get("memory_limit"),
           layers=tuple(LayerRow.from_json(r) for r in d.get("layers", ())),
           yardsticks={k: Yardstick.from_json(y)
-                      for k, y in d.get("yardsticks", {}).items()})
+                      for k, y in d.get("yardsticks", {}).items()},
+          tree_paths=tuple(d.get("tree_paths", ())))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
       raise PlanError(f"malformed plan: {e!r}") from e
 

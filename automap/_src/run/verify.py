@@ -147,7 +147,7 @@ def compare_numerics(expected, actual) -> tuple[float, float]:
 
 
 def verify(plan: Plan, fn: Callable, args: tuple, mesh=None,
-           check_numerics: bool = True) -> Report:
+           check_numerics: bool = True, names=None) -> Report:
   """Compiles `plan` for `fn(*args)`; compares collectives, memory, numerics.
 
   The prediction is re-priced for the platform compiled on (XLA:CPU, for one,
@@ -157,7 +157,7 @@ def verify(plan: Plan, fn: Callable, args: tuple, mesh=None,
       plan.mesh.axis_sizes, plan.mesh.axis_names)
   if MeshSpec.of(mesh) != plan.mesh:
     raise MeshError(f"mesh {MeshSpec.of(mesh)} differs from the plan's {plan.mesh}.")
-  traced = trace_lib.trace(fn, args, mesh)
+  traced = trace_lib.trace(fn, args, mesh, names=names)
   if traced.fingerprint() != plan.fingerprint:
     raise PlanError(
         "the plan was made for a different program (fingerprint "

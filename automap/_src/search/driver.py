@@ -28,12 +28,12 @@ from automap._src.sharding.state import State
 
 
 def build_program(fn, args, mesh, hardware, hints: Hints | None = None,
-                  constraints: str = constraints_lib.KEEP) -> Program:
+                  constraints: str = constraints_lib.KEEP, names=None) -> Program:
   """The program a search reads: `fn(*args)` traced on `mesh` and `hardware`,
   with `hints`' pinned layouts and its own constraints used as `constraints`
   says."""
   spec = MeshSpec.of(mesh)  # Checked before the trace uses it.
-  traced = trace_lib.trace(fn, args, mesh)
+  traced = trace_lib.trace(fn, args, mesh, names=names)
   return Program.build(traced, spec, get_hardware(hardware),
                        (hints or Hints()).fixed, constraints=constraints)
 
