@@ -45,6 +45,8 @@ from automap._src.search.request import Hints as Hints
 from automap._src.search.request import MemoryLimitError as MemoryLimitError
 from automap._src.search.request import SearchOptions as SearchOptions
 from automap._src.search.request import SearchWarning as SearchWarning
+from automap._src.sharding.annotations import LayoutError as LayoutError
+from automap._src.sharding.annotations import LayoutWarning as LayoutWarning
 from automap._src.sharding.mesh import MeshError as MeshError
 
 __version__ = "0.1.0"
@@ -55,6 +57,8 @@ __all__ = (
     "AcceleratorError",
     "AcceleratorPlan",
     "ArgumentError",
+    "LayoutError",
+    "LayoutWarning",
     "Budget",
     "ClusterOptions",
     "ClusterPlan",

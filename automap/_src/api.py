@@ -7,6 +7,7 @@ import functools
 import inspect
 import os
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -27,23 +28,64 @@ from automap._src.search import driver
 from automap._src.search.driver import mesh_shapes
 from automap._src.search.program import Program
 from automap._src.search.request import Budget, SearchOptions, with_keywords
+from automap._src.sharding import annotations
+from automap._src.sharding.annotations import Layout, LayoutWarning
 from automap._src.sharding.mesh import MeshError, MeshSpec
 from automap._src.sharding.state import flat_specs
 
 
+def _layout(traced: trace_lib.Traced, args: tuple, mesh: MeshSpec, layout, rules,
+            request: SearchOptions) -> Layout | None:
+  """The layout `args` state on `mesh` (`sharding/annotations.py`), None if
+  none or `layout=False`. One that cannot be read is an error where it was
+  asked for (`layout=` given, or `start="your layout"`), else a
+  LayoutWarning: it is then neither priced nor a start."""
+  if layout is False:
+    return None
+  try:
+    return annotations.read(traced.dynamic_args(args), traced.in_paths, mesh, layout, rules)
+  except MeshError as e:
+    _unread(e, layout is not None or request.start == "your layout")
+    return None
+
+
+def _unread(error: MeshError, asked: bool) -> None:
+  """An unreadable layout: the error where it was asked for, else a warning."""
+  if asked:
+    raise error
+  warnings.warn(LayoutWarning(
+      f"the arguments' own layout is not priced beside the plan: {error} "
+      "(layout=False stops automap reading it)"), stacklevel=5)
+
+
+def _program(traced, mesh: MeshSpec, hardware: Hardware, request: SearchOptions,
+             layout: Layout | None, explicit: bool) -> Program:
+  """The program a search reads, with the arguments' layout where it fits
+  the mesh (else as `_layout` says)."""
+  program = Program.build(traced, mesh, hardware, request.hints.fixed,
+                          constraints=request.constraints, layout=layout)
+  try:
+    program.check_layout()
+  except MeshError as e:
+    _unread(e, explicit or request.start == "your layout")
+    program.layout = None
+  return program
+
+
 def _plan(traced: trace_lib.Traced, mesh: MeshSpec, hardware: Hardware,
-          request: SearchOptions, store: cache_lib.PlanCache | None) -> Plan:
+          request: SearchOptions, store: cache_lib.PlanCache | None,
+          layout: Layout | None = None, explicit: bool = False) -> Plan:
   """The plan `store` holds for this search (tied to the program's argument
   and result structure), else a fresh search, stored."""
   if store is not None:
     k = cache_lib.key(traced.fingerprint(), mesh, hardware, request,
-                      traced.in_paths + traced.out_paths)
+                      traced.in_paths + traced.out_paths,
+                      "" if layout is None or not layout.stated else layout.digest())
     plan = store.load(k, traced.fingerprint(), mesh)
     if plan is not None:
       return dataclasses.replace(plan, stats=dict(plan.stats, cached=True),
                                  in_tree=traced.in_tree, out_tree=traced.out_tree)
-  program = Program.build(traced, mesh, hardware, request.hints.fixed,
-                          constraints=request.constraints)
+  program = _program(traced, mesh, hardware, request, layout, explicit)
   plan = build.plan_of(program, driver.run(program, request), request.memory_limit)
   if store is not None:
     store.store(k, plan)
@@ -55,7 +97,8 @@ _AXIS_NAMES = ("x", "y", "z")
 
 def search(fn: Callable, *args, mesh=None, devices: int | None = None,
            hardware: str | Hardware = "tpu-v4", options: SearchOptions | None = None,
-           cache: bool | str | os.PathLike = False, names=None, **search_options) -> Plan:
+           cache: bool | str | os.PathLike = False, names=None, layout=None,
+           layout_rules=None, **search_options) -> Plan:
   """Plans `fn(*args)` without running it, on `mesh`, or on the best mesh
   of `devices` devices (axes named "x", "y", "z"; the budget is shared by
   the mesh shapes tried).
@@ -73,6 +116,15 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
   a pytree prefix of the arguments with a string or None per leaf or
   subtree (`names=([v.path for v in model.trainable_variables], None)`);
   plans, explain, export, hints and errors use those names.
+
+  "your layout" in the plan's yardsticks is the layout the arguments state:
+  `layout` (a pytree prefix of the arguments with PartitionSpecs, as
+  `jax.jit`'s in_shardings; a mapping of argument-path pattern -> spec; or a
+  keras LayoutMap), else their own annotations (flax `with_partitioning` /
+  logical partitioning metadata, arrays or ShapeDtypeStructs placed with a
+  NamedSharding); `layout=False` reads none. Logical axis names resolve
+  through `layout_rules` ((logical, mesh axes) pairs), else flax's rules
+  active now. `start="your layout"` also refines it and keeps the better.
   """
   if (mesh is None) == (devices is None):
     raise TypeError("search takes exactly one of mesh= (a jax.sharding.Mesh) "
@@ -81,8 +133,11 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
   if mesh is not None:
     folder = cache_lib.resolve(cache)
     spec = MeshSpec.of(mesh)  # Checked before the trace uses it.
-    return _plan(trace_lib.trace(fn, args, mesh, names=names), spec, get_hardware(hardware),
-                 request, None if folder is None else cache_lib.PlanCache(folder))
+    traced = trace_lib.trace(fn, args, mesh, names=names)
+    return _plan(traced, spec, get_hardware(hardware), request,
+                 None if folder is None else cache_lib.PlanCache(folder),
+                 _layout(traced, args, spec, layout, layout_rules, request),
+                 layout is not None and layout is not False)
   if (not isinstance(devices, (int, np.integer)) or isinstance(devices, bool)
       or devices < 1):
     raise ValueError(f"devices must be a positive integer, got {devices!r}.")
@@ -94,25 +149,41 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
       max(1, b.episodes // len(shapes)), b.seconds / len(shapes), b.progress))
   best = None
   for shape in shapes:
-    program = Program.build(traced, MeshSpec(_AXIS_NAMES[:len(shape)], shape), hw,
-                            request.hints.fixed, constraints=request.constraints)
+    on = MeshSpec(_AXIS_NAMES[:len(shape)], shape)
+    # A stated layout names the axes of some mesh: priced on the shapes it fits.
+    try:
+      stated = None if layout is False else annotations.read(
+          traced.dynamic_args(args), traced.in_paths, on, layout, layout_rules)
+    except MeshError:
+      stated = None
+    program = Program.build(traced, on, hw, request.hints.fixed,
+                            constraints=request.constraints, layout=stated)
+    try:
+      program.check_layout()
+    except MeshError:
+      program.layout = None
     found = driver.run(program, share)
     if best is None or found.score < best[1].score:
       best = (program, found)
   return build.plan_of(*best, request.memory_limit)
 
 
-def evaluate(fn: Callable, *args, mesh, in_shardings,
+def evaluate(fn: Callable, *args, mesh, in_shardings=None,
              hardware: str | Hardware = "tpu-v4", constraints: str = "keep",
-             names=None) -> Cost:
+             names=None, layout_rules=None) -> Cost:
   """Cost of a hand-written strategy under the same cost model.
 
   `in_shardings` is a pytree of PartitionSpecs (a prefix of the arguments
-  works). The program's own constraints (`with_sharding_constraint`, flax
-  logical constraints under the rules active now; traced with `mesh` in
-  context) lay out the values they name, and everything else follows by
-  propagation, as XLA compiles the program under `jax.jit(in_shardings=...)`.
-  `constraints="ignore"` prices the layout as if the program had none.
+  works). None (the default) takes the layout the arguments state, as
+  `jax.jit` takes unspecified shardings from its arguments: flax
+  partitioning metadata (logical names through `layout_rules`, else flax's
+  rules active now) or the NamedSharding an array or ShapeDtypeStruct is
+  placed with; leaves that state none are replicated. The program's own
+  constraints (`with_sharding_constraint`, flax logical constraints under
+  the rules active now; traced with `mesh` in context) lay out the values
+  they name, and everything else follows by propagation, as XLA compiles
+  the program under `jax.jit(in_shardings=...)`. `constraints="ignore"`
+  prices the layout as if the program had none.
   """
   if constraints not in ("keep", "ignore"):
     raise ValueError(
@@ -121,7 +192,13 @@ def evaluate(fn: Callable, *args, mesh, in_shardings,
   program = driver.build_program(fn, args, mesh, hardware, constraints=constraints,
                                  names=names)
   dynamic = program.traced.dynamic_args(args)  # Static leaves take no spec.
-  state = program.state_from_specs(flat_specs(in_shardings, dynamic))
+  if in_shardings is None:
+    stated = annotations.read(dynamic, program.traced.in_paths, program.mesh,
+                              rules=layout_rules)
+    specs = [jax.sharding.PartitionSpec() if s is None else s for s in stated.specs]
+  else:
+    specs = flat_specs(in_shardings, dynamic)
+  state = program.state_from_specs(specs)
   return Tracker(program.model, state).cost()
 
 
@@ -161,7 +238,8 @@ class Partitioned:
   def __init__(self, fn: Callable, *, mesh, hardware: str | Hardware = "tpu-v4",
                options: SearchOptions | None = None,
                cache: bool | str | os.PathLike = True,
-               donate_argnums: int | tuple[int, ...] = (), names=None, **search_options):
+               donate_argnums: int | tuple[int, ...] = (), names=None, layout=None,
+               layout_rules=None, **search_options):
     self._mesh_spec = MeshSpec.of(mesh)
     if not isinstance(mesh, jax.sharding.Mesh):
       raise MeshError(
@@ -169,6 +247,7 @@ class Partitioned:
           f"jax.sharding.Mesh with devices, got {type(mesh).__name__}; plan on "
           "an AbstractMesh with automap.search instead.")
     self.fn, self.mesh, self.names = fn, mesh, names
+    self.layout, self.layout_rules = layout, layout_rules
     self._auto = apply_lib.auto_mesh(mesh)
     self._signature = _signature_of(fn)
     self.request = with_keywords(SearchOptions, options, search_options, "partition")
@@ -225,7 +304,10 @@ class Partitioned:
       if not traced.numbers_traced:  # The program reads its numbers concretely.
         self._numbers = False
         key, dynamic = self._key(args, fn)
-      plan = _plan(traced, self._mesh_spec, self.hardware, self.request, self._cache)
+      stated = _layout(traced, args, self._mesh_spec, self.layout, self.layout_rules,
+                       self.request)
+      plan = _plan(traced, self._mesh_spec, self.hardware, self.request, self._cache,
+                   stated, self.layout is not None and self.layout is not False)
       plan.timings["plan"] = time.perf_counter() - t0
       if self.donate_argnums and max(self.donate_argnums) >= len(args):
         raise ValueError(
@@ -295,7 +377,8 @@ def _signature_of(fn) -> inspect.Signature | None:
 
 def partition(fn: Callable | None = None, *, mesh, hardware: str | Hardware = "tpu-v4",
               options: SearchOptions | None = None, cache: bool | str | os.PathLike = True,
-              donate_argnums: int | tuple[int, ...] = (), names=None, **search_options):
+              donate_argnums: int | tuple[int, ...] = (), names=None, layout=None,
+              layout_rules=None, **search_options):
   """Partitions `fn` automatically over `mesh`.
 
   Use as `@automap.partition(mesh=mesh)` or `automap.partition(fn, mesh=mesh)`.
@@ -307,12 +390,15 @@ def partition(fn: Callable | None = None, *, mesh, hardware: str | Hardware = "t
   folder path; or False for none), keyed by the program, mesh, hardware,
   search options and versions. `donate_argnums` donates arguments as
   `jax.jit` does (a train step's params and optimizer state, so the update
-  happens in place). `names` names argument leaves, as for `automap.search`.
+  happens in place). `names` names argument leaves, and `layout` /
+  `layout_rules` say what "your layout" is, as for `automap.search`: by
+  default the layout the first call's arguments state.
   """
   # Checked now, not at the first call, so a decorator fails where it is written.
   request = with_keywords(SearchOptions, options, search_options, "partition")
   make = functools.partial(Partitioned, mesh=mesh, hardware=hardware, options=request,
-                           cache=cache, donate_argnums=donate_argnums, names=names)
+                           cache=cache, donate_argnums=donate_argnums, names=names,
+                           layout=layout, layout_rules=layout_rules)
   if fn is None:
     return make
   if not callable(fn):

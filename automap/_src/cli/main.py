@@ -132,6 +132,9 @@ def _parser() -> argparse.ArgumentParser:
   search.add_argument("--constraints", choices=("keep", "hints", "ignore"), default="keep",
                       help="what to do with the program's own with_sharding_constraint "
                       "layouts (default keep)")
+  search.add_argument("--start", choices=("search", "your layout"), default="search",
+                      help="'your layout': also refine the layout the arguments state "
+                      "(their shardings, flax partitioning metadata) and keep the better")
   search.add_argument("--out", metavar="PATH", help="save the plan as JSON")
   search.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer time "
                       "and memory")
@@ -220,7 +223,7 @@ def _search(args) -> int:
     where = {"devices": args.devices}
   plan = automap.search(
       fn, *fn_args, **where, hardware=args.hardware, seed=args.seed, search=args.search,
-      constraints=args.constraints,
+      constraints=args.constraints, start=args.start,
       budget=automap.Budget(episodes=args.episodes, seconds=args.seconds),
       memory_limit=args.memory_limit, hints=automap.Hints(groups=tuple(args.group)))
   if not args.quiet:

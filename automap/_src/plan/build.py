@@ -102,7 +102,8 @@ def make_plan(program: Program, state: State, stats: dict,
       in_tree=program.traced.in_tree, out_tree=program.traced.out_tree)
 
 
-# The yardstick of the program as written, where it has constraints.
+# The yardstick of the program as written, where it or its arguments state
+# a layout.
 USER_LAYOUT = "your layout"
 
 
@@ -112,7 +113,7 @@ def yardsticks(program: Program, state: State) -> dict[str, Yardstick]:
   g, mesh = program.graph, program.mesh
   out = {}
   others = dict(tactics.yardsticks(program))
-  if program.has_constraints:
+  if program.has_user_layout:
     try:
       others[USER_LAYOUT] = program.user_layout()
     except MeshError:  # Ignored constraints for another mesh: nothing to price.

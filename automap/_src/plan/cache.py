@@ -67,11 +67,12 @@ def resolve(cache) -> pathlib.Path | None:
 
 
 def key(fingerprint: str, mesh: MeshSpec, hardware: Hardware, request,
-        paths: tuple[str, ...] = ()) -> str:
+        paths: tuple[str, ...] = (), layout: str = "") -> str:
   """Digest of everything a searched plan depends on (`request`: the
   search's hints, budget, memory limit, seed, backend, policy and what it
   does with the program's constraints; `paths`: the names its arguments and
-  results go by, which `names=` may change)."""
+  results go by, which `names=` may change; `layout`: the digest of the
+  layout the arguments state, the "your layout" yardstick's)."""
   hints, budget = request.hints, request.budget
   parts = {
       "schema": SCHEMA, "automap": VERSION, "jax": jax.__version__,
@@ -83,10 +84,12 @@ def key(fingerprint: str, mesh: MeshSpec, hardware: Hardware, request,
       "budget": [budget.episodes, budget.seconds],
       "memory_limit": request.memory_limit, "seed": request.seed,
       "search": request.search, "policy": request.policy_id(),
-      "constraints": request.constraints,
+      "constraints": request.constraints, "start": request.start,
   }
   if paths:
     parts["paths"] = hashlib.sha256("\0".join(paths).encode()).hexdigest()
+  if layout:
+    parts["layout"] = layout
   return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 

@@ -84,7 +84,8 @@ def run(program: Program, request: SearchOptions, policy: mcts.Policy | None = N
       found = run_ilp(program, space, request, policy)
     else:
       found = run_mcts(program, space, request, request.budget.seconds, policy)
-    if program.constraints == constraints_lib.HINTS and program.has_constraints:
+    if ((program.constraints == constraints_lib.HINTS and program.has_constraints)
+        or (request.start == "your layout" and program.has_user_layout)):
       found = from_user_layout(program, space, request, found)
     return found
   except SystemError as e:
@@ -141,9 +142,10 @@ def run_mcts(program: Program, space: ActionSpace, request: SearchOptions,
 def from_user_layout(program: Program, space: ActionSpace, request: SearchOptions,
                      found: Found) -> Found:
   """The better of `found` and the program's own layout refined (its
-  constraints as hints: refinement may leave any of them whole). The search
-  that made `found` never saw the constraints, so a program with hints is
-  never planned worse than the same program without them."""
+  constraints as hints: refinement may leave any of them whole; the
+  arguments' stated layouts as a start). So a program with hints is never
+  planned worse than the same program without them, and a search started
+  from your layout never ends worse than it."""
   start = program.user_layout()
   score = mcts.score_of(Tracker(program.model, start), request.memory_limit)
   state, score, moves = refine.refine_best(

@@ -5,7 +5,9 @@ search, evaluation and plan making (`plan/build.py`). Pins come from
 `Hints.fixed` and, in mode "keep", from the program's own layout
 constraints (`ir/constraints.py`): a constrained value has the constraint's
 layout, as XLA gives it, with dimensions the constraint leaves
-UNCONSTRAINED whole.
+UNCONSTRAINED whole. The layout the arguments state (`sharding/annotations.py`:
+`layout=`, flax metadata, their placement) is no pin: it is "your layout",
+a yardstick and, on request, a start.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from automap._src.ir import graph as graph_lib
 from automap._src.ir.constraints import Constraint
 from automap._src.ir.graph import Graph
 from automap._src.ir.trace import Traced
+from automap._src.sharding.annotations import Layout
 from automap._src.sharding.mesh import MeshError, MeshSpec
 from automap._src.sharding.propagation import Propagator
 from automap._src.sharding.state import State, empty_state, set_spec, spec_of
@@ -44,12 +47,14 @@ class Program:
   pinned: State  # [V, A] user-fixed layouts (rows of unfixed values unused)
   fixed: np.ndarray  # [V] bool
   constraints: str = constraints_lib.KEEP  # what the search does with the program's
+  layout: Layout | None = None  # what the arguments state, per flat argument
 
   @classmethod
   def build(cls, traced: Traced, mesh: MeshSpec, hardware: Hardware,
             fixed_specs: Mapping[str, PartitionSpec] | None = None,
             compiler: Compiler | None = None,
-            constraints: str = constraints_lib.KEEP) -> Program:
+            constraints: str = constraints_lib.KEEP,
+            layout: Layout | None = None) -> Program:
     constraints_lib.check_mode(constraints, "Program.build")
     graph = graph_lib.build(traced)
     pinned = empty_state(graph, mesh)
@@ -75,17 +80,41 @@ class Program:
       for c in graph.constraints:  # The search's start: checked now.
         _on_mesh(c, mesh)
     return cls(traced, graph, mesh, hardware,
-               CostModel(graph, mesh, hardware, compiler), pinned, fixed, constraints)
+               CostModel(graph, mesh, hardware, compiler), pinned, fixed, constraints,
+               layout if layout is not None and layout.stated else None)
 
   @property
   def has_constraints(self) -> bool:
     return any(c.value >= 0 for c in self.graph.constraints)
 
+  @property
+  def has_user_layout(self) -> bool:
+    """Whether the program or its arguments state a layout of their own."""
+    return self.has_constraints or self.layout is not None
+
+  def check_layout(self) -> None:
+    """A MeshError naming the first argument whose stated layout does not
+    fit it on this mesh (an axis it lacks, a dim it does not divide)."""
+    state = self.pinned.copy()
+    g = self.graph
+    for v, spec in zip(g.inputs, self.layout.specs if self.layout is not None else ()):
+      if spec is not None:
+        _pin(g, self.mesh, state, v, spec, False, f"your layout of argument {g.names[v]!r}")
+
   def user_layout(self) -> State:
-    """The program as written: the pins and the program's constraints,
-    everything else propagated from them, as XLA's propagation would."""
+    """The program as written: the pins, the program's constraints and the
+    arguments' own layouts, everything else propagated from them, as XLA's
+    propagation would. A pin wins over the layout an argument states. Where
+    the arguments state one, those that state none are replicated, as
+    `jax.jit` runs arguments it is given no sharding for."""
+    g = self.graph
     state, fixed = self.pinned.copy(), self.fixed.copy()
-    _pin_constraints(self.graph, self.mesh, state, fixed)
+    _pin_constraints(g, self.mesh, state, fixed)
+    for v, spec in zip(g.inputs, self.layout.specs if self.layout is not None else ()):
+      if not fixed[v]:
+        _pin(g, self.mesh, state, v, PartitionSpec() if spec is None else spec, False,
+             f"your layout of argument {g.names[v]!r}")
+        fixed[v] = True
     return self._propagated(state, fixed)
 
   def carried_pairs(self) -> list[tuple[int, int]]:

@@ -74,6 +74,7 @@ class Budget:
 
 
 SEARCHES = ("mcts", "ilp")
+STARTS = ("search", "your layout")
 
 
 class SearchWarning(UserWarning):
@@ -100,6 +101,9 @@ class SearchOptions:
     "hints": search without them, then also refine the program's own layout
     and keep the better plan, so they may be undone; "ignore": plan and
     compile the program as if it had none.
+  start: "search" (default), or "your layout": also refine the layout the
+    program and its arguments state (`layout=`, flax metadata, arrays'
+    shardings) and keep the better plan, never worse than that layout.
   """
 
   hints: Hints | None = None
@@ -109,6 +113,7 @@ class SearchOptions:
   search: str = "mcts"
   policy: str | os.PathLike = "uniform"
   constraints: str = constraints_lib.KEEP
+  start: str = "search"
 
   def __post_init__(self):
     hints = self.hints if self.hints is not None else Hints()
@@ -123,6 +128,11 @@ class SearchOptions:
           f"search must be one of {SEARCHES}, got {self.search!r}: 'mcts' (tree "
           "search over layer-group tilings and tactics) or 'ilp' (Alpa's "
           "per-op integer program, solved by CP-SAT within the budget's seconds).")
+    if self.start not in STARTS:
+      raise ValueError(
+          f"start must be one of {STARTS}, got {self.start!r}: 'search' (search "
+          "alone) or 'your layout' (also refine the layout the arguments and "
+          "program state, keeping the better plan).")
     seed = self.seed
     if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
       raise TypeError(f"seed must be a non-negative integer, got {seed!r}.")
