@@ -1,0 +1,51 @@
+"""Train steps written with other libraries' own model code run first try.
+
+One step per library (`benchmarks/outside_steps.py`, at its TINY size): a
+HuggingFace Flax GPT-2 with its tied head, equinox (the whole model as the
+argument, activation functions static), haiku, keras 3 (`stateless_call` on
+lists, named by `names=`), flax linen and nnx layers. Each is partitioned
+and run, checked against the unpartitioned step, and data parallelism's
+predicted collective bytes are checked against what XLA compiles for it.
+The whole set, at benchmark size, is `benchmarks/outside.py`.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+from helpers import mesh
+
+import automap
+
+outside_steps = pytest.importorskip("outside_steps")
+pytest.importorskip("equinox")
+pytest.importorskip("haiku")
+pytest.importorskip("keras")
+pytest.importorskip("transformers")
+
+import outside  # noqa: E402  (benchmarks/outside.py: the compiled-program referee)
+
+M = mesh((4, 2))
+BUILDERS = [outside_steps.hf_gpt2, outside_steps.eqx_transformer,
+            outside_steps.hk_transformer, outside_steps.keras_transformer,
+            outside_steps.linen_encoder, outside_steps.nnx_decoder]
+
+
+@pytest.mark.parametrize("build", BUILDERS, ids=lambda b: b.__name__)
+def test_outside_train_step_runs_first_try_and_prices_data_parallelism_exactly(build):
+  with jax.numpy_rank_promotion("allow"):  # library code broadcasts freely
+    step = build(outside_steps.TINY)
+    plan = automap.search(step.fn, *step.args, mesh=M, hardware="cpu", names=step.names,
+                          budget=automap.Budget(episodes=10, seconds=60))
+    report = automap.verify(plan, step.fn, *step.args, mesh=M, names=step.names)
+    # AdamW moves a weight by about the learning rate (1e-3) a step, even one
+    # whose exact gradient is zero (a key bias): a wrong layout errs by the
+    # weights' own size, rounding by far less than the step.
+    assert report.max_abs_error < 2e-3, report.worst_leaf
+    # Data parallelism, written by hand: predicted bytes are the compiled ones.
+    experts, traced = outside.expert_specs(step, M, automap.HARDWARE["cpu"])
+    specs, predicted = experts["data parallel"]
+    compiled = outside.compile_layout(traced, M, specs, step.args)
+    found = outside.collectives(compiled.as_text(), M)
+    assert predicted.total_comm_bytes == pytest.approx(sum(c.nbytes for c in found), rel=0.02)
+    assert predicted.total_comm_bytes > 0
