@@ -85,6 +85,7 @@ def _plan(traced: trace_lib.Traced, mesh: MeshSpec, hardware: Hardware,
     if plan is not None:
       return dataclasses.replace(plan, stats=dict(plan.stats, cached=True),
                                  in_tree=traced.in_tree, out_tree=traced.out_tree)
+  request = request.resolved(hardware)
   program = _program(traced, mesh, hardware, request, layout, explicit)
   plan = build.plan_of(program, driver.run(program, request), request.memory_limit)
   if store is not None:
@@ -143,6 +144,7 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
     raise ValueError(f"devices must be a positive integer, got {devices!r}.")
   traced = trace_lib.trace(fn, args, names=names)
   hw = get_hardware(hardware)
+  request = request.resolved(hw)
   shapes = mesh_shapes(int(devices))
   b = request.budget
   share = dataclasses.replace(request, budget=Budget(

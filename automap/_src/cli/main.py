@@ -47,7 +47,9 @@ def _demo_mesh(text: str) -> tuple[int, ...]:
         f"--mesh takes two sizes like 4,2 (data, model), got {text!r}") from None
 
 
-def _bytes(text: str) -> float:
+def _bytes(text: str) -> float | str | None:
+  if text.strip().lower() in ("device", "none"):
+    return None if text.strip().lower() == "none" else "device"
   m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
   unit = m and _UNITS.get(m.group(2).lower())
   try:
@@ -57,7 +59,7 @@ def _bytes(text: str) -> float:
   if not value or value <= 0:
     raise argparse.ArgumentTypeError(
         f"--memory-limit takes a positive size in bytes, like 16GiB, 800MB or "
-        f"1.5e9, got {text!r}")
+        f"1.5e9, 'device' (the hardware's capacity) or 'none', got {text!r}")
   return value
 
 
@@ -121,8 +123,12 @@ def _parser() -> argparse.ArgumentParser:
                       help="MCTS episodes (default 200)")
   search.add_argument("--seconds", type=_positive(float), default=60.0,
                       help="search budget in seconds (default 60)")
-  search.add_argument("--memory-limit", type=_bytes, metavar="BYTES",
-                      help="per device, e.g. 16GiB")
+  search.add_argument("--memory-limit", type=_bytes, metavar="BYTES", default="device",
+                      help="per device, e.g. 16GiB; 'none' for no limit (default: the "
+                      "hardware's memory capacity)")
+  search.add_argument("--time-tolerance", type=float, default=0.01, metavar="FRACTION",
+                      help="within this fraction of the fastest step time, keep the plan "
+                      "of least peak memory (default 0.01)")
   search.add_argument("--group", action="append", default=[], metavar="PATTERN",
                       help="name pattern of repeated layers sharing one decision, "
                       "e.g. 'block_*' (repeatable)")
@@ -225,7 +231,8 @@ def _search(args) -> int:
       fn, *fn_args, **where, hardware=args.hardware, seed=args.seed, search=args.search,
       constraints=args.constraints, start=args.start,
       budget=automap.Budget(episodes=args.episodes, seconds=args.seconds),
-      memory_limit=args.memory_limit, hints=automap.Hints(groups=tuple(args.group)))
+      memory_limit=args.memory_limit, time_tolerance=args.time_tolerance,
+      hints=automap.Hints(groups=tuple(args.group)))
   if not args.quiet:
     print(plan.explain())
   if args.out:

@@ -85,6 +85,7 @@ def key(fingerprint: str, mesh: MeshSpec, hardware: Hardware, request,
       "memory_limit": request.memory_limit, "seed": request.seed,
       "search": request.search, "policy": request.policy_id(),
       "constraints": request.constraints, "start": request.start,
+      "time_tolerance": request.time_tolerance,
   }
   if paths:
     parts["paths"] = hashlib.sha256("\0".join(paths).encode()).hexdigest()

@@ -83,6 +83,26 @@ def _yardsticks(plan) -> list[str]:
   return lines
 
 
+def _front(plan) -> list[str]:
+  """The time/memory front the search saw: each point faster than every
+  point of lower peak."""
+  points = plan.stats.get("front") or []
+  if len(points) < 2:
+    return []
+  fastest = points[0][0]
+  lines = ["", "time/memory front of the plans searched (faster, or less memory):",
+           f"  {'step time':>12} {'peak memory':>12}"]
+  for t, peak in points:
+    mark = "  <- the plan" if abs(t - plan.cost.step_time) <= 1e-12 + 1e-9 * t and abs(
+        peak - plan.cost.peak_memory) <= 1 else ""
+    lines.append(f"  {_ms(t):>12} {format_bytes(peak):>12}  {t / fastest:.3f}x{mark}")
+  chosen = plan.stats.get("least_memory")
+  if chosen:
+    lines.append(f"  (the least peak within the time tolerance of the fastest, "
+                 f"{_ms(chosen['step_time'])})")
+  return lines
+
+
 def _layers(plan) -> list[str]:
   if not plan.layers:
     return []
@@ -96,7 +116,7 @@ def _layers(plan) -> list[str]:
 
 
 def explain(plan) -> str:
-  lines = _summary(plan) + _yardsticks(plan) + _layers(plan)
+  lines = _summary(plan) + _yardsticks(plan) + _front(plan) + _layers(plan)
   lines += ["", "arguments (grouped by layer):"]
   groups: dict[str, list[str]] = defaultdict(list)
   for path, shape, spec in zip(plan.in_paths, plan.in_shapes, plan.in_specs):
@@ -119,6 +139,7 @@ def explain(plan) -> str:
                  f"x{count:<4} {format_bytes(nbytes)}")
   stats = dict(plan.stats)
   actions = stats.pop("actions", None)
+  stats.pop("front", None)
   if stats:
     lines += ["", "search: " + ", ".join(f"{k}={v}" for k, v in stats.items())]
   if actions:

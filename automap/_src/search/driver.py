@@ -18,6 +18,7 @@ from automap._src.cost.hardware import get_hardware
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import constraints as constraints_lib
 from automap._src.ir import trace as trace_lib
+from automap._src.search import front as front_lib
 from automap._src.search import ilp, mcts, refine
 from automap._src.search.actions import ActionSpace
 from automap._src.search.program import Program
@@ -46,6 +47,8 @@ class Found:
   score: mcts.Score  # (bytes over the memory limit, step seconds)
   stats: dict  # what the inputs determine: saved with the plan
   timings: dict[str, float]  # wall seconds of this run: kept on the Plan only
+  # Other plans the search saw, (state, score): where the time/memory front is.
+  candidates: list = dataclasses.field(default_factory=list, repr=False)
 
 
 def check_memory_limit(program: Program, memory_limit: float | None) -> None:
@@ -76,6 +79,7 @@ def policy_for(request: SearchOptions) -> mcts.Policy | None:
 def run(program: Program, request: SearchOptions, policy: mcts.Policy | None = None) -> Found:
   """The best state the requested backend finds for `program`. `policy`
   guides MCTS (default: the one `request.policy` names, `policy_for`)."""
+  request = request.resolved(program.hardware)
   check_memory_limit(program, request.memory_limit)
   policy = policy if policy is not None else policy_for(request)
   space = ActionSpace(program, request.hints.groups)
@@ -87,7 +91,7 @@ def run(program: Program, request: SearchOptions, policy: mcts.Policy | None = N
     if ((program.constraints == constraints_lib.HINTS and program.has_constraints)
         or (request.start == "your layout" and program.has_user_layout)):
       found = from_user_layout(program, space, request, found)
-    return found
+    return with_least_memory(program, found, request.time_tolerance)
   except SystemError as e:
     # Ctrl-C landing inside a compiled kernel's call (while numba compiles,
     # loads or boxes) surfaces as a SystemError around it.
@@ -108,6 +112,7 @@ def run_mcts(program: Program, space: ActionSpace, request: SearchOptions,
   """MCTS (uniform priors where `policy` is None), then refinement of its
   best plans (`search/refine.py`)."""
   t0 = time.perf_counter()
+  request = request.resolved(program.hardware)
   budget = request.budget
   run = mcts.Search(program, space, request.memory_limit, request.seed, policy=policy)
   show = budget.progress if budget.progress is not None else sys.stderr.isatty()
@@ -136,7 +141,8 @@ def run_mcts(program: Program, space: ActionSpace, request: SearchOptions,
   stats["refine_moves"] = moves
   return Found(state, score, stats,
                {"search": time.perf_counter() - t0, "to_best": result.seconds_to_best,
-               "refine": time.perf_counter() - start})
+               "refine": time.perf_counter() - start},
+               [(n.state, n.score) for n in run.table.values()])
 
 
 def from_user_layout(program: Program, space: ActionSpace, request: SearchOptions,
@@ -151,10 +157,26 @@ def from_user_layout(program: Program, space: ActionSpace, request: SearchOption
   state, score, moves = refine.refine_best(
       program, space.colour, [(start, score)], request.memory_limit,
       request.budget.seconds * _REFINE_SHARE, _REFINE_TRIES * request.budget.episodes)
+  seen = found.candidates + [(found.state, found.score), (state, score)]
   if not mcts.better(score, found.score):
-    return dataclasses.replace(found, stats=dict(found.stats, start="search"))
+    return dataclasses.replace(found, stats=dict(found.stats, start="search"), candidates=seen)
   return Found(state, score, dict(found.stats, start="your layout", refine_moves=moves),
-               found.timings)
+               found.timings, seen)
+
+
+# Points of the time/memory front a plan keeps in its stats.
+_FRONT_POINTS = 12
+
+
+def with_least_memory(program: Program, found: Found, tolerance: float) -> Found:
+  """`found` as the plan of least peak among those the search saw within
+  `tolerance` of its step time (`search/front.py`), the front in its stats."""
+  state, score, points = front_lib.choose(program, found.candidates,
+                                          (found.state, found.score), tolerance)
+  stats = dict(found.stats, front=[[t, m] for t, m in points[:_FRONT_POINTS]])
+  if state is not found.state:
+    stats["least_memory"] = {"step_time": found.score[1], "chosen_step_time": score[1]}
+  return dataclasses.replace(found, state=state, score=score, stats=stats)
 
 
 # Share of Budget.seconds the ILP's warm start (MCTS) may take.
@@ -167,6 +189,7 @@ def run_ilp(program: Program, space: ActionSpace, request: SearchOptions,
   the budget's seconds) and keeps the better of the two; on a timeout
   without a solution, the warm start, with a warning."""
   t0 = time.perf_counter()
+  request = request.resolved(program.hardware)
   limit, budget = request.memory_limit, request.budget
   warm = run_mcts(program, space, request, budget.seconds * _WARM_SHARE, policy)
   result = ilp.solve(program, ilp.SolverSettings(
@@ -192,11 +215,13 @@ def run_ilp(program: Program, space: ActionSpace, request: SearchOptions,
         f"({result.variables:,} variables); using its warm start, MCTS's best "
         "plan, instead. Give a larger Budget(seconds=...) or use search='mcts'."),
         stacklevel=4)
-    return Found(warm.state, warm.score, dict(stats, kept="warm start"), timings)
+    return Found(warm.state, warm.score, dict(stats, kept="warm start"), timings,
+                 warm.candidates)
   score = mcts.score_of(Tracker(program.model, result.state), limit)
+  seen = warm.candidates + [(result.state, score)]
   if warm.score < score:  # the solver's classes could not express the start
-    return Found(warm.state, warm.score, dict(stats, kept="warm start"), timings)
-  return Found(result.state, score, stats, timings)
+    return Found(warm.state, warm.score, dict(stats, kept="warm start"), timings, seen)
+  return Found(result.state, score, stats, timings, seen + [(warm.state, warm.score)])
 
 
 def mesh_shapes(devices: int) -> list[tuple[int, ...]]:

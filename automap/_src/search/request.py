@@ -74,6 +74,7 @@ class Budget:
 
 
 SEARCHES = ("mcts", "ilp")
+DEVICE = "device"  # memory_limit: the hardware's capacity
 STARTS = ("search", "your layout")
 
 
@@ -89,7 +90,11 @@ class SearchOptions:
 
   hints: what the user knows (`Hints`: layer groups, pinned layouts).
   budget: MCTS episodes and wall seconds (`Budget`).
-  memory_limit: bytes per device a plan may use; None for no limit.
+  memory_limit: bytes per device a plan may use; "device" for the
+    hardware's memory capacity; None for no limit.
+  time_tolerance: among plans within this fraction of the fastest step time
+    found, the plan is the one of least peak memory (0: the fastest; the
+    time/memory front the search saw is in the plan's stats and explain).
   seed: the search's random seed (same inputs and seed, same plan).
   search: the backend, "mcts" (tree search over layer-group tilings and
     tactics, then refinement) or "ilp" (the exact per-op integer program).
@@ -108,12 +113,13 @@ class SearchOptions:
 
   hints: Hints | None = None
   budget: Budget | None = None
-  memory_limit: float | None = None
+  memory_limit: float | str | None = "device"
   seed: int = 0
   search: str = "mcts"
   policy: str | os.PathLike = "uniform"
   constraints: str = constraints_lib.KEEP
   start: str = "search"
+  time_tolerance: float = 0.01
 
   def __post_init__(self):
     hints = self.hints if self.hints is not None else Hints()
@@ -137,11 +143,17 @@ class SearchOptions:
     if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
       raise TypeError(f"seed must be a non-negative integer, got {seed!r}.")
     limit = self.memory_limit
-    if limit is not None and (not isinstance(limit, (int, float, np.integer, np.floating))
-                              or isinstance(limit, bool)):
+    if limit is not None and limit != DEVICE and (
+        not isinstance(limit, (int, float, np.integer, np.floating)) or isinstance(limit, bool)):
       raise TypeError(
-          f"memory_limit must be a number of bytes per device (or None for "
-          f"no limit), got {limit!r}.")
+          f"memory_limit must be a number of bytes per device, 'device' (the "
+          f"hardware's capacity) or None for no limit, got {limit!r}.")
+    tol = self.time_tolerance
+    if (not isinstance(tol, (int, float, np.integer, np.floating)) or isinstance(tol, bool)
+        or not 0 <= tol < 1):
+      raise ValueError(
+          f"time_tolerance must be a fraction in [0, 1) of the best step time within "
+          f"which the plan of least peak memory is chosen (0: the fastest), got {tol!r}.")
     policy = os.fspath(self.policy) if isinstance(self.policy, os.PathLike) else self.policy
     if not isinstance(policy, str) or not policy:
       raise TypeError(
@@ -152,6 +164,12 @@ class SearchOptions:
     for name, value in (("hints", hints), ("budget", budget), ("seed", int(seed)),
                         ("policy", policy)):
       object.__setattr__(self, name, value)
+
+  def resolved(self, hardware) -> SearchOptions:
+    """These options with memory_limit="device" as `hardware`'s capacity."""
+    if self.memory_limit != DEVICE:
+      return self
+    return dataclasses.replace(self, memory_limit=float(hardware.hbm_capacity))
 
   def policy_id(self) -> str:
     """What the policy's priors depend on: none, or its weights' digest."""
