@@ -49,3 +49,7 @@ def test_outside_train_step_runs_first_try_and_prices_data_parallelism_exactly(b
     found = outside.collectives(compiled.as_text(), M)
     assert predicted.total_comm_bytes == pytest.approx(sum(c.nbytes for c in found), rel=0.02)
     assert predicted.total_comm_bytes > 0
+    # And its peak: temporaries live in the buffers of results made after
+    # they die, as XLA's buffer assignment places them.
+    peak = outside.compiled_memory(compiled)[0]
+    assert predicted.peak_memory == pytest.approx(peak, rel=0.1)

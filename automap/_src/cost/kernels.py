@@ -201,41 +201,51 @@ def temporaries_in_result_buffers(n, by_start, by_end, start, end, footprint, fi
   Temporaries (start, end, footprint, fits_class: the smallest class of
   result buffers each fits, classes ordered largest first) are sorted by start
   (`by_start`) and by end (`by_end`); result buffers by the op that makes
-  them (`made`, `slot_class`). At each point, the buffers of results made
-  after every temporary alive there dies are matched to them by class,
-  largest first: a temporary fits its class and every larger one, so
-  unused larger buffers carry down. Where a class has more temporaries
-  than buffers, the share held is its bytes in proportion."""
+  them (`made`, `slot_class`). A buffer hosts a temporary that dies before
+  its result is made (XLA's buffer assignment shares a live-out
+  allocation between values whose live ranges do not interfere). At each
+  point the buffers are matched to the temporaries alive there by class,
+  largest first: a temporary fits its class and every larger one, so unused
+  larger buffers carry down. Class c's temporaries and the larger ones
+  matched before them take buffers made after the latest of their own ends,
+  so a small long-lived one (a gradient the optimizer reads last) holds
+  back only its own class and the smaller, not every buffer. Where a class
+  has more temporaries than buffers, the share held is its bytes in
+  proportion."""
   out = np.zeros(n)
   count = np.zeros(classes)
   nbytes = np.zeros(classes)
-  free = np.zeros(classes)
+  last = np.full(classes, -1)  # per class, the latest end of a temporary started
+  # after[c, x]: buffers of class c or larger made after op x.
+  span = n + 2
+  after = np.zeros((classes, span))
   for k in range(len(slot_class)):
-    free[slot_class[k]] += 1
-  i = j = k = 0
-  last = -1  # the latest end of a temporary started so far
+    m = min(max(made[k], 0), span - 1)
+    after[slot_class[k], :m] += 1
+  for c in range(1, classes):
+    after[c] += after[c - 1]
+  i = j = 0
   for t in range(n):
     while i < len(by_start) and start[by_start[i]] <= t:
-      count[fits_class[by_start[i]]] += 1
-      nbytes[fits_class[by_start[i]]] += footprint[by_start[i]]
-      last = max(last, end[by_start[i]])
+      c = fits_class[by_start[i]]
+      count[c] += 1
+      nbytes[c] += footprint[by_start[i]]
+      last[c] = max(last[c], end[by_start[i]])
       i += 1
     while j < len(by_end) and end[by_end[j]] < t:
       count[fits_class[by_end[j]]] -= 1
       nbytes[fits_class[by_end[j]]] -= footprint[by_end[j]]
       j += 1
-    # A buffer hosts only what dies before its result is made: those made
-    # after every temporary alive now (the latest end so far, if alive).
-    while k < len(made) and made[k] <= max(t, last):
-      free[slot_class[k]] -= 1
-      k += 1
-    carry = 0.0
+    # Ends of temporaries already dead are below t: max(t, ...) discounts them.
+    cutoff = t
+    taken = 0.0
     total = 0.0
     for c in range(classes):
-      carry += free[c]
-      if count[c] > 0 and carry > 0:
-        take = min(count[c], carry)
+      cutoff = max(cutoff, last[c]) if count[c] > 0 else cutoff
+      left = after[c, min(cutoff, span - 1)] - taken
+      if count[c] > 0 and left > 0:
+        take = min(count[c], left)
         total += nbytes[c] * take / count[c]
-        carry -= take
+        taken += take
     out[t] = total
   return out

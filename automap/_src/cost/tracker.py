@@ -259,8 +259,9 @@ class Tracker:
     Before a result of the program is made, its buffer holds temporaries
     that fit in it and die before it is made, one at a time (XLA's buffer
     assignment shares live-out allocations), so a temporary with such a
-    host costs nothing extra. Counted conservatively: at each point, only
-    results made after every temporary alive there dies offer their buffers.
+    host costs nothing extra. At each point, a size class of temporaries
+    and the larger ones take the buffers of results made after the last of
+    them dies (`kernels.temporaries_in_result_buffers`).
     """
     if not len(self.live):
       return 0.0, 0
