@@ -49,24 +49,18 @@ def state_arguments(traced: Traced) -> np.ndarray:
   return carried_arguments(traced) | mirrored
 
 
-def _weight(graph: Graph, v: int, carried: set[int]) -> tuple[int, list[int]]:
-  """(w, dims): the carried argument w that `v` is, or is a dtype
-  conversion, a transpose (`kernel.T`: HF's Conv1D, a tied output head
-  `embedding.T`) or (in a scan body) one layer's slice of, with the dim of w
-  each dim of v reads; (-1, []) for none."""
-  dims = list(range(graph.rank(v)))
+def _weight(graph: Graph, v: int, carried: set[int]) -> tuple[int, int]:
+  """(w, k): the carried argument w that `v` is, or is a dtype conversion
+  of, or (in a scan body) one layer's slice of, with k leading dims of w
+  (stacked layers) before v's; (-1, 0) for none."""
+  lead = 0
   while v >= 0 and v not in carried:
     o = graph.producer[v]
-    prim = graph.prims[o] if o >= 0 else None
-    if prim == "transpose":  # result dim d is the operand dim of its factor
-      result, operand = graph.rules[o].results[0], list(graph.rules[o].operands[0])
-      dims = [operand.index(result[d]) for d in dims]
-    elif prim == "scan_slice":
-      dims = [d + 1 for d in dims]  # the stacked layers' dim leads
-    elif prim not in ("convert_element_type", "copy"):
-      return -1, []
+    if o < 0 or graph.prims[o] not in ("convert_element_type", "copy", "scan_slice"):
+      return -1, 0
+    lead += graph.prims[o] == "scan_slice"
     v = graph.operands[o][0]
-  return v, dims
+  return v, lead
 
 
 class Tactics:
@@ -86,11 +80,11 @@ class Tactics:
         continue
       rule = graph.rules[o]
       for i in range(2):
-        w, dims = _weight(graph, graph.operands[o][i], seen)
+        w, lead = _weight(graph, graph.operands[o][i], seen)
         if w < 0:
           continue
         other, out = set(rule.operands[1 - i] or ()), set(rule.results[0])
-        columns = [dims[d] for d, f in enumerate(rule.operands[i])
+        columns = [lead + d for d, f in enumerate(rule.operands[i])
                    if f >= 0 and f in out and f not in other]
         if columns:
           self.weights.append((w, columns))
