@@ -2,7 +2,8 @@
 
 Each section runs one script of this folder in a fresh process and records
 its output under the exact command and the machine it ran on; plots are
-written next to this file. The full suite takes under 30 minutes on 2 cores;
+written next to this file. The full suite takes under an hour on 2 cores
+(the outside-code section, which needs the `outside` extra, 20 minutes);
 `--quick` runs a few minutes' subset and writes RESULTS.quick.md.
 
   python benchmarks/run.py [--quick] [--only quality scale ...]
@@ -29,6 +30,9 @@ SECTIONS = {
     "fidelity": ("Fidelity: predicted against compiled", ["--ilp-seconds", "2"],
                  ["--quick"]),
     "constraints": ("Constraints: the user's own layout, priced", [], ["--quick"]),
+    # Needs the `outside` extra (README): other libraries' model code.
+    "outside": ("Other people's model code: six libraries, priced and judged compiled", [],
+                ["--quick"]),
     "search": ("Search efficiency: MCTS against the experts, with and without hints",
                ["--layers", "2", "12", "24", "--plot", "benchmarks/search.png"],
                ["--layers", "2", "--episodes", "100", "--plot", "benchmarks/search.png"]),
