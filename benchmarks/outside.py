@@ -70,8 +70,8 @@ def referee(compiled, mesh, hw) -> dict:
 
 
 def expert_specs(step, mesh, hw) -> dict:
-  """Each expert's argument specs and predicted cost, from automap's
-  tactics (the same ones its yardsticks use)."""
+  """Each expert's argument specs, from automap's tactics (the same ones its
+  yardsticks use), and their predicted cost."""
   program = driver.build_program(step.fn, step.args, mesh, hw, names=step.names)
   space = ActionSpace(program)
   tactics, real = space.experts, space.real_axes
@@ -88,7 +88,9 @@ def expert_specs(step, mesh, hw) -> dict:
       for a in real:
         tactics.fsdp(state, a)
     specs = [spec_of(state, program.mesh, v, g.rank(v)) for v in g.inputs]
-    out[name] = (specs, Tracker(program.model, state).cost())
+    # Priced as `evaluate` prices a hand-written layout: its argument specs,
+    # the rest propagated as XLA propagates it.
+    out[name] = (specs, Tracker(program.model, program.state_from_specs(specs)).cost())
   return out, program.traced
 
 
@@ -131,10 +133,16 @@ def measure(step, shape, names, episodes: int) -> dict:
       mine = jitted.lower(*apply_lib.abstract_args(traced.dynamic_args(step.args))).compile()
     judged = {"automap": referee(mine, mesh, hw)}
     predicted = {"automap": plan.cost}
+    expert_errors = {}  # each expert's (comm, peak) relative error, priced as `evaluate` does
     for name, (specs, cost) in experts.items():
-      judged[name] = referee(compile_layout(traced, mesh, specs, step.args), mesh, hw)
+      compiled = compile_layout(traced, mesh, specs, step.args)
+      judged[name] = referee(compiled, mesh, hw)
       predicted[name] = cost
-  row["judged"], row["predicted"] = judged, predicted
+      xla = sum(c.nbytes for c in collectives(compiled.as_text(), mesh))
+      expert_errors[name] = (
+          abs(cost.total_comm_bytes - xla) / xla if xla else float(cost.total_comm_bytes > 0),
+          abs(cost.peak_memory - judged[name]["peak"]) / judged[name]["peak"])
+  row["judged"], row["predicted"], row["expert_errors"] = judged, predicted, expert_errors
   return row
 
 
@@ -178,6 +186,12 @@ def summary(rows: list[dict]) -> list[str]:
   agree = sum(min(r["predicted"], key=lambda n: r["predicted"][n].step_time)
               == min(r["judged"], key=lambda n: r["judged"][n]["time"]) for r in ran)
   libraries = sorted({r["library"] for r in rows})
+  expert_comm = [e[0] for r in ran for e in r["expert_errors"].values()]
+  expert_peak = [e[1] for r in ran for e in r["expert_errors"].values()]
+  # A hand-written layout beating the plan on both compiled time and peak by > 2%.
+  beaten = [f"{r['step']} {r['mesh']} by {n}" for r in ran for n in EXPERTS
+            if r["judged"][n]["time"] < 0.98 * r["judged"]["automap"]["time"]
+            and r["judged"][n]["peak"] < 0.98 * r["judged"]["automap"]["peak"]]
   return [
       f"- {len(ran)} of {len(rows)} step-mesh rows planned, compiled and ran first try "
       f"({len({r['step'] for r in rows})} steps, {len(libraries)} libraries: "
@@ -191,6 +205,12 @@ def summary(rows: list[dict]) -> list[str]:
       f"- referee time, automap / best expert: median {np.median(ratio):.3f}x, "
       f"worst {max(ratio):.3f}x; automap at or below the best expert on {wins} of {len(ran)}.",
       f"- the cost model's fastest layout of the four is the referee's on {agree} of {len(ran)}.",
+      f"- the experts priced as `evaluate` prices them: collective bytes |error| max "
+      f"{max(expert_comm, default=0):.1%} ({sum(e <= 0.05 for e in expert_comm)} of "
+      f"{len(expert_comm)} within 5%), peak memory |error| max {max(expert_peak, default=0):.1%}"
+      f" ({sum(e <= 0.15 for e in expert_peak)} of {len(expert_peak)} within 15%).",
+      f"- plans beaten by a hand-written layout on both compiled time and peak by more than "
+      f"2%: {len(beaten)}{' (' + '; '.join(beaten) + ')' if beaten else ''}.",
   ]
 
 
