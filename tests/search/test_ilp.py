@@ -127,8 +127,9 @@ def test_train_step_plan_is_faithful_and_no_worse_than_its_warm_start():
   step, args = gpt_step(SMALL)
   # The budget covers the warm start and building the model too: room for
   # a loaded machine, so the solver itself always gets to a solution.
+  # time_tolerance=0: the fastest plan, not the least peak within 1% of it.
   plan = automap.search(step, *args, mesh=m, hardware="cpu", search="ilp",
-                        budget=automap.Budget(seconds=40))
+                        budget=automap.Budget(seconds=40), time_tolerance=0)
   assert plan.stats["status"] in ("optimal", "feasible")
   # (The warm start's time is the search's running sum: equal up to rounding.)
   assert plan.cost.step_time <= plan.stats["warm_start"]["step_time"] * (1 + 1e-9)

@@ -253,6 +253,11 @@ class Tracker:
   def peak_memory(self) -> float:
     return self.resident + self.peak()[0]
 
+  def peak_bound(self) -> float:
+    """An upper bound of `peak_memory` without the buffer matching: every
+    temporary held apart (a limit it meets needs no more work)."""
+    return self.resident + (max(float(self.live.max()), 0.0) if len(self.live) else 0.0)
+
   def peak(self) -> tuple[float, int]:
     """(bytes of temporaries at the memory peak, op index of the peak).
 

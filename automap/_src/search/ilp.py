@@ -465,8 +465,12 @@ def solve(program: Program, settings: SolverSettings = SolverSettings(),
   if hint is not None:
     form.hint(hint)
   limit = settings.memory_limit
-  if limit is not None:
-    live = Tracker(program.model, empty_state(program.graph, program.mesh)).live
+  replicated = Tracker(program.model, empty_state(program.graph, program.mesh))
+  # Bounds seeded where the replicated program peaks, unless even it fits
+  # (a device's capacity, the default limit, mostly does): a solution over
+  # the limit still adds the bound where it peaks, round by round.
+  if limit is not None and replicated.peak_memory > limit:
+    live = replicated.live
     for point in np.argsort(-live[:program.graph.num_ops], kind="stable")[:_FIRST_POINTS]:
       form.bound(int(point), limit)
   solver = cp_model.CpSolver()

@@ -107,8 +107,9 @@ class MCTSResult:
 
 
 def score_of(tracker: Tracker, memory_limit: float | None) -> Score:
-  over = 0.0 if memory_limit is None else max(0.0, tracker.peak_memory - memory_limit)
-  return (over, tracker.step_time)
+  if memory_limit is None or tracker.peak_bound() <= memory_limit:
+    return (0.0, tracker.step_time)  # fits before results' buffers are counted
+  return (max(0.0, tracker.peak_memory - memory_limit), tracker.step_time)
 
 
 class Search:
