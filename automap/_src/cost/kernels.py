@@ -219,9 +219,14 @@ def temporaries_in_result_buffers(n, by_start, by_end, start, end, footprint, fi
   # after[c, x]: buffers of class c or larger made after op x.
   span = n + 2
   after = np.zeros((classes, span))
-  for k in range(len(slot_class)):
-    m = min(max(made[k], 0), span - 1)
-    after[slot_class[k], :m] += 1
+  for k in range(len(slot_class)):  # a histogram by class and op made...
+    after[slot_class[k], min(max(made[k], 0), span - 1)] += 1
+  for c in range(classes):  # ...summed over later ops: made after x
+    running = 0.0
+    for x in range(span - 1, -1, -1):
+      made_here = after[c, x]
+      after[c, x] = running
+      running += made_here
   for c in range(1, classes):
     after[c] += after[c - 1]
   i = j = 0

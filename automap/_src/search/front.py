@@ -16,7 +16,7 @@ from automap._src.search import mcts
 from automap._src.sharding.state import State
 
 # Candidates priced for the front beyond the band: the fastest few.
-_PRICED = 48
+_PRICED = 16
 # The front reported reaches this factor of the fastest time.
 _REACH = 2.0
 
