@@ -37,7 +37,14 @@ def this_interpreters_kernel() -> AsyncKernelManager:
   return km
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+# The first notebook runs in every test run; the 24-layer and cluster ones take
+# two minutes each and run with `pytest -m slow`.
+QUICK = {"01_partition_a_training_step"}
+
+
+@pytest.mark.parametrize("path", [
+    p if p.stem in QUICK else pytest.param(p, marks=pytest.mark.slow) for p in NOTEBOOKS],
+    ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path):
   nb = nbformat.read(path, as_version=4)
   assert not any(c.get("outputs") for c in nb.cells if c.cell_type == "code"), (
