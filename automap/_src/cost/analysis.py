@@ -211,6 +211,7 @@ class Analysis:
   results_made: np.ndarray  # [N] int64 results an op makes, in the order made
   results_made_at: np.ndarray  # [N] int64 the op making each
   dead: np.ndarray  # [O] bool, `dead_ops`
+  unread: np.ndarray  # [V] bool: no live op reads it and it is no output
   late: np.ndarray  # [O] bool, `late_ops`
   wide: np.ndarray  # [V] int64 the value a stored broadcast takes the shape of (`materialized`)
   temporary: np.ndarray  # [V] bool: stored, not resident, made by a live op
@@ -238,6 +239,10 @@ class Analysis:
     made = np.array(sorted({v for v in outs if not is_input[v]}, key=lambda v: start[v]),
                     np.int64)
     dead = dead_ops(graph, outs)
+    unread = np.ones(graph.num_values, bool)
+    unread[outs] = False
+    for o in np.flatnonzero(~dead):
+      unread[[v for v in graph.operands[o] if v >= 0]] = False
     made_dead = np.zeros(graph.num_values, bool)
     for o in np.flatnonzero(dead):
       made_dead[[v for v in graph.results[o] if v >= 0]] = True
@@ -248,7 +253,7 @@ class Analysis:
     hostable = temporary & ~np.append(looped, False)[graph.producer]
     end = fused_liveness(graph, stored, end, dead, resident)
     free = remade_values(graph)
-    op_class, members, extra = _op_classes(graph, dead, free, wide)
+    op_class, members, extra = _op_classes(graph, dead, free, wide, unread)
     width = max((len(m) for m in members), default=1) or 1
     member_table = np.array(
         [(m or [0]) + [(m or [0])[0]] * (width - len(m or [0])) for m in members],
@@ -267,13 +272,14 @@ class Analysis:
     return cls(
         program_end=program_end, start=start, end=end, is_input=is_input,
         resident=resident, results_made=made, results_made_at=start[made], dead=dead,
+        unread=unread,
         late=late_ops(graph), wide=wide, temporary=temporary, hostable=hostable,
         free=free, op_class=op_class, member_table=member_table,
         result_table=result_table, touch_ptr=touch_ptr, touch_idx=touch_idx)
 
 
-def _op_classes(graph: Graph, dead: np.ndarray, free: np.ndarray,
-                wide: np.ndarray) -> tuple[np.ndarray, list[list[int]], list[list[int]]]:
+def _op_classes(graph: Graph, dead: np.ndarray, free: np.ndarray, wide: np.ndarray,
+                unread: np.ndarray) -> tuple[np.ndarray, list[list[int]], list[list[int]]]:
   """([O] class of each op, its members, the stored broadcasts among them).
 
   An op whose result is stored broadcast (`materialized`) prices that
@@ -292,6 +298,7 @@ def _op_classes(graph: Graph, dead: np.ndarray, free: np.ndarray,
                  tuple(str(graph.dtypes[v]) for v in values),
                  tuple(graph.shapes[v] for v in graph.results[o] if v >= 0),
                  float(graph.flops[o]), int(graph.trips[o]), bool(dead[o]),
+                 tuple(bool(unread[v]) for v in graph.results[o] if v >= 0),
                  tuple(bool(free[v]) if v >= 0 else False for v in graph.operands[o]))
     op_class[o] = classes.setdefault(signature, len(classes))
     members.append(values)

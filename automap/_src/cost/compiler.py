@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import types
 
+from automap._src.cost.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+
 
 @dataclasses.dataclass(frozen=True)
 class Compiler:
@@ -26,20 +28,28 @@ class Compiler:
     GPU duplicates it). XLA:CPU's library reductions absorb only producers
     no other op reads, so such a producer (a layer norm's broadcast scale,
     shared by the forward and backward passes) gets a buffer of its own.
+  combines: the collective kinds (indices into `collectives.KINDS`) whose
+    mutually independent instances XLA merges into one tuple collective.
+    XLA:CPU runs only an all-reduce combiner (`CpuAllReduceCombiner` in
+    `cpu_compiler.cc`); XLA:GPU combines all-gathers and reduce-scatters
+    too (`gpu_compiler.cc`); XLA:TPU's pipeline is not public and is taken
+    to do as XLA:GPU does. No backend combines collective-permutes.
   """
 
   name: str
   reduce_scatter: bool
   reduce_in_f32: bool
   fuses_shared_producers: bool
+  combines: frozenset[int] = frozenset({ALL_REDUCE})
 
 
+_GATHERS_AND_REDUCTIONS = frozenset({ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER})
 XLA_TPU = Compiler("xla:tpu", reduce_scatter=True, reduce_in_f32=False,
-                   fuses_shared_producers=True)
+                   fuses_shared_producers=True, combines=_GATHERS_AND_REDUCTIONS)
 XLA_GPU = Compiler("xla:gpu", reduce_scatter=True, reduce_in_f32=False,
-                   fuses_shared_producers=True)
+                   fuses_shared_producers=True, combines=_GATHERS_AND_REDUCTIONS)
 XLA_CPU = Compiler("xla:cpu", reduce_scatter=False, reduce_in_f32=True,
-                   fuses_shared_producers=False)
+                   fuses_shared_producers=False, combines=frozenset({ALL_REDUCE}))
 
 # Platform names as jax reports them (`Device.platform`), and the GPU
 # vendors' names for the one XLA:GPU backend.

@@ -20,6 +20,7 @@ import math
 
 import numpy as np
 
+from automap._src.cost import halo
 from automap._src.cost.analysis import Analysis
 from automap._src.cost.collectives import (
   ALL_GATHER,
@@ -29,6 +30,7 @@ from automap._src.cost.collectives import (
   PERMUTE,
   REDUCE_SCATTER,
   ring_seconds,
+  send_seconds,
   staged_seconds,
 )
 from automap._src.cost.compiler import Compiler
@@ -153,14 +155,15 @@ class CostModel:
   # -- collectives ---------------------------------------------------------
 
   def emit(self, comms: list, kind: int, mask: int, nbytes: float,
-           position: int = -1, target: int = 0) -> None:
-    """Records a collective; `position` >= 0 marks a reshard of that operand
-    to layout `target` (a code), which XLA performs once however many ops
-    read the resharded copy."""
+           position: int = -1, target: int = 0, seconds: float | None = None) -> None:
+    """Records a collective (its time `comm_time`'s unless given);
+    `position` >= 0 marks a reshard of that operand to layout `target` (a
+    code), which XLA performs once however many ops read the resharded copy."""
     mask &= self.nontrivial
     if mask:
-      comms.append((kind, mask, nbytes, self.comm_time(kind, mask, nbytes),
-                    position, target))
+      if seconds is None:
+        seconds = self.comm_time(kind, mask, nbytes)
+      comms.append((kind, mask, nbytes, seconds, position, target))
 
   def copy_key(self, o: int, position: int, kind: int, mask: int, target: int,
                nbytes: float) -> tuple:
@@ -187,7 +190,68 @@ class CostModel:
     lat = self.hw.network_latency if cross else self.hw.link_latency
     return ring_seconds(kind, nbytes, n, bw, lat)
 
+  def combined(self, o: int, kind: int) -> bool:
+    """Whether op o's plain collective of `kind` joins the one its kind's
+    late collectives are combined into (`analysis.late_ops`), paying one
+    latency for all: late, and a kind the compiler combines."""
+    return bool(self.late[o]) and kind in self.compiler.combines
+
+  def send_time(self, mask: int, nbytes: float) -> float:
+    """Seconds for each device to send `nbytes` to another over the axes in
+    `mask` (a collective-permute: one hop on the slowest link they span)."""
+    if self.cross_node[mask]:
+      return send_seconds(nbytes, self.hw.network_bandwidth, self.hw.network_latency)
+    return send_seconds(nbytes, self.hw.link_bandwidth, self.hw.link_latency)
+
+  def exchange_halos(self, comms: list, o: int, window, axes: list[int],
+                     want) -> float:
+    """Collectives that bring each device the part of operand
+    `window.operand` (in layout `want`) its window reads, the window's dim
+    tiled over `axes` (`halo.windowed_exchange`); returns the bytes moved."""
+    g, sizes = self.graph, self.mesh.axis_sizes
+    shards = math.prod(sizes[a] for a in axes)
+    extent = g.operand_shapes[o][window.operand][window.dim]
+    v = g.operands[o][window.operand]
+    local = float(g.nbytes[v]) / math.prod(sizes[a] for a, d in enumerate(want) if d >= 0)
+    permutes = halo.windowed_exchange(extent, shards, window.low, window.high,
+                                      window.stride)
+    if permutes is None:  # the dim gathered whole, then sliced
+      whole = [UNSHARDED if a in axes else d for a, d in enumerate(want)]
+      self.emit(comms, ALL_GATHER, sum(1 << a for a in axes), local * shards,
+                window.operand, _layout_code(whole))
+      return local * shards
+    moved = 0.0
+    for p in permutes:
+      nbytes = p.size * local * shards / extent
+      mask = _pair_axes(axes, sizes, p.pairs)
+      self.emit(comms, PERMUTE, mask, nbytes, seconds=self.send_time(mask, nbytes))
+      moved += nbytes
+    return moved
+
+  def _moved_factor(self, state: State, o: int, a: int) -> int:
+    """The factor axis a tiles while op o computes, its result tiled over a
+    by a factor the op keeps whole (`Rule.moved`): XLA moves the dim's tiles
+    to the first other dim whose size their product with its own divides
+    (`GetFirstTargetDimToMoveShardingTiles`), else gathers it."""
+    g, sizes = self.graph, self.mesh.axis_sizes
+    rule, v = g.rules[o], g.results[o][0]
+    factors = rule.results[0]
+    d = int(state[v, a])
+    tiles = [math.prod(n for b, n in enumerate(sizes) if state[v, b] == e)
+             for e in range(len(factors))]
+    for t, f in enumerate(factors):
+      if (t != d and f >= 0 and f not in rule.moved
+          and g.shapes[v][t] % (tiles[d] * tiles[t]) == 0):
+        return f
+    return UNSHARDED
+
   # -- one op --------------------------------------------------------------
+
+  def _tiles(self, state: State, v: int) -> int:
+    """Devices value v is tiled over (1 for a literal)."""
+    if v < 0:
+      return 1
+    return math.prod(n for n, d in zip(self.mesh.axis_sizes, state[v]) if d >= 0)
 
   def local_bytes(self, state: State, v: int) -> float:
     row = state[v]
@@ -211,6 +275,9 @@ class CostModel:
     factor_of_axis = [UNSHARDED] * num_axes
     scatter = [False] * num_axes
     factor_tiles = [1] * len(rule.sizes)
+    windowed = {w.factor for w in rule.windows}
+    slicing = bool(windowed) and g.prims[o] in ("slice", "split") and (
+        self._tiles(state, operands[0]) > max(self._tiles(state, v) for v in results))
     for a in range(num_axes):
       res_f = UNSHARDED
       for r, v in enumerate(results):
@@ -225,6 +292,8 @@ class CostModel:
           if d >= 0 and rule.operands[p][d] >= 0:
             op_fs.append(rule.operands[p][d])
       reductions = [f for f in op_fs if rule.reduction[f]]
+      if res_f in rule.moved:
+        res_f = self._moved_factor(state, o, a)
       f = UNSHARDED
       if g.prims[o] == "scan_stack":
         # The loop stacks each step's result in the layout the body made
@@ -236,6 +305,10 @@ class CostModel:
           f, scatter[a] = reductions[0], True
       elif reductions:
         f = max(set(reductions), key=reductions.count)
+      elif slicing and windowed.intersection(op_fs):
+        # A slice of an operand with more tiles than its result is made in
+        # the operand's layout, then resharded (XLA's HandleSlice).
+        f = min(windowed.intersection(op_fs))
       if f >= 0 and rule.sizes[f] % (factor_tiles[f] * sizes[a]) == 0:
         factor_of_axis[a] = f
         factor_tiles[f] *= sizes[a]
@@ -451,6 +524,12 @@ class CostModel:
         hbm += self.transition([] if self.free[v] else comms, have, want_row, local, p)
       if any(int(state[v, a]) != w for a, w in enumerate(want_row)):
         reshards[p] = tuple(want_row)
+    for window in rule.windows:
+      axes = [a for a in range(num_axes) if factor_of_axis[a] == window.factor]
+      made = results[window.result]
+      # XLA drops a slice nothing reads.
+      if axes and operands[window.operand] >= 0 and made >= 0 and not self.analysis.unread[made]:
+        hbm += self.exchange_halos(comms, o, window, axes, wants[window.operand])
     # Results: combine partial sums, then match the result's own layout.
     footprint, naturals = [], []
     for r, v in enumerate(results):
@@ -523,3 +602,19 @@ class CostModel:
     """[V] bytes per device of every value."""
     tiles = np.where(state >= 0, self.sizes[None, :], 1).prod(axis=1)
     return self.graph.nbytes / tiles
+
+
+def _pair_axes(axes: list[int], sizes, pairs) -> int:
+  """The mesh axes (a bitmask) along which the shards of each (source,
+  target) pair differ, the shards numbered over `axes` major to minor."""
+  mask = 0
+  for pair in pairs:
+    coords = []
+    for shard in pair:
+      row = []
+      for a in reversed(axes):
+        row.append(shard % sizes[a])
+        shard //= sizes[a]
+      coords.append(row[::-1])
+    mask |= sum(1 << a for a, x, y in zip(axes, *coords) if x != y)
+  return mask

@@ -136,7 +136,7 @@ class Tracker:
           continue
       self.bytes[kind, mask] += sign * nbytes
       self.count[kind, mask] += sign
-      if position < 0 and self.model.analysis.late[o]:
+      if position < 0 and self.model.combined(o, kind):
         self.combined[kind, mask] += sign
         seconds -= self.model.latency[kind, mask]
         self._track_combined(o, kind, mask, nbytes, c.footprint[0] if c.footprint else 0.0, sign)

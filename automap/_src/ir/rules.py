@@ -27,6 +27,23 @@ UNSHARDABLE = -1
 Shape = tuple[int, ...]
 
 
+class Window(NamedTuple):
+  """A result dim read from an operand dim through a window of one element
+  (a slice, a split's piece, an edge pad): the two dims share `factor`, and
+  tiled, XLA brings each device the elements its result tile needs from
+  its neighbours (`cost/halo.py`). `low`/`high`: edge padding of the
+  operand dim (negative: cropped); a slice [start, limit) has low = -start,
+  high = limit - size."""
+
+  factor: int
+  operand: int  # operand position
+  dim: int  # operand dim
+  result: int  # result index
+  low: int
+  high: int
+  stride: int = 1
+
+
 class Rule(NamedTuple):
   """Factor rule of one operation.
 
@@ -36,6 +53,11 @@ class Rule(NamedTuple):
   sizes: per factor, the largest tile count it admits (its extent).
   reduction: per factor, whether it indexes no result (partial results).
   replicated: the operation has no rule; everything it touches is whole.
+  windows: factors a result dim reads through a window (`Window`).
+  moved: factors of dims that must be whole while the op computes: tiled,
+    XLA moves their tiles to another dim of the result instead of gathering
+    them (`HandleElementwiseWithDimsToReplicate`: a concatenate's dim).
+    Propagation passes through them as through any factor.
   """
 
   operands: tuple[tuple[int, ...] | None, ...]
@@ -43,6 +65,8 @@ class Rule(NamedTuple):
   sizes: tuple[int, ...]
   reduction: tuple[bool, ...]
   replicated: bool = False
+  windows: tuple[Window, ...] = ()
+  moved: tuple[int, ...] = ()
 
 
 class _Builder:
@@ -57,12 +81,13 @@ class _Builder:
     self.sizes.append(int(size))
     return len(self.sizes) - 1
 
-  def rule(self, operands, results) -> Rule:
+  def rule(self, operands, results, windows=(), moved=()) -> Rule:
     operands = tuple(None if o is None else tuple(o) for o in operands)
     results = tuple(tuple(r) for r in results)
     in_result = {f for r in results for f in r if f != UNSHARDABLE}
     reduction = tuple(f not in in_result for f in range(len(self.sizes)))
-    return Rule(operands, results, tuple(self.sizes), reduction)
+    return Rule(operands, results, tuple(self.sizes), reduction,
+                windows=tuple(w for w in windows if w.factor >= 0), moved=tuple(moved))
 
 
 def replicated_rule(in_shapes: Sequence[Shape | None],
@@ -263,6 +288,39 @@ def _along_axis(key: str):
   return rule
 
 
+def _split(ins, outs, params) -> Rule:
+  """Pieces of one axis: each reads its range of the operand's through a
+  window; the axis tiles by a factor every piece divides."""
+  b = _Builder()
+  a = ins[0]
+  axis = params["axis"] % len(a)
+  pieces = [o[axis] for o in outs]
+  factors = [b.new(math.gcd(n, *pieces) if i == axis else n) for i, n in enumerate(a)]
+  windows, start = [], 0
+  for r, n in enumerate(pieces):
+    windows.append(Window(factors[axis], 0, axis, r, -start, start + n - a[axis]))
+    start += n
+  return b.rule([factors], [factors] * len(outs), windows)
+
+
+def _slice(ins, outs, params) -> Rule:
+  """A static slice: an untouched dim tiles as it is; a sliced one shares a
+  factor with its range of the operand, read through a window."""
+  b = _Builder()
+  a, o = ins[0], outs[0]
+  strides = params.get("strides") or (1,) * len(a)
+  factors, windows = [], []
+  for i, n in enumerate(a):
+    if n == o[i]:
+      factors.append(b.new(n))
+      continue
+    f = b.new(math.gcd(n, o[i]))
+    start, limit = params["start_indices"][i], params["limit_indices"][i]
+    windows.append(Window(f, 0, i, 0, -start, limit - n, strides[i]))
+    factors.append(f)
+  return b.rule([factors], [factors], windows)
+
+
 def _bitcast_convert_type(ins, outs, params) -> Rule:
   """Same-width bitcasts are elementwise; width changes add or drop a dim."""
   if len(ins[0]) != len(outs[0]):
@@ -271,7 +329,7 @@ def _bitcast_convert_type(ins, outs, params) -> Rule:
 
 
 def _same_where_equal(ins, outs, params) -> Rule:
-  """slice / pad / rev / dynamic_slice: a dim is tileable where it is untouched."""
+  """dynamic_slice / dynamic_update_slice / rev: a dim tiles where it is untouched."""
   b = _Builder()
   a, o = ins[0], outs[0]
   touched = set(params.get("dimensions", ()))
@@ -287,18 +345,31 @@ def _same_where_equal(ins, outs, params) -> Rule:
 
 
 def _pad(ins, outs, params) -> Rule:
+  """Edge padding reads the operand through a window; interior padding
+  (dilation) keeps its dim whole."""
   b = _Builder()
-  config = params["padding_config"]
-  factors = [b.new(n) if cfg == (0, 0, 0) else UNSHARDABLE
-             for n, cfg in zip(ins[0], config)]
-  return b.rule([factors, ()], [factors])
+  factors, windows = [], []
+  for i, (n, (lo, hi, interior), m) in enumerate(zip(ins[0], params["padding_config"],
+                                                      outs[0])):
+    if (lo, hi, interior) == (0, 0, 0):
+      factors.append(b.new(n))
+    elif interior:
+      factors.append(UNSHARDABLE)
+    else:
+      factors.append(b.new(math.gcd(n, m)))
+      windows.append(Window(factors[-1], 0, i, 0, lo, hi))
+  return b.rule([factors, ()], [factors], windows)
 
 
 def _concatenate(ins, outs, params) -> Rule:
+  """Operands tile alike; the concatenated dim by a factor every operand
+  divides, which the op moves aside while it computes (`Rule.moved`)."""
   b = _Builder()
   d = params["dimension"]
-  factors = [UNSHARDABLE if i == d else b.new(n) for i, n in enumerate(outs[0])]
-  return b.rule([factors] * len(ins), [factors])
+  factors = [b.new(math.gcd(n, *(s[d] for s in ins))) if i == d else b.new(n)
+             for i, n in enumerate(outs[0])]
+  moved = (factors[d],) if factors[d] >= 0 else ()
+  return b.rule([factors] * len(ins), [factors], moved=moved)
 
 
 def _iota(ins, outs, params) -> Rule:
@@ -458,9 +529,9 @@ _RULES: dict[str, Callable[[Any, Any, dict], Rule]] = {
     "cummax": _along_axis("axis"),
     "cummin": _along_axis("axis"),
     "cumlogsumexp": _along_axis("axis"),
-    "split": _along_axis("axis"),
+    "split": _split,
     "sort": _along_axis("dimension"),
-    "slice": _same_where_equal,
+    "slice": _slice,
     "dynamic_slice": _same_where_equal,
     "dynamic_update_slice": _same_where_equal,
     "rev": _same_where_equal,

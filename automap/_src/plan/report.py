@@ -60,7 +60,7 @@ def op_seconds(model, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if key in copies:
           continue
         copies.add(key)
-      elif model.late[o]:
+      elif model.combined(o, kind):
         secs -= model.latency[kind, mask]
         combined[(kind, mask)] = o
       comm[o] += secs

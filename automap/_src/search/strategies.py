@@ -149,7 +149,7 @@ class StrategyPricer:
     for kind, mask, _, sec, position, _ in cost.comms:
       if position >= 0:
         return None  # a result the op cannot make in its own layout
-      if model.late[o]:  # combined with its kind's other late collectives
+      if model.combined(o, kind):  # with its kind's other late collectives
         sec -= model.latency[kind, mask]
         late.append((kind, mask))
       seconds += sec
