@@ -104,3 +104,46 @@ def test_compiled_propagation_matches_its_python_source():
       kernels.spread = spread
     np.testing.assert_array_equal(state, reference)
     np.testing.assert_array_equal(changed, expected)
+
+
+def seeded(fn, args, specs):
+  """The graph of fn and its arguments' layouts spread as XLA's
+  propagation spreads them (`Propagator.seed_all`)."""
+  g = graph.build(trace.trace(fn, args))
+  state = empty_state(g, MESH)
+  for v, spec in zip(g.inputs, specs):
+    set_spec(state, MESH, v, g.shapes[v], spec, "test")
+  fixed = np.zeros(g.num_values, bool)
+  fixed[list(g.inputs)] = True
+  Propagator(g, MESH, fixed).seed_all(state)
+  return g, lambda v: spec_of(state, MESH, v, g.rank(v))
+
+
+BOTH = ("data", "model")
+
+
+@pytest.mark.parametrize("order", ["weight first", "batch first"])
+def test_a_conflict_between_factors_goes_to_the_larger_operand(order):
+  """dot(w, x) with w tiled on its output dim and x on its batch, both over
+  every axis: the result cannot have both, and Shardy gives it the larger
+  operand's (x's), whichever operand comes first."""
+  w, x = jnp.ones((256, 256)), jnp.ones((32, 64, 256))
+  if order == "weight first":
+    fn, args = (lambda w, x: jnp.einsum("oi,bsi->obs", w, x)), (w, x)
+    specs, batch_dim = (P(BOTH), P(BOTH)), 1
+  else:
+    fn, args = (lambda x, w: jnp.einsum("bsi,oi->bso", x, w)), (x, w)
+    specs, batch_dim = (P(BOTH), P(BOTH)), 0
+  g, spec = seeded(fn, args, specs)
+  (out,) = g.outputs
+  assert spec(out) == P(*([None] * batch_dim), BOTH)
+
+
+def test_a_broadcast_scale_does_not_tile_the_activation_it_scales():
+  """x * gamma, gamma tiled on the feature dim and x on the batch: the
+  scale's broadcast propagates forward only once every pass-through op has
+  spread, so the product keeps the batch tiling (the scale is gathered)."""
+  fn = lambda x, gamma: jnp.tanh(x) * gamma[None]  # noqa: E731
+  g, spec = seeded(fn, (jnp.ones((32, 256)), jnp.ones((256,))), (P(BOTH), P(BOTH)))
+  (out,) = g.outputs
+  assert spec(out) == P(BOTH)

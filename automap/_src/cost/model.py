@@ -95,6 +95,10 @@ class Cost:
         comm_seconds={(k, tuple(a)): t for k, a, t in d.get("comm_seconds", ())})
 
 
+# Ops XLA's partitioner chooses among several partitionings of by cost.
+_LOOKUPS = frozenset({"gather", "scatter-add", "scatter_add", "scatter-max", "scatter-min"})
+
+
 def _layout_code(row) -> int:
   """A layout (per-axis tiled dim, -1 for none) as one int: 4 bits an axis."""
   return sum((d + 1) << (4 * a) for a, d in enumerate(row))
@@ -328,6 +332,8 @@ class CostModel:
           if state[v, b] == d and factor_of_axis[b] == rule.results[r][d]:
             factor_of_axis[b] = UNSHARDED
     wants = []
+    if g.prims[o] in _LOOKUPS:
+      factor_of_axis, scatter = self._cheapest_lookup(state, o, factor_of_axis, scatter)
     for p, v in enumerate(operands):
       dims = rule.operands[p]
       if v < 0 or dims is None:
@@ -336,6 +342,61 @@ class CostModel:
       wants.append([dims.index(f) if f >= 0 and f in dims else UNSHARDED
                     for f in factor_of_axis])
     return factor_of_axis, scatter, wants
+
+  def _cheapest_lookup(self, state: State, o: int, factor_of_axis: list,
+                       scatter: list) -> tuple[list, list]:
+    """A gather or scatter whose members offer an axis two factors (a table
+    tiled on the rows it is read from, its indices on the batch) can be
+    partitioned either way; XLA dry-runs each way and takes the one of least
+    (memory, communication) (`GatherPartitionMethodsOrderedByCost` and its
+    scatter twin, by `EvaluatePartitionCost`)."""
+    g, sizes = self.graph, self.mesh.axis_sizes
+    rule = g.rules[o]
+    offered: dict[int, list[int]] = {}  # factor -> the axes members offer it on
+    for a in range(len(sizes)):
+      for p, v in enumerate(g.operands[o]):
+        d = int(state[v, a]) if v >= 0 and rule.operands[p] is not None else -1
+        if d >= 0 and rule.operands[p][d] >= 0 and rule.operands[p][d] != factor_of_axis[a]:
+          offered.setdefault(rule.operands[p][d], []).append(a)
+    choice = (factor_of_axis, scatter)
+    best = self._lookup_cost(state, o, factor_of_axis)
+    for f, axes in sorted(offered.items()):  # one method: every axis it can have
+      other = [f if a in axes else g_ for a, g_ in enumerate(factor_of_axis)]
+      if rule.sizes[f] % math.prod(sizes[a] for a, h in enumerate(other) if h == f):
+        continue
+      cost = self._lookup_cost(state, o, other)
+      if cost < best:
+        best, choice = cost, (other, [s and a not in axes for a, s in enumerate(scatter)])
+    return list(choice[0]), list(choice[1])
+
+  def _lookup_cost(self, state: State, o: int, factor_of_axis: list) -> tuple[float, float]:
+    """XLA's estimate of one partitioning of op o: the most bytes one of the
+    instructions it emits makes per device (the partitioned op's result, a
+    collective's), then the bytes its collectives make. Operands XLA makes
+    anew in any layout (a broadcast zero) cost nothing."""
+    g, sizes = self.graph, self.mesh.axis_sizes
+    rule = g.rules[o]
+    peak = moved = 0.0
+    for p, v in enumerate(g.operands[o]):
+      dims = rule.operands[p]
+      if v < 0 or dims is None or self.free[v]:
+        continue
+      want = [dims.index(f) if f >= 0 and f in dims else UNSHARDED for f in factor_of_axis]
+      comms: list = []
+      self.transition(comms, state[v], want, self.local_bytes(state, v), p)
+      for _, _, nbytes, *_ in comms:
+        moved += nbytes
+        peak = max(peak, nbytes)
+    for r, v in enumerate(g.results[o]):
+      if v < 0:
+        continue
+      dims = rule.results[r]
+      kept = [a for a, f in enumerate(factor_of_axis) if f >= 0 and f in dims]
+      local = float(g.nbytes[v]) / math.prod(sizes[a] for a in kept)
+      peak = max(peak, local)
+      if any(f >= 0 and rule.reduction[f] for f in factor_of_axis):
+        moved += local
+    return peak, moved
 
   def transition(self, comms: list, have, want, local: float, value: int) -> float:
     """Collectives that move an array from layout `have` to `want` (per-axis

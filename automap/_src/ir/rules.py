@@ -378,15 +378,22 @@ def _iota(ins, outs, params) -> Rule:
 
 
 def _whole_windows(b: _Builder, operand, of: list, window_factors: list, window_dims,
-                   skipped, indexed, window_size) -> None:
-  """Gives each operand dim a whole window spans, and no index selects in,
-  one factor with its dim in the window array (a gather's result, a
-  scatter's updates). `skipped`: operand dims without a window dim;
-  `window_size(i, d)`: the window's extent along operand dim i (window dim d)."""
+                   skipped, indexed, window_size, clipped: bool) -> None:
+  """Gives each operand dim a whole window spans one factor with its dim in
+  the window array (a gather's result, a scatter's updates): a pass-through
+  dim. So is one an index selects in, if indices are clipped: the window
+  can only start at 0 (a vmapped lookup indexes every dim). `skipped`:
+  operand dims without a window dim; `window_size(i, d)`: the window's
+  extent along operand dim i (window dim d)."""
   windowed = [i for i in range(len(operand)) if i not in skipped]
   for i, d in zip(windowed, window_dims):
-    if window_size(i, d) == operand[i] and i not in indexed:
+    if window_size(i, d) == operand[i] and (clipped or i not in indexed):
       of[i] = window_factors[d] = b.new(operand[i])
+
+
+def _clipped(params) -> bool:
+  """Whether out-of-bounds indices are clamped (not filled or dropped)."""
+  return "FILL" not in str(params.get("mode", "")).upper()
 
 
 def _trivially_sliced(b: _Builder, operand, of: list, indexed, skipped, batching,
@@ -430,7 +437,7 @@ def _gather(ins, outs, params) -> Rule:
   _whole_windows(b, operand, of, result, dn.offset_dims,
                  skipped=(*dn.collapsed_slice_dims, *dn.operand_batching_dims),
                  indexed=dn.start_index_map,
-                 window_size=lambda i, d: params["slice_sizes"][i])
+                 window_size=lambda i, d: params["slice_sizes"][i], clipped=_clipped(params))
   batch_out = [d for d in range(len(out)) if d not in dn.offset_dims]
   batch_in = _index_dims(indices)
   if len(batch_in) == len(batch_out):
@@ -471,7 +478,7 @@ def _scatter(ins, outs, params, combinable: bool) -> Rule:
   _whole_windows(b, operand, of, uf, dn.update_window_dims,
                  skipped=(*dn.inserted_window_dims, *dn.operand_batching_dims),
                  indexed=dn.scatter_dims_to_operand_dims,
-                 window_size=lambda i, d: updates[d])
+                 window_size=lambda i, d: updates[d], clipped=_clipped(params))
   scatter_u = [d for d in range(len(updates)) if d not in dn.update_window_dims]
   scatter_i = _index_dims(indices)
   if combinable and len(scatter_u) == len(scatter_i):

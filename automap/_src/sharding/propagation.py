@@ -27,35 +27,95 @@ from automap._src.sharding.state import UNSHARDED, State, concat, tile_count
 class _Tables(NamedTuple):
   """A graph's factor rules as arrays, built once per graph.
 
-  Per op: member values mval [O, M] (-1 pads), the factor of each member dim
-  mdims [O, M, R] (-2 pads), the member dim each factor indexes fdim
-  [O, M, F] (-1: none), factor extents msize [O, F]; per value: its
-  padded shape [V, R] and the (op, member slot) views of it, as CSR
-  (vptr [V + 1], vop, vslot); the views of elementwise ops alone, as CSR
-  (eptr, eop, eslot).
+  Per op: member values mval [O, M] (-1 pads; operands first, then
+  results), whether each is a result role [O, M], the factor of each member
+  dim mdims [O, M, R] (-2 pads), the member dim each factor indexes fdim
+  [O, M, F] (-1: none), factor extents msize [O, F], each member's
+  elements [O, M], and per propagation round
+  the members each factor may update, direction [3, O, F], and whether each
+  member may offer (sends) and take (takes) tilings, [3, O, M]
+  (`_rounds`); per value: its padded shape [V, R] and the (op, member slot)
+  views of it, as CSR (vptr [V + 1], vop, vslot).
   """
 
   mval: np.ndarray
+  role: np.ndarray
   mdims: np.ndarray
   fdim: np.ndarray
   msize: np.ndarray
+  elements: np.ndarray
+  direction: np.ndarray
+  sends: np.ndarray
+  takes: np.ndarray
   shape: np.ndarray
   vptr: np.ndarray
   vop: np.ndarray
   vslot: np.ndarray
-  eptr: np.ndarray
-  eop: np.ndarray
-  eslot: np.ndarray
+
+
+# Bits of `_Tables.direction`: a factor may update an op's results
+# (forward), its operands (backward).
+FORWARD, BACKWARD, BOTH = 1, 2, 3
+ROUNDS = 3
+
+# Ops every factor of which passes straight through (Shardy's elementwise
+# ops, reshapes, transposes and data-flow edges: a scan's carry), and ops
+# that pass their factors forward only (dynamic slices; a scan's per-step
+# slice and stacking are dynamic slices and updates of the loop's arrays).
+_PASS_THROUGH = rules.ELEMENTWISE | {"select_n", "clamp", "reshape", "squeeze",
+                                     "expand_dims", "transpose", "scan_carry"}
+_FORWARD_ONLY = frozenset({"dynamic_slice", "dynamic_update_slice", "scan_slice",
+                           "scan_stack"})
+
+
+def _rounds(prim: str, rule: rules.Rule, shapes: list, results: int, factors: int,
+            width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """How an op propagates in each round of Shardy's op-priority propagation
+  (`op_priority_propagation.cc`): pass-through ops first; then every op's
+  pass-through factors (those that neither reduce nor permute, a
+  broadcast's backward only); then all. Returns per round the members each
+  factor may update [ROUNDS, factors], and which members may offer and take
+  tilings [ROUNDS, width] each.
+
+  `shapes`: the op's members' shapes, operands first; the last `results`
+  are its results. A broadcast that only inserts unit dims is a reshape in
+  the module Shardy reads; an elementwise op's operand with unit dims where
+  the result has more is broadcast explicitly there, so it takes part as a
+  broadcast's operand: in no first-round exchange, taking only in the second.
+  """
+  direction = np.zeros((ROUNDS, factors), np.uint8)
+  sends = np.ones((ROUNDS, width), bool)
+  takes = np.ones((ROUNDS, width), bool)
+  n = len(rule.sizes)
+  out = shapes[-1] if results else ()
+  relabels = prim == "broadcast_in_dim" and [d for d in out if d != 1] == [
+      d for d in shapes[0] if d != 1]
+  if prim in _PASS_THROUGH or relabels:
+    direction[0, :n] = BOTH
+  elif prim in _FORWARD_ONLY:
+    direction[0, :n] = FORWARD
+  permuting = {w.factor for w in rule.windows} | set(rule.moved)
+  for f in range(n):
+    direction[1, f] = direction[0, f]
+    if not rule.reduction[f] and f not in permuting:
+      direction[1, f] |= BACKWARD if prim == "broadcast_in_dim" and not relabels else BOTH
+  direction[2, :n] = BOTH
+  if prim in rules.ELEMENTWISE or prim in ("select_n", "clamp"):
+    for j, shape in enumerate(shapes[:len(shapes) - results]):
+      if len(shape) == len(out) and any(a == 1 < b for a, b in zip(shape, out)):
+        sends[0, j] = takes[0, j] = sends[1, j] = False
+  return direction, sends, takes
 
 
 # A cache keyed by the graph (immutable, hashed by identity): the search
 # builds a Propagator per program many times over.
 @functools.lru_cache(maxsize=4)
 def _tables(graph: Graph) -> _Tables:
-  members = []
+  members, operand_count = [], []
   for o, rule in enumerate(graph.rules):
     m = [(v, tuple(dims)) for v, dims in zip(graph.operands[o], rule.operands)
          if v >= 0 and dims is not None]
+    operand_count.append(len(m))
     m += [(v, tuple(dims)) for v, dims in zip(graph.results[o], rule.results) if v >= 0]
     members.append(m)
   num_ops, num_values = graph.num_ops, graph.num_values
@@ -63,32 +123,38 @@ def _tables(graph: Graph) -> _Tables:
   rank = max((len(s) for s in graph.shapes), default=1) or 1
   factors = max((len(r.sizes) for r in graph.rules), default=1) or 1
   mval = np.full((num_ops, width), -1, np.int64)
+  role = np.zeros((num_ops, width), np.int8)
   mdims = np.full((num_ops, width, rank), -2, np.int32)
   msize = np.ones((num_ops, factors), np.int64)
   fdim = np.full((num_ops, width, factors), -1, np.int8)
+  elements = np.zeros((num_ops, width), np.int64)
+  direction = np.zeros((ROUNDS, num_ops, factors), np.uint8)
+  sends = np.ones((ROUNDS, num_ops, width), bool)
+  takes = np.ones((ROUNDS, num_ops, width), bool)
   views: list[list[tuple[int, int]]] = [[] for _ in range(num_values)]
   for o, m in enumerate(members):
+    role[o, operand_count[o]:len(m)] = 1
     for j, (v, dims) in enumerate(m):
       mval[o, j] = v
       mdims[o, j, :len(dims)] = dims
       for e, f in reversed(list(enumerate(dims))):  # the first dim a factor indexes
         if f >= 0:
           fdim[o, j, f] = e
+      elements[o, j] = int(np.prod(graph.shapes[v], dtype=np.int64))
       views[v].append((o, j))
-    sizes = graph.rules[o].sizes
-    msize[o, :len(sizes)] = sizes
+    rule = graph.rules[o]
+    msize[o, :len(rule.sizes)] = rule.sizes
+    direction[:, o], sends[:, o], takes[:, o] = _rounds(
+        graph.prims[o], rule, [graph.shapes[v] for v, _ in m], len(m) - operand_count[o],
+        factors, width)
   shape = np.ones((num_values, rank), np.int64)
   for v, s in enumerate(graph.shapes):
     shape[v, :len(s)] = s
   vptr = np.zeros(num_values + 1, np.int64)
   vptr[1:] = np.cumsum([len(x) for x in views])
   vop, vslot = _csr_columns(views)
-  elementwise = [[(o, j) for o, j in x if graph.prims[o] in rules.ELEMENTWISE]
-                 for x in views]
-  eptr = np.zeros(num_values + 1, np.int64)
-  eptr[1:] = np.cumsum([len(x) for x in elementwise])
-  eop, eslot = _csr_columns(elementwise)
-  return _Tables(mval, mdims, fdim, msize, shape, vptr, vop, vslot, eptr, eop, eslot)
+  return _Tables(mval, role, mdims, fdim, msize, elements, direction, sends, takes, shape,
+                 vptr, vop, vslot)
 
 
 def _csr_columns(views: list[list[tuple[int, int]]]) -> tuple[np.ndarray, np.ndarray]:
@@ -102,8 +168,9 @@ class Propagator:
 
   Propagation runs in waves (`kernels.spread`): a value newly tiled on an
   axis offers the tiling, through each op's factor rule, to the op's other
-  members. An offer is taken where the op has no other factor on that axis,
-  the factor's extent and the member's dim divide by the tiles, the member
+  members. An offer is taken where no larger member offers the
+  same value another factor on that axis (Shardy's conflict rule), the
+  factor's extent and the member's dim divide by the tiles, the member
   is free on that axis and not fixed, and any axes already on that dim nest
   inside the offer's. Within a wave the first offer to a value wins.
 
@@ -119,9 +186,10 @@ class Propagator:
     self.size_row = np.array(mesh.axis_sizes, np.int64)
     t = _tables(graph)
     self.mval, self.mdims, self.fdim, self.msize = t.mval, t.mdims, t.fdim, t.msize
+    self.role, self.elements, self.direction = t.role, t.elements, t.direction
+    self.sends, self.takes = t.sends, t.takes
     self.shape = t.shape
     self.vptr, self.vop, self.vslot = t.vptr, t.vop, t.vslot
-    self._elementwise = (t.eptr, t.eop, t.eslot)
     self._offer = np.full(graph.num_values, -1, np.int64)  # `kernels.spread`'s scratch
 
   def can_tile(self, state: State, v: int, d: int, a: int) -> bool:
@@ -143,29 +211,36 @@ class Propagator:
     return concat([[v], self.propagate(state, [(v, a)])])
 
   def propagate(self, state: State, seeds: Iterable[tuple[int, int]],
-                elementwise_only: bool = False) -> np.ndarray:
-    """Spreads each (value, axis) in `seeds` through the graph (through its
-    elementwise ops only, if asked); in place. Returns the values changed
-    [n], in the order they changed."""
+                stage: int = ROUNDS - 1) -> np.ndarray:
+    """Spreads each (value, axis) in `seeds` through the graph, as far as
+    the factors of round `stage` of `_directions` carry it (by default
+    every factor, both ways); in place. Returns the values changed [n], in
+    the order they changed."""
     by_axis: dict[int, list[int]] = {}
     for v, a in seeds:
       by_axis.setdefault(int(a), []).append(int(v))
-    vptr, vop, vslot = self._elementwise if elementwise_only else (
-        self.vptr, self.vop, self.vslot)
     return concat([kernels.spread(
         state, np.unique(np.array(values, np.int64)), a, self.size_row, self.fixed,
-        self.shape, vptr, vop, vslot, self.mval, self.mdims, self.fdim,
-        self.msize, self._offer) for a, values in by_axis.items()])
+        self.shape, self.vptr, self.vop, self.vslot, self.mval, self.role, self.mdims,
+        self.fdim, self.msize, self.elements, self.direction[stage], self.sends[stage],
+        self.takes[stage], self._offer) for a, values in by_axis.items()])
 
   def seed_all(self, state: State) -> np.ndarray:
-    """Propagates every tiled (value, axis) already in the state: through
-    elementwise ops first, then through every op, as Shardy's op-priority
-    propagation does. Layouts given at several points (arguments and
+    """Propagates every tiled (value, axis) already in the state as Shardy
+    does (`kernels.sweep`: ops in program order, until nothing changes) in
+    the rounds of its op-priority propagation: through pass-through ops
+    (elementwise, reshapes, transposes) first, then through every op's
+    pass-through factors (a broadcast only back to its operand), then
+    through everything. Layouts given at several points (arguments and
     constraints) thus reach the values around them before a dot carries
-    one across: a constrained activation's batch tiling reaches the
-    normalised input of a projection before the weight's contracting
-    dimension is offered to it."""
-    vs, axes = np.nonzero(state >= 0)
-    first = self.propagate(state, zip(vs.tolist(), axes.tolist()), elementwise_only=True)
-    vs, axes = np.nonzero(state >= 0)
-    return concat([first, self.propagate(state, zip(vs.tolist(), axes.tolist()))])
+    one across, and a parameter's tiling reaches no activation through the
+    broadcast that scales it: the batch's tiling does, through the lookup
+    that makes the first activation."""
+    changed = []
+    for stage in range(ROUNDS):
+      for a in range(self.mesh.num_axes):
+        changed.append(kernels.sweep(
+            state, a, self.size_row, self.fixed, self.shape, self.mval, self.role,
+            self.mdims, self.fdim, self.msize, self.elements, self.direction[stage],
+            self.sends[stage], self.takes[stage], self._offer))
+    return concat(changed)

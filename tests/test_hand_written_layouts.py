@@ -1,0 +1,53 @@
+"""Layouts written by hand on the arguments alone, priced as XLA compiles
+them: XLA's propagation (Shardy's rounds, its conflict rule) decides every
+other layout, and its partitioner picks a lookup's route by cost."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import compile_as_written
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import automap
+
+MESH = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+EVERY = ("data", "model")
+
+
+def loss(p, tokens):
+  """Embedding lookup, a normalisation scale, an MLP and a tied head."""
+  x = jax.vmap(jax.vmap(lambda i: p["embed"][i]))(tokens)
+  x = (x - x.mean(-1, keepdims=True)) * p["scale"][None, None]
+  h = jax.nn.gelu(jnp.einsum("bsd,fd->bsf", x, p["up"]))
+  x = x + jnp.einsum("bsf,df->bsd", h, p["down"])
+  return jax.nn.logsumexp(x @ p["embed"].T, axis=-1).mean()
+
+
+def step(p, m, tokens):
+  g = jax.grad(loss)(p, tokens)
+  m = jax.tree.map(lambda a, b: 0.9 * a + 0.1 * b, m, g)
+  return jax.tree.map(lambda a, b: a - 0.1 * b, p, m), m
+
+
+PARAMS = {"embed": jnp.ones((512, 128)), "scale": jnp.ones((128,)),
+          "up": jnp.ones((512, 128)), "down": jnp.ones((128, 512))}
+TOKENS = jnp.zeros((16, 32), jnp.int32)
+FSDP = {"embed": P(EVERY), "scale": P(EVERY), "up": P(EVERY), "down": P(None, EVERY)}
+LAYOUTS = {
+    # ZeRO-3 by arguments alone: the weights' tilings must not reach the
+    # activations, the embedding gradient is all-reduced, not its updates
+    # gathered.
+    "fsdp": (FSDP, FSDP, P(EVERY)),
+    "data parallel": (P(), P(), P(EVERY)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_a_layout_on_the_arguments_is_priced_as_compiled(name):
+  specs = LAYOUTS[name]
+  args = (PARAMS, PARAMS, TOKENS)
+  cost = automap.evaluate(step, *args, mesh=MESH, in_shardings=specs, hardware="cpu")
+  compiled, peak, _ = compile_as_written(step, args, MESH, specs)
+  assert cost.comm_bytes == pytest.approx(compiled, rel=0.01), (cost.comm_bytes, compiled)
+  assert cost.peak_memory == pytest.approx(peak, rel=0.15)  # the memory model's bound
