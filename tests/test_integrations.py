@@ -430,9 +430,8 @@ def test_optax_moments_share_their_parameters_specs(name):
 
 
 def test_optax_multisteps_is_priced_as_compiled():
-  """Gradient accumulation updates inside a lax.cond, kept whole: the cond's
-  operands are gathered, except those no branch reads (the parameters, for
-  SGD), which XLA drops instead."""
+  """Gradient accumulation updates inside a lax.cond: its branches are
+  partitioned like any other ops, their operands in their own layouts."""
   tx = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
   step, args = mlp_step(tx), mlp_args(tx)
   plan = automap.search(step, *args, mesh=M, hardware="cpu", budget=BUDGET)
@@ -443,16 +442,18 @@ def test_optax_multisteps_is_priced_as_compiled():
   assert compare_numerics(expected, out)[1] < 1e-5
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "optax.MultiSteps updates inside a lax.cond, which automap keeps whole: its "
-    "operands (gradients, accumulated gradients, the inner Adam state) are "
-    "replicated while the parameters are sharded"))
 def test_optax_multisteps_moments_share_their_parameters_specs():
+  """Accumulated gradients and the inner Adam moments, updated inside the
+  cond's branches, are laid out like their parameters, and the step runs
+  as jit runs it."""
   tx = optax.MultiSteps(optax.adam(LR), every_k_schedule=2)
   step, args = mlp_step(tx), mlp_args(tx)
   plan = automap.search(step, *args, mesh=M, hardware="cpu", budget=BUDGET)
   assert any(s != P() for p, s in specs_by_path(plan).items() if p.startswith("0/"))
   assert_moments_follow_parameters(plan, moments=("mu", "nu", "acc_grads"))
+  assert_collectives_as_predicted(plan, step, *args)
+  expected = jax.jit(step)(*args)
+  assert compare_numerics(expected, partitioned(step)(*args))[1] < 1e-5
 
 
 # bf16 -------------------------------------------------------------------------

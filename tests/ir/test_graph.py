@@ -72,14 +72,33 @@ def test_scan_body_is_walked_once_between_ties():
   assert {g.prims[i] for i in ties} == {"scan_slice", "scan_carry", "scan_stack"}
 
 
-def test_while_and_cond_are_kept_whole():
+def test_while_and_cond_bodies_join_the_graph():
+  """A while loop's carry is read through a "while_enter" tie and joined to
+  the body's and the final value by a "while_carry" tie (its condition read
+  beside them); a cond's branches read its operands and a "cond_result" tie
+  joins their values (its index read beside them). Ties share every factor
+  of their members of the result's shape: one layout for all."""
   def f(x, n):
     x = jax.lax.while_loop(lambda c: c[1] < n, lambda c: (c[0] * 2, c[1] + 1), (x, 0))[0]
     return jax.lax.cond(n > 2, lambda y: y + 1, lambda y: y - 1, x)
   g = build(f, jnp.ones((4, 8)), 3)
-  for name in ("while", "cond"):
-    (o,) = [i for i, p in enumerate(g.prims) if p == name]
-    assert g.rules[o].replicated
+  assert "while" not in g.prims and "cond" not in g.prims
+  (branch_add,) = [o for o, p in enumerate(g.prims) if p == "add" and g.shapes[g.results[o][0]]]
+  (branch_sub,) = [o for o, p in enumerate(g.prims) if p == "sub" and g.shapes[g.results[o][0]]]
+  assert g.regions[branch_add] != g.regions[branch_sub] != 0  # one computation each
+  (result,) = [o for o, p in enumerate(g.prims) if p == "cond_result"]
+  index, *branches = g.operands[result]
+  assert g.shapes[index] == () and set(branches) == {g.results[branch_add][0],
+                                                     g.results[branch_sub][0]}
+  rule = g.rules[result]
+  assert rule.operands[1] == rule.operands[2] == rule.results[0]  # one layout
+  carry = [o for o, p in enumerate(g.prims) if p == "while_carry"
+           and g.shapes[g.results[o][0]] == (4, 8)]
+  (enter,) = [o for o, p in enumerate(g.prims) if p == "while_enter"
+              and g.shapes[g.results[o][0]] == (4, 8)]
+  (loop,) = carry
+  assert g.operands[loop][0] == g.results[enter][0]  # the carry the body reads
+  assert g.operands[enter] == (g.inputs[0],)
 
 
 def test_nn_scan_stack_is_walked_with_its_trip_count():

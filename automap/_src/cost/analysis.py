@@ -133,8 +133,8 @@ def dead_ops(graph: Graph, outputs: list[int]) -> np.ndarray:
   so they cost nothing and hold no memory.
 
   A scan body reads its carry as the initial value; the next step's carry
-  is what the body makes: a "scan_carry" tie is live when its result or its
-  initial value is needed. Passes until nothing changes.
+  is what the body makes: a "scan_carry" (or "while_carry") tie is live when
+  its result or its initial value is needed. Passes until nothing changes.
   """
   dead = np.ones(graph.num_ops, bool)
   needed = np.zeros(graph.num_values, bool)
@@ -143,7 +143,7 @@ def dead_ops(graph: Graph, outputs: list[int]) -> np.ndarray:
   while changed:
     changed = False
     for o in range(graph.num_ops - 1, -1, -1):
-      ties = graph.operands[o][:1] if graph.prims[o] == "scan_carry" else ()
+      ties = graph.operands[o][:1] if graph.prims[o] in ("scan_carry", "while_carry") else ()
       if dead[o] and any(needed[v] for v in (*graph.results[o], *ties) if v >= 0):
         dead[o] = False
         needed[[v for v in graph.operands[o] if v >= 0]] = True
@@ -173,13 +173,13 @@ def late_ops(graph: Graph) -> np.ndarray:
 
 def remade_values(graph: Graph) -> np.ndarray:
   """[V] bool values XLA makes anew in whatever layout a reader wants (an
-  iota, a broadcast constant scalar): reading one in another layout moves
-  nothing."""
+  iota, a broadcast constant scalar, an uninitialised array): reading one in
+  another layout moves nothing."""
   free = np.zeros(graph.num_values, bool)
   for o, prim in enumerate(graph.prims):
     scalars = all(v < 0 or (graph.kind[v] == graph_lib.CONST and graph.rank(v) == 0)
                   for v in graph.operands[o])
-    if prim == "iota" or (prim == "broadcast_in_dim" and scalars):
+    if prim in ("iota", "empty2") or (prim == "broadcast_in_dim" and scalars):
       free[[v for v in graph.results[o] if v >= 0]] = True
   return free
 
@@ -248,7 +248,7 @@ class Analysis:
       made_dead[[v for v in graph.results[o] if v >= 0]] = True
     stored, wide = materialized(graph, fuses_shared_producers)
     temporary = stored & ~resident & ~made_dead
-    looped = np.array([graph.trips[o] > 1 or graph.prims[o].startswith("scan_")
+    looped = np.array([graph.trips[o] > 1 or graph.prims[o].startswith(("scan_", "while_"))
                        for o in range(graph.num_ops)], bool)
     hostable = temporary & ~np.append(looped, False)[graph.producer]
     end = fused_liveness(graph, stored, end, dead, resident)

@@ -172,11 +172,11 @@ class CostModel:
   def copy_key(self, o: int, position: int, kind: int, mask: int, target: int,
                nbytes: float) -> tuple:
     """Which resharded copy op o reads at operand `position`: XLA makes one
-    per value and layout for all its readers, and each loop its own of what
-    it scans."""
+    per value and layout for all its readers in one computation (each cond
+    branch and while body its own), and each loop its own of what it scans."""
     g = self.graph
     loop = o if g.prims[o] == "scan_slice" else -1
-    return (g.operands[o][position], kind, mask, target, nbytes, loop)
+    return (g.operands[o][position], kind, mask, target, nbytes, loop, int(g.regions[o]))
 
   def comm_time(self, kind: int, mask: int, nbytes: float) -> float:
     """Seconds of a collective of `kind` over the axes in `mask`, `nbytes`

@@ -8,12 +8,16 @@ rewritten program binds them whole, so their inner values take no
 constraints. A `scan` body joins the graph once, its ops marked with the
 trip count, linked to the scan's operands and results by tie ops that keep
 the step dimension whole; the rewritten program runs the scan with its body
-re-interpreted, constraints inside. The program's own layout constraints
+re-interpreted, constraints inside. A `cond`'s branches and a `while`'s
+condition and body join the graph alike, once each: branches read the
+cond's operands as they are (XLA's branches capture them), and a tie per
+result joins every branch's value of it, as a tie per carry joins a loop's
+initial, body and final values (one layout for all: Shardy's data-flow
+edges). Every branch is priced, as if each ran; a while body once (its trip
+count is unknown). The program's own layout constraints
 (`with_sharding_constraint`) are no ops: their result is their operand's
 value, and the layout they state is recorded beside the graph
-(`constraints.py`). `while` and `cond` stay single opaque
-ops whose operands and results are kept whole: conservative and always
-correct (operands no branch of a `cond` reads take no layout: XLA drops them).
+(`constraints.py`).
 
 Shape letters: V values, O ops.
 """
@@ -44,11 +48,15 @@ INLINE = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
 SEALED = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
           "custom_vjp_call_jaxpr": "fun_jaxpr", "remat2": "jaxpr",
           "checkpoint": "jaxpr", "custom_lin": None}
+# Ties joining the values control flow gives one layout: a scan's or while
+# loop's carry (initial, body and final values; the first operand is the
+# initial), a cond's result (each branch's value).
+CARRIES = frozenset({"scan_carry", "while_carry", "cond_result"})
 # Ops kept whole on purpose: their results must not depend on the layout, or
 # XLA's partitioner gathers them whole anyway (top_k).
 DELIBERATELY_REPLICATED = frozenset({
     "top_k",
-    "while", "cond", "random_bits", "random_seed", "random_wrap",
+    "random_bits", "random_seed", "random_wrap",
     "random_unwrap", "random_fold_in", "random_split", "threefry2x32",
     "rng_bit_generator", "rng_uniform", "debug_callback", "pure_callback",
     "io_callback", "debug_print", "device_put", "shard_map", "custom_call", "platform_index"})
@@ -71,6 +79,7 @@ class Step(NamedTuple):
   sealed: bool  # inside a call bound whole by apply
   out_ids: tuple[int, ...]  # value ids of the results (-1: not a value)
   trips: int = 1  # times it runs per call (inside scans: their lengths)
+  region: int = 0  # the cond branch or while body it is in (0: neither)
 
 
 def _sub_jaxpr(eqn):
@@ -113,6 +122,9 @@ class Walk:
     self.after_scan = after_scan or (lambda ids, outs: outs)
     self.next_id = 0
     self.trips = 1  # iterations of the body being walked, nested scans multiplied
+    # The computation being walked: a cond branch or while body gets its own
+    # (XLA reshards inside each: copies are not shared across them).
+    self.region, self.regions = 0, 0
 
   def fresh(self, n: int) -> tuple[int, ...]:
     ids = tuple(range(self.next_id, self.next_id + n))
@@ -140,11 +152,16 @@ class Walk:
       ins = [read(a) for a in eqn.invars]
       sub = _sub_jaxpr(eqn)
       if name == constraints_lib.CONSTRAINT:
-        outs = self.constrain(Step(eqn, inner_scope, sealed, (), self.trips), ins)
+        outs = self.constrain(Step(eqn, inner_scope, sealed, (), self.trips, self.region),
+                              ins)
       elif name in constraints_lib.PRIMITIVES:
         outs = ins[:1]
       elif name == "scan":
         outs = self._scan(eqn, ins, inner_scope, sealed)
+      elif name == "cond":
+        outs = self._cond(eqn, ins, inner_scope, sealed)
+      elif name == "while":
+        outs = self._while(eqn, ins, inner_scope, sealed)
       elif sub is not None and (name in INLINE or self.open_sealed):
         outs = self.closed(sub, ins, inner_scope, sealed or name in SEALED)
         if name not in INLINE and not sealed:
@@ -160,7 +177,8 @@ class Walk:
           self.next_id = dry.next_id
         else:
           out_ids = self.fresh(len(eqn.outvars))
-        outs = self.visit(Step(eqn, inner_scope, sealed, out_ids, self.trips), ins)
+        outs = self.visit(Step(eqn, inner_scope, sealed, out_ids, self.trips, self.region),
+                          ins)
       for var, x in zip(eqn.outvars, outs):
         if not isinstance(var, jex.DropVar):
           env[var] = x
@@ -203,6 +221,82 @@ class Walk:
     return carry + ys
 
 
+  def _extent(self, body, inputs: list, scope: str, sealed: bool) -> tuple[int, int]:
+    """(first, next) value ids walking `body` from here would take, taken."""
+    dry = Walk(lambda s, i: list(s.out_ids), lambda i, c: i, lambda a: -1,
+               open_sealed=True, tie=lambda name, ins, ids, avals, scope, trips, sealed: list(ids))
+    dry.next_id = first = self.next_id
+    dry.trips = self.trips
+    dry.closed(body, [-1] * len(inputs), scope, sealed)
+    self.next_id = dry.next_id
+    return first, dry.next_id
+
+  def _rewalk(self, body, first: int, scope: str, sealed: bool):
+    """A function walking `body` from value id `first`, however often JAX
+    traces it."""
+    def run(*inputs):
+      self.next_id = first
+      return self.closed(body, list(inputs), scope, sealed)
+    return run
+
+  def _in_region(self, body, inputs: list, scope: str, sealed: bool) -> list:
+    """Walks `body` as a computation of its own (`Step.region`)."""
+    outer = self.region
+    self.regions += 1
+    self.region = self.regions
+    try:
+      return self.closed(body, inputs, scope, sealed)
+    finally:
+      self.region = outer
+
+  def _cond(self, eqn, ins: list, scope: str, sealed: bool) -> list:
+    """A cond: each branch once, on the cond's operands, and a tie per result
+    joining each branch's value of it."""
+    branches = eqn.params["branches"]
+    index, operands = ins[0], list(ins[1:])
+    if self.tie is None:
+      spans = [self._extent(b, operands, scope, sealed) for b in branches]
+      outs = jax.lax.switch(index, [self._rewalk(b, first, scope, sealed)
+                                    for b, (first, _) in zip(branches, spans)], *operands)
+      self.next_id = spans[-1][1]
+      return self.after_scan(self.fresh(len(eqn.outvars)), list(outs))
+    made = [self._in_region(b, operands, scope, sealed) for b in branches]
+    out_ids = self.fresh(len(eqn.outvars))
+    # The branch index is read too: XLA computes it whatever the branches do.
+    return [self.tie("cond_result", [index] + [outs[k] for outs in made], (i,), [v.aval],
+                     scope, self.trips, sealed)[0]
+            for k, (i, v) in enumerate(zip(out_ids, eqn.outvars))]
+
+  def _while(self, eqn, ins: list, scope: str, sealed: bool) -> list:
+    """A while loop: per carry, the value its condition and body read (a
+    "while_enter" tie from the initial value: the loop's entry reshards it),
+    the condition and body once each, and a "while_carry" tie joining the
+    read, the body's and the final value (one layout for the loop)."""
+    p = eqn.params
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, init = list(ins[:nc]), list(ins[nc:nc + nb]), list(ins[nc + nb:])
+    carry_ids = self.fresh(len(init))
+    avals = [v.aval for v in eqn.outvars]
+    if self.tie is None:
+      test = self._extent(p["cond_jaxpr"], cconsts + init, scope, sealed)
+      body = self._extent(p["body_jaxpr"], bconsts + init, scope, sealed)
+      run_test = self._rewalk(p["cond_jaxpr"], test[0], scope, sealed)
+      run_body = self._rewalk(p["body_jaxpr"], body[0], scope, sealed)
+      laid = lambda c: self.after_scan(carry_ids, list(c))  # noqa: E731
+      outs = jax.lax.while_loop(lambda c: run_test(*cconsts, *laid(c))[0],
+                                lambda c: run_body(*bconsts, *laid(c)), init)
+      self.next_id = body[1]
+      return self.after_scan(self.fresh(len(eqn.outvars)), list(outs))
+    carries = [self.tie("while_enter", [a], (i,), [v], scope, self.trips, sealed)[0]
+               for a, i, v in zip(init, carry_ids, avals)]
+    (test,) = self._in_region(p["cond_jaxpr"], cconsts + carries, scope, sealed)
+    made = self._in_region(p["body_jaxpr"], bconsts + carries, scope, sealed)
+    out_ids = self.fresh(len(eqn.outvars))
+    # The condition is read too: the loop computes it every iteration.
+    return [self.tie("while_carry", [c, b, test], (i,), [v], scope, self.trips, sealed)[0]
+            for c, b, i, v in zip(carries, made, out_ids, avals)]
+
+
 def itemsize(dtype) -> int:
   try:
     return int(np.dtype(dtype).itemsize)
@@ -235,19 +329,6 @@ def eqn_flops(eqn) -> float:
   ins = [tuple(getattr(a.aval, "shape", ())) for a in eqn.invars]
   outs = [tuple(v.aval.shape) for v in eqn.outvars]
   return rules.flops(name, ins, outs, params)
-
-
-def _unread_cond_operands(eqn) -> set[int]:
-  """Operand positions of a `cond` that no branch reads (nor returns); the
-  first operand, the branch index, is always read."""
-  unread = None
-  for branch in eqn.params["branches"]:
-    jaxpr = branch.jaxpr if isinstance(branch, jex.ClosedJaxpr) else branch
-    read = {id(v) for e in jaxpr.eqns for v in e.invars}
-    read |= {id(v) for v in jaxpr.outvars}
-    mine = {p + 1 for p, v in enumerate(jaxpr.invars) if id(v) not in read}
-    unread = mine if unread is None else unread & mine
-  return unread or set()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -286,6 +367,7 @@ class Graph:
   rules: tuple[rules.Rule, ...]  # [O]
   flops: np.ndarray  # [O] float64, one run
   trips: np.ndarray  # [O] int64, runs per call (scan bodies: trip counts)
+  regions: np.ndarray  # [O] int32, the cond branch or while body it is in (0: none)
   scopes: tuple[str, ...]  # [O]
   inputs: tuple[int, ...]
   outputs: tuple[int, ...]
@@ -319,6 +401,7 @@ class _Builder:
     self.prims, self.operands, self.operand_shapes = [], [], []
     self.results, self.rules, self.flops, self.scopes = [], [], [], []
     self.trips: list[int] = []
+    self.regions: list[int] = []
     self.unknown: dict[str, int] = {}
     # pad results -> (padding config, operand shape), for `_reads_padding_only`.
     self.pads: dict[int, tuple] = {}
@@ -326,6 +409,7 @@ class _Builder:
     # `within_one_operand`.
     self.concats: dict[int, tuple] = {}
     self.constraints: list[Constraint] = []
+    self.region = lambda: 0  # the walk's current region, for ties
 
   def value(self, vid: int, aval, kind: int, producer: int, sealed: bool,
             name: str) -> int:
@@ -374,11 +458,7 @@ class _Builder:
         operand, in_shapes[0], params = found
         ins = [operand, *ins[1:]]
     if name in DELIBERATELY_REPLICATED or exotic:
-      # XLA drops a cond's operands no branch reads instead of gathering
-      # them: they take no layout.
-      unread = _unread_cond_operands(eqn) if name == "cond" else set()
-      rule = rules.replicated_rule(
-          [None if p in unread else s for p, s in enumerate(in_shapes)], out_shapes)
+      rule = rules.replicated_rule(in_shapes, out_shapes)
     else:
       if not rules.has_rule(name):
         self.unknown[name] = self.unknown.get(name, 0) + 1
@@ -392,11 +472,11 @@ class _Builder:
         # XLA folds it into a constant: the slice reads no array.
         ins = [Literal(in_shapes[0], None), *ins[1:]]
     self._record(name, ins, in_shapes, step.out_ids, rule, eqn_flops(eqn), step.scope,
-                 step.trips)
+                 step.trips, step.region)
     return list(step.out_ids)
 
   def _record(self, name: str, ins: list, in_shapes: list, out_ids: tuple,
-              rule: rules.Rule, flops: float, scope: str, trips: int) -> None:
+              rule: rules.Rule, flops: float, scope: str, trips: int, region: int) -> None:
     """Appends one op to the tables."""
     self.prims.append(name)
     self.operands.append(tuple(-1 if isinstance(x, Literal) else x for x in ins))
@@ -406,17 +486,22 @@ class _Builder:
     self.flops.append(flops)
     self.scopes.append(scope)
     self.trips.append(trips)
+    self.regions.append(region)
 
   def tie(self, name: str, ins: list, out_ids: tuple, avals: list, scope: str,
           trips: int, sealed: bool) -> list:
-    """Ops that relate a scan to its body, one per operand: "scan_slice"
-    (a scanned operand [T, ...] to the body's slice of it), "scan_carry"
-    (initial carry and body carry out to the final carry: one layout for
-    all three), "scan_stack" (a body result to the stacked [T, ...] one).
-    They compute nothing. Slices live inside the loop, where XLA lays them
+    """Ops that relate control flow to its bodies, one per operand:
+    "scan_slice" (a scanned operand [T, ...] to the body's slice of it),
+    "scan_stack" (a body result to the stacked [T, ...] one), and per result
+    "scan_carry" and "while_carry" (initial carry, or the one a while loop
+    reads, and body carry out to the final carry: one layout for all three;
+    a while loop's condition read beside them),
+    "while_enter" (a while loop's initial carry to the one it reads),
+    "cond_result" (the branch index, and each branch's value to the
+    cond's). They compute nothing. Slices live inside the loop, where XLA lays them
     out: sealed; the final carry and the stacked results are constrained
     after the loop."""
-    if name == "scan_carry":
+    if name in CARRIES:
       pairs = [(list(ins), out_ids[0], avals[0])]
     else:
       pairs = [([x], i, v) for x, i, v in zip(ins, out_ids, avals)]
@@ -426,7 +511,8 @@ class _Builder:
       out = tuple(int(d) for d in aval.shape)
       in_shapes = [x.shape if isinstance(x, Literal) else self.shapes[x] for x in operands]
       self._record(name, operands, in_shapes, (vid,),
-                   rules.scan_tie_rule(name, in_shapes, out), 0.0, scope, trips)
+                   rules.scan_tie_rule(name, in_shapes, out), 0.0, scope, trips,
+                   self.region())
     return list(out_ids)
 
 
@@ -490,6 +576,7 @@ def build(traced: Traced) -> Graph:
   b = _Builder()
   walk = Walk(b.visit, b.const, b.literal, open_sealed=True, tie=b.tie,
               constrain=b.constrain)
+  b.region = lambda: walk.region
   arg_ids = walk.fresh(len(traced.in_avals))
   for vid, aval, path in zip(arg_ids, traced.in_avals, traced.in_paths):
     b.value(vid, aval, ARG, -1, False, path)
@@ -520,7 +607,7 @@ def build(traced: Traced) -> Graph:
       prims=tuple(b.prims), operands=tuple(b.operands),
       operand_shapes=tuple(b.operand_shapes), results=tuple(b.results),
       rules=tuple(b.rules), flops=np.array(b.flops, np.float64),
-      trips=np.array(b.trips, np.int64),
+      trips=np.array(b.trips, np.int64), regions=np.array(b.regions, np.int32),
       scopes=tuple(b.scopes), inputs=tuple(arg_ids),
       outputs=tuple(x if isinstance(x, int) else -1 for x in outs),
       fingerprint=traced.fingerprint(), unknown=tuple(sorted(b.unknown)),

@@ -99,18 +99,23 @@ def replicated_rule(in_shapes: Sequence[Shape | None],
 
 
 def scan_tie_rule(name: str, ins: Sequence[Shape], out: Shape) -> Rule:
-  """How a scan's operands and results relate to its body's: "scan_slice"
-  takes one [T, ...] operand to its per-step slice, "scan_stack" one
-  per-step result to the stacked [T, ...] one, "scan_carry" the initial and
-  the body's carry to the final carry (one layout for all). The step dim T
-  stays whole: every device runs every step."""
+  """How control flow's operands and results relate to its bodies':
+  "scan_slice" takes one [T, ...] operand to its per-step slice,
+  "scan_stack" one per-step result to the stacked [T, ...] one; any other
+  tie ("scan_carry", "while_carry": initial and body carry to the final
+  one; "cond_result": each branch's value to the cond's) gives all its
+  members of the result's shape one layout (a cond's index, a loop's
+  condition ride along whole). The step dim T stays whole: every device
+  runs every step."""
   b = _Builder()
   factors = [b.new(n) for n in (out[1:] if name == "scan_stack" else out)]
   if name == "scan_slice":
     return b.rule([[UNSHARDABLE, *factors]], [factors])
   if name == "scan_stack":
     return b.rule([factors], [[UNSHARDABLE, *factors]])
-  return b.rule([factors for _ in ins], [factors])
+  # A cond's index or a loop's condition rides along whole.
+  return b.rule([factors if len(s) == len(out) else [UNSHARDABLE] * len(s) for s in ins],
+                [factors])
 
 
 def _elementwise(ins, outs, params) -> Rule:
@@ -545,6 +550,7 @@ _RULES: dict[str, Callable[[Any, Any, dict], Rule]] = {
     "pad": _pad,
     "concatenate": _concatenate,
     "iota": _iota,
+    "empty2": _iota,  # an uninitialised array (AD's zeros in cond branches)
     "gather": _gather,
     "scatter-add": _scatter_add,
     "scatter_add": _scatter_add,

@@ -16,7 +16,11 @@ every argument picks a layout of its own. The objective is the step time:
 
 An op may take only the strategy `CostModel` derives from the layouts its
 operands are made in (a reduction is split only where an operand is stored
-split), so the objective is the plan's step time as `Tracker` prices it.
+split), so the objective is the plan's step time as `Tracker` prices it;
+except at gathers and scatters, whose route XLA picks by the layouts their
+operands arrive in (`CostModel._cheapest_lookup`), which the solver takes
+to be those it wants: there `Tracker`'s price of the solution may differ
+(the plan is the solution, priced by `Tracker`).
 
 With a memory limit, the bytes alive at a program point (resident arguments
 and results, plus the temporaries live there) are bounded at the points

@@ -51,7 +51,8 @@ class Refiner:
     movable &= ~np.asarray(program.fixed, bool) & ~sealed
     for o in range(g.num_ops):
       members = [v for v in g.operands[o] + g.results[o] if v >= 0]
-      if g.trips[o] > 1 or g.prims[o].startswith("scan_") or sealed[members].any():
+      if (g.trips[o] > 1 or g.prims[o].startswith(("scan_", "while_"))
+          or sealed[members].any()):
         movable[members] = False
     self.movable = movable
     # A step's carried state comes back in the layout it came in: an

@@ -59,11 +59,13 @@ FORWARD, BACKWARD, BOTH = 1, 2, 3
 ROUNDS = 3
 
 # Ops every factor of which passes straight through (Shardy's elementwise
-# ops, reshapes, transposes and data-flow edges: a scan's carry), and ops
-# that pass their factors forward only (dynamic slices; a scan's per-step
-# slice and stacking are dynamic slices and updates of the loop's arrays).
+# ops, reshapes, transposes and data-flow edges: control flow's carries and
+# a cond's results), and ops that pass their factors forward only (dynamic
+# slices; a scan's per-step slice and stacking are dynamic slices and
+# updates of the loop's arrays).
 _PASS_THROUGH = rules.ELEMENTWISE | {"select_n", "clamp", "reshape", "squeeze",
-                                     "expand_dims", "transpose", "scan_carry"}
+                                     "expand_dims", "transpose", "scan_carry",
+                                     "while_enter", "while_carry", "cond_result"}
 _FORWARD_ONLY = frozenset({"dynamic_slice", "dynamic_update_slice", "scan_slice",
                            "scan_stack"})
 
