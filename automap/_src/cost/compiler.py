@@ -34,6 +34,9 @@ class Compiler:
     `cpu_compiler.cc`); XLA:GPU combines all-gathers and reduce-scatters
     too (`gpu_compiler.cc`); XLA:TPU's pipeline is not public and is taken
     to do as XLA:GPU does. No backend combines collective-permutes.
+  combine_bytes, combine_count: the most bytes and collectives one combined
+    collective takes (XLA:CPU: no byte limit, 256; XLA:GPU: 30 MiB,
+    `kDefaultAllReduceCombineThreshold`, and 256).
   """
 
   name: str
@@ -41,13 +44,18 @@ class Compiler:
   reduce_in_f32: bool
   fuses_shared_producers: bool
   combines: frozenset[int] = frozenset({ALL_REDUCE})
+  combine_bytes: float = float("inf")
+  combine_count: int = 256
 
 
 _GATHERS_AND_REDUCTIONS = frozenset({ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER})
+_GPU_COMBINE_BYTES = 30 * 2**20
 XLA_TPU = Compiler("xla:tpu", reduce_scatter=True, reduce_in_f32=False,
-                   fuses_shared_producers=True, combines=_GATHERS_AND_REDUCTIONS)
+                   fuses_shared_producers=True, combines=_GATHERS_AND_REDUCTIONS,
+                   combine_bytes=_GPU_COMBINE_BYTES)
 XLA_GPU = Compiler("xla:gpu", reduce_scatter=True, reduce_in_f32=False,
-                   fuses_shared_producers=True, combines=_GATHERS_AND_REDUCTIONS)
+                   fuses_shared_producers=True, combines=_GATHERS_AND_REDUCTIONS,
+                   combine_bytes=_GPU_COMBINE_BYTES)
 XLA_CPU = Compiler("xla:cpu", reduce_scatter=False, reduce_in_f32=True,
                    fuses_shared_producers=False, combines=frozenset({ALL_REDUCE}))
 

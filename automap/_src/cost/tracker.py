@@ -307,13 +307,62 @@ class Tracker:
     return kernels.temporaries_in_result_buffers(
         len(self.live), by_start, by_end, start, end, foot, fits - 1, a.results_made_at, slot, m)
 
+  def combined_away(self) -> dict[tuple[int, int], int]:
+    """{(kind, axes mask): how many collectives XLA's combiners merge away}.
+
+    XLA's combiners (`CombineInstructionsByKey`) merge collectives of one
+    kind, axes and element type in program order while none depends on
+    another in the group, up to the compiler's byte and count limits: the
+    independent collectives at each depth of dependency, counted in
+    collectives of the same key upstream, become one (dq, dk and dv's
+    all-reduces; a step's gradient reductions). Collectives inside loops
+    and branches are left apart (each computation combines its own)."""
+    model, g = self.model, self.model.graph
+    compiler = model.compiler
+    emitted: dict[tuple[int, int], dict[int, float]] = {}  # key -> {op: bytes}
+    for o in np.flatnonzero(model.memo.has_comms[self.op_ids]).tolist():
+      if g.trips[o] > 1 or g.regions[o]:
+        continue
+      for kind, mask, nbytes, _, position, _ in model.memo.entries[self.op_ids[o]].comms:
+        if position < 0 and kind in compiler.combines:
+          made = [v for v in g.results[o] if v >= 0]
+          dtype = str(g.dtypes[made[0]]) if made else ""
+          ops = emitted.setdefault((kind, mask, dtype), {})
+          ops[o] = ops.get(o, 0.0) + nbytes
+    away: dict[tuple[int, int], int] = {}
+    for (kind, mask, _), ops in emitted.items():
+      depth = np.zeros(g.num_values, np.int64)  # same-key collectives upstream
+      groups: dict[int, list[float]] = {}  # depth -> [bytes, count] of the open group
+      merged = 0
+      for o in range(min(ops), g.num_ops):
+        up = max((int(depth[v]) for v in g.operands[o] if v >= 0), default=0)
+        if o in ops:
+          up += 1
+          nbytes, group = ops[o], groups.get(up)
+          if nbytes > compiler.combine_bytes:
+            pass  # never combined
+          elif (group is None or group[1] >= compiler.combine_count
+                or group[0] + nbytes > compiler.combine_bytes):
+            groups[up] = [nbytes, 1]
+          else:
+            group[0] += nbytes
+            group[1] += 1
+            merged += 1
+        for v in g.results[o]:
+          if v >= 0:
+            depth[v] = up
+      if merged:
+        away[(kind, mask)] = away.get((kind, mask), 0) + merged
+    return away
+
   def cost(self) -> Cost:
     names = self.model.mesh.axis_names
     comm_bytes, comm_count, comm_seconds = {}, {}, {}
+    away = self.combined_away()
     for kind, mask in zip(*np.nonzero(self.count > 0)):
       key = (KINDS[kind], tuple(n for a, n in enumerate(names) if mask >> a & 1))
       comm_bytes[key] = float(self.bytes[kind, mask])
-      comm_count[key] = int(self.count[kind, mask])
+      comm_count[key] = int(self.count[kind, mask]) - away.get((int(kind), int(mask)), 0)
       comm_seconds[key] = float(self.seconds[kind, mask] + (
           self.model.latency[kind, mask] if self.combined[kind, mask] else 0.0))
     return Cost(
