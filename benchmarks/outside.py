@@ -31,11 +31,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import outside_steps  # noqa: E402
+import quality  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 
 import automap  # noqa: E402
 from automap._src.cost.collectives import KINDS, ring_seconds  # noqa: E402
+from automap._src.cost.compiler import compiler_for  # noqa: E402
 from automap._src.cost.hardware import get_hardware  # noqa: E402
+from automap._src.cost.model import CostModel  # noqa: E402
 from automap._src.cost.tracker import Tracker  # noqa: E402
 from automap._src.run import apply as apply_lib  # noqa: E402
 from automap._src.run.compiled import collectives, compiled_memory  # noqa: E402
@@ -45,6 +48,9 @@ from automap._src.sharding.state import spec_of  # noqa: E402
 
 MESHES = {(4, 2): ("data", "model"), (2, 2, 2): ("data", "fsdp", "model")}
 EXPERTS = ("data parallel", "Megatron + DP", "FSDP")
+# quality.py's names for them.
+_EXPERT_NAMES = {"data parallel": "data parallel", "Megatron+DP": "Megatron + DP",
+                 "FSDP": "FSDP"}
 HARDWARE = "tpu-v4"
 
 
@@ -69,28 +75,23 @@ def referee(compiled, mesh, hw) -> dict:
           "peak": compiled_memory(compiled)[0], "bytes": accessed}
 
 
-def expert_specs(step, mesh, hw) -> dict:
-  """Each expert's argument specs, from automap's tactics (the same ones its
-  yardsticks use), and their predicted cost."""
+def expert_specs(step, mesh, hw) -> tuple[dict, object]:
+  """Each expert's argument specs, from automap's tactics (the states
+  `quality.expert_states` builds, as its yardsticks use), and their cost
+  priced as `evaluate` prices a hand-written layout (its argument specs,
+  the rest propagated): under `hw` (the clock that ranks them) and under
+  XLA:CPU's compiler (what the program compiled here is checked against)."""
   program = driver.build_program(step.fn, step.args, mesh, hw, names=step.names)
-  space = ActionSpace(program)
-  tactics, real = space.experts, space.real_axes
+  on_cpu = CostModel(program.graph, program.mesh, hw, compiler_for("cpu"))
   g = program.graph
   out = {}
-  for name in EXPERTS:
-    state = program.initial_state()
-    if name == "data parallel":
-      tactics.data_parallel(state, real)
-    elif name == "Megatron + DP":
-      tactics.data_parallel(state, real[:-1])
-      tactics.megatron(state, real[-1])
-    else:
-      for a in real:
-        tactics.fsdp(state, a)
+  for name, state in quality.expert_states(program, ActionSpace(program)).items():
+    if name not in _EXPERT_NAMES:
+      continue
     specs = [spec_of(state, program.mesh, v, g.rank(v)) for v in g.inputs]
-    # Priced as `evaluate` prices a hand-written layout: its argument specs,
-    # the rest propagated as XLA propagates it.
-    out[name] = (specs, Tracker(program.model, program.state_from_specs(specs)).cost())
+    layout = program.state_from_specs(specs)
+    out[_EXPERT_NAMES[name]] = (specs, Tracker(program.model, layout).cost(),
+                                Tracker(on_cpu, layout).cost())
   return out, program.traced
 
 
@@ -134,14 +135,14 @@ def measure(step, shape, names, episodes: int) -> dict:
     judged = {"automap": referee(mine, mesh, hw)}
     predicted = {"automap": plan.cost}
     expert_errors = {}  # each expert's (comm, peak) relative error, priced as `evaluate` does
-    for name, (specs, cost) in experts.items():
+    for name, (specs, cost, on_cpu) in experts.items():
       compiled = compile_layout(traced, mesh, specs, step.args)
       judged[name] = referee(compiled, mesh, hw)
       predicted[name] = cost
       xla = sum(c.nbytes for c in collectives(compiled.as_text(), mesh))
       expert_errors[name] = (
-          abs(cost.total_comm_bytes - xla) / xla if xla else float(cost.total_comm_bytes > 0),
-          abs(cost.peak_memory - judged[name]["peak"]) / judged[name]["peak"])
+          abs(on_cpu.total_comm_bytes - xla) / xla if xla else float(on_cpu.total_comm_bytes > 0),
+          abs(on_cpu.peak_memory - judged[name]["peak"]) / judged[name]["peak"])
   row["judged"], row["predicted"], row["expert_errors"] = judged, predicted, expert_errors
   return row
 

@@ -34,7 +34,7 @@ BUILDERS = [outside_steps.hf_gpt2, outside_steps.eqx_transformer,
 
 
 @pytest.mark.parametrize("build", BUILDERS, ids=lambda b: b.__name__)
-def test_outside_train_step_runs_first_try_and_prices_data_parallelism_exactly(build):
+def test_outside_train_step_runs_first_try_and_prices_the_experts_as_compiled(build):
   with jax.numpy_rank_promotion("allow"):  # library code broadcasts freely
     step = build(outside_steps.TINY)
     plan = automap.search(step.fn, *step.args, mesh=M, hardware="cpu", names=step.names,
@@ -44,14 +44,15 @@ def test_outside_train_step_runs_first_try_and_prices_data_parallelism_exactly(b
     # whose exact gradient is zero (a key bias): a wrong layout errs by the
     # weights' own size, rounding by far less than the step.
     assert report.max_abs_error < 2e-3, report.worst_leaf
-    # Data parallelism, written by hand: predicted bytes are the compiled ones.
+    # The experts, written by hand on the arguments (the rest propagated as
+    # XLA propagates it): predicted bytes are the compiled ones, and peaks
+    # within the memory model's bound (temporaries live in the buffers of
+    # results made after they die, as XLA's buffer assignment places them).
     experts, traced = outside.expert_specs(step, M, automap.HARDWARE["cpu"])
-    specs, predicted = experts["data parallel"]
-    compiled = outside.compile_layout(traced, M, specs, step.args)
-    found = outside.collectives(compiled.as_text(), M)
-    assert predicted.total_comm_bytes == pytest.approx(sum(c.nbytes for c in found), rel=0.02)
-    assert predicted.total_comm_bytes > 0
-    # And its peak: temporaries live in the buffers of results made after
-    # they die, as XLA's buffer assignment places them.
-    peak = outside.compiled_memory(compiled)[0]
-    assert predicted.peak_memory == pytest.approx(peak, rel=0.1)
+    for name, (specs, _, predicted) in experts.items():
+      compiled = outside.compile_layout(traced, M, specs, step.args)
+      found = sum(c.nbytes for c in outside.collectives(compiled.as_text(), M))
+      assert predicted.total_comm_bytes == pytest.approx(found, rel=0.05), name
+      assert predicted.total_comm_bytes > 0
+      peak = outside.compiled_memory(compiled)[0]
+      assert predicted.peak_memory == pytest.approx(peak, rel=0.15), name
