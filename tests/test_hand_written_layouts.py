@@ -51,3 +51,21 @@ def test_a_layout_on_the_arguments_is_priced_as_compiled(name):
   compiled, peak, _ = compile_as_written(step, args, MESH, specs)
   assert cost.comm_bytes == pytest.approx(compiled, rel=0.01), (cost.comm_bytes, compiled)
   assert cost.peak_memory == pytest.approx(peak, rel=0.15)  # the memory model's bound
+
+
+MESH3 = jax.make_mesh((2, 2, 2), ("data", "fsdp", "model"), axis_types=(AxisType.Auto,) * 3)
+
+
+@pytest.mark.parametrize("weight", [P("fsdp"), P(None, "model"), P("fsdp", "model")])
+def test_a_gradient_tiled_over_some_of_the_batch_axes_is_reduced_as_compiled(weight):
+  """A weight's gradient sums over a batch tiled over every axis; the axes
+  it is itself tiled over all-reduce the whole partial sum first (XLA:CPU
+  has no reduce-scatter), the others then reduce each device's tile."""
+  def grad(x, w):
+    g = jax.grad(lambda x, w: jnp.tanh(x @ w).sum(), argnums=1)(x, w)
+    return jax.lax.with_sharding_constraint(g, weight)
+  args = (jnp.ones((16, 64)), jnp.ones((64, 128)))
+  specs = (P(("data", "fsdp", "model")), weight)
+  cost = automap.evaluate(grad, *args, mesh=MESH3, in_shardings=specs, hardware="cpu")
+  compiled, _, _ = compile_as_written(grad, args, MESH3, specs)
+  assert cost.comm_bytes == pytest.approx(compiled), (cost.comm_bytes, compiled)

@@ -95,6 +95,8 @@ class Cost:
         comm_seconds={(k, tuple(a)): t for k, a, t in d.get("comm_seconds", ())})
 
 
+# Contractions: XLA's dot partitioner handles their partial sums.
+_CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 # Ops XLA's partitioner chooses among several partitionings of by cost.
 _LOOKUPS = frozenset({"gather", "scatter-add", "scatter_add", "scatter-max", "scatter-min"})
 
@@ -611,12 +613,26 @@ class CostModel:
             reduce_mask |= 1 << a
         elif f >= 0 and f in dims:
           natural[a] = dims.index(f)
-      if scatter_mask and not self.compiler.reduce_scatter:
-        # All-reduce the whole partial result, then keep this device's tile.
-        reduce_mask |= scatter_mask
-        scatter_mask = 0
       natural_bytes = float(g.nbytes[v]) / math.prod(
           sizes[a] for a in range(num_axes) if natural[a] >= 0)
+      made = natural_bytes  # the partial result the op makes
+      widen = self.reduced_itemsize[v] / self.itemsize[v]
+      if scatter_mask and not self.compiler.reduce_scatter and g.prims[o] in _CONTRACTIONS:
+        # No reduce-scatter: a contraction's result dims tiled over axes of
+        # its contracted dim are all-reduced over those axes whole first,
+        # each device keeps its tile, and the other axes reduce that tile
+        # (XLA's dot partitioner, as XLA:CPU compiles it).
+        self.emit(comms, ALL_REDUCE, scatter_mask, natural_bytes * widen)
+        for a in range(num_axes):
+          if scatter_mask >> a & 1:
+            natural[a] = state[v, a]
+        natural_bytes /= self.group_size[scatter_mask]
+        scatter_mask = 0
+      elif scatter_mask and not self.compiler.reduce_scatter:
+        # Other reductions all-reduce the whole partial result over every
+        # axis at once, then keep this device's tile.
+        reduce_mask |= scatter_mask
+        scatter_mask = 0
       # One all-reduce per reduced factor (XLA reduces dim by dim), over
       # every axis that tiles it.
       by_factor: dict[int, int] = {}
@@ -624,7 +640,6 @@ class CostModel:
         if reduce_mask >> a & 1:
           f = factor_of_axis[a]
           by_factor[f] = by_factor.get(f, 0) | 1 << a
-      widen = self.reduced_itemsize[v] / self.itemsize[v]
       for mask in by_factor.values():
         self.emit(comms, ALL_REDUCE, mask, natural_bytes * widen)
       if scatter_mask:
@@ -635,7 +650,7 @@ class CostModel:
         self.emit(comms, REDUCE_SCATTER, scatter_mask, natural_bytes)
       self.transition(comms, natural, state[v], natural_bytes, -1)
       naturals.append(tuple(int(d) for d in natural))
-      foot = max(natural_bytes, self.local_bytes(state, v))
+      foot = max(made, self.local_bytes(state, v))
       w = self.analysis.wide[v]
       if w >= 0:  # and its broadcast, in the reader's layout and its own dtype
         foot += self.local_bytes(state, w) * self.itemsize[v] / self.itemsize[w]
