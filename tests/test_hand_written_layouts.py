@@ -56,11 +56,13 @@ def test_a_layout_on_the_arguments_is_priced_as_compiled(name):
 MESH3 = jax.make_mesh((2, 2, 2), ("data", "fsdp", "model"), axis_types=(AxisType.Auto,) * 3)
 
 
-@pytest.mark.parametrize("weight", [P("fsdp"), P(None, "model"), P("fsdp", "model")])
+@pytest.mark.parametrize(
+    "weight", [P("fsdp"), P(None, "model"), P("fsdp", "model"), P(("fsdp", "model"))])
 def test_a_gradient_tiled_over_some_of_the_batch_axes_is_reduced_as_compiled(weight):
-  """A weight's gradient sums over a batch tiled over every axis; the axes
-  it is itself tiled over all-reduce the whole partial sum first (XLA:CPU
-  has no reduce-scatter), the others then reduce each device's tile."""
+  """A weight's gradient sums over a batch tiled over every axis; each of
+  its dims tiled over some of those axes all-reduces the whole partial sum
+  over them first (XLA:CPU has no reduce-scatter), the other axes then
+  reduce each device's tile."""
   def grad(x, w):
     g = jax.grad(lambda x, w: jnp.tanh(x @ w).sum(), argnums=1)(x, w)
     return jax.lax.with_sharding_constraint(g, weight)

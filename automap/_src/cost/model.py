@@ -618,14 +618,19 @@ class CostModel:
       made = natural_bytes  # the partial result the op makes
       widen = self.reduced_itemsize[v] / self.itemsize[v]
       if scatter_mask and not self.compiler.reduce_scatter and g.prims[o] in _CONTRACTIONS:
-        # No reduce-scatter: a contraction's result dims tiled over axes of
-        # its contracted dim are all-reduced over those axes whole first,
-        # each device keeps its tile, and the other axes reduce that tile
-        # (XLA's dot partitioner, as XLA:CPU compiles it).
-        self.emit(comms, ALL_REDUCE, scatter_mask, natural_bytes * widen)
+        # No reduce-scatter: XLA's dot partitioner all-reduces the whole
+        # partial result once per result dim tiled over axes of its
+        # contracted dim (over the axes tiling that dim), each device keeps
+        # its tile, and the other axes reduce that tile (as XLA:CPU
+        # compiles it: `P('data', 'model')` from a contraction over both is
+        # two whole all-reduces, `P(('data', 'model'))` one).
+        by_dim: dict[int, int] = {}
         for a in range(num_axes):
           if scatter_mask >> a & 1:
             natural[a] = state[v, a]
+            by_dim[int(state[v, a])] = by_dim.get(int(state[v, a]), 0) | 1 << a
+        for mask in by_dim.values():
+          self.emit(comms, ALL_REDUCE, mask, natural_bytes * widen)
         natural_bytes /= self.group_size[scatter_mask]
         scatter_mask = 0
       elif scatter_mask and not self.compiler.reduce_scatter:
