@@ -24,7 +24,7 @@ def devices():
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
-    "ci", max_examples=60, deadline=None, derandomize=True, print_blob=True,
+    "ci", max_examples=30, deadline=None, derandomize=True, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile(
     "long", max_examples=2000, deadline=None, print_blob=True,

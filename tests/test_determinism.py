@@ -32,7 +32,7 @@ def plan_of(search: str, seed: int) -> automap.Plan:
     args = tuple(jax.ShapeDtypeStruct(s, jnp.float32)
                  for s in ((64, 128), (128, 512), (512, 128)))
   return automap.search(step, *args, mesh=mesh((4, 2)), seed=seed, search=search,
-                        budget=automap.Budget(episodes=120, seconds=600))
+                        budget=automap.Budget(episodes=40, seconds=600))
 
 
 def _env(**extra) -> dict:

@@ -37,18 +37,18 @@ def this_interpreters_kernel() -> AsyncKernelManager:
   return km
 
 
-# The first notebook runs in every test run; the 24-layer and cluster ones take
-# two minutes each and run with `pytest -m slow`.
-QUICK = {"01_partition_a_training_step"}
-
-
-@pytest.mark.parametrize("path", [
-    p if p.stem in QUICK else pytest.param(p, marks=pytest.mark.slow) for p in NOTEBOOKS],
-    ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path, tmp_path):
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_is_stored_without_outputs(path):
   nb = nbformat.read(path, as_version=4)
   assert not any(c.get("outputs") for c in nb.cells if c.cell_type == "code"), (
       f"{path.name} is stored with outputs; clear them before committing")
+
+
+# Each notebook takes a minute or more to run.
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs(path, tmp_path):
+  nb = nbformat.read(path, as_version=4)
   env = dict(os.environ, AUTOMAP_CACHE_DIR=str(tmp_path / "cache"))
   client = nbclient.NotebookClient(
       nb, km=this_interpreters_kernel(), timeout=CELL_TIMEOUT,

@@ -29,8 +29,9 @@ M = mesh((4, 2))
 # The three calling conventions apart from flax's own: HF's model objects
 # (with a tied head), equinox's whole-model argument with static leaves, and
 # keras' lists named by `names=`. Haiku, linen and nnx steps are in the benchmark.
+# (keras' names are also checked in test_library_names.py; its whole step is slow.)
 BUILDERS = [outside_steps.hf_gpt2, outside_steps.eqx_transformer,
-            outside_steps.keras_transformer]
+            pytest.param(outside_steps.keras_transformer, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("build", BUILDERS, ids=lambda b: b.__name__)

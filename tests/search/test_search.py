@@ -121,7 +121,7 @@ def test_plan_records_search_statistics():
   assert "actions taken:\n  1. " + s["actions"][0] in plan.explain()
 
 
-@pytest.mark.parametrize("shape", [(4, 2), (2, 4)])
+@pytest.mark.parametrize("shape", [(4, 2), pytest.param((2, 4), marks=pytest.mark.slow)])
 def test_search_recovers_megatron_on_the_model_axis(shape):
   """With the batch on 'data' (Hints.fixed) on a compute-bound device, the
   search splits every block's weights over 'model' exactly as Megatron
