@@ -12,10 +12,14 @@ import pytest
 from automap._src.models.gpt import GPTConfig, make_train_step, megatron_specs
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
-# The same, with the one-axis meshes (degenerate 2-axis cases of the others)
-# left to `pytest -m slow`: end-to-end runs take half a minute each.
-TWO_AXIS_MESHES = [s if min(s) > 1 else pytest.param(s, marks=pytest.mark.slow)
-                   for s in MESHES]
+
+
+def meshes_but(*quick: tuple[int, ...]) -> list:
+  """MESHES with all but `quick` left to `pytest -m slow`: end-to-end runs
+  take half a minute each, and the one-axis meshes are degenerate cases of
+  the two-axis ones."""
+  return [s if s in quick else pytest.param(s, marks=pytest.mark.slow) for s in MESHES]
+
 
 SMALL = GPTConfig(vocab=128, seq=16, hidden=128, heads=4, layers=2)
 

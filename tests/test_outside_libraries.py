@@ -3,9 +3,9 @@
 Steps of `benchmarks/outside_steps.py` at its TINY size: a HuggingFace Flax
 GPT-2 with its tied head, equinox (the whole model as the argument,
 activation functions static) and keras 3 (`stateless_call` on lists, named
-by `names=`). Each is partitioned
-and run, checked against the unpartitioned step, and data parallelism's
-predicted collective bytes are checked against what XLA compiles for it.
+by `names=`). Each is partitioned and run, checked against the
+unpartitioned step, and the experts' predicted collective bytes and peaks
+are checked against what XLA compiles for them.
 The whole set, at benchmark size, is `benchmarks/outside.py`.
 """
 
@@ -29,8 +29,10 @@ M = mesh((4, 2))
 # The three calling conventions apart from flax's own: HF's model objects
 # (with a tied head), equinox's whole-model argument with static leaves, and
 # keras' lists named by `names=`. Haiku, linen and nnx steps are in the benchmark.
-# (keras' names are also checked in test_library_names.py; its whole step is slow.)
-BUILDERS = [outside_steps.hf_gpt2, outside_steps.eqx_transformer,
+# Equinox's convention runs on its MLP by default; its transformer and keras'
+# whole step (whose names test_library_names.py checks) with `pytest -m slow`.
+BUILDERS = [outside_steps.hf_gpt2, outside_steps.eqx_mlp,
+            pytest.param(outside_steps.eqx_transformer, marks=pytest.mark.slow),
             pytest.param(outside_steps.keras_transformer, marks=pytest.mark.slow)]
 
 

@@ -133,7 +133,7 @@ def test_a_few_training_steps_lower_the_loss():
   rng = np.random.default_rng(1)
   examples = []
   for seed in range(2):
-    examples += train.examples_of(synthetic.sample(rng), 60, seed)
+    examples += train.examples_of(synthetic.sample(rng), 30, seed)
   assert examples and all(abs(ex.target.sum() - 1) < 1e-6 for ex in examples)
   net = model.PolicyNet(16, 1)
   import jax
