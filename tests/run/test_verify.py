@@ -77,6 +77,20 @@ def test_the_report_names_the_leaf_with_the_largest_error():
   assert report.worst_leaf == "['y']" and report.max_rel_error == 0.0
 
 
+def test_the_report_compares_memory_traffic_with_xlas_bytes_accessed():
+  import numpy as np
+
+  scale = lambda x: {"y": jax.numpy.tanh(2 * x) + 1}  # noqa: E731  (one fusion)
+  x = np.ones((64, 32), np.float32)
+  report = automap.verify(automap.search(scale, x, mesh=M, hardware="cpu"), scale, x, mesh=M)
+  # Split over every device, nothing moved: each reads its tile of x and
+  # writes its tile of y.
+  assert report.predicted.comm_bytes == {}
+  assert report.compiled_traffic == report.predicted.memory_traffic == 2 * x.nbytes / 8
+  assert report.traffic_error == 0.0
+  assert "memory traffic" in report.table()
+
+
 def test_numerics_catch_nans_and_compare_bfloat16_as_floats():
   import jax.numpy as jnp
   import numpy as np

@@ -60,7 +60,7 @@ def materialized(graph: Graph, fuses_shared: bool = True) -> tuple[np.ndarray, n
   out[[v for v in graph.outputs if v >= 0]] = True
   wide = np.full(graph.num_values, -1, np.int64)
   if fuses_shared:
-    return out, wide
+    return _stored_where_cheaper(graph, out), wide
   # The reduction whose fusion absorbs each op (-1: none); readers come
   # after producers, so one reverse pass grows every fusion upwards.
   fusion = np.full(graph.num_ops, -1, np.int64)
@@ -94,6 +94,36 @@ def materialized(graph: Graph, fuses_shared: bool = True) -> tuple[np.ndarray, n
           and math.prod(graph.shapes[made]) > elements):
         wide[v], elements = made, math.prod(graph.shapes[made])
   return out, wide
+
+
+def _stored_where_cheaper(graph: Graph, stored: np.ndarray) -> np.ndarray:
+  """`stored`, and the fusible values that cost fewer bytes stored than
+  recomputed: a value fused into k fusions reads its fused chain's stored
+  inputs k times; stored, it is written once and read k times. XLA's fusion
+  cost model (priority fusion) weighs the same trade; a residual stream
+  read by every later layer's fusions is stored, not recomputed in each.
+  Inputs are counted forward, fusions backward: one pass each."""
+  stored = stored.copy()
+  inputs = np.zeros(graph.num_values)  # whole-array bytes a fused value reads
+  for o in range(graph.num_ops):
+    read = sum(float(graph.nbytes[u]) if stored[u] else inputs[u]
+               for u in set(graph.operands[o]) if u >= 0)
+    for v in graph.results[o]:
+      if v >= 0:
+        inputs[v] = read
+  roots: list[frozenset[int]] = [frozenset((o,)) for o in range(graph.num_ops)]
+  for o in range(graph.num_ops - 1, -1, -1):
+    results = [v for v in graph.results[o] if v >= 0]
+    if not results or stored[results].any():
+      continue
+    reached = frozenset().union(*(roots[r] for v in results for r, _ in graph.uses[v]))
+    k = len(reached)
+    if k > 1 and sum((1 + k) * float(graph.nbytes[v]) for v in results) < k * sum(
+        inputs[v] for v in results):
+      stored[results] = True
+    else:
+      roots[o] = reached or roots[o]
+  return stored
 
 
 def fused_liveness(graph: Graph, stored: np.ndarray, end: np.ndarray, dead: np.ndarray,
@@ -171,6 +201,76 @@ def late_ops(graph: Graph) -> np.ndarray:
   return late
 
 
+def fusion_copies(graph: Graph, stored: np.ndarray,
+                  dead: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """([O] int64 the fusions each op's computation runs in, [V] int64 the
+  fusions that read each value).
+
+  An op whose results are stored roots a fusion of its own; one whose
+  results are never stored is computed inside each fusion that reads them,
+  so it runs, and reads its own operands, once per distinct fusion it is
+  duplicated into (XLA's producer duplication). Readers come after
+  producers: one reverse pass."""
+  roots: list[frozenset[int]] = [frozenset()] * graph.num_ops
+  copies = np.ones(graph.num_ops, np.int64)
+  for o in range(graph.num_ops - 1, -1, -1):
+    results = [v for v in graph.results[o] if v >= 0]
+    if dead[o] or not results or stored[results].any():
+      roots[o] = frozenset((o,))
+      continue
+    reached: set[int] = set()
+    for v in results:
+      for r, _ in graph.uses[v]:
+        if not dead[r]:
+          reached |= roots[r]
+    roots[o] = frozenset(reached) or frozenset((o,))
+    copies[o] = len(roots[o])
+  readers = np.array([len(frozenset().union(*(roots[r] for r, _ in graph.uses[v]
+                                                if not dead[r])))
+                      for v in range(graph.num_values)], np.int64)
+  return copies, readers
+
+
+def canonical_copies(rule, shapes) -> tuple[bool, bool]:
+  """Whether XLA copies each operand of a contraction into a new layout
+  first, given the operands' (per-device) shapes. Its `DotDecomposer`
+  rewrites a dot with more than one contracting or free dim on an operand
+  (or batch dims not major) into a batched matrix product, transposing
+  the lhs to [batch, free, contracting] and the rhs to [batch, contracting,
+  free]: an operand not already in that order is copied. A dot already in
+  matrix form reads its operands as they lie, either way round (layout
+  assignment). Dims of extent 1 are dropped first (a bitcast)."""
+  lhs, rhs = ([f for f, n in zip(dims, shape) if n > 1]
+              for dims, shape in zip(rule.operands[:2], shapes))
+  # Factor ids follow the dimension numbers: batch, then contracting, in order.
+  batch = sorted(f for f in lhs if f in rhs and not rule.reduction[f])
+  contracting = sorted(f for f in lhs if rule.reduction[f])
+  matrix = True
+  wants = []
+  for order, free_first in ((lhs, True), (rhs, False)):
+    free = [f for f in order if f not in batch and not rule.reduction[f]]
+    summed = [f for f in order if rule.reduction[f]]
+    matrix &= order[:len(batch)] == batch and len(free) <= 1 and len(summed) <= 1
+    wants.append(order == batch + (free + contracting if free_first else contracting + free))
+  if matrix:
+    return False, False
+  return not wants[0], not wants[1]
+
+
+def contraction_readers(graph: Graph, dead: np.ndarray) -> np.ndarray:
+  """[V] int64 the contraction operands that read each value through a
+  copy into a dot's layout (`canonical_copies`, on whole shapes): XLA makes
+  one copy, and they share it."""
+  readers = np.zeros(graph.num_values, np.int64)
+  for o, prim in enumerate(graph.prims):
+    if prim == "dot_general" and not dead[o]:
+      copied = canonical_copies(graph.rules[o], graph.operand_shapes[o])
+      for v, c in zip(graph.operands[o][:2], copied):
+        if v >= 0 and c:
+          readers[v] += 1
+  return readers
+
+
 def remade_values(graph: Graph) -> np.ndarray:
   """[V] bool values XLA makes anew in whatever layout a reader wants (an
   iota, a broadcast constant scalar, an uninitialised array): reading one in
@@ -214,6 +314,10 @@ class Analysis:
   unread: np.ndarray  # [V] bool: no live op reads it and it is no output
   late: np.ndarray  # [O] bool, `late_ops`
   wide: np.ndarray  # [V] int64 the value a stored broadcast takes the shape of (`materialized`)
+  stored: np.ndarray  # [V] bool: has a buffer once XLA fuses (`materialized`)
+  copies: np.ndarray  # [O] int64 fusions each op runs in (`fusion_copies`)
+  readers: np.ndarray  # [V] int64 fusions reading each value (`fusion_copies`)
+  dot_readers: np.ndarray  # [V] int64 contraction operands reading it (`contraction_readers`)
   temporary: np.ndarray  # [V] bool: stored, not resident, made by a live op
   hostable: np.ndarray  # [V] bool
   free: np.ndarray  # [V] bool, `remade_values`
@@ -253,7 +357,10 @@ class Analysis:
     hostable = temporary & ~np.append(looped, False)[graph.producer]
     end = fused_liveness(graph, stored, end, dead, resident)
     free = remade_values(graph)
-    op_class, members, extra = _op_classes(graph, dead, free, wide, unread)
+    copies, readers = fusion_copies(graph, stored, dead)
+    dot_readers = contraction_readers(graph, dead)
+    op_class, members, extra = _op_classes(graph, dead, free, wide, unread, stored, copies,
+                                           readers, dot_readers)
     width = max((len(m) for m in members), default=1) or 1
     member_table = np.array(
         [(m or [0]) + [(m or [0])[0]] * (width - len(m or [0])) for m in members],
@@ -273,13 +380,17 @@ class Analysis:
         program_end=program_end, start=start, end=end, is_input=is_input,
         resident=resident, results_made=made, results_made_at=start[made], dead=dead,
         unread=unread,
-        late=late_ops(graph), wide=wide, temporary=temporary, hostable=hostable,
+        late=late_ops(graph), wide=wide, stored=stored, copies=copies,
+        readers=readers, dot_readers=dot_readers,
+        temporary=temporary, hostable=hostable,
         free=free, op_class=op_class, member_table=member_table,
         result_table=result_table, touch_ptr=touch_ptr, touch_idx=touch_idx)
 
 
 def _op_classes(graph: Graph, dead: np.ndarray, free: np.ndarray, wide: np.ndarray,
-                unread: np.ndarray) -> tuple[np.ndarray, list[list[int]], list[list[int]]]:
+                unread: np.ndarray, stored: np.ndarray, copies: np.ndarray,
+                readers: np.ndarray, dot_readers: np.ndarray,
+                ) -> tuple[np.ndarray, list[list[int]], list[list[int]]]:
   """([O] class of each op, its members, the stored broadcasts among them).
 
   An op whose result is stored broadcast (`materialized`) prices that
@@ -299,7 +410,10 @@ def _op_classes(graph: Graph, dead: np.ndarray, free: np.ndarray, wide: np.ndarr
                  tuple(graph.shapes[v] for v in graph.results[o] if v >= 0),
                  float(graph.flops[o]), int(graph.trips[o]), bool(dead[o]),
                  tuple(bool(unread[v]) for v in graph.results[o] if v >= 0),
-                 tuple(bool(free[v]) if v >= 0 else False for v in graph.operands[o]))
+                 tuple(bool(free[v]) if v >= 0 else False for v in graph.operands[o]),
+                 tuple(bool(stored[v]) for v in values), int(copies[o]),
+                 tuple(int(readers[v]) for v in graph.results[o] if v >= 0),
+                 tuple(int(dot_readers[v]) for v in graph.operands[o] if v >= 0))
     op_class[o] = classes.setdefault(signature, len(classes))
     members.append(values)
   return op_class, members, extra

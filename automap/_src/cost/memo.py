@@ -26,17 +26,18 @@ class OpCost:
   op produces it in (partial sums combined), before any reshard to its own.
   """
 
-  __slots__ = ("time", "flops", "comms", "reshards", "footprint", "natural")
+  __slots__ = ("time", "flops", "comms", "reshards", "footprint", "natural", "traffic")
 
   def __init__(self, time: float, flops: float,
                comms: list[tuple[int, int, float, float, int, int]],
                reshards: dict[int, tuple[int, ...]],
-               footprint: tuple[float, ...], natural: tuple):
+               footprint: tuple[float, ...], natural: tuple, traffic: float = 0.0):
     self.time, self.flops = time, flops
     self.comms = comms
     self.reshards = reshards
     self.footprint = footprint
     self.natural = natural  # per result: the layout the op computes it in
+    self.traffic = traffic
 
 
 class Memo:
@@ -60,6 +61,7 @@ class Memo:
     self.entries: list[OpCost] = []
     self.time = np.zeros(256)
     self.flops = np.zeros(256)
+    self.traffic = np.zeros(256)
     self.footprint = np.zeros((256, result_slots))
     self.has_comms = np.zeros(256, bool)
     self.has_reshard = np.zeros(256, bool)
@@ -99,7 +101,7 @@ class Memo:
     rows) and the key's hash; returns its entry id."""
     k = len(self.entries)
     if k == len(self.time):  # grow geometrically
-      self._grow(("time", "flops", "footprint", "has_comms", "_class", "_rows", "_hash",
+      self._grow(("time", "flops", "traffic", "footprint", "has_comms", "_class", "_rows", "_hash",
                   "has_reshard", "comm_start", "comm_end"), 2 * k)
     rows_at = int(self.comm_end[k - 1]) if k else 0
     while rows_at + len(c.comms) > len(self.comm_kind):
@@ -112,6 +114,7 @@ class Memo:
     self.has_reshard[k] = any(position >= 0 for *_, position, _ in c.comms)
     self.entries.append(c)
     self.time[k], self.flops[k], self.has_comms[k] = c.time, c.flops, bool(c.comms)
+    self.traffic[k] = c.traffic
     self.footprint[k] = 0.0
     self.footprint[k, :len(c.footprint)] = c.footprint
     self._class[k], self._rows[k], self._hash[k] = op_class, rows.ravel(), key_hash

@@ -7,7 +7,12 @@ to make the operands fit (all-gather, all-to-all; slicing is free) and to
 finish the result (all-reduce of partial sums, or reduce-scatter when the
 result is itself tiled on that axis). Collective sizes are per-device result
 bytes, the figure compiled HLO shows; `collectives` turns them into time on
-the link each axis maps to. Compute is a roofline of FLOPs and memory traffic.
+the link each axis maps to. Compute is a roofline per op of its FLOPs and
+its HBM traffic as XLA's fusions move it: a value fused into its readers is
+never stored, so it costs nothing to read or write; a stored one is read by
+every fusion that reads it (a fused producer duplicated into several runs
+in each), and a dot whose operands XLA's dot decomposition transposes reads
+a copy (`analysis.materialized`, `fusion_copies`, `canonical_copies`).
 
 Costs are memoised per op class and layout (`Memo`); `tracker.Tracker`
 sums them over a program and `analysis` says which buffers XLA keeps.
@@ -21,7 +26,7 @@ import math
 import numpy as np
 
 from automap._src.cost import halo
-from automap._src.cost.analysis import Analysis
+from automap._src.cost.analysis import Analysis, canonical_copies
 from automap._src.cost.collectives import (
   ALL_GATHER,
   ALL_REDUCE,
@@ -47,7 +52,7 @@ class Cost:
   """Predicted cost of one sharded step, per device.
 
   step_time: compute_time + comm_time, seconds (no overlap assumed).
-  compute_time: roofline time of every op, seconds.
+  compute_time: roofline time of every op (FLOPs, HBM traffic), seconds.
   comm_time: collective time, seconds.
   flops: FLOPs executed per device.
   comm_bytes: {(kind, axes): bytes} collective result bytes per device, as
@@ -56,6 +61,9 @@ class Cost:
   peak_memory: bytes live at the peak, per device.
   argument_memory: bytes of arguments per device (part of peak_memory).
   comm_seconds: {(kind, axes): seconds} of comm_time.
+  memory_traffic: bytes read and written in HBM per device, as XLA counts
+    them (`cost_analysis()["bytes accessed"]`: each fusion's operands and
+    results, each collective's; a scan body's once).
   """
 
   step_time: float
@@ -68,6 +76,7 @@ class Cost:
   argument_memory: float
   comm_seconds: dict[tuple[str, tuple[str, ...]], float] = dataclasses.field(
       default_factory=dict)
+  memory_traffic: float = 0.0
 
   @property
   def total_comm_bytes(self) -> float:
@@ -82,6 +91,7 @@ class Cost:
         "peak_memory": self.peak_memory,
         "argument_memory": self.argument_memory,
         "comm_seconds": [[k, list(a), t] for (k, a), t in self.comm_seconds.items()],
+        "memory_traffic": self.memory_traffic,
     }
 
   @classmethod
@@ -92,12 +102,15 @@ class Cost:
         comm_bytes={(k, tuple(a)): b for k, a, b in d["comm_bytes"]},
         comm_count={(k, tuple(a)): n for k, a, n in d["comm_count"]},
         peak_memory=d["peak_memory"], argument_memory=d["argument_memory"],
-        comm_seconds={(k, tuple(a)): t for k, a, t in d.get("comm_seconds", ())})
+        comm_seconds={(k, tuple(a)): t for k, a, t in d.get("comm_seconds", ())},
+        memory_traffic=d.get("memory_traffic", 0.0))
 
 
 # Contractions: XLA's dot partitioner handles their partial sums.
 _CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 # Ops XLA's partitioner chooses among several partitionings of by cost.
+# Ops whose fusions read only the part of their first operand they return.
+_SLICING = frozenset({"slice", "dynamic_slice", "gather", "scan_slice"})
 _LOOKUPS = frozenset({"gather", "scatter-add", "scatter_add", "scatter-max", "scatter-min"})
 
 
@@ -559,13 +572,19 @@ class CostModel:
     operands, results = g.operands[o], g.results[o]
     if self.dead[o]:
       return OpCost(0.0, 0.0, [], {}, (0.0,) * len(results),
-                    tuple(None if v < 0 else tuple(int(d) for d in state[v]) for v in results))
+                    tuple(None if v < 0 else tuple(int(d) for d in state[v]) for v in results),
+                    0.0)
     num_axes = len(sizes)
     comms: list[tuple[int, int, float, float, int, int]] = []
     factor_of_axis, _, wants = self.layout(state, o)
     # Operands: gather or exchange what the factor layout does not match.
-    hbm = 0.0
+    # HBM bytes as XLA's fusions move them: stored operands read once per
+    # fusion the op runs in, stored results written; fused values never.
+    traffic = 0.0
+    stored, copies = self.analysis.stored, int(self.analysis.copies[o])
     reshards = {}
+    reads = [0.0] * len(operands)
+    once = 0.0  # stored operands' bytes, read once
     for p, (v, want_row) in enumerate(zip(operands, wants)):
       if want_row is None:
         continue
@@ -581,18 +600,47 @@ class CostModel:
         local = self.transition(comms, have, whole, local, p)
         inner: list = []
         steps = g.shapes[v][0]
-        hbm += self.transition(inner, whole, want_row, local / steps, p) * steps
+        # Each step reads its slice (a loop body is counted once).
+        once += self.transition(inner, whole, want_row, local / steps, p)
         comms += [(k, m, b, sec * steps, q, t) for k, m, b, sec, q, t in inner]
       else:
-        hbm += self.transition([] if self.free[v] else comms, have, want_row, local, p)
+        read = self.transition([] if self.free[v] else comms, have, want_row, local, p)
+        reads[p] = read
+        if p == 0 and g.prims[o] in _SLICING:  # a fusion reads only the slice
+          read = min(read, self.local_bytes(state, results[0]))
+        if stored[v]:
+          # In the layout the op wants (a reshard's collectives' own bytes
+          # are the tracker's, once per copy). A fused-away operand read
+          # resharded is taken to stay fused (XLA writes it for the
+          # collective): so an op's price is that of its operands' layouts,
+          # as the exact solver prices strategies.
+          once += read
       if any(int(state[v, a]) != w for a, w in enumerate(want_row)):
         reshards[p] = tuple(want_row)
+    if copies > 1:
+      # A fused producer is duplicated into each fusion that reads it,
+      # reading its operands in each, unless storing its result once
+      # moves fewer bytes (what XLA's fusion cost model weighs).
+      made = sum(self.local_bytes(state, v) for v in results if v >= 0)
+      traffic += min(once * copies, made * (1 + copies))
+    else:
+      traffic += once
+    if g.prims[o] == "dot_general":
+      tiles = [tuple(n // math.prod(sizes[a] for a in range(num_axes) if w[a] == d)
+                     for d, n in enumerate(shape)) if w is not None else shape
+               for shape, w in zip(g.operand_shapes[o][:2], wants[:2])]
+      for p, copied in enumerate(canonical_copies(rule, tiles)):
+        if copied:
+          # A copy into the decomposed dot's layout: it reads the operand
+          # and writes the copy, once for the dots that read the value.
+          traffic += 2 * reads[p] / max(int(self.analysis.dot_readers[operands[p]]), 1)
     for window in rule.windows:
       axes = [a for a in range(num_axes) if factor_of_axis[a] == window.factor]
       made = results[window.result]
       # XLA drops a slice nothing reads.
       if axes and operands[window.operand] >= 0 and made >= 0 and not self.analysis.unread[made]:
-        hbm += self.exchange_halos(comms, o, window, axes, wants[window.operand])
+        # The halos arrive in buffers of their own, read by the op.
+        traffic += self.exchange_halos(comms, o, window, axes, wants[window.operand])
     # Results: combine partial sums, then match the result's own layout.
     footprint, naturals = [], []
     for r, v in enumerate(results):
@@ -601,7 +649,7 @@ class CostModel:
         naturals.append(None)
         continue
       dims = rule.results[r]
-      hbm += self.local_bytes(state, v)
+      before_results = len(comms)
       reduce_mask = scatter_mask = 0
       natural = [UNSHARDED] * num_axes
       for a in range(num_axes):
@@ -654,8 +702,16 @@ class CostModel:
         natural_bytes /= self.group_size[scatter_mask]
         self.emit(comms, REDUCE_SCATTER, scatter_mask, natural_bytes)
       self.transition(comms, natural, state[v], natural_bytes, -1)
+      if len(comms) > before_results:
+        traffic += made  # the partial result, for its collectives to finish
+      elif stored[v]:
+        traffic += self.local_bytes(state, v)
       naturals.append(tuple(int(d) for d in natural))
       foot = max(made, self.local_bytes(state, v))
+      if stored[v] and made > self.local_bytes(state, v):
+        # Made whole and sliced by each reader: every fusion reading it
+        # reads the whole buffer (XLA's bytes accessed).
+        traffic += (made - self.local_bytes(state, v)) * int(self.analysis.readers[v])
       w = self.analysis.wide[v]
       if w >= 0:  # and its broadcast, in the reader's layout and its own dtype
         foot += self.local_bytes(state, w) * self.itemsize[v] / self.itemsize[w]
@@ -670,12 +726,13 @@ class CostModel:
                                   if operands[0] >= 0 else 4)
     else:  # vector units: an order of magnitude below the matrix units
       peak = self.hw.fp32_flops / 16
-    time = max(flops / peak, hbm / self.hw.hbm_bandwidth)
+    # A roofline per op, its traffic the fusions' (`traffic` above).
+    time = max(flops / peak, traffic / self.hw.hbm_bandwidth)
     trips = int(g.trips[o])
     if trips > 1:  # A scan body's op: every step pays; the program holds one copy.
       time, flops = time * trips, flops * trips
       comms = [(k, m, b, sec * trips, p, t) for k, m, b, sec, p, t in comms]
-    return OpCost(time, flops, comms, reshards, tuple(footprint), tuple(naturals))
+    return OpCost(time, flops, comms, reshards, tuple(footprint), tuple(naturals), traffic)
 
   # -- whole state ---------------------------------------------------------
 

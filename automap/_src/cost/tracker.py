@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from automap._src.cost import kernels
-from automap._src.cost.collectives import ALL_REDUCE, KINDS, REDUCE_SCATTER
+from automap._src.cost.collectives import ALL_GATHER, ALL_REDUCE, KINDS, REDUCE_SCATTER
 from automap._src.cost.memo import OpCost
 from automap._src.cost.model import Cost, CostModel
 from automap._src.sharding.state import State
@@ -355,6 +355,16 @@ class Tracker:
         away[(kind, mask)] = away.get((kind, mask), 0) + merged
     return away
 
+  def comm_traffic(self) -> float:
+    """HBM bytes the collectives read and write, per device: each reads its
+    operand and writes its result (a gather's operand is its result over the
+    group's size, a reduce-scatter's that times it)."""
+    n = np.maximum(self.model.group_size, 1)
+    operand = np.ones_like(self.bytes)
+    operand[ALL_GATHER] = 1.0 / n
+    operand[REDUCE_SCATTER] = n
+    return float((self.bytes * (1.0 + operand)).sum())
+
   def cost(self) -> Cost:
     names = self.model.mesh.axis_names
     comm_bytes, comm_count, comm_seconds = {}, {}, {}
@@ -370,4 +380,5 @@ class Tracker:
         comm_time=self.comm_time, flops=float(self.flops),
         comm_bytes=comm_bytes, comm_count=comm_count,
         peak_memory=self.peak_memory, argument_memory=self.args,
-        comm_seconds=comm_seconds)
+        comm_seconds=comm_seconds,
+        memory_traffic=float(self.model.memo.traffic[self.op_ids].sum()) + self.comm_traffic())

@@ -44,7 +44,8 @@ def _summary(plan) -> list[str]:
   lines = [
       f"automap plan for mesh ({mesh}) on {plan.hardware.name}",
       f"  step time {_ms(c.step_time)} = compute {_ms(c.compute_time)} "
-      f"+ communication {_ms(c.comm_time)}; {c.flops / 1e9:.3f} GFLOP per device"]
+      f"+ communication {_ms(c.comm_time)}; {c.flops / 1e9:.3f} GFLOP and "
+      f"{format_bytes(c.memory_traffic)} of HBM traffic per device"]
   for axes, (t, nbytes) in _axes_of(plan).items():
     lines.append(f"    communication over {axes:<14} {_ms(t)}, {format_bytes(nbytes)}")
   limit = ("no memory limit" if plan.memory_limit is None else

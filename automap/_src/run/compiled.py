@@ -131,3 +131,13 @@ def compiled_memory(compiled) -> tuple[float, Any]:
   total = (stats.argument_size_in_bytes + stats.output_size_in_bytes
            - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
   return float(total), stats
+
+
+def compiled_traffic(compiled) -> float:
+  """Bytes the compiled program reads and writes in HBM per device, by
+  XLA's own accounting (`cost_analysis()`: each fusion's operands and
+  results, each collective's; a loop body once)."""
+  analysis = compiled.cost_analysis()
+  if isinstance(analysis, (list, tuple)):
+    analysis = analysis[0] if analysis else {}
+  return float((analysis or {}).get("bytes accessed", 0.0))

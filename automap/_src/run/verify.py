@@ -25,7 +25,13 @@ from automap._src.plan import build
 from automap._src.plan.errors import PlanError
 from automap._src.plan.plan import Plan
 from automap._src.run import apply as apply_lib
-from automap._src.run.compiled import Collective, collectives, compiled_memory, summarize
+from automap._src.run.compiled import (
+  Collective,
+  collectives,
+  compiled_memory,
+  compiled_traffic,
+  summarize,
+)
 from automap._src.search.program import Program
 from automap._src.sharding.mesh import MeshError, MeshSpec
 
@@ -50,6 +56,14 @@ class Report:
   max_abs_error: float | None
   max_rel_error: float | None
   worst_leaf: str | None = None
+  compiled_traffic: float = 0.0
+
+  @property
+  def traffic_error(self) -> float:
+    """Relative error of the predicted memory traffic against XLA's
+    `cost_analysis()["bytes accessed"]`."""
+    return abs(self.predicted.memory_traffic - self.compiled_traffic) / max(
+        self.compiled_traffic, 1.0)
 
   @property
   def predicted_comm_bytes(self) -> float:
@@ -80,6 +94,8 @@ class Report:
                   f"{self.compiled_comm_bytes.get(k, 0):>14,.0f}")
     rows.append(f"{'peak memory':<34}{self.predicted.peak_memory:>14,.0f}"
                 f"{self.compiled_memory:>14,.0f}")
+    rows.append(f"{'memory traffic':<34}{self.predicted.memory_traffic:>14,.0f}"
+                f"{self.compiled_traffic:>14,.0f}")
     if self.max_rel_error is not None:
       rows.append(f"numerics: max abs error {self.max_abs_error:.3g}, "
                   f"max rel error {self.max_rel_error:.3g}"
@@ -175,6 +191,7 @@ def verify(plan: Plan, fn: Callable, args: tuple, mesh=None,
     compiled = jitted.lower(*apply_lib.abstract_args(dynamic)).compile()
   found = collectives(compiled.as_text(), mesh)
   memory, stats = compiled_memory(compiled)
+  traffic = compiled_traffic(compiled)
   max_abs = max_rel = worst = None
   concrete = all(isinstance(x, (jax.Array, np.ndarray, np.generic, int, float,
                                 complex)) for x in jax.tree.leaves(dynamic))
@@ -191,4 +208,5 @@ def verify(plan: Plan, fn: Callable, args: tuple, mesh=None,
   return Report(
       predicted=predicted, compiled_comm_bytes=summarize(found),
       collectives=tuple(found), compiled_memory=memory, memory_stats=stats,
-      max_abs_error=max_abs, max_rel_error=max_rel, worst_leaf=worst)
+      max_abs_error=max_abs, max_rel_error=max_rel, worst_leaf=worst,
+      compiled_traffic=traffic)
