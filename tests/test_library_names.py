@@ -70,7 +70,8 @@ def test_names_of_another_structure_are_refused_with_the_mismatch():
 def test_plans_hints_and_export_speak_the_given_names():
   m = mesh((4, 2))
   args = (PARAMS, OPT.init(PARAMS), X)
-  hints = automap.Hints(fixed={"0/mlp/up/kernel": P(None, "model")})
+  hints = automap.Hints(fixed={"0/mlp/up/kernel": P(None, "model"),
+                                "1/0/mu/mlp/up/kernel": P(None, "model")})
   step = automap.partition(_step, mesh=m, hardware="cpu", budget=BUDGET, cache=False,
                            names=(NAMES, None, None), hints=hints)
   new_params, _, loss = step(*args)
@@ -80,8 +81,8 @@ def test_plans_hints_and_export_speak_the_given_names():
   plan = step.plan
   specs = dict(zip(plan.in_paths, plan.in_specs))
   assert specs["0/mlp/up/kernel"] == P(None, "model")
-  # A moment is laid out as its parameter (the plan's own choice, by name).
-  assert specs["1/0/mu/mlp/up/kernel"] == specs["0/mlp/up/kernel"]
+  # An optimizer moment takes its parameter's name, in hints as in plans.
+  assert specs["1/0/mu/mlp/up/kernel"] == P(None, "model")
   assert "0/mlp/up/kernel" in plan.explain()
   # Export matches the list as the function took it, or by the names.
   assert plan.specs(PARAMS)[0] == P(None, "model")

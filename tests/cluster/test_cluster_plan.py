@@ -1,5 +1,7 @@
 """plan_cluster on a real flax model: layer costs from the cost model, placed."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,7 +58,10 @@ def test_layers_follow_the_model_in_program_order():
 
 def test_wider_tensor_parallel_groups_step_faster():
   loss, params, batch = gpt_loss()
-  hw = automap.HARDWARE["tpu-v4"]
+  # Compute-bound (slow matmuls, fast links): splitting this small model's
+  # compute pays, as it does a large model's on a real accelerator.
+  hw = dataclasses.replace(automap.HARDWARE["tpu-v4"], name="compute-bound", flops=2e12,
+                           fp32_flops=2e12, link_latency=1e-6)
 
   profile = layers_lib.measure(loss, params, (batch,), widths=[1, 4], hardware=hw,
                                search=layers_lib.sharding_search(BUDGET), sizes=[16])
@@ -69,12 +74,16 @@ def test_wider_tensor_parallel_groups_step_faster():
   assert step(four, 4) < step(one, 1)
   assert sum(c.widths[4].params for c in four.layers) <= sum(c.widths[1].params
                                                              for c in one.layers)
-  # Twice the batch, traced again: about twice the time, the same parameters;
-  # sizes not traced scale linearly from the nearest that was.
+  # Twice the batch, traced again: the same parameters, and about twice the
+  # time where activations dominate (the blocks; the embedding's lookups
+  # and the tied head's weight reads stay); sizes not traced scale
+  # linearly from the nearest that was.
   doubled, guessed = profile.at(16), profile.at(32)
   for a, b, c in zip(doubled.layers, one.layers, guessed.layers):
     assert a.widths[1].params == b.widths[1].params == c.widths[1].params
-    assert 1.2 * b.widths[1].forward < a.widths[1].forward <= 2 * b.widths[1].forward * 1.01
+    assert b.widths[1].forward < a.widths[1].forward <= 2 * b.widths[1].forward * 1.01
+    if a.name.startswith("block_"):
+      assert 1.2 * b.widths[1].forward < a.widths[1].forward
     assert c.widths[1].forward == pytest.approx(2 * a.widths[1].forward)
 
 
