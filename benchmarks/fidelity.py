@@ -6,9 +6,10 @@ layers, hidden 128, adam) and its (loss, grads) function on every 8-device
 graph-network train steps on (4, 2) and (2, 2, 2): automap's plans (MCTS, and
 `search="ilp"` with `--ilp-seconds`) and the experts (data parallelism,
 Megatron + data parallelism), searched for the `cpu` spec and compiled on 8
-simulated CPU devices. Prints collective bytes per device and peak memory,
-predicted vs compiled, the numerics against the unpartitioned function, and
-the distribution of the errors.
+simulated CPU devices. Prints collective bytes per device, peak memory and
+HBM traffic (against XLA's `cost_analysis()["bytes accessed"]`), predicted
+vs compiled, the numerics against the unpartitioned function, and the
+distribution of the errors.
 
   python benchmarks/fidelity.py [--quick]
 """
@@ -71,9 +72,10 @@ def main():
   parser.add_argument("--ilp-seconds", type=float, default=10.0)
   opts = parser.parse_args()
   print("| program | mesh | strategy | comm MiB predicted | comm MiB compiled | error "
-        "| peak MiB predicted | peak MiB compiled | error | max rel. numeric error |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
-  comm, memory = [], []
+        "| peak MiB predicted | peak MiB compiled | error "
+        "| traffic MiB predicted | traffic MiB compiled | error | max rel. numeric error |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  comm, memory, traffic = [], [], []
   for name, fn, args, meshes in cases(opts.quick):
     for shape in meshes:
       mesh = jax.make_mesh(shape, NAMES[:len(shape)])
@@ -81,12 +83,16 @@ def main():
         r = automap.verify(plan, fn, *args, mesh=mesh)
         comm.append(r.comm_error)
         memory.append(r.memory_error)
+        traffic.append(r.traffic_error)
         print(f"| {name} | {shape} | {label} | {r.predicted_comm_bytes / 2**20:.3f} "
               f"| {r.compiled_total_comm_bytes / 2**20:.3f} | {r.comm_error:.1%} "
               f"| {r.predicted.peak_memory / 2**20:.2f} | {r.compiled_memory / 2**20:.2f} "
-              f"| {r.memory_error:.1%} | {r.max_rel_error:.1e} |", flush=True)
+              f"| {r.memory_error:.1%} | {r.predicted.memory_traffic / 2**20:.2f} "
+              f"| {r.compiled_traffic / 2**20:.2f} | {r.traffic_error:.1%} "
+              f"| {r.max_rel_error:.1e} |", flush=True)
   print()
-  for label, errors, target in (("collective bytes", comm, 0.05), ("peak memory", memory, 0.15)):
+  for label, errors, target in (("collective bytes", comm, 0.05), ("peak memory", memory, 0.15),
+                                ("memory traffic", traffic, 0.15)):
     e = np.abs(errors)
     print(f"- {label} error over {len(e)} compiled plans: median {np.median(e):.1%}, "
           f"p90 {np.percentile(e, 90):.1%}, max {e.max():.1%}; within {target:.0%}: "
