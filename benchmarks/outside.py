@@ -189,6 +189,9 @@ def summary(rows: list[dict]) -> list[str]:
   libraries = sorted({r["library"] for r in rows})
   expert_comm = [e[0] for r in ran for e in r["expert_errors"].values()]
   expert_peak = [e[1] for r in ran for e in r["expert_errors"].values()]
+  outliers = [f"{r['step']} {r['mesh']} {n}: bytes {e[0]:.1%}, peak {e[1]:.1%}"
+              for r in ran for n, e in r["expert_errors"].items()
+              if e[0] > 0.05 or e[1] > 0.15]
   # A hand-written layout beating the plan on both compiled time and peak by > 2%.
   beaten = [f"{r['step']} {r['mesh']} by {n}" for r in ran for n in EXPERTS
             if r["judged"][n]["time"] < 0.98 * r["judged"]["automap"]["time"]
@@ -209,7 +212,8 @@ def summary(rows: list[dict]) -> list[str]:
       f"- the experts priced as `evaluate` prices them: collective bytes |error| max "
       f"{max(expert_comm, default=0):.1%} ({sum(e <= 0.05 for e in expert_comm)} of "
       f"{len(expert_comm)} within 5%), peak memory |error| max {max(expert_peak, default=0):.1%}"
-      f" ({sum(e <= 0.15 for e in expert_peak)} of {len(expert_peak)} within 15%).",
+      f" ({sum(e <= 0.15 for e in expert_peak)} of {len(expert_peak)} within 15%)"
+      + (f"; outside them: {'; '.join(outliers)}." if outliers else "."),
       f"- plans beaten by a hand-written layout on both compiled time and peak by more than "
       f"2%: {len(beaten)}{' (' + '; '.join(beaten) + ')' if beaten else ''}.",
   ]
