@@ -23,7 +23,9 @@ class OpCost:
   result, the bytes its buffer holds (more than its tile when the op makes
   the whole array and slices it, e.g. an all-reduce standing in for a
   reduce-scatter); natural: per result, the per-axis dims of the layout the
-  op produces it in (partial sums combined), before any reshard to its own.
+  op produces it in (partial sums combined), before any reshard to its own;
+  traffic: HBM bytes per device its fusions read and write (a loop body's
+  once; its time counts every step).
   """
 
   __slots__ = ("time", "flops", "comms", "reshards", "footprint", "natural", "traffic")
@@ -47,7 +49,7 @@ class Memo:
   Shape letters: E entries (arrays have spare rows past `len(memo)`), R
   result slots per op, C collectives of all entries.
   entries: [E] each entry's OpCost.
-  time, flops: [E] its compute seconds and FLOPs per device.
+  time, flops, traffic: [E] its compute seconds, FLOPs and HBM bytes per device.
   footprint: [E, R] bytes its results' buffers hold (`OpCost.footprint`).
   has_comms: [E] whether it has any collective.
   has_reshard: [E] whether one of them reshards an operand (a copy all the
