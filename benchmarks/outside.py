@@ -41,7 +41,11 @@ from automap._src.cost.hardware import get_hardware  # noqa: E402
 from automap._src.cost.model import CostModel  # noqa: E402
 from automap._src.cost.tracker import Tracker  # noqa: E402
 from automap._src.run import apply as apply_lib  # noqa: E402
-from automap._src.run.compiled import collectives, compiled_memory  # noqa: E402
+from automap._src.run.compiled import (  # noqa: E402
+  collectives,
+  compiled_costs,
+  compiled_memory,
+)
 from automap._src.search import driver  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
 from automap._src.sharding.state import spec_of  # noqa: E402
@@ -59,10 +63,8 @@ def referee(compiled, mesh, hw) -> dict:
   FLOPs at the float32 peak plus its bytes accessed at HBM bandwidth), of
   communication (a ring per compiled collective over its group) and the
   compiled peak bytes per device."""
-  analysis = compiled.cost_analysis()
-  if isinstance(analysis, (list, tuple)):
-    analysis = analysis[0]
-  flops, accessed = float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
+  costs = compiled_costs(compiled)
+  flops, accessed = float(costs.get("flops", 0.0)), float(costs.get("bytes accessed", 0.0))
   sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
   comm = 0.0
   for c in collectives(compiled.as_text(), mesh):

@@ -108,9 +108,9 @@ class Cost:
 
 # Contractions: XLA's dot partitioner handles their partial sums.
 _CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
-# Ops XLA's partitioner chooses among several partitionings of by cost.
 # Ops whose fusions read only the part of their first operand they return.
 _SLICING = frozenset({"slice", "dynamic_slice", "gather", "scan_slice"})
+# Ops XLA's partitioner chooses among several partitionings of by cost.
 _LOOKUPS = frozenset({"gather", "scatter-add", "scatter_add", "scatter-max", "scatter-min"})
 
 

@@ -133,11 +133,17 @@ def compiled_memory(compiled) -> tuple[float, Any]:
   return float(total), stats
 
 
-def compiled_traffic(compiled) -> float:
-  """Bytes the compiled program reads and writes in HBM per device, by
-  XLA's own accounting (`cost_analysis()`: each fusion's operands and
-  results, each collective's; a loop body once)."""
+def compiled_costs(compiled) -> dict:
+  """XLA's own accounting of the compiled program per device
+  (`cost_analysis()`, the first module's where jax returns a list)."""
   analysis = compiled.cost_analysis()
   if isinstance(analysis, (list, tuple)):
     analysis = analysis[0] if analysis else {}
-  return float((analysis or {}).get("bytes accessed", 0.0))
+  return analysis or {}
+
+
+def compiled_traffic(compiled) -> float:
+  """Bytes the compiled program reads and writes in HBM per device, by
+  XLA's own accounting (each fusion's operands and results, each
+  collective's; a loop body once)."""
+  return float(compiled_costs(compiled).get("bytes accessed", 0.0))
