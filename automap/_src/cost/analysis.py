@@ -102,7 +102,7 @@ def _stored_where_cheaper(graph: Graph, stored: np.ndarray) -> np.ndarray:
   inputs k times; stored, it is written once and read k times. XLA's fusion
   cost model (priority fusion) weighs the same trade; a residual stream
   read by every later layer's fusions is stored, not recomputed in each.
-  Inputs are counted forward, fusions backward: one pass each."""
+  Inputs are counted forward, fusions backward (`_fusion_roots`)."""
   stored = stored.copy()
   inputs = np.zeros(graph.num_values)  # whole-array bytes a fused value reads
   for o in range(graph.num_ops):
@@ -111,19 +111,34 @@ def _stored_where_cheaper(graph: Graph, stored: np.ndarray) -> np.ndarray:
     for v in graph.results[o]:
       if v >= 0:
         inputs[v] = read
-  roots: list[frozenset[int]] = [frozenset((o,)) for o in range(graph.num_ops)]
+  _fusion_roots(graph, stored, np.zeros(graph.num_ops, bool), inputs)
+  return stored
+
+
+def _fusion_roots(graph: Graph, stored: np.ndarray, dead: np.ndarray,
+                  inputs: np.ndarray | None = None) -> list[frozenset[int]]:
+  """[O] the fusions (by their root op) each op's computation runs in.
+
+  An op whose results are stored roots a fusion of its own; one whose
+  results are never stored is computed inside each fusion that reads them
+  (XLA's producer duplication). Given `inputs` (per value, the bytes its
+  fused chain reads), a value is instead stored, in `stored`, where that
+  moves fewer bytes than recomputing it. Readers come after producers: one
+  reverse pass."""
+  roots = [frozenset((o,)) for o in range(graph.num_ops)]
   for o in range(graph.num_ops - 1, -1, -1):
     results = [v for v in graph.results[o] if v >= 0]
-    if not results or stored[results].any():
+    if dead[o] or not results or stored[results].any():
       continue
-    reached = frozenset().union(*(roots[r] for v in results for r, _ in graph.uses[v]))
+    reached = frozenset().union(*(roots[r] for v in results for r, _ in graph.uses[v]
+                                  if not dead[r]))
     k = len(reached)
-    if k > 1 and sum((1 + k) * float(graph.nbytes[v]) for v in results) < k * sum(
-        inputs[v] for v in results):
+    if inputs is not None and k > 1 and sum(
+        (1 + k) * float(graph.nbytes[v]) for v in results) < k * sum(inputs[results]):
       stored[results] = True
     else:
       roots[o] = reached or roots[o]
-  return stored
+  return roots
 
 
 def fused_liveness(graph: Graph, stored: np.ndarray, end: np.ndarray, dead: np.ndarray,
@@ -203,28 +218,11 @@ def late_ops(graph: Graph) -> np.ndarray:
 
 def fusion_copies(graph: Graph, stored: np.ndarray,
                   dead: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """([O] int64 the fusions each op's computation runs in, [V] int64 the
-  fusions that read each value).
-
-  An op whose results are stored roots a fusion of its own; one whose
-  results are never stored is computed inside each fusion that reads them,
-  so it runs, and reads its own operands, once per distinct fusion it is
-  duplicated into (XLA's producer duplication). Readers come after
-  producers: one reverse pass."""
-  roots: list[frozenset[int]] = [frozenset()] * graph.num_ops
-  copies = np.ones(graph.num_ops, np.int64)
-  for o in range(graph.num_ops - 1, -1, -1):
-    results = [v for v in graph.results[o] if v >= 0]
-    if dead[o] or not results or stored[results].any():
-      roots[o] = frozenset((o,))
-      continue
-    reached: set[int] = set()
-    for v in results:
-      for r, _ in graph.uses[v]:
-        if not dead[r]:
-          reached |= roots[r]
-    roots[o] = frozenset(reached) or frozenset((o,))
-    copies[o] = len(roots[o])
+  """([O] int64 the fusions each op's computation runs in, and so reads its
+  own operands in, [V] int64 the fusions that read each value), by
+  `_fusion_roots`."""
+  roots = _fusion_roots(graph, stored, dead)
+  copies = np.array([len(r) for r in roots], np.int64)
   readers = np.array([len(frozenset().union(*(roots[r] for r, _ in graph.uses[v]
                                                 if not dead[r])))
                       for v in range(graph.num_values)], np.int64)
