@@ -9,6 +9,8 @@ from automap._src.cluster.accelerator import AREA_BUDGET as AREA_BUDGET
 from automap._src.cluster.accelerator import TPU_V4_LIKE as TPU_V4_LIKE
 from automap._src.cluster.accelerator import Accelerator as Accelerator
 from automap._src.cluster.accelerator import AcceleratorError as AcceleratorError
+from automap._src.cluster.configured import ClusterConfig as ClusterConfig
+from automap._src.cluster.configured import price as price_placement
 from automap._src.cluster.cosearch import AcceleratorPlan as AcceleratorPlan
 from automap._src.cluster.cosearch import search_accelerator as search_accelerator
 from automap._src.cluster.model import Layer as Layer
@@ -27,6 +29,7 @@ from automap._src.cluster.pipeline import pipelined_loss as pipelined_loss
 from automap._src.cluster.placement import place as place
 from automap._src.cluster.plan import ClusterPlan as ClusterPlan
 from automap._src.cluster.plan import plan_cluster as plan_cluster
+from automap._src.cluster.plan import price_cluster as price_cluster
 from automap._src.cost.hardware import CATALOGUE as HARDWARE
 from automap._src.cost.hardware import Hardware as Hardware
 from automap._src.cost.hardware import HardwareError as HardwareError
@@ -60,6 +63,7 @@ __all__ = (
     "LayoutError",
     "LayoutWarning",
     "Budget",
+    "ClusterConfig",
     "ClusterOptions",
     "ClusterPlan",
     "CoSearchOptions",
@@ -96,6 +100,8 @@ __all__ = (
     "pipelined_loss",
     "place",
     "plan_cluster",
+    "price_cluster",
+    "price_placement",
     "search",
     "search_accelerator",
     "shard_like",

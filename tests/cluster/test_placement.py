@@ -28,8 +28,9 @@ def downsets(graph: LayerGraph) -> list[frozenset]:
 
 
 def brute_force(graph: LayerGraph, *, devices, microbatches, hbm, sync, latency=0.0,
-                optimizer=0.0, zero=0, recompute=(False, True)):
+                optimizer=0.0, zero=0, recompute=("none", "full", "selective"), overlap=True):
   """min over every plan of its time per batch, from the cost rules in place()'s docs."""
+  recompute = [("full" if r else "none") if isinstance(r, bool) else r for r in recompute]
   layers = {layer.name: layer for layer in graph.layers}
   downs = downsets(graph)
   full = frozenset(layers)
@@ -66,11 +67,22 @@ def brute_force(graph: LayerGraph, *, devices, microbatches, hbm, sync, latency=
           fw, bwd = sum(x.forward for x in c), sum(x.backward for x in c)
           n = min(s_count - i, m)
           opt = optimizer * params / (d if zero >= 1 else 1)
-          mem = 2 * params + opt + (n * b_in + acts if r else n * acts)
-          if mem > hbm:
+          # Per layer: full keeps every layer's input and rebuilds one layer at
+          # a time; selective drops and rebuilds the attention scores.
+          inputs = sum(b for n_ in stage for _, e, b in graph.edges if e == n_) / t
+          selective = sum(x.selective for x in c)
+          held = {"none": n * acts,
+                  "full": n * inputs + max(x.activations for x in c),
+                  "selective": n * (acts - selective) + max(x.selective for x in c)}[r]
+          if 2 * params + opt + held > hbm:
             continue
-          time = fw + bwd + (fw if r else 0.0) + 2 * (send(b_in) + send(b_out))
+          rebuild = {"none": 0.0, "full": fw,
+                     "selective": sum(x.selective_forward for x in c)}[r]
+          time = fw + bwd + rebuild + 2 * (send(b_in) + send(b_out))
           sync_time = 2 * ((d - 1) / d * params / bw + (d - 1) * latency) if d > 1 else 0.0
+          if overlap:  # beside the last backward, one piece per layer
+            k = len(stage)
+            sync_time = sync_time / k + (k - 1) / k * max(0.0, sync_time - bwd - rebuild)
           choices.append((t, time, sync_time))
         options.append(choices)
       for combo in itertools.product(*options):
@@ -92,16 +104,26 @@ def phaze_chain():
     (5e9, True, 4, [2, 2], 41.3970),
 ])
 def test_phaze_cases_match_brute_force(hbm, recompute, data_parallel, stages, expected):
+  """PHAZE's model: the sync after the flush, nothing overlapped."""
   graph = phaze_chain()
   plan = automap.place(graph, devices=8, microbatches=16, hardware=flat(hbm), optimizer="sgd",
-                       zero=0, recompute=recompute)
+                       zero=0, recompute=recompute, overlap=False)
   assert plan.data_parallel == data_parallel
   assert [len(s.layers) for s in plan.stages] == stages
   assert all(s.recompute == recompute for s in plan.stages)
   brute = brute_force(graph, devices=8, microbatches=16, hbm=hbm, sync=4 * GiB,
-                      recompute=(recompute,))
+                      recompute=(recompute,), overlap=False)
   assert plan.time == pytest.approx(brute, rel=1e-12)
   assert plan.time == pytest.approx(expected, abs=1e-4)
+
+
+def random_cost(rng, speed: float = 1.0, width: int = 1) -> LayerCost:
+  """A layer's cost; part of its activations (attention scores) selective
+  recompute may drop and rebuild in a share of its forward."""
+  forward, acts = rng.uniform(0.5, 1.5) / speed, rng.uniform(0.2, 1) * 1e9 / width
+  return LayerCost(forward, rng.uniform(1, 3) / speed, rng.uniform(0.5, 2) * 1e9 / width, acts,
+                   selective=rng.uniform(0, 0.7) * acts,
+                   selective_forward=rng.uniform(0.05, 0.3) * forward)
 
 
 def random_graph(rng, n_layers, branching):
@@ -109,11 +131,8 @@ def random_graph(rng, n_layers, branching):
   for i in range(n_layers):
     tp = {}
     if rng.random() < 0.7:  # a 2-wide version: faster per device, with overheads
-      speed = rng.uniform(1.2, 2.0)
-      tp[2] = LayerCost(rng.uniform(0.5, 1.5) / speed, rng.uniform(1, 3) / speed,
-                        rng.uniform(0.5, 2) * 1e9 / 2, rng.uniform(0.2, 1) * 1e9 / 2)
-    layers.append(Layer.of(f"l{i}", rng.uniform(0.5, 1.5), rng.uniform(1, 3),
-                           rng.uniform(0.5, 2) * 1e9, rng.uniform(0.2, 1) * 1e9, tp))
+      tp[2] = random_cost(rng, rng.uniform(1.2, 2.0), 2)
+    layers.append(Layer(f"l{i}", {1: random_cost(rng), **tp}))
   if not branching:
     return LayerGraph.chain(layers, [float(rng.uniform(0, 2e8)) for _ in layers[1:]])
   edges = [(f"l{i}", f"l{j}", float(rng.uniform(0, 2e8)))
@@ -184,10 +203,14 @@ def test_memory_bound_never_exceeds_the_best_assignment(seed):
   menus = []
   for layer in graph.layers:
     menu = []
+    entering = sum(b for _, e, b in graph.edges if e == layer.name)
     for t, c in layer.widths.items():
       fixed = 2 * c.params + 2.0 * c.params / (d if zero else 1)
       menu += [(t * (c.forward + c.backward), t * (fixed + in_flight * c.activations)),
-               (t * (2 * c.forward + c.backward), t * (fixed + c.activations))]
+               (t * (2 * c.forward + c.backward),
+                t * (fixed + in_flight * entering / t + c.activations)),
+               (t * (c.forward + c.backward + c.selective_forward),
+                t * (fixed + in_flight * (c.activations - c.selective) + c.selective))]
     menus.append(menu)
   everything = (1 << len(graph.layers)) - 1
   for devices in (1, 2, 4, 5, 6, 7, 8, 10, 12, 16):

@@ -12,7 +12,9 @@ ops' costs under that plan (tensor-parallel collectives included), its
 parameters the bytes per device of the arguments its forward ops read, its
 activations the bytes per device its forward ops produce that backward ops
 read (what 1F1B stashes), and an edge the bytes one layer's forward hands to
-another's.
+another's. Its FLOPs are its ops' under that plan; what selective recompute
+drops are the stashed values between two contractions of activations
+(attention's scores and softmax, `attention_scores`).
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ class Profile:
       for t, graph in per_width.items():
         c = graph.layers[i].widths[t]
         widths[t] = LayerCost(c.forward * s, c.backward * s, c.params, c.activations * s,
-                              c.collectives * s)
+                              c.collectives * s, c.flops * s, c.selective * s,
+                              c.selective_forward * s)
       layers.append(Layer(layer.name, widths))
     return LayerGraph(tuple(layers), tuple((a, b, n * s) for a, b, n in some.edges))
 
@@ -153,6 +156,34 @@ def backward_share(fw: np.ndarray, layers: list[int]) -> np.ndarray:
   return fw[layers] / total if total > 0 else np.full(len(layers), 1 / len(layers))
 
 
+def attention_scores(g, forward: np.ndarray, params_count: int) -> np.ndarray:
+  """[V] bool: the forward values downstream of a contraction of two
+  activations (attention's q.k) up to the next such contraction (the
+  product with v), the first's result included and no other contraction
+  passed: the scores, their mask and softmax, and what the softmax's
+  backward keeps. What Megatron-LM's selective recompute drops.
+  Activations are the values derived from the batch (the arguments after
+  the parameters)."""
+  derived = np.zeros(g.num_values, bool)
+  derived[list(g.inputs[params_count:])] = True
+  after = np.zeros(g.num_values, bool)
+  for o in range(g.num_ops):
+    ins = [v for v in g.operands[o] if v >= 0]
+    if not any(derived[v] for v in ins):
+      continue
+    results = list(g.results[o])
+    derived[results] = True
+    if not forward[o]:
+      continue
+    if g.prims[o] in ("dot_general", "conv_general_dilated"):
+      # Of two activations, and not itself fed by scores: a start (q.k).
+      starts = len(ins) == 2 and derived[ins].all() and not after[ins].any()
+      after[results] = starts
+    elif after[ins].any():
+      after[results] = True
+  return after
+
+
 def sharding_search(budget, seed: int = 0) -> Callable[[Program], np.ndarray]:
   """`search(program) -> state` for `measure`: the sharding search's plan
   under `budget` (an automap.Budget), or everything whole on one device."""
@@ -177,12 +208,17 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
   cut = LayerCut.of(g)
   forward, segment, names = cut.forward, cut.segment, cut.names
   params = set(g.inputs[:params_count])
+  scores = attention_scores(g, forward, params_count)
   graphs = {}
   for t, (program, state) in width_states.items():
     model = program.model
     compute, comm = report.op_seconds(model, state)
     fw, bw = cut.split(compute + comm)
     coll = sum(cut.split(comm))
+    flops = sum(cut.split(np.array([model.op_cost(state, o).flops for o in range(g.num_ops)])))
+    dropped = np.zeros(len(names))
+    rebuilt = sorted({g.producer[v] for v in np.flatnonzero(scores)})
+    rebuild = np.bincount(segment[rebuilt], (compute + comm)[rebuilt], len(names))
     param_bytes = np.zeros(len(names))
     acts = np.zeros(len(names))
     edges: dict[tuple[int, int], float] = defaultdict(float)
@@ -198,10 +234,13 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
       src = segment[p]
       if any(not forward[o] for o, _ in g.uses[v]):
         acts[src] += model.local_bytes(state, v)
+        if scores[v]:
+          dropped[src] += model.local_bytes(state, v)
       for r in readers - {src}:
         edges[(src, r)] += float(g.nbytes[v])
-    layers = tuple(Layer(n, {t: LayerCost(fw[i], bw[i], param_bytes[i], acts[i], coll[i])})
-                   for i, n in enumerate(names))
+    layers = tuple(Layer(n, {t: LayerCost(*(float(x) for x in (
+        fw[i], bw[i], param_bytes[i], acts[i], coll[i], flops[i], dropped[i],
+        min(rebuild[i], fw[i]))))}) for i, n in enumerate(names))
     graphs[t] = LayerGraph(layers, tuple((names[a], names[b], nbytes)
                                          for (a, b), nbytes in sorted(edges.items())))
   return graphs

@@ -42,6 +42,12 @@ class LayerCost:
   activations: bytes stashed for the backward pass.
   collectives: seconds of forward + backward spent in tensor-parallel
     collectives (already inside forward/backward; kept for the breakdown).
+  flops: FLOPs of forward + backward (the model's, no recompute): what
+    achieved FLOP/s and MFU count.
+  selective: bytes of `activations` that selective recompute drops and
+    rebuilds in the backward pass (the attention scores, their softmax and
+    what lies between the two batched contractions of attention).
+  selective_forward: seconds of forward it takes to rebuild them.
   """
 
   forward: float
@@ -49,6 +55,9 @@ class LayerCost:
   params: float
   activations: float
   collectives: float = 0.0
+  flops: float = 0.0
+  selective: float = 0.0
+  selective_forward: float = 0.0
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -56,8 +65,12 @@ class LayerCost:
       if (isinstance(value, bool) or not isinstance(value, (int, float))
           or not math.isfinite(value) or value < 0):
         raise PlacementError(
-            f"LayerCost.{field.name} must be a finite number >= 0 (seconds or bytes), "
-            f"got {value!r}.")
+            f"LayerCost.{field.name} must be a finite number >= 0 (seconds, bytes or "
+            f"FLOPs), got {value!r}.")
+    if self.selective > self.activations:
+      raise PlacementError(
+          f"LayerCost.selective ({self.selective!r} bytes) must not exceed activations "
+          f"({self.activations!r} bytes): it is the part of them selective recompute drops.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,22 +181,41 @@ class LayerGraph:
     return done
 
 
+RECOMPUTE_MODES = ("none", "full", "selective")
+
+
 @dataclasses.dataclass(frozen=True)
 class Stage:
-  """One pipeline stage of a placement (costs per microbatch, per device)."""
+  """One pipeline stage of a placement (costs per microbatch, per device).
+
+  Under an interleaved schedule a stage is one device group's chunks: its
+  layers are every chunk's, its times per microbatch cover all of them.
+  """
 
   layers: tuple[str, ...]
   width: int                  # tensor-parallel devices
-  recompute: bool
+  recompute: bool             # any recompute (recompute_mode != "none")
   first_device: int           # offset within a pipeline replica
-  in_flight: int              # microbatches stashed under 1F1B
+  in_flight: float            # microbatches stashed (interleaved: chunk share)
   time: float                 # seconds per microbatch, T_i
   compute: float              # of which forward + backward (+ recompute)
   collectives: float          # of which tensor-parallel collectives
   transfers: float            # of which sends/receives to other stages
-  zero: float                 # of which ZeRO gathers / reduce-scatters
-  sync: float                 # data-parallel sync once per batch, Y_i
+  zero: float                 # of which ZeRO gathers / reduce-scatters left exposed
+  sync: float                 # data-parallel sync once per batch left exposed, Y_i
   memory: float               # bytes per device
+  recompute_mode: str = ""    # "none" | "full" | "selective" ("": from `recompute`)
+  sync_total: float = -1.0    # the whole sync, exposed or overlapped (-1: `sync`)
+  zero_total: float = -1.0    # the whole ZeRO collectives per microbatch (-1: `zero`)
+  flops: float = 0.0          # model FLOPs per microbatch per device
+
+  def __post_init__(self):
+    if not self.recompute_mode:
+      object.__setattr__(self, "recompute_mode", "full" if self.recompute else "none")
+    if self.sync_total < 0:
+      object.__setattr__(self, "sync_total", self.sync)
+    if self.zero_total < 0:
+      object.__setattr__(self, "zero_total", self.zero)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,14 +228,18 @@ class Placement:
   stages: tuple[Stage, ...]
   devices: int                # devices the plan uses (<= the cluster's)
   time: float                 # seconds per batch
+  virtual_stages: int = 1     # interleaved 1F1B: chunks per stage (1: plain 1F1B)
 
   @property
   def bubble(self) -> float:
-    return (len(self.stages) - 1) * max(s.time for s in self.stages)
+    """Seconds per batch the slowest stage idles: (S - 1) / v of its time
+    per microbatch."""
+    return (len(self.stages) - 1) / self.virtual_stages * max(s.time for s in self.stages)
 
   @property
   def breakdown(self) -> dict[str, float]:
-    """Seconds per batch: the bottleneck stage's parts over the batch, bubble, sync."""
+    """Seconds per batch: the bottleneck stage's parts over the batch, bubble,
+    the exposed data-parallel sync (they sum to `time`)."""
     slow = max(self.stages, key=lambda s: s.time)
     m = self.microbatches
     return {"compute": m * (slow.compute - slow.collectives),
@@ -213,17 +249,40 @@ class Placement:
             "bubble": self.bubble,
             "data_parallel_sync": max(s.sync for s in self.stages)}
 
+  @property
+  def communication(self) -> dict[str, float]:
+    """Seconds per batch of the slowest stage's collectives that overlap
+    could hide, exposed and in all: ZeRO gathers / reduce-scatters and the
+    data-parallel sync."""
+    slow = max(self.stages, key=lambda s: s.time)
+    synced = max(self.stages, key=lambda s: s.sync)
+    m = self.microbatches
+    return {"zero_exposed": m * slow.zero, "zero_total": m * slow.zero_total,
+            "sync_exposed": synced.sync, "sync_total": max(s.sync_total for s in self.stages)}
+
+  @property
+  def flops(self) -> float:
+    """Model FLOPs per batch over every device the plan uses."""
+    return self.data_parallel * self.microbatches * sum(s.flops * s.width for s in self.stages)
+
+  def mfu(self, peak_flops: float) -> float:
+    """Model FLOPs utilisation: model FLOPs per second per device over
+    `peak_flops` (the device's peak, FLOP/s)."""
+    return self.flops / (self.time * self.devices * peak_flops)
+
   def to_json(self) -> dict:
     return {"data_parallel": self.data_parallel, "microbatches": self.microbatches,
             "zero": self.zero, "devices": self.devices, "time": self.time,
+            "virtual_stages": self.virtual_stages,
             "stages": [dataclasses.asdict(s) | {"layers": list(s.layers)} for s in self.stages]}
 
   @classmethod
   def from_json(cls, data: Mapping) -> Placement:
     stages = tuple(Stage(**(dict(s) | {"layers": tuple(s["layers"])})) for s in data["stages"])
     return cls(int(data["data_parallel"]), int(data["microbatches"]), int(data["zero"]),
-               stages, int(data["devices"]), float(data["time"]))
+               stages, int(data["devices"]), float(data["time"]),
+               int(data.get("virtual_stages", 1)))
 
 
-__all__ = ["JsonFile", "Layer", "LayerCost", "LayerGraph", "Placement", "PlacementError",
-           "Stage"]
+__all__ = ["RECOMPUTE_MODES", "JsonFile", "Layer", "LayerCost", "LayerGraph", "Placement",
+           "PlacementError", "Stage"]

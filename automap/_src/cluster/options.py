@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from automap._src.cluster.accelerator import Accelerator
-from automap._src.cluster.model import PlacementError
+from automap._src.cluster.model import RECOMPUTE_MODES, PlacementError
 from automap._src.search.request import Budget
 
 # Optimizer state per parameter byte, in the parameters' dtype.
@@ -60,11 +60,37 @@ def _zero(owner: str, value) -> tuple:
   return stages
 
 
-def _recompute(owner: str, value) -> None:
-  if value is not None and not isinstance(value, bool):
+def recompute_modes(owner: str, value) -> tuple[str, ...]:
+  """The recompute modes `value` allows: True is "full", False "none", None
+  every mode (chosen per stage), a mode name or a sequence of them as given."""
+  if value is None:
+    return RECOMPUTE_MODES
+  if isinstance(value, bool):
+    return ("full",) if value else ("none",)
+  modes = (value,) if isinstance(value, str) else value
+  try:
+    modes = tuple(modes)
+  except TypeError:
+    modes = ()
+  if not modes or any(m not in RECOMPUTE_MODES for m in modes):
     raise PlacementError(
         f"{owner}.recompute must be True (always), False (never) or None (chosen per "
-        f"stage), got {value!r}.")
+        f"stage), or a mode in {RECOMPUTE_MODES} or a sequence of them, got {value!r}; "
+        "e.g. recompute='selective' (attention scores and softmax only).")
+  return tuple(dict.fromkeys(modes))
+
+
+def _flag(owner: str, name: str, value) -> None:
+  if not isinstance(value, bool):
+    raise PlacementError(f"{owner}.{name} must be True or False, got {value!r}.")
+
+
+def _virtual_stages(owner: str, value) -> None:
+  if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    raise PlacementError(
+        f"{owner}.virtual_stages must be a positive int (chunks per pipeline stage under "
+        f"the interleaved 1F1B schedule; 1: plain 1F1B) or None (searched where legal), got "
+        f"{value!r}.")
 
 
 def _positive_ints(owner: str, name: str, value, integral: type = int) -> tuple[int, ...]:
@@ -106,7 +132,10 @@ def _check_placement_fields(options) -> None:
   _memory_limit(owner, options.memory_limit)
   _optimizer(owner, options.optimizer)
   object.__setattr__(options, "zero", _zero(owner, options.zero))
-  _recompute(owner, options.recompute)
+  recompute_modes(owner, options.recompute)
+  _flag(owner, "mixed_precision", options.mixed_precision)
+  _flag(owner, "overlap", options.overlap)
+  _virtual_stages(owner, options.virtual_stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,19 +147,34 @@ class PlacementOptions:
   zero: ZeRO stage(s) to consider (an int is one): 1 shards optimizer state
     over data parallelism, 2 also gradients (reduce-scattered every
     microbatch), 3 also parameters (gathered for every use).
-  recompute: force recompute (True) or stash (False); None chooses per stage.
+  recompute: "full" (True: every layer's input kept, the layer rebuilt in
+    its backward), "selective" (only the attention scores and softmax
+    rebuilt), "none" (False: everything stashed), a sequence of them, or
+    None: every mode, chosen per stage.
   widths: tensor-parallel widths allowed (None: every width the layers price).
   data_parallel, stages: fix the data-parallel degree or the stage count (to
     price a hand-written split such as Megatron's p x d x t); None searches.
+  mixed_precision: parameters are 16-bit and training keeps float32 master
+    weights, float32 gradient accumulators and float32 optimizer state (the
+    `optimizer` factor counts moments in the parameters' dtype and doubles).
+  overlap: the data-parallel sync and ZeRO collectives run beside compute
+    (XLA's latency-hiding scheduler, Megatron's overlapped gradient
+    reduction); False: after it.
+  virtual_stages: chunks per stage under the interleaved 1F1B schedule (1:
+    plain 1F1B); None also tries interleaving where it is legal (a chain of
+    equal blocks that splits evenly).
   """
 
   memory_limit: float | None = None
   optimizer: str | float = "adam"
   zero: tuple[int, ...] = ZERO_STAGES
-  recompute: bool | None = None
+  recompute: bool | str | tuple[str, ...] | None = None
   widths: tuple[int, ...] | None = None
   data_parallel: int | None = None
   stages: int | None = None
+  mixed_precision: bool = False
+  overlap: bool = True
+  virtual_stages: int | None = 1
 
   def __post_init__(self):
     owner = type(self).__name__
@@ -142,17 +186,26 @@ class PlacementOptions:
 
   @property
   def optimizer_state(self) -> float:
-    """Bytes of optimizer state per parameter byte."""
-    if isinstance(self.optimizer, str):
-      return float(OPTIMIZERS[self.optimizer.lower()])
-    return float(self.optimizer)
+    """Bytes of optimizer state per parameter byte (float32 master weights
+    included under mixed precision)."""
+    factor = (float(OPTIMIZERS[self.optimizer.lower()]) if isinstance(self.optimizer, str)
+              else float(self.optimizer))
+    return 2 * factor + 2 if self.mixed_precision else factor
+
+  @property
+  def gradient_state(self) -> float:
+    """Bytes of gradient per parameter byte (float32 accumulators under mixed
+    precision)."""
+    return 2.0 if self.mixed_precision else 1.0
 
 
 @dataclasses.dataclass(frozen=True)
 class ClusterOptions:
   """How `automap.plan_cluster` may plan a training step.
 
-  memory_limit, optimizer, zero, recompute: as in PlacementOptions.
+  memory_limit, optimizer, zero, recompute, mixed_precision, overlap,
+    virtual_stages: as in PlacementOptions (virtual_stages=None here: the
+    interleaved schedule is tried where legal).
   widths: tensor-parallel widths to consider (None: powers of two up to a
     node, at most 8).
   microbatches: microbatch sizes to consider (None: the powers of two that
@@ -165,11 +218,14 @@ class ClusterOptions:
   memory_limit: float | None = None
   optimizer: str | float = "adam"
   zero: tuple[int, ...] = ZERO_STAGES
-  recompute: bool | None = None
+  recompute: bool | str | tuple[str, ...] | None = None
   widths: tuple[int, ...] | None = None
   microbatches: tuple[int, ...] | None = None
   budget: Budget | None = None
   seed: int = 0
+  mixed_precision: bool = False
+  overlap: bool = True
+  virtual_stages: int | None = None
 
   def __post_init__(self):
     owner = type(self).__name__
@@ -183,7 +239,9 @@ class ClusterOptions:
   def placement(self, widths: Sequence[int]) -> PlacementOptions:
     """The placement's options, over the `widths` the step was profiled at."""
     return PlacementOptions(memory_limit=self.memory_limit, optimizer=self.optimizer,
-                            zero=self.zero, recompute=self.recompute, widths=tuple(widths))
+                            zero=self.zero, recompute=self.recompute, widths=tuple(widths),
+                            mixed_precision=self.mixed_precision, overlap=self.overlap,
+                            virtual_stages=self.virtual_stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,4 +340,5 @@ def _space(owner: str, space) -> Mapping[str, tuple]:
   return types.MappingProxyType(out)
 
 
-__all__ = ["OPTIMIZERS", "ZERO_STAGES", "ClusterOptions", "CoSearchOptions", "PlacementOptions"]
+__all__ = ["OPTIMIZERS", "ZERO_STAGES", "ClusterOptions", "CoSearchOptions", "PlacementOptions",
+           "recompute_modes"]

@@ -23,6 +23,21 @@ Collectives are priced as rings over the hardware's links: within a node on
 each stage's tensor-parallel group contiguous), so a group's level follows from
 where its devices sit.
 
+Recompute is per layer, as Megatron-LM and `jax.checkpoint` on each block
+practise it: "full" keeps each layer's input per microbatch in flight and
+rebuilds one layer's activations at a time in its backward; "selective"
+keeps everything but the attention scores and softmax (`LayerCost.selective`)
+and rebuilds those. With `overlap`, the data-parallel sync and the ZeRO
+collectives run beside compute in as many pieces as the stage has layers
+(`exposed`): only what compute cannot cover is on the clock.
+
+The interleaved 1F1B schedule (v chunks per stage, Narayanan et al. 2021)
+splits a chain of equal blocks evenly into S * v chunks, chunk c on stage
+c mod S: the bubble shrinks to (S - 1) / v of a stage's time per
+microbatch, each chunk boundary is a transfer, and stage i keeps
+(S - i - 1) * 2 + (v - 1) * S + 1 chunks in flight (Megatron-LM's warm-up).
+It is priced by `_uniform` and searched beside the DP where legal.
+
 The search is exact: a dynamic program over (downset still to place, stages
 after it) that keeps, per state, the Pareto front of (devices used, max T, max
 Y), inside an outer loop over the data-parallel degree and ZeRO stage. It
@@ -42,9 +57,10 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from automap._src.cluster.model import Layer, LayerGraph, Placement, PlacementError, Stage
-from automap._src.cluster.options import PlacementOptions
+from automap._src.cluster.options import PlacementOptions, recompute_modes
 from automap._src.cost.collectives import ALL_GATHER, ALL_REDUCE, ring_seconds, send_seconds
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.search.request import with_keywords
@@ -64,9 +80,55 @@ class _Problem:
   hw: Hardware
   optimizer: float              # bytes of optimizer state per parameter byte
   zero: tuple[int, ...]         # ZeRO stages to try
-  recompute: tuple[bool, ...]   # per stage, the choices tried
+  recompute: tuple[str, ...]    # per stage, the modes tried
   widths: tuple[int, ...] | None
   stages: int | None
+  gradients: float = 1.0        # bytes of gradient per parameter byte
+  overlap: bool = True          # sync and ZeRO collectives beside compute
+  virtual_stages: int | None = 1  # None: interleaving searched where legal
+
+
+class _Totals(NamedTuple):
+  """A stage's sums per microbatch per device at one width (seconds, bytes, FLOPs)."""
+
+  forward: float
+  backward: float
+  params: float
+  activations: float
+  collectives: float
+  flops: float
+  largest_params: float       # the largest layer's
+  inputs: float               # every layer's input, summed (full recompute keeps them)
+  largest_activations: float  # the largest layer's (full recompute rebuilds one at a time)
+  selective: float            # attention scores selective recompute drops
+  largest_selective: float
+  selective_forward: float    # seconds to rebuild them
+  layers: int
+  bytes_in: float             # on edges entering the stage
+  bytes_out: float            # on edges leaving it
+
+
+class _TimeParts(NamedTuple):
+  """A stage's seconds: per microbatch compute, transfers and exposed ZeRO
+  collectives; per batch the exposed sync; and the two collectives in all."""
+
+  compute: float
+  transfers: float
+  zero: float
+  sync: float
+  zero_total: float
+  sync_total: float
+
+
+def exposed(comm: float, compute: float, pieces: int) -> float:
+  """Seconds of `comm` that `compute` cannot hide when both run in `pieces`
+  equal pieces on two streams, each piece of communication bound to one of
+  compute (a gather feeds the next piece, a reduction follows the last):
+  the critical path is one piece of communication plus, at each of the
+  other pieces, whatever communication outlasts the compute beside it,
+  c / n + (n - 1) / n * max(0, c - w)."""
+  n = max(1, pieces)
+  return comm / n + (n - 1) / n * max(0.0, comm - compute)
 
 
 class _Ring:
@@ -152,13 +214,17 @@ class _StageCosts:
     self._widths: dict[tuple, list[int]] = {}
     self._longest: dict[int, float] = {}
     self._fastest: dict[int, float] = {0: 0.0}
-    # Layers priced alike (a repeated block) share one template.
+    # Layers priced alike, with inputs as large (a repeated block), share one
+    # template; `inputs[kind]` is the bytes per microbatch entering one.
+    entering = [sum(b for _, b in ins) for ins in self._ins]
     kinds: dict[tuple, int] = {}
-    self.kind = [kinds.setdefault(tuple(sorted(layer.widths.items())), len(kinds))
-                 for layer in graph.layers]
+    self.kind = [kinds.setdefault((tuple(sorted(layer.widths.items())), entering[i]), len(kinds))
+                 for i, layer in enumerate(graph.layers)]
     self.example: dict[int, Layer] = {}
-    for layer, kind in zip(graph.layers, self.kind):
+    self.inputs: dict[int, float] = {}
+    for i, (layer, kind) in enumerate(zip(graph.layers, self.kind)):
       self.example.setdefault(kind, layer)
+      self.inputs.setdefault(kind, entering[i])
     self._hulls: dict[tuple, tuple[float, float, list[tuple[float, float]]]] = {}
     self._packs: dict[tuple, tuple[float, float, list[tuple[float, float]]]] = {}
 
@@ -225,6 +291,8 @@ class _StageCosts:
     # ZeRO 2 reduce-scatters gradients every microbatch, ZeRO 3 also gathers
     # parameters twice: device-seconds on top of the compute.
     per_microbatch = {0: 0.0, 1: 0.0, 2: 1.0, 3: 3.0}[zero] * (d - 1) / d
+    if o.overlap:  # at least one piece of each stays exposed (`exposed`)
+      ring, per_microbatch = ring / len(layers), per_microbatch / len(layers)
     floor = max((work + per_microbatch * param_work / bandwidth) / per_pipeline, longest)
     # Two stages or more: each also sends and receives across its border.
     cut = self.least_transfer
@@ -273,9 +341,14 @@ class _StageCosts:
         if o.widths is not None and t not in o.widths:
           continue
         fixed = self.state_bytes(c.params, d, zero)
-        for recompute in o.recompute:
-          points.append((t * (c.forward + c.backward + (c.forward if recompute else 0.0)),
-                         t * (fixed + (c.activations if recompute else in_flight * c.activations))))
+        for mode in o.recompute:
+          # What a layer keeps per microbatch in flight; the one layer a
+          # recomputing stage rebuilds at a time is left out (a bound).
+          kept = {"none": c.activations, "full": self.inputs[kind] / t,
+                  "selective": c.activations - c.selective}[mode]
+          extra = {"none": 0.0, "full": c.forward, "selective": c.selective_forward}[mode]
+          points.append((t * (c.forward + c.backward + extra),
+                         t * (fixed + in_flight * kept)))
       if not points:
         self._hulls[key] = (math.inf, math.inf, [])
         return self._hulls[key]
@@ -318,21 +391,25 @@ class _StageCosts:
       self._widths[kinds] = sorted(common)
     return self._widths[kinds]
 
-  def totals(self, members: int, t: int) -> tuple[float, ...]:
-    """(forward, backward, params, activations, collectives, largest params,
-    bytes in, bytes out) of a stage, per microbatch per device at width t."""
+  def totals(self, members: int, t: int) -> _Totals:
+    """A stage's sums per microbatch per device at width t."""
     sig = self.signature(members)
     key = (sig, t)
     if key not in self._totals:
       kinds, b_in, b_out = sig
-      costs = [(n, self.example[kind].widths[t]) for kind, n in kinds]
-      fw = sum(n * c.forward for n, c in costs)
-      bw = sum(n * c.backward for n, c in costs)
-      params = sum(n * c.params for n, c in costs)
-      acts = sum(n * c.activations for n, c in costs)
-      coll = sum(n * c.collectives for n, c in costs)
-      largest = max(c.params for _, c in costs)
-      self._totals[key] = (fw, bw, params, acts, coll, largest, b_in / t, b_out / t)
+      costs = [(n, self.example[kind].widths[t], self.inputs[kind] / t) for kind, n in kinds]
+      total = lambda f: sum(n * f(c) for n, c, _ in costs)  # noqa: E731
+      self._totals[key] = _Totals(
+          forward=total(lambda c: c.forward), backward=total(lambda c: c.backward),
+          params=total(lambda c: c.params), activations=total(lambda c: c.activations),
+          collectives=total(lambda c: c.collectives), flops=total(lambda c: c.flops),
+          largest_params=max(c.params for _, c, _ in costs),
+          inputs=sum(n * x for n, _, x in costs),
+          largest_activations=max(c.activations for _, c, _ in costs),
+          selective=total(lambda c: c.selective),
+          largest_selective=max(c.selective for _, c, _ in costs),
+          selective_forward=total(lambda c: c.selective_forward),
+          layers=sum(n for n, _, _ in costs), bytes_in=b_in / t, bytes_out=b_out / t)
     return self._totals[key]
 
   def signature(self, members: int) -> tuple:
@@ -354,27 +431,35 @@ class _StageCosts:
     """Bytes per device of parameters, their gradients and optimizer state,
     each sharded over the d replicas from its ZeRO stage on."""
     shard = lambda level: d if zero >= level else 1  # noqa: E731
-    return params / shard(3) + params / shard(2) + self.problem.optimizer * params / shard(1)
+    o = self.problem
+    return params / shard(3) + o.gradients * params / shard(2) + o.optimizer * params / shard(1)
 
-  def memory_terms(self, members: int, t: int, d: int, zero: int) -> tuple[float, ...]:
-    """(fixed, bytes in, activations): a stage's memory per device is
-    fixed + in_flight * activations when stashing, fixed + in_flight * bytes in
-    + activations when recomputing. Fixed: parameters, gradients and optimizer
-    state, each sharded over data parallelism from its ZeRO stage on."""
-    key = (self.signature(members), t, d, zero)
+  def memory_terms(self, members: int, t: int, mode: str, d: int,
+                   zero: int) -> tuple[float, float]:
+    """(base, per microbatch in flight): a stage's bytes per device are
+    base + in_flight * per microbatch. Base: parameters, gradients and
+    optimizer state (each sharded over data parallelism from its ZeRO stage
+    on) and what the backward rebuilds at a time: one layer's activations
+    under full recompute, one layer's attention scores under selective.
+    Per microbatch: every activation (none), every layer's input (full),
+    all but the attention scores (selective)."""
+    key = (self.signature(members), t, mode, d, zero)
     if key not in self._terms:
-      _, _, params, acts, _, largest, b_in, _ = self.totals(members, t)
-      fixed = self.state_bytes(params, d, zero)
+      c = self.totals(members, t)
+      fixed = self.state_bytes(c.params, d, zero)
       if zero >= 3:
-        fixed += largest * (1 - 1 / d)  # one layer's parameters gathered at a time
-      self._terms[key] = (fixed, b_in, acts)
+        fixed += c.largest_params * (1 - 1 / d)  # one layer's parameters gathered at a time
+      self._terms[key] = {
+          "none": (fixed, c.activations),
+          "full": (fixed + c.largest_activations, c.inputs),
+          "selective": (fixed + c.largest_selective, c.activations - c.selective)}[mode]
     return self._terms[key]
 
-  def memory(self, members: int, t: int, recompute: bool, in_flight: int, d: int,
+  def memory(self, members: int, t: int, mode: str, in_flight: float, d: int,
              zero: int) -> float:
     """Bytes per device."""
-    fixed, b_in, acts = self.memory_terms(members, t, d, zero)
-    return fixed + (in_flight * b_in + acts if recompute else in_flight * acts)
+    base, per_flight = self.memory_terms(members, t, mode, d, zero)
+    return base + in_flight * per_flight
 
   def choices(self, members: int, d: int, zero: int, per_pipeline: int) -> tuple[float, list]:
     """A stage's choices: (the most microbatches any keeps in flight within
@@ -385,19 +470,18 @@ class _StageCosts:
     if key not in self._choices:
       limit, most, choices = self.problem.memory, -math.inf, []
       for t in self.widths(members):
-        fixed, b_in, acts = self.memory_terms(members, t, d, zero)
-        for recompute in self.problem.recompute:
-          base, per_flight = (fixed + acts, b_in) if recompute else (fixed, acts)
+        for mode in self.problem.recompute:
+          base, per_flight = self.memory_terms(members, t, mode, d, zero)
           if base + per_flight > limit:  # not even one microbatch in flight fits
             continue
           most = max(most, (limit - base) / per_flight * (1 + 1e-9) if per_flight else math.inf)
-          timing = (self.times(members, t, recompute, 0, d, per_pipeline, zero) if self.single_level
-                    else self.times_by_first(members, t, recompute, d, zero))
-          choices.append((t, recompute, base, per_flight, timing))
+          timing = (self.times(members, t, mode, 0, d, per_pipeline, zero) if self.single_level
+                    else self.times_by_first(members, t, mode, d, zero))
+          choices.append((t, mode, base, per_flight, timing))
       self._choices[key] = (most, choices)
     return self._choices[key]
 
-  def times(self, members: int, t: int, recompute: bool, first: int, d: int,
+  def times(self, members: int, t: int, mode: str, first: int, d: int,
             per_pipeline: int, zero: int) -> tuple[float, float]:
     """(T, Y): seconds per microbatch and data-parallel sync per batch of the
     stage at device offset `first` of its pipeline replica."""
@@ -407,50 +491,62 @@ class _StageCosts:
     levels = self._levels.get(spot)
     if levels is None:
       node = self.problem.hw.devices_per_node
+      prev, after = (first - 1) % per_pipeline, (first + t) % per_pipeline
       levels = self._levels[spot] = (
           first // node != ((d - 1) * per_pipeline + first + t - 1) // node,
-          first // node != (first - 1) // node,
-          (first + t - 1) // node != (first + t) // node)
-    key = (self.signature(members), t, recompute, d, zero, levels)
+          first // node != prev // node,
+          (first + t - 1) // node != after // node)
+    key = (self.signature(members), t, mode, d, zero, levels)
     if key not in self._times:
-      parts = self.time_parts(members, t, recompute, first, d, per_pipeline, zero)
-      self._times[key] = (parts[0] + parts[1] + parts[2], parts[3])
+      parts = self.time_parts(members, t, mode, first, d, per_pipeline, zero)
+      self._times[key] = (parts.compute + parts.transfers + parts.zero, parts.sync)
     return self._times[key]
 
-  def times_by_first(self, members: int, t: int, recompute: bool, d: int, zero: int) -> dict:
+  def times_by_first(self, members: int, t: int, mode: str, d: int, zero: int) -> dict:
     """A memo of `times` by first device for one stage choice."""
-    return self._tables.setdefault((self.signature(members), t, recompute, d, zero), {})
+    return self._tables.setdefault((self.signature(members), t, mode, d, zero), {})
 
-  def time_parts(self, members, t, recompute, first, d, per_pipeline, zero) -> tuple[float, ...]:
-    """(compute, transfers, ZeRO collectives, sync) of a stage, seconds."""
-    fw, bw, params, _, _, _, b_in, b_out = self.totals(members, t)
+  def time_parts(self, members, t, mode, first, d, per_pipeline, zero) -> _TimeParts:
+    """A stage's seconds: per microbatch compute, transfers and ZeRO
+    collectives, per batch the data-parallel sync."""
+    c = self.totals(members, t)
     ring = self.ring
     group = (d, first, (d - 1) * per_pipeline + first + t - 1)
     # Activations in and out, forward, and their gradients back: each crosses
-    # once per direction of the pass, not overlapped with compute.
-    transfers = 2 * (ring.send(b_in, first - 1, first) + ring.send(b_out, first + t - 1, first + t))
+    # once per direction of the pass, not overlapped with compute. Only an
+    # interleaved first or last stage sends around the end of the pipeline.
+    transfers = 2 * (ring.send(c.bytes_in, (first - 1) % per_pipeline, first)
+                     + ring.send(c.bytes_out, first + t - 1, (first + t) % per_pipeline))
+    rebuild = {"none": 0.0, "full": c.forward, "selective": c.selective_forward}[mode]
+    compute = c.forward + c.backward + rebuild
     zero_time = 0.0
     if zero >= 2:  # gradients reduce-scattered every microbatch
-      zero_time += ring.gather(params, *group)
-    if zero >= 3:  # parameters gathered for forward, backward (and recompute)
-      zero_time += (3 if recompute else 2) * ring.gather(params, *group)
-    sync = {0: ring.reduce(params, *group), 1: ring.reduce(params, *group),
-            2: ring.gather(params, *group), 3: 0.0}[zero]
-    return fw + bw + (fw if recompute else 0.0), transfers, zero_time, sync
+      zero_time += ring.gather(c.params, *group)
+    if zero >= 3:  # parameters gathered for forward, backward (and full recompute)
+      zero_time += (3 if mode == "full" else 2) * ring.gather(c.params, *group)
+    sync = {0: ring.reduce(c.params, *group), 1: ring.reduce(c.params, *group),
+            2: ring.gather(c.params, *group), 3: 0.0}[zero]
+    if not self.problem.overlap:
+      return _TimeParts(compute, transfers, zero_time, sync, zero_time, sync)
+    # Gathers run a layer ahead of the compute that reads them, reductions
+    # a layer behind the backward that makes them; the sync only beside the
+    # last microbatch's backward.
+    return _TimeParts(compute, transfers, exposed(zero_time, compute, c.layers),
+                      exposed(sync, c.backward + rebuild, c.layers), zero_time, sync)
 
-  def stage(self, members: int, t: int, recompute: bool, first: int, in_flight: int, d: int,
+  def stage(self, members: int, t: int, mode: str, first: int, in_flight: float, d: int,
             per_pipeline: int, zero: int) -> Stage:
     """The stage at device offset `first`, with its breakdown."""
-    compute, transfers, zero_time, sync = self.time_parts(members, t, recompute, first, d,
-                                                     per_pipeline, zero)
-    coll = self.totals(members, t)[4]
+    parts = self.time_parts(members, t, mode, first, d, per_pipeline, zero)
+    c = self.totals(members, t)
     return Stage(
         layers=tuple(self.graph.layers[i].name for i in _layer_indices(members)), width=t,
-        recompute=recompute, first_device=first, in_flight=in_flight,
-        time=compute + transfers + zero_time, compute=compute,
-        collectives=coll + (coll / 2 if recompute else 0.0), transfers=transfers,
-        zero=zero_time, sync=sync,
-        memory=self.memory(members, t, recompute, in_flight, d, zero))
+        recompute=mode != "none", first_device=first, in_flight=in_flight,
+        time=parts.compute + parts.transfers + parts.zero, compute=parts.compute,
+        collectives=c.collectives + (c.collectives / 2 if mode == "full" else 0.0),
+        transfers=parts.transfers, zero=parts.zero, sync=parts.sync,
+        memory=self.memory(members, t, mode, in_flight, d, zero), recompute_mode=mode,
+        sync_total=parts.sync_total, zero_total=parts.zero_total, flops=c.flops)
 
   def downsets_inside(self, rest: int, downs: list[int]) -> list[int]:
     """The downsets strictly inside `rest`."""
@@ -491,7 +587,7 @@ def _best_at(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, ze
   # stages), built from the end of the graph backwards: stage positions count
   # from the pipeline's last device, and the k stages after a state fix the
   # in-flight count of the next one.
-  # choices: a linked list ((members, width, recompute, first device,
+  # choices: a linked list ((members, width, recompute mode, first device,
   # in flight), rest of the list) of the stages chosen so far.
   fronts: list[dict[int, list[tuple]]] = [{downs[-1]: [(0, 0.0, 0.0, None)]}]
   best: Placement | None = None
@@ -515,7 +611,7 @@ def _best_at(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, ze
         if _completion_floor(m + k, least_t, longest, work, costs.fastest(head), spare, head,
                   costs.least_transfer) + least_y >= bound:
           continue
-        for t, recompute, base, per_flight, timing in choices:
+        for t, mode, base, per_flight, timing in choices:
           if base + in_flight * per_flight > problem.memory:
             continue
           if single_level:  # one link level: the stage's position changes nothing
@@ -529,7 +625,7 @@ def _best_at(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, ze
             if not single_level:
               found = table.get(first)
               if found is None:
-                found = table[first] = costs.times(members, t, recompute, first, d,
+                found = table[first] = costs.times(members, t, mode, first, d,
                                                    per_pipeline, zero)
               time, sync = found
             t_new = t_max if t_max > time else time
@@ -547,7 +643,7 @@ def _best_at(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, ze
               packed = costs.packed_work(head, ahead, d, zero, first) / first
               if (m + k) * packed + y_new >= bound:
                 continue
-            entry = (used + t, t_new, y_new, ((members, t, recompute, first, in_flight), chosen))
+            entry = (used + t, t_new, y_new, ((members, t, mode, first, in_flight), chosen))
             if any(f[0] <= entry[0] and f[1] <= t_new and f[2] <= y_new
                    for f in earlier.get(head, ())):
               continue
@@ -564,8 +660,8 @@ def _best_at(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, ze
         shift = per_pipeline - used
         stages = []
         while chosen is not None:
-          (members, t, recompute, first, n), chosen = chosen
-          stage = costs.stage(members, t, recompute, first, n, d, per_pipeline, zero)
+          (members, t, mode, first, n), chosen = chosen
+          stage = costs.stage(members, t, mode, first, n, d, per_pipeline, zero)
           stages.append(dataclasses.replace(stage, first_device=first - shift))
         bound, best = time, Placement(d, m, zero, tuple(stages), used * d, time)
     if not after or (problem.stages is not None and k + 1 >= problem.stages):
@@ -634,9 +730,23 @@ def place_any(candidates: Sequence[tuple[LayerGraph, int]], *, devices: int,
 
 def _search(graph: LayerGraph, problem: _Problem, data_parallel: int | None,
             bound: float) -> Placement | None:
-  """The fastest placement under `bound` seconds per batch, if any."""
-  downs = _downsets(graph)
+  """The fastest placement under `bound` seconds per batch, if any: the DP's
+  (plain 1F1B) and, where the options allow it, an interleaved one's."""
   costs = _StageCosts(graph, problem)
+  v = problem.virtual_stages
+  best = None if v not in (None, 1) else _search_plain(graph, costs, data_parallel, bound)
+  if v != 1:
+    found = _search_interleaved(costs, data_parallel, bound if best is None else best.time,
+                                (2, 4, 8) if v is None else (v,))
+    best = found or best
+  return best
+
+
+def _search_plain(graph: LayerGraph, costs: _StageCosts, data_parallel: int | None,
+                  bound: float) -> Placement | None:
+  """The DP's fastest plain-1F1B placement under `bound`, if any."""
+  problem = costs.problem
+  downs = _downsets(graph)
   best: Placement | None = None
   # ZeRO 1 costs what ZeRO 0 does (one all-reduce per batch) in less memory:
   # with both allowed only ZeRO 1 is searched, and its plan is reported as
@@ -669,12 +779,122 @@ def _search(graph: LayerGraph, problem: _Problem, data_parallel: int | None,
   return best
 
 
+def chunks(costs: _StageCosts, count: int) -> list[int] | None:
+  """The graph cut into `count` chunks (layer bitmasks, in order) holding
+  equally many of its most frequent layer kind (the repeated block); other
+  layers join the chunk of the block before them (the first chunk before
+  any). None where that is impossible or some edge skips a chunk, which a
+  pipeline of chunks cannot carry."""
+  order = costs.graph.order()
+  templates: dict[tuple, int] = {}  # layers priced alike, whatever enters them
+  kind = [templates.setdefault(tuple(sorted(layer.widths.items())), len(templates))
+          for layer in costs.graph.layers]
+  counts: dict[int, int] = {}
+  for i in order:
+    counts[kind[i]] = counts.get(kind[i], 0) + 1
+  block = max(counts, key=lambda k: (counts[k], -k))
+  if counts[block] % count:
+    return None
+  per, seen, chunk = counts[block] // count, 0, 0
+  chunk_of = [0] * len(order)
+  for i in order:
+    if kind[i] == block:
+      chunk, seen = seen // per, seen + 1
+    chunk_of[i] = chunk
+  if any(not 0 <= chunk_of[d] - chunk_of[s] <= 1 for s, d, _ in costs.edges):
+    return None
+  masks = [0] * count
+  for i, c in enumerate(chunk_of):
+    masks[c] |= 1 << i
+  return masks
+
+
+def in_flight(stage: int, stages: int, virtual: int, microbatches: int) -> float:
+  """Microbatches whose activations stage `stage` (0-based) holds at its
+  peak under 1F1B, as a share of the stage's layers: min(S - i, m) plainly;
+  interleaved, Megatron-LM's warm-up of (S - i - 1) * 2 + (v - 1) * S
+  chunk-microbatches plus the one in its backward, each 1/v of the stage."""
+  if virtual == 1:
+    return float(min(stages - stage, microbatches))
+  held = (stages - stage - 1) * 2 + (virtual - 1) * stages + 1
+  return min(microbatches * virtual, held) / virtual
+
+
+def uniform(costs: _StageCosts, masks: list[int], *, data_parallel: int, stages: int,
+            virtual: int, width: int, zero: int, fits: bool = True) -> Placement | None:
+  """The placement running chunk c of `masks` (S * v of them, in order) on
+  stage c mod S, each stage on `width` devices, replicated `data_parallel`
+  ways; per stage the fastest allowed recompute mode that fits in memory
+  (with `fits` False: the fastest, fitting or not). None where no mode of
+  some stage fits or a stage's layers lack the width."""
+  o = costs.problem
+  d, S, v, t = data_parallel, stages, virtual, width
+  m = o.microbatches // d
+  per_pipeline = S * t
+  chosen = []
+  for s in range(S):
+    members = 0
+    for k in range(v):
+      members |= masks[s + k * S]
+    if t not in costs.widths(members):
+      return None
+    held = in_flight(s, S, v, m)
+    options = []
+    for mode in o.recompute:
+      memory = costs.memory(members, t, mode, held, d, zero)
+      if fits and memory > o.memory:
+        continue
+      time, sync = costs.times(members, t, mode, s * t, d, per_pipeline, zero)
+      options.append((time, sync, memory, mode))
+    if not options:
+      return None
+    time, sync, _, mode = min(options)
+    chosen.append((members, mode, held, time, sync))
+  t_max = max(c[3] for c in chosen)
+  total = (m + (S - 1) / v) * t_max + max(c[4] for c in chosen)
+  built = tuple(costs.stage(members, t, mode, s * t, held, d, per_pipeline, zero)
+                for s, (members, mode, held, _, _) in enumerate(chosen))
+  return Placement(d, m, zero, built, per_pipeline * d, total, v)
+
+
+def _search_interleaved(costs: _StageCosts, data_parallel: int | None, bound: float,
+                        virtuals: Sequence[int]) -> Placement | None:
+  """The fastest interleaved placement (equal chunks, equal widths) under
+  `bound`, if any. Megatron-LM's rule: microbatches per replica a multiple of
+  the stage count."""
+  o = costs.problem
+  best: Placement | None = None
+  widths = sorted({t for layer in costs.graph.layers for t in layer.widths
+                   if o.widths is None or t in o.widths})
+  for v in virtuals:
+    for S in range(2, len(costs.graph.layers) // v + 1):
+      if o.stages not in (None, S):
+        continue
+      masks = chunks(costs, S * v)
+      if masks is None:
+        continue
+      for d in range(1, o.devices // S + 1):
+        if o.microbatches % d or (o.microbatches // d) % S or data_parallel not in (None, d):
+          continue
+        for t in widths:
+          if d * S * t > o.devices:
+            break
+          for zero in o.zero:
+            if zero and d == 1 and 0 in o.zero:
+              continue
+            plan = uniform(costs, masks, data_parallel=d, stages=S, virtual=v, width=t,
+                           zero=zero)
+            if plan is not None and plan.time < (bound if best is None else best.time):
+              best = plan
+  return best
+
+
 def _unsharded(costs: _StageCosts, plan: Placement) -> Placement | None:
   """`plan` under ZeRO 0 (the same times), if every stage still fits."""
   stages = []
   for s in plan.stages:
     members = sum(1 << costs.index[name] for name in s.layers)
-    memory = costs.memory(members, s.width, s.recompute, s.in_flight, plan.data_parallel, 0)
+    memory = costs.memory(members, s.width, s.recompute_mode, s.in_flight, plan.data_parallel, 0)
     if memory > costs.problem.memory:
       return None
     stages.append(dataclasses.replace(s, memory=memory))
@@ -687,9 +907,10 @@ def _problem(devices, microbatches, hardware, options: PlacementOptions) -> _Pro
       raise PlacementError(f"{name} must be a positive int, got {value!r}.")
   hw = get_hardware(hardware)
   memory = hw.hbm_capacity if options.memory_limit is None else options.memory_limit
-  choices = (False, True) if options.recompute is None else (options.recompute,)
   return _Problem(devices, microbatches, float(memory), hw, options.optimizer_state,
-                  options.zero, choices, options.widths, options.stages)
+                  options.zero, recompute_modes("PlacementOptions", options.recompute),
+                  options.widths, options.stages, options.gradient_state, options.overlap,
+                  options.virtual_stages)
 
 
 __all__ = ["MAX_DOWNSETS", "place", "place_any"]

@@ -9,10 +9,13 @@ ZeRO and recompute for each; the fastest wins.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 
+from automap._src.cluster import configured
 from automap._src.cluster import layers as layers_lib
+from automap._src.cluster.configured import ClusterConfig
 from automap._src.cluster.model import JsonFile, Placement, PlacementError
 from automap._src.cluster.options import ClusterOptions
 from automap._src.cluster.placement import place_any
@@ -31,6 +34,8 @@ class ClusterPlan(JsonFile):
   microbatch: samples per microbatch; global_batch: samples per batch.
   shardings: width -> parameter path -> PartitionSpec (text) of the intra-stage
     sharding at that width, for the widths the placement uses.
+  peak_flops: the device's peak FLOP/s (16-bit matmuls), for MFU.
+  memory_limit: bytes per device the plan was held to.
   """
 
   placement: Placement
@@ -40,6 +45,29 @@ class ClusterPlan(JsonFile):
   hardware: str
   shardings: dict[int, dict[str, str]]
   timings: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
+  peak_flops: float = 0.0
+  memory_limit: float = math.inf
+
+  @property
+  def achieved_flops(self) -> float:
+    """Model FLOP/s per device (forward and backward, recompute not counted)."""
+    p = self.placement
+    return p.flops / (p.time * p.devices)
+
+  @property
+  def mfu(self) -> float:
+    """Model FLOPs utilisation: achieved_flops over the device's peak (nan
+    when the peak is unknown)."""
+    return self.achieved_flops / self.peak_flops if self.peak_flops else math.nan
+
+  @property
+  def memory(self) -> float:
+    """Bytes per device on the fullest device."""
+    return max(s.memory for s in self.placement.stages)
+
+  @property
+  def fits(self) -> bool:
+    return self.memory <= self.memory_limit
 
   @property
   def time(self) -> float:
@@ -55,7 +83,9 @@ class ClusterPlan(JsonFile):
     return {"schema": SCHEMA, "placement": self.placement.to_json(),
             "microbatch": self.microbatch, "global_batch": self.global_batch,
             "devices": self.devices, "hardware": self.hardware,
-            "shardings": {str(t): s for t, s in sorted(self.shardings.items())}}
+            "shardings": {str(t): s for t, s in sorted(self.shardings.items())},
+            "peak_flops": self.peak_flops,
+            "memory_limit": None if math.isinf(self.memory_limit) else self.memory_limit}
 
   @classmethod
   def from_json(cls, data: dict) -> ClusterPlan:
@@ -64,19 +94,33 @@ class ClusterPlan(JsonFile):
           f"cluster plan schema {data.get('schema')!r} is not {SCHEMA}; plan it again.")
     return cls(Placement.from_json(data["placement"]), int(data["microbatch"]),
                int(data["global_batch"]), int(data["devices"]), str(data["hardware"]),
-               {int(t): dict(s) for t, s in data["shardings"].items()})
+               {int(t): dict(s) for t, s in data["shardings"].items()},
+               peak_flops=float(data.get("peak_flops", 0.0)),
+               memory_limit=float(data.get("memory_limit") or math.inf))
 
-  def explain(self) -> str:
+  def explain(self, against: ClusterPlan | None = None) -> str:
+    """The plan, stage by stage; `against`: another plan of the same step
+    (the planner's beside a stated split) summarised after it."""
     p = self.placement
+    schedule = "1F1B" if p.virtual_stages == 1 else f"interleaved 1F1B x{p.virtual_stages}"
+    comm = p.communication
+    mfu = "" if math.isnan(self.mfu) else f", MFU {self.mfu:.1%}"
+    limit = "" if math.isinf(self.memory_limit) else (
+        f" of {format_bytes(self.memory_limit)}" + ("" if self.fits else " (DOES NOT FIT)"))
     lines = [
         f"automap cluster plan: {self.devices} devices ({self.hardware}), global batch "
         f"{self.global_batch}",
-        f"  {p.data_parallel} data-parallel x {len(p.stages)} pipeline stage(s), "
+        f"  {p.data_parallel} data-parallel x {len(p.stages)} pipeline stage(s) ({schedule}), "
         f"microbatch {self.microbatch} ({p.microbatches} per replica), ZeRO {p.zero}, "
         f"{p.devices} devices used",
-        f"  time per batch {_format_seconds(p.time)}, throughput {self.throughput:,.1f} samples/s",
+        f"  time per batch {_format_seconds(p.time)}, throughput {self.throughput:,.1f} samples/s,"
+        f" {self.achieved_flops / 1e12:,.1f} TFLOP/s per device{mfu}",
+        f"  memory per device {format_bytes(self.memory)}{limit}",
         "  breakdown per batch: " + ", ".join(
             f"{k.replace('_', ' ')} {_format_seconds(v)}" for k, v in p.breakdown.items()),
+        f"  overlapped communication: ZeRO {_format_seconds(comm['zero_exposed'])} exposed of "
+        f"{_format_seconds(comm['zero_total'])}, data-parallel sync "
+        f"{_format_seconds(comm['sync_exposed'])} exposed of {_format_seconds(comm['sync_total'])}",
         "",
         f"  {'stage':<6}{'layers':<34}{'TP':>4}  {'recompute':<10}{'in flight':>9}"
         f"{'time/microbatch':>17}{'sync':>12}{'memory':>14}"]
@@ -84,9 +128,15 @@ class ClusterPlan(JsonFile):
       names = s.layers[0] if len(s.layers) == 1 else (
           f"{s.layers[0]} .. {s.layers[-1]} ({len(s.layers)})")
       lines.append(
-          f"  {i:<6}{names:<34}{s.width:>4}  {'yes' if s.recompute else 'no':<10}"
-          f"{s.in_flight:>9}{_format_seconds(s.time):>17}{_format_seconds(s.sync):>12}"
+          f"  {i:<6}{names:<34}{s.width:>4}  {s.recompute_mode:<10}"
+          f"{s.in_flight:>9.3g}{_format_seconds(s.time):>17}{_format_seconds(s.sync):>12}"
           f"{format_bytes(s.memory):>14}")
+    if against is not None:
+      q = against.placement
+      lines += ["", f"  against: {q.data_parallel} data-parallel x {len(q.stages)} stage(s), "
+                f"widths {sorted({s.width for s in q.stages})}, microbatch {against.microbatch}: "
+                f"{against.throughput:,.1f} samples/s; this plan is "
+                f"{self.throughput / against.throughput:.2f}x its throughput"]
     return "\n".join(lines)
 
 
@@ -140,7 +190,45 @@ def plan_cluster(loss_fn: Callable, params, *batch, devices: int, global_batch: 
   used = {s.width for s in placement.stages}
   return ClusterPlan(placement, b, global_batch, devices, hw.name,
                      {t: profile.specs[t] for t in sorted(used)},
-                     {"profile": t1 - t0, "placement": time.perf_counter() - t1})
+                     {"profile": t1 - t0, "placement": time.perf_counter() - t1},
+                     peak_flops=hw.flops, memory_limit=_limit(options, hw))
 
 
-__all__ = ["ClusterPlan", "plan_cluster"]
+def _limit(options: ClusterOptions, hw: Hardware) -> float:
+  return float(hw.hbm_capacity if options.memory_limit is None else options.memory_limit)
+
+
+def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, global_batch: int,
+                  hardware: str | Hardware = "tpu-v4", devices: int | None = None,
+                  options: ClusterOptions | None = None, **keywords) -> ClusterPlan:
+  """Training `loss_fn(params, *batch) -> scalar` priced under a stated split.
+
+  The step is profiled at `config.tensor` devices (the sharding search picks
+  the intra-stage sharding, as for `plan_cluster`) and microbatches of
+  `config.microbatch` samples, then run as `config` states (see
+  `configured.price`). The result carries the breakdown, memory per device
+  (`fits`), achieved FLOP/s and MFU; `plan_cluster` on the same step gives
+  the planner's plan to set beside it (`explain(against=...)`).
+  options: memory_limit, optimizer, mixed_precision, overlap, budget, seed
+    as in ClusterOptions (the split's fields come from `config`).
+  """
+  options = with_keywords(ClusterOptions, options, keywords, "price_cluster")
+  t0 = time.perf_counter()
+  hw = get_hardware(hardware)
+  if not isinstance(config, ClusterConfig):
+    raise TypeError(f"config must be an automap.ClusterConfig, got {type(config).__name__}.")
+  config.microbatches(global_batch)  # checks the split against the batch before tracing
+  profile = layers_lib.measure(loss_fn, params, batch, widths=[config.tensor], hardware=hw,
+                               search=layers_lib.sharding_search(options.budget, options.seed),
+                               sizes=[config.microbatch])
+  t1 = time.perf_counter()
+  placement = configured.price(profile.at(config.microbatch), config, global_batch=global_batch,
+                               hardware=hw, devices=devices,
+                               options=options.placement([config.tensor]))
+  return ClusterPlan(placement, config.microbatch, global_batch, devices or config.devices,
+                     hw.name, {config.tensor: profile.specs[config.tensor]},
+                     {"profile": t1 - t0, "placement": time.perf_counter() - t1},
+                     peak_flops=hw.flops, memory_limit=_limit(options, hw))
+
+
+__all__ = ["ClusterPlan", "plan_cluster", "price_cluster"]

@@ -1,0 +1,161 @@
+"""A stated training split priced as it runs: Megatron-style p x d x t.
+
+`ClusterConfig` is what a user of a hand-tuned split already knows: tensor,
+pipeline and data-parallel widths, microbatch size, recompute mode,
+schedule (plain or interleaved 1F1B) and ZeRO stage. `price` runs it over a
+layer graph exactly as stated: the repeated block split evenly over the
+pipeline's chunks (`placement.chunks`), each stage on `tensor` devices,
+nothing searched; the result is a `Placement` with the breakdown the
+planner's plans carry, memory included even where it does not fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from automap._src.cluster import placement as placement_lib
+from automap._src.cluster.model import RECOMPUTE_MODES, LayerGraph, Placement, PlacementError
+from automap._src.cluster.options import PlacementOptions
+from automap._src.cost.hardware import Hardware, get_hardware
+from automap._src.search.request import with_keywords
+
+SCHEDULES = ("1f1b", "interleaved")
+# PlacementOptions fields a ClusterConfig fixes.
+_CONFIG_OWNED = ("recompute", "zero", "widths", "data_parallel", "stages", "virtual_stages")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+  """A training split as it runs.
+
+  tensor, pipeline, data: devices per tensor-parallel group, pipeline stages,
+    data-parallel replicas (tensor * pipeline * data devices in all).
+  microbatch: samples per microbatch per replica.
+  recompute: "none", "full" (each layer's input kept, the layer rebuilt in
+    its backward) or "selective" (attention scores and softmax rebuilt);
+    True and False stand for "full" and "none".
+  schedule: "1f1b" or "interleaved" (1F1B over `virtual_stages` chunks per
+    stage, Narayanan et al. 2021).
+  virtual_stages: chunks per stage; 1 with "1f1b", at least 2 interleaved.
+  zero: ZeRO stage 0-3 over the data-parallel replicas (1: optimizer state
+    sharded, the distributed optimizer; 2: gradients too; 3: parameters too).
+  """
+
+  tensor: int = 1
+  pipeline: int = 1
+  data: int = 1
+  microbatch: int = 1
+  recompute: str | bool = "none"
+  schedule: str = "1f1b"
+  virtual_stages: int = 1
+  zero: int = 0
+
+  def __post_init__(self):
+    for name in ("tensor", "pipeline", "data", "microbatch", "virtual_stages"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlacementError(f"ClusterConfig.{name} must be a positive int, got {value!r}.")
+    if isinstance(self.recompute, bool):
+      object.__setattr__(self, "recompute", "full" if self.recompute else "none")
+    if self.recompute not in RECOMPUTE_MODES:
+      raise PlacementError(
+          f"ClusterConfig.recompute must be one of {RECOMPUTE_MODES} (or True / False), got "
+          f"{self.recompute!r}.")
+    if self.schedule not in SCHEDULES:
+      raise PlacementError(
+          f"ClusterConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}; "
+          "GPipe is 1F1B's time with more memory: price it as '1f1b'.")
+    if self.schedule == "1f1b" and self.virtual_stages != 1:
+      raise PlacementError(
+          f"ClusterConfig.virtual_stages={self.virtual_stages} needs schedule='interleaved'; "
+          "plain 1F1B has one chunk per stage.")
+    if self.schedule == "interleaved" and (self.virtual_stages < 2 or self.pipeline < 2):
+      raise PlacementError(
+          "ClusterConfig.schedule='interleaved' needs virtual_stages >= 2 and pipeline >= 2, "
+          f"got virtual_stages={self.virtual_stages}, pipeline={self.pipeline}; use "
+          "schedule='1f1b' for one chunk per stage.")
+    if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+      raise PlacementError(f"ClusterConfig.zero must be a ZeRO stage 0-3, got {self.zero!r}.")
+
+  @property
+  def devices(self) -> int:
+    return self.tensor * self.pipeline * self.data
+
+  def microbatches(self, global_batch: int) -> int:
+    """Microbatches per batch over all replicas; checks that they divide it."""
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+      raise PlacementError(f"global_batch must be a positive int, got {global_batch!r}.")
+    per_step = self.data * self.microbatch
+    if global_batch % per_step:
+      raise PlacementError(
+          f"ClusterConfig.microbatch={self.microbatch} x data={self.data} = {per_step} samples "
+          f"per microbatch step does not divide global_batch={global_batch}; choose a "
+          f"microbatch and data width whose product divides it.")
+    count = global_batch // per_step
+    if self.schedule == "interleaved" and count % self.pipeline:
+      raise PlacementError(
+          f"ClusterConfig: the interleaved schedule needs microbatches per replica "
+          f"({count}) to be a multiple of pipeline={self.pipeline}; change microbatch, data "
+          "or global_batch.")
+    return count * self.data
+
+
+def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
+          hardware: str | Hardware, devices: int | None = None,
+          options: PlacementOptions | None = None, **keywords) -> Placement:
+  """`config` run over `graph` (its costs per microbatch of `config.microbatch`
+  samples), as stated: the repeated block split evenly over pipeline x
+  virtual_stages chunks, every stage `config.tensor` wide.
+
+  devices: the cluster's size, which the split must fit (None: exactly the
+    split's). options: memory_limit, optimizer, mixed_precision, overlap as
+    in PlacementOptions (their recompute, zero, widths, data_parallel,
+    stages and virtual_stages are the config's), or as keywords. A stage
+    that does not fit in memory is priced anyway: compare `Stage.memory`
+    with the limit.
+  """
+  owned = [k for k in keywords if k in _CONFIG_OWNED]
+  if owned:
+    raise TypeError(
+        f"price_placement() got {owned[0]}=, which the ClusterConfig states; set it there "
+        f"(ClusterConfig fields: {', '.join(f.name for f in dataclasses.fields(ClusterConfig))}).")
+  base = with_keywords(PlacementOptions, options, keywords, "price_placement")
+  if not isinstance(config, ClusterConfig):
+    raise TypeError(f"config must be an automap.ClusterConfig, got {type(config).__name__}.")
+  if not isinstance(graph, LayerGraph):
+    raise TypeError(f"graph must be an automap.LayerGraph, got {type(graph).__name__}.")
+  hw = get_hardware(hardware)
+  devices = config.devices if devices is None else devices
+  if isinstance(devices, bool) or not isinstance(devices, int) or devices < config.devices:
+    raise PlacementError(
+        f"ClusterConfig: tensor={config.tensor} x pipeline={config.pipeline} x "
+        f"data={config.data} = {config.devices} devices do not fit devices={devices!r}; "
+        "shrink a width or give the cluster's size.")
+  options = dataclasses.replace(
+      base, recompute=config.recompute, zero=config.zero, widths=(config.tensor,),
+      data_parallel=config.data, stages=config.pipeline, virtual_stages=config.virtual_stages)
+  problem = placement_lib._problem(devices, config.microbatches(global_batch), hw, options)
+  costs = placement_lib._StageCosts(graph, problem)
+  missing = [layer.name for layer in graph.layers if config.tensor not in layer.widths]
+  if missing:
+    raise PlacementError(
+        f"ClusterConfig.tensor={config.tensor}: layers {missing[:3]} are not priced at that "
+        f"width; profile them at it (their widths: {sorted(graph.layers[0].widths)}).")
+  count = config.pipeline * config.virtual_stages
+  masks = placement_lib.chunks(costs, count)
+  if masks is None:
+    raise PlacementError(
+        f"ClusterConfig: the layer graph's repeated block does not split evenly into "
+        f"pipeline={config.pipeline} x virtual_stages={config.virtual_stages} = {count} "
+        "chunks (or an edge skips a chunk); choose a pipeline depth that divides the "
+        "number of blocks.")
+  plan = placement_lib.uniform(costs, masks, data_parallel=config.data, stages=config.pipeline,
+                               virtual=config.virtual_stages, width=config.tensor,
+                               zero=config.zero, fits=False)
+  if plan is None or not math.isfinite(plan.time):
+    raise PlacementError(f"ClusterConfig {config} could not be priced over this layer graph.")
+  return plan
+
+
+__all__ = ["SCHEDULES", "ClusterConfig", "price"]

@@ -1,0 +1,250 @@
+"""Schedules as practised: overlap, interleaved 1F1B, recompute modes, stated splits."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import automap
+from automap import Layer, LayerCost, LayerGraph
+from automap._src.cluster import layers as layers_lib
+from automap._src.cluster import placement
+from automap._src.ir.naming import is_backward
+from automap._src.models.gpt import GPT, GPTConfig
+
+GiB = 2**30
+
+
+def flat(hbm: float = 1e12, bandwidth: float = 1e9) -> automap.Hardware:
+  """One flat interconnect with no latency: transfers and rings are bytes / bandwidth."""
+  return automap.Hardware(name="flat", flops=1e12, fp32_flops=1e12, hbm_bandwidth=1e12,
+                          hbm_capacity=hbm, link_bandwidth=bandwidth, link_latency=0.0,
+                          network_bandwidth=bandwidth, network_latency=0.0, devices_per_node=64)
+
+
+def blocks(n: int, edge: float = 0.0, **cost) -> LayerGraph:
+  """n equal blocks: forward 1 s, backward 2 s, 1e9 bytes of parameters, 0.5e9 stashed."""
+  c = dict(forward=1.0, backward=2.0, params=1e9, activations=0.5e9) | cost
+  return LayerGraph.chain([Layer(f"b{i}", {1: LayerCost(**c)}) for i in range(n)], edge)
+
+
+@pytest.mark.parametrize("comm, compute, pieces, critical", [
+    (4.0, 8.0, 4, 1.0),    # hides behind compute but for the first piece
+    (8.0, 4.0, 4, 5.0),    # 2 + 3 pieces of (2 - 1) outlasting compute
+    (3.0, 9.0, 1, 3.0),    # one piece: nothing to overlap with
+    (0.0, 5.0, 3, 0.0),
+])
+def test_exposed_communication_is_the_two_stream_critical_path(comm, compute, pieces, critical):
+  """Hand-built schedule: piece i of communication must precede piece i + 1
+  of compute (a gather) on its own stream; exposed = makespan - compute."""
+  c, w = comm / pieces, compute / pieces
+  comm_end = work_end = 0.0
+  for _ in range(pieces):
+    comm_end = comm_end + c
+    work_end = max(work_end, comm_end) + w
+  assert placement.exposed(comm, compute, pieces) == pytest.approx(work_end - compute)
+  assert placement.exposed(comm, compute, pieces) == pytest.approx(critical)
+
+
+def test_data_parallel_sync_hides_behind_the_last_backward():
+  graph = blocks(4)
+  hw = flat()
+  # 2 replicas: an all-reduce of 4e9 bytes moves 2 * 1/2 * 4e9 / 1e9 = 4 s.
+  kept = automap.place(graph, devices=2, microbatches=2, hardware=hw, optimizer="sgd", zero=0,
+                       recompute=False, data_parallel=2, stages=1)
+  after = automap.place(graph, devices=2, microbatches=2, hardware=hw, optimizer="sgd", zero=0,
+                        recompute=False, data_parallel=2, stages=1, overlap=False)
+  (stage,) = kept.stages
+  assert stage.sync_total == pytest.approx(4.0)
+  # Beside 8 s of backward in 4 pieces, only the last layer's 1 s is exposed.
+  assert stage.sync == pytest.approx(1.0)
+  assert after.time - kept.time == pytest.approx(3.0)
+  assert kept.communication["sync_total"] == pytest.approx(4.0)
+
+
+def test_interleaving_shrinks_the_bubble_by_the_chunks_per_stage():
+  """8 blocks on 2 stages, 4 microbatches: 1F1B takes (m + S - 1) T; with v = 2
+  chunks per stage (m + (S - 1) / v) T plus two more transfers per stage."""
+  graph = blocks(8, edge=1e8)
+  hw = flat()
+  common = dict(devices=2, microbatches=4, hardware=hw, optimizer="sgd", zero=0,
+                recompute=False, stages=2, data_parallel=1)
+  plain = automap.place(graph, virtual_stages=1, **common)
+  woven = automap.place(graph, virtual_stages=2, **common)
+  send = 1e8 / 1e9
+  assert plain.stages[0].time == pytest.approx(4 * 3 + 2 * send)
+  assert plain.time == pytest.approx((4 + 1) * (12 + 2 * send))
+  # Stage 0 holds chunks 0 and 2: chunk 2 receives, chunks 0 and 2 send: 3 transfers each way.
+  assert woven.virtual_stages == 2
+  assert [s.layers for s in woven.stages] == [("b0", "b1", "b4", "b5"), ("b2", "b3", "b6", "b7")]
+  assert woven.stages[0].transfers == pytest.approx(2 * 3 * send)
+  assert woven.bubble == pytest.approx(0.5 * max(s.time for s in woven.stages))
+  assert woven.time == pytest.approx((4 + 0.5) * max(s.time for s in woven.stages))
+  assert woven.time < plain.time
+  # Memory: Megatron-LM's warm-up, (S - i - 1) * 2 + (v - 1) * S + 1 chunks, 1/v each.
+  assert [s.in_flight for s in woven.stages] == [2.5, 1.5]
+  assert woven.stages[0].memory == pytest.approx(2 * 4e9 + 2.5 * 4 * 0.5e9)
+  assert placement.in_flight(0, 4, 2, 8) == pytest.approx(4 + 3 / 2)  # p + (p - 1) / v
+
+
+def test_the_search_interleaves_only_where_it_pays_and_is_legal():
+  graph = blocks(8, edge=1e6)
+  found = automap.place(graph, devices=4, microbatches=8, hardware=flat(), optimizer="sgd",
+                        zero=0, recompute=False, data_parallel=1, virtual_stages=None)
+  assert found.virtual_stages > 1
+  plain = automap.place(graph, devices=4, microbatches=8, hardware=flat(), optimizer="sgd",
+                        zero=0, recompute=False, data_parallel=1)
+  assert found.time < plain.time
+  # 7 blocks split into no even chunks: the plain plan stands.
+  odd = automap.place(blocks(7, edge=1e6), devices=4, microbatches=8, hardware=flat(),
+                      optimizer="sgd", zero=0, recompute=False, data_parallel=1,
+                      virtual_stages=None)
+  assert odd.virtual_stages == 1
+
+
+def test_recompute_modes_keep_what_practice_keeps():
+  """12 blocks on 3 stages: the middle stage holds 4 blocks, 2 microbatches in flight."""
+  c = dict(forward=1.0, backward=2.0, params=1e9, activations=0.5e9, selective=0.2e9,
+           selective_forward=0.25)
+  graph = blocks(12, edge=0.1e9, **c)
+  config = dict(tensor=1, pipeline=3, data=1, microbatch=1)
+  memory, time = {}, {}
+  for mode in ("none", "full", "selective"):
+    plan = automap.price_placement(graph, automap.ClusterConfig(**config, recompute=mode),
+                                   global_batch=6, hardware=flat(), optimizer="sgd")
+    middle = plan.stages[1]
+    assert middle.in_flight == 2 and middle.recompute_mode == mode
+    memory[mode], time[mode] = middle.memory - 2 * 4e9, middle.compute
+  assert memory["none"] == pytest.approx(2 * 4 * 0.5e9)
+  # Full: every block's input per microbatch, one block rebuilt at a time.
+  assert memory["full"] == pytest.approx(2 * 4 * 0.1e9 + 0.5e9)
+  # Selective: all but the scores per microbatch, one block's scores rebuilt.
+  assert memory["selective"] == pytest.approx(2 * 4 * 0.3e9 + 0.2e9)
+  assert time == pytest.approx({"none": 12.0, "full": 16.0, "selective": 13.0})
+
+
+def test_mixed_precision_keeps_float32_master_weights_gradients_and_moments():
+  graph = blocks(1, params=2e9)  # 1e9 bf16 parameters
+  plan = automap.price_placement(graph, automap.ClusterConfig(), global_batch=1,
+                                 hardware=flat(), optimizer="adam", mixed_precision=True)
+  # 2 (bf16) + 4 (fp32 gradients) + 4 (master) + 8 (moments) bytes per parameter: 18.
+  assert plan.stages[0].memory - 0.5e9 == pytest.approx(18e9)
+  sharded = automap.price_placement(graph, automap.ClusterConfig(data=4, zero=1), global_batch=4,
+                                    hardware=flat(), optimizer="adam", mixed_precision=True)
+  assert sharded.stages[0].memory - 0.5e9 == pytest.approx(6e9 + 12e9 / 4)
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"tensor": 0}, r"ClusterConfig.tensor must be a positive int"),
+    ({"recompute": "attention"}, r"ClusterConfig.recompute must be one of"),
+    ({"schedule": "zero-bubble"}, r"ClusterConfig.schedule must be one of"),
+    ({"virtual_stages": 2}, r"needs schedule='interleaved'"),
+    ({"schedule": "interleaved", "pipeline": 2}, r"needs virtual_stages >= 2"),
+    ({"zero": 4}, r"ClusterConfig.zero must be a ZeRO stage"),
+])
+def test_bad_configurations_name_the_field(fields, match):
+  with pytest.raises(automap.PlacementError, match=match):
+    automap.ClusterConfig(**fields)
+
+
+def test_configurations_that_do_not_fit_the_batch_or_cluster_say_how():
+  graph = blocks(4)
+  with pytest.raises(automap.PlacementError, match=r"microbatch=3 x data=2 = 6 .* does not "
+                     r"divide global_batch=16"):
+    automap.price_placement(graph, automap.ClusterConfig(data=2, microbatch=3), global_batch=16,
+                            hardware=flat())
+  with pytest.raises(automap.PlacementError, match=r"= 16 devices do not fit devices=8"):
+    automap.price_placement(graph, automap.ClusterConfig(tensor=1, pipeline=4, data=4),
+                            global_batch=16, hardware=flat(), devices=8)
+  with pytest.raises(automap.PlacementError, match=r"does not split evenly into pipeline=3"):
+    automap.price_placement(graph, automap.ClusterConfig(pipeline=3), global_batch=3,
+                            hardware=flat())
+  with pytest.raises(automap.PlacementError, match=r"multiple of pipeline=2"):
+    automap.price_placement(graph, automap.ClusterConfig(
+        pipeline=2, schedule="interleaved", virtual_stages=2), global_batch=3, hardware=flat())
+  with pytest.raises(automap.PlacementError, match=r"tensor=2: layers .* not priced"):
+    automap.price_placement(graph, automap.ClusterConfig(tensor=2), global_batch=1,
+                            hardware=flat())
+  with pytest.raises(automap.PlacementError, match=r"PlacementOptions.recompute must be"):
+    automap.PlacementOptions(recompute="some")
+  with pytest.raises(TypeError, match=r"got recompute=, which the ClusterConfig states"):
+    automap.price_placement(graph, automap.ClusterConfig(), global_batch=1, hardware=flat(),
+                            recompute="full")
+
+
+def test_a_stated_split_equals_the_planner_held_to_it():
+  """A 1F1B split stated as a config prices what the DP finds when fixed to it."""
+  graph = blocks(8, edge=1e7)
+  hw = flat(hbm=40e9)
+  stated = automap.price_placement(graph, automap.ClusterConfig(pipeline=4, data=2, microbatch=1),
+                                   global_batch=16, hardware=hw, optimizer="sgd")
+  held = automap.place(graph, devices=8, microbatches=16, hardware=hw, optimizer="sgd", zero=0,
+                       recompute=False, data_parallel=2, stages=4)
+  assert [len(s.layers) for s in held.stages] == [2, 2, 2, 2]
+  assert stated.time == pytest.approx(held.time)
+  assert [s.memory for s in stated.stages] == pytest.approx([s.memory for s in held.stages])
+
+
+def test_placement_with_virtual_stages_round_trips_through_json():
+  graph = blocks(8, edge=1e6)
+  plan = automap.price_placement(graph, automap.ClusterConfig(
+      pipeline=2, schedule="interleaved", virtual_stages=2, recompute="selective"),
+      global_batch=4, hardware=flat())
+  assert automap.Placement.from_json(plan.to_json()) == plan
+
+
+def gpt_step(layers: int = 2):
+  config = GPTConfig(vocab=256, seq=64, hidden=64, heads=4, layers=layers, dtype=jnp.bfloat16)
+  model = GPT(config)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0),
+                                             jnp.zeros((1, 64), jnp.int32)))["params"]
+
+  def loss(p, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, x), y).mean()
+
+  tokens = jax.ShapeDtypeStruct((4, 64), jnp.int32)
+  return loss, params, (tokens, tokens)
+
+
+def test_selective_recompute_drops_exactly_the_attention_scores():
+  """On a traced GPT: the dropped values are the [batch, heads, seq, seq]
+  ones between q.k and the product with v, and nothing else."""
+  from automap._src.ir import graph as graph_lib
+  from automap._src.ir import trace as trace_lib
+  loss, params, batch = gpt_step()
+  g = graph_lib.build(trace_lib.trace(jax.value_and_grad(loss), (params, *batch)))
+  forward = np.array([not is_backward(s) for s in g.scopes])
+  scores = layers_lib.attention_scores(g, forward, len(jax.tree.leaves(params)))
+  dropped = set(np.flatnonzero(scores))
+  # Scores [batch 4, heads 4, q 64, k 64], their masked softmax and its row
+  # statistics [4, 4, 64(, 1)]; never q, k, v or the attention output [4, 64, 4, 16].
+  assert all(tuple(g.shapes[v])[:3] == (4, 4, 64) for v in dropped)
+  square = {v for v in range(g.num_values) if tuple(g.shapes[v]) == (4, 4, 64, 64)
+            and g.producer[v] >= 0 and forward[g.producer[v]]
+            and g.prims[g.producer[v]] != "broadcast_in_dim"}  # the causal mask
+  assert square and square <= dropped
+
+
+@pytest.mark.slow
+def test_price_cluster_prices_a_traced_step_as_stated():
+  loss, params, batch = gpt_step(layers=4)
+  config = automap.ClusterConfig(tensor=2, pipeline=2, data=2, microbatch=2, recompute="selective")
+  budget = automap.Budget(episodes=2, seconds=10, progress=False)
+  given = automap.price_cluster(loss, params, *batch, config=config, global_batch=32,
+                                hardware="a100", budget=budget, mixed_precision=True)
+  p = given.placement
+  assert (p.data_parallel, len(p.stages), p.microbatches) == (2, 2, 8)
+  assert {s.width for s in p.stages} == {2} and p.devices == 8
+  assert all(s.recompute_mode == "selective" for s in p.stages)
+  assert given.fits and 0 < given.mfu < 1
+  assert given.achieved_flops == pytest.approx(given.mfu * automap.HARDWARE["a100"].flops)
+  text = given.explain()
+  assert "MFU" in text and "exposed of" in text and "selective" in text
+  planned = automap.plan_cluster(loss, params, *batch, devices=8, global_batch=32,
+                                 hardware="a100", budget=budget, mixed_precision=True,
+                                 microbatches=(2,), widths=(2,))
+  assert planned.time <= p.time * (1 + 1e-9)
+  assert "this plan is" in planned.explain(against=given)
+  with pytest.raises(automap.PlacementError, match="does not divide global_batch=30"):
+    automap.price_cluster(loss, params, *batch, config=config, global_batch=30, hardware="a100")
