@@ -63,6 +63,18 @@ def test_data_parallel_sync_hides_behind_the_last_backward():
   assert kept.communication["sync_total"] == pytest.approx(4.0)
 
 
+def test_tensor_parallel_collectives_overlap_the_matmuls_when_asked():
+  """2 layers, 1.6 s of their 6 s in tensor-parallel collectives: beside the
+  other 4.4 s in 8 pieces only the first piece, 0.2 s, stays exposed."""
+  graph = blocks(2, collectives=0.8)
+  config = automap.ClusterConfig()
+  plain = automap.price_placement(graph, config, global_batch=1, hardware=flat())
+  hidden = automap.price_placement(graph, config, global_batch=1, hardware=flat(),
+                                   overlap_tensor=True)
+  assert plain.time == pytest.approx(6.0) and plain.stages[0].collectives == pytest.approx(1.6)
+  assert hidden.time == pytest.approx(4.6) and hidden.stages[0].collectives == pytest.approx(0.2)
+
+
 def test_interleaving_shrinks_the_bubble_by_the_chunks_per_stage():
   """8 blocks on 2 stages, 4 microbatches: 1F1B takes (m + S - 1) T; with v = 2
   chunks per stage (m + (S - 1) / v) T plus two more transfers per stage."""
@@ -96,11 +108,22 @@ def test_the_search_interleaves_only_where_it_pays_and_is_legal():
   plain = automap.place(graph, devices=4, microbatches=8, hardware=flat(), optimizer="sgd",
                         zero=0, recompute=False, data_parallel=1)
   assert found.time < plain.time
-  # 7 blocks split into no even chunks: the plain plan stands.
-  odd = automap.place(blocks(7, edge=1e6), devices=4, microbatches=8, hardware=flat(),
-                      optimizer="sgd", zero=0, recompute=False, data_parallel=1,
-                      virtual_stages=None)
-  assert odd.virtual_stages == 1
+  # 3 blocks cannot make 2 chunks on each of 2 stages: the plain plan stands.
+  short = automap.place(blocks(3, edge=1e6), devices=2, microbatches=8, hardware=flat(),
+                        optimizer="sgd", zero=0, recompute=False, data_parallel=1, stages=2,
+                        virtual_stages=None)
+  assert short.virtual_stages == 1
+
+
+def test_blocks_that_do_not_divide_leave_the_end_chunks_one_short():
+  """70 blocks on 12 stages, as BLOOM ran: 5 at each end, 6 between."""
+  graph = LayerGraph.chain([Layer.of("embed", 0.1, 0.1, 1e8, 1e7)]
+                           + list(blocks(70).layers) + [Layer.of("head", 0.1, 0.1, 1e8, 1e7)])
+  plan = automap.price_placement(graph, automap.ClusterConfig(pipeline=12), global_batch=12,
+                                 hardware=flat())
+  counts = [sum(name.startswith("b") for name in s.layers) for s in plan.stages]
+  assert counts == [5] + [6] * 10 + [5]
+  assert plan.stages[0].layers[0] == "embed" and plan.stages[-1].layers[-1] == "head"
 
 
 def test_recompute_modes_keep_what_practice_keeps():
@@ -157,8 +180,8 @@ def test_configurations_that_do_not_fit_the_batch_or_cluster_say_how():
   with pytest.raises(automap.PlacementError, match=r"= 16 devices do not fit devices=8"):
     automap.price_placement(graph, automap.ClusterConfig(tensor=1, pipeline=4, data=4),
                             global_batch=16, hardware=flat(), devices=8)
-  with pytest.raises(automap.PlacementError, match=r"does not split evenly into pipeline=3"):
-    automap.price_placement(graph, automap.ClusterConfig(pipeline=3), global_batch=3,
+  with pytest.raises(automap.PlacementError, match=r"fewer blocks than pipeline=5"):
+    automap.price_placement(graph, automap.ClusterConfig(pipeline=5), global_batch=5,
                             hardware=flat())
   with pytest.raises(automap.PlacementError, match=r"multiple of pipeline=2"):
     automap.price_placement(graph, automap.ClusterConfig(
@@ -248,3 +271,43 @@ def test_price_cluster_prices_a_traced_step_as_stated():
   assert "this plan is" in planned.explain(against=given)
   with pytest.raises(automap.PlacementError, match="does not divide global_batch=30"):
     automap.price_cluster(loss, params, *batch, config=config, global_batch=30, hardware="a100")
+
+
+def test_fused_attention_stashes_no_scores_and_prices_their_flops():
+  """Flash attention as one kernel: the scores leave the stash, the kernel
+  runs at its FLOPs' rate, and the backward rebuilds the scores."""
+  loss, params, batch = gpt_step()
+  hw = automap.HARDWARE["a100"]
+  search = layers_lib.sharding_search(None)
+  plain = layers_lib.measure(loss, params, batch, widths=[1], hardware=hw, search=search)
+  fused = layers_lib.measure(loss, params, batch, widths=[1], hardware=hw, search=search,
+                             fused_attention=True)
+  blocks_seen = 0
+  for a, b in zip(plain.at(4).layers, fused.at(4).layers):
+    ca, cb = a.widths[1], b.widths[1]
+    assert cb.flops == pytest.approx(ca.flops)
+    assert cb.selective == 0 and cb.selective_forward == 0
+    assert cb.activations == pytest.approx(ca.activations - ca.selective)
+    if ca.selective:
+      blocks_seen += 1
+      assert cb.forward < ca.forward
+  assert blocks_seen == 2
+
+
+def test_fused_attention_ops_are_the_score_chain_both_ways():
+  from automap._src.ir import graph as graph_lib
+  from automap._src.ir import trace as trace_lib
+  loss, params, batch = gpt_step()
+  g = graph_lib.build(trace_lib.trace(jax.value_and_grad(loss), (params, *batch)))
+  cut = layers_lib.LayerCut.of(g)
+  scores = layers_lib.attention_scores(g, cut.forward, len(jax.tree.leaves(params)))
+  fused = layers_lib.fused_attention_ops(g, cut, scores)
+  backward = fused & ~cut.forward
+  assert backward.any() and (fused & cut.forward).any()
+  # Every fused backward op touches a [4, 4, 64(, 64 | 1)] value: score-shaped.
+  for o in np.flatnonzero(backward):
+    shapes = [tuple(g.shapes[v])[:3] for v in (*g.operands[o], *g.results[o]) if v >= 0]
+    assert (4, 4, 64) in shapes
+  # Each layer's q.k and p.v contractions, forward, are in.
+  dots = [o for o in np.flatnonzero(fused & cut.forward) if g.prims[o] == "dot_general"]
+  assert len(dots) == 2 * 2

@@ -355,3 +355,31 @@ def test_a_small_long_lived_temporary_holds_back_only_its_own_class():
   assert held[2] == 1000.0  # the large one lives in the result's buffer
   assert held[4] == 0.0  # only the small one is alive: it outlives the buffer's making
   assert held[6] == 0.0  # the buffer is made: it hosts nothing more
+
+
+def test_matmul_rate_pads_to_the_tile_and_scales_by_efficiency():
+  hw = dataclasses.replace(automap.HARDWARE["tpu-v4"], matmul_efficiency=0.8, matmul_tile=128)
+  peak = 275e12 * 0.8
+  assert hw.matmul_rate(2, 256, 512) == pytest.approx(peak)
+  assert hw.matmul_rate(2, 96, 512) == pytest.approx(peak * 96 / 128)
+  assert hw.matmul_rate(2, 200, 130) == pytest.approx(peak * 200 / 256 * 130 / 256)
+  assert hw.matmul_rate(4, 96, 512) == pytest.approx(hw.fp32_flops * 0.8 * 96 / 128)
+  with pytest.raises(automap.HardwareError, match="matmul_efficiency must be a share"):
+    dataclasses.replace(hw, matmul_efficiency=1.5)
+  with pytest.raises(automap.HardwareError, match="matmul_tile must be a positive int"):
+    dataclasses.replace(hw, matmul_tile=2.5)
+
+
+def test_a_matmul_is_priced_on_its_padded_tiles_per_device():
+  """[64, 96] x [96, 200] per device on 128-wide tiles: 96 of 128 contracted
+  and 200 of 256 output columns are useful, so it takes 128/96 * 256/200 as
+  long as on a tile-free spec; sharding the rows leaves the ratio."""
+  x = jax.ShapeDtypeStruct((128, 96), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((96, 200), jnp.bfloat16)
+  fast = dataclasses.replace(automap.HARDWARE["tpu-v4"], hbm_bandwidth=1e30, matmul_tile=1)
+  tiled = dataclasses.replace(fast, matmul_tile=128)
+  m = mesh((2, 4))
+  specs = (P("data"), P())
+  times = [automap.evaluate(jnp.dot, x, w, mesh=m, in_shardings=specs, hardware=hw).compute_time
+           for hw in (fast, tiled)]
+  assert times[1] / times[0] == pytest.approx(128 / 96 * 256 / 200)

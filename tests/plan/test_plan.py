@@ -50,6 +50,8 @@ def test_explain_lists_layouts_collectives_and_cost():
   plan = automap.search(step, *args, mesh=mesh((4, 2)), hardware="cpu")
   text = plan.explain()
   assert "step time" in text and "peak memory" in text
+  achieved = plan.cost.flops / plan.cost.step_time
+  assert f"MFU {achieved / plan.hardware.flops:.1%}" in text
   assert "0/block_0/mlp/wi/kernel" in text
   assert "block_0" in text and "all-" in text
 

@@ -3,8 +3,8 @@
 `ClusterConfig` is what a user of a hand-tuned split already knows: tensor,
 pipeline and data-parallel widths, microbatch size, recompute mode,
 schedule (plain or interleaved 1F1B) and ZeRO stage. `price` runs it over a
-layer graph exactly as stated: the repeated block split evenly over the
-pipeline's chunks (`placement.chunks`), each stage on `tensor` devices,
+layer graph exactly as stated: the repeated block split over the
+pipeline's chunks as evenly as it divides (`placement.chunks`), each stage on `tensor` devices,
 nothing searched; the result is a `Placement` with the breakdown the
 planner's plans carry, memory included even where it does not fit.
 """
@@ -105,8 +105,8 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
           hardware: str | Hardware, devices: int | None = None,
           options: PlacementOptions | None = None, **keywords) -> Placement:
   """`config` run over `graph` (its costs per microbatch of `config.microbatch`
-  samples), as stated: the repeated block split evenly over pipeline x
-  virtual_stages chunks, every stage `config.tensor` wide.
+  samples), as stated: the repeated block split over pipeline x
+  virtual_stages chunks as evenly as it divides, every stage `config.tensor` wide.
 
   devices: the cluster's size, which the split must fit (None: exactly the
     split's). options: memory_limit, optimizer, mixed_precision, overlap as
@@ -146,10 +146,9 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
   masks = placement_lib.chunks(costs, count)
   if masks is None:
     raise PlacementError(
-        f"ClusterConfig: the layer graph's repeated block does not split evenly into "
+        f"ClusterConfig: the layer graph's repeated block has fewer blocks than "
         f"pipeline={config.pipeline} x virtual_stages={config.virtual_stages} = {count} "
-        "chunks (or an edge skips a chunk); choose a pipeline depth that divides the "
-        "number of blocks.")
+        "chunks (or an edge skips a chunk); choose fewer stages or chunks.")
   plan = placement_lib.uniform(costs, masks, data_parallel=config.data, stages=config.pipeline,
                                virtual=config.virtual_stages, width=config.tensor,
                                zero=config.zero, fits=False)

@@ -197,28 +197,63 @@ def sharding_search(budget, seed: int = 0) -> Callable[[Program], np.ndarray]:
   return search
 
 
+def fused_attention_ops(g, cut: LayerCut, scores: np.ndarray) -> np.ndarray:
+  """[O] bool: the ops one fused attention kernel (flash attention) runs: the
+  forward ops making the scores and the contraction reading them, and the
+  backward ops of the same layer label that read or make a value shaped
+  like that label's scores (their gradients, the product with v's)."""
+  fused = np.zeros(g.num_ops, bool)
+  shapes: dict[str, set] = defaultdict(set)
+  for v in np.flatnonzero(scores):
+    p = g.producer[v]
+    fused[p] = True
+    shapes[cut.labels[p]].add(tuple(g.shapes[v]))
+  for o in range(g.num_ops):
+    values = [v for v in (*g.operands[o], *g.results[o]) if v >= 0]
+    if cut.forward[o]:
+      fused[o] |= g.prims[o] == "dot_general" and any(scores[v] for v in g.operands[o] if v >= 0)
+    else:
+      fused[o] |= any(tuple(g.shapes[v]) in shapes.get(cut.labels[o], ()) for v in values)
+  return fused
+
+
 def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
-                 params_count: int) -> dict[int, LayerGraph]:
+                 params_count: int, fused_attention: bool = False) -> dict[int, LayerGraph]:
   """Per width, the layer graph of one traced gradient program (built for a
   mesh of that width) under that width's state.
 
   params_count: how many leading flat arguments are parameters.
+  fused_attention: attention runs as one kernel (flash attention): its
+    ops (`fused_attention_ops`) take their FLOPs' time alone, matmuls at
+    the matrix units' rate, the rest at the vector units'; the scores never
+    reach memory, so nothing of them is stashed, and the backward rebuilds
+    them (the forward kernel's score-making time again).
   """
   g = next(iter(width_states.values()))[0].graph
   cut = LayerCut.of(g)
   forward, segment, names = cut.forward, cut.segment, cut.names
   params = set(g.inputs[:params_count])
   scores = attention_scores(g, forward, params_count)
+  fused = fused_attention_ops(g, cut, scores) if fused_attention else np.zeros(g.num_ops, bool)
   graphs = {}
   for t, (program, state) in width_states.items():
     model = program.model
     compute, comm = report.op_seconds(model, state)
-    fw, bw = cut.split(compute + comm)
-    coll = sum(cut.split(comm))
-    flops = sum(cut.split(np.array([model.op_cost(state, o).flops for o in range(g.num_ops)])))
-    dropped = np.zeros(len(names))
+    op_flops = np.array([model.op_cost(state, o).flops for o in range(g.num_ops)])
+    seconds = compute + comm
     rebuilt = sorted({g.producer[v] for v in np.flatnonzero(scores)})
-    rebuild = np.bincount(segment[rebuilt], (compute + comm)[rebuilt], len(names))
+    if fused.any():
+      hw = model.hw
+      rate = np.where([p in ("dot_general", "conv_general_dilated") for p in g.prims],
+                      hw.matmul_rate(2, 0, 0), hw.fp32_flops / 16)
+      seconds = np.where(fused, op_flops / rate, seconds)
+    fw, bw = cut.split(seconds)
+    coll = sum(cut.split(comm))
+    flops = sum(cut.split(op_flops))
+    dropped = np.zeros(len(names))
+    rebuild = np.bincount(segment[rebuilt], seconds[rebuilt], len(names))
+    if fused.any():  # flash attention's backward rebuilds the scores
+      bw, rebuild = bw + rebuild, np.zeros(len(names))
     param_bytes = np.zeros(len(names))
     acts = np.zeros(len(names))
     edges: dict[tuple[int, int], float] = defaultdict(float)
@@ -232,7 +267,7 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
       if p < 0 or not forward[p]:
         continue
       src = segment[p]
-      if any(not forward[o] for o, _ in g.uses[v]):
+      if any(not forward[o] for o, _ in g.uses[v]) and not (scores[v] and fused.any()):
         acts[src] += model.local_bytes(state, v)
         if scores[v]:
           dropped[src] += model.local_bytes(state, v)
@@ -259,7 +294,7 @@ def _divides_shapes(program: Program, state: np.ndarray) -> bool:
 
 def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int],
             hardware: Hardware, search: Callable[[Program], np.ndarray],
-            sizes: Sequence[int] = ()) -> Profile:
+            sizes: Sequence[int] = (), fused_attention: bool = False) -> Profile:
   """Profiles `jax.value_and_grad(loss_fn)(params, *batch)` at each width, for
   the example batch and for each of `sizes` (the batch's leading dimension
   changed).
@@ -267,6 +302,7 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
   search(program) -> state: the intra-stage sharding for a program on a
   one-axis mesh ("model") of some width; searched at the example's size and
   reused at the others where it divides their shapes.
+  fused_attention: as in `layer_graphs`.
   """
   found = {leaf.shape[0] for leaf in jax.tree.leaves(batch) if np.ndim(leaf)}
   if len(found) != 1:
@@ -299,5 +335,6 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
         specs[t] = {p: str(tuple(s)) for p, s in zip(plan.in_paths[:params_count],
                                                      plan.in_specs[:params_count])}
       programs[(size, t)] = (program, state)
-    graphs[size] = layer_graphs({t: programs[(size, t)] for t in widths}, params_count)
+    graphs[size] = layer_graphs({t: programs[(size, t)] for t in widths}, params_count,
+                                fused_attention)
   return Profile(graphs, specs, programs)

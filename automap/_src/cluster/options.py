@@ -135,6 +135,7 @@ def _check_placement_fields(options) -> None:
   recompute_modes(owner, options.recompute)
   _flag(owner, "mixed_precision", options.mixed_precision)
   _flag(owner, "overlap", options.overlap)
+  _flag(owner, "overlap_tensor", options.overlap_tensor)
   _virtual_stages(owner, options.virtual_stages)
 
 
@@ -163,6 +164,9 @@ class PlacementOptions:
   virtual_stages: chunks per stage under the interleaved 1F1B schedule (1:
     plain 1F1B); None also tries interleaving where it is legal (a chain of
     equal blocks that splits evenly).
+  overlap_tensor: tensor-parallel collectives run beside the matmuls they
+    feed or follow (Megatron-LM's --tp-comm-overlap, collective matmuls);
+    False: on the critical path, as XLA's partitioner emits them.
   """
 
   memory_limit: float | None = None
@@ -175,6 +179,7 @@ class PlacementOptions:
   mixed_precision: bool = False
   overlap: bool = True
   virtual_stages: int | None = 1
+  overlap_tensor: bool = False
 
   def __post_init__(self):
     owner = type(self).__name__
@@ -204,7 +209,7 @@ class ClusterOptions:
   """How `automap.plan_cluster` may plan a training step.
 
   memory_limit, optimizer, zero, recompute, mixed_precision, overlap,
-    virtual_stages: as in PlacementOptions (virtual_stages=None here: the
+    overlap_tensor, virtual_stages: as in PlacementOptions (virtual_stages=None here: the
     interleaved schedule is tried where legal).
   widths: tensor-parallel widths to consider (None: powers of two up to a
     node, at most 8).
@@ -213,6 +218,9 @@ class ClusterOptions:
     traced and priced at each.
   budget: the sharding search's budget for each width (None: Budget()).
   seed: the sharding search's seed.
+  fused_attention: attention runs as one fused kernel (flash attention:
+    cuDNN, Pallas or Triton), so its scores never reach device memory;
+    False prices the ops as traced.
   """
 
   memory_limit: float | None = None
@@ -226,10 +234,13 @@ class ClusterOptions:
   mixed_precision: bool = False
   overlap: bool = True
   virtual_stages: int | None = None
+  fused_attention: bool = False
+  overlap_tensor: bool = False
 
   def __post_init__(self):
     owner = type(self).__name__
     _check_placement_fields(self)
+    _flag(owner, "fused_attention", self.fused_attention)
     for name in ("widths", "microbatches"):
       if getattr(self, name) is not None:
         object.__setattr__(self, name, _positive_ints(owner, name, getattr(self, name)))
@@ -241,7 +252,8 @@ class ClusterOptions:
     return PlacementOptions(memory_limit=self.memory_limit, optimizer=self.optimizer,
                             zero=self.zero, recompute=self.recompute, widths=tuple(widths),
                             mixed_precision=self.mixed_precision, overlap=self.overlap,
-                            virtual_stages=self.virtual_stages)
+                            virtual_stages=self.virtual_stages,
+                            overlap_tensor=self.overlap_tensor)
 
 
 @dataclasses.dataclass(frozen=True)

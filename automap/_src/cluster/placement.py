@@ -53,8 +53,10 @@ and return is in `model.py`, their options in `options.py`.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -86,6 +88,7 @@ class _Problem:
   gradients: float = 1.0        # bytes of gradient per parameter byte
   overlap: bool = True          # sync and ZeRO collectives beside compute
   virtual_stages: int | None = 1  # None: interleaving searched where legal
+  overlap_tensor: bool = False  # tensor-parallel collectives beside the matmuls
 
 
 class _Totals(NamedTuple):
@@ -118,6 +121,7 @@ class _TimeParts(NamedTuple):
   sync: float
   zero_total: float
   sync_total: float
+  tensor: float               # tensor-parallel collectives left exposed (inside compute)
 
 
 def exposed(comm: float, compute: float, pieces: int) -> float:
@@ -519,6 +523,13 @@ class _StageCosts:
                      + ring.send(c.bytes_out, first + t - 1, (first + t) % per_pipeline))
     rebuild = {"none": 0.0, "full": c.forward, "selective": c.selective_forward}[mode]
     compute = c.forward + c.backward + rebuild
+    tensor = c.collectives * (1.5 if mode == "full" else 1.0)  # full recompute redoes forward's
+    if self.problem.overlap_tensor and tensor:
+      # Each of a layer's 4 (2 forward, 2 backward) beside the matmul it
+      # feeds or follows, as Megatron-LM's --tp-comm-overlap runs them.
+      rest = compute - tensor
+      tensor = exposed(tensor, rest, 4 * c.layers)
+      compute = rest + tensor
     zero_time = 0.0
     if zero >= 2:  # gradients reduce-scattered every microbatch
       zero_time += ring.gather(c.params, *group)
@@ -527,12 +538,12 @@ class _StageCosts:
     sync = {0: ring.reduce(c.params, *group), 1: ring.reduce(c.params, *group),
             2: ring.gather(c.params, *group), 3: 0.0}[zero]
     if not self.problem.overlap:
-      return _TimeParts(compute, transfers, zero_time, sync, zero_time, sync)
+      return _TimeParts(compute, transfers, zero_time, sync, zero_time, sync, tensor)
     # Gathers run a layer ahead of the compute that reads them, reductions
     # a layer behind the backward that makes them; the sync only beside the
     # last microbatch's backward.
     return _TimeParts(compute, transfers, exposed(zero_time, compute, c.layers),
-                      exposed(sync, c.backward + rebuild, c.layers), zero_time, sync)
+                      exposed(sync, c.backward + rebuild, c.layers), zero_time, sync, tensor)
 
   def stage(self, members: int, t: int, mode: str, first: int, in_flight: float, d: int,
             per_pipeline: int, zero: int) -> Stage:
@@ -543,8 +554,7 @@ class _StageCosts:
         layers=tuple(self.graph.layers[i].name for i in _layer_indices(members)), width=t,
         recompute=mode != "none", first_device=first, in_flight=in_flight,
         time=parts.compute + parts.transfers + parts.zero, compute=parts.compute,
-        collectives=c.collectives + (c.collectives / 2 if mode == "full" else 0.0),
-        transfers=parts.transfers, zero=parts.zero, sync=parts.sync,
+        collectives=parts.tensor, transfers=parts.transfers, zero=parts.zero, sync=parts.sync,
         memory=self.memory(members, t, mode, in_flight, d, zero), recompute_mode=mode,
         sync_total=parts.sync_total, zero_total=parts.zero_total, flops=c.flops)
 
@@ -781,10 +791,13 @@ def _search_plain(graph: LayerGraph, costs: _StageCosts, data_parallel: int | No
 
 def chunks(costs: _StageCosts, count: int) -> list[int] | None:
   """The graph cut into `count` chunks (layer bitmasks, in order) holding
-  equally many of its most frequent layer kind (the repeated block); other
-  layers join the chunk of the block before them (the first chunk before
-  any). None where that is impossible or some edge skips a chunk, which a
-  pipeline of chunks cannot carry."""
+  equally many of its most frequent layer kind (the repeated block), or
+  where they do not divide, one fewer in the chunks nearest the ends (which
+  also hold the embedding and the head, as Megatron-DeepSpeed and Llama 3
+  split 70 and 126 layers); other layers join the chunk of the block before
+  them (the first chunk before any). None where there are fewer blocks than
+  chunks or some edge skips a chunk, which a pipeline of chunks cannot
+  carry."""
   order = costs.graph.order()
   templates: dict[tuple, int] = {}  # layers priced alike, whatever enters them
   kind = [templates.setdefault(tuple(sorted(layer.widths.items())), len(templates))
@@ -793,13 +806,18 @@ def chunks(costs: _StageCosts, count: int) -> list[int] | None:
   for i in order:
     counts[kind[i]] = counts.get(kind[i], 0) + 1
   block = max(counts, key=lambda k: (counts[k], -k))
-  if counts[block] % count:
+  if counts[block] < count:
     return None
-  per, seen, chunk = counts[block] // count, 0, 0
+  base, extra = divmod(counts[block], count)
+  # The `extra` chunks farthest from the ends take one block more.
+  inner = sorted(range(count), key=lambda c: (-min(c, count - 1 - c), c))[:extra]
+  ends = list(itertools.accumulate(base + (c in inner) for c in range(count)))
+  seen, chunk = 0, 0
   chunk_of = [0] * len(order)
   for i in order:
     if kind[i] == block:
-      chunk, seen = seen // per, seen + 1
+      chunk = bisect.bisect_right(ends, seen)
+      seen += 1
     chunk_of[i] = chunk
   if any(not 0 <= chunk_of[d] - chunk_of[s] <= 1 for s, d, _ in costs.edges):
     return None
@@ -910,7 +928,7 @@ def _problem(devices, microbatches, hardware, options: PlacementOptions) -> _Pro
   return _Problem(devices, microbatches, float(memory), hw, options.optimizer_state,
                   options.zero, recompute_modes("PlacementOptions", options.recompute),
                   options.widths, options.stages, options.gradient_state, options.overlap,
-                  options.virtual_stages)
+                  options.virtual_stages, options.overlap_tensor)
 
 
 __all__ = ["MAX_DOWNSETS", "place", "place_any"]

@@ -181,7 +181,7 @@ def plan_cluster(loss_fn: Callable, params, *batch, devices: int, global_batch: 
         f"got {microbatches!r}.")
   profile = layers_lib.measure(loss_fn, params, batch, widths=widths, hardware=hw,
                                search=layers_lib.sharding_search(options.budget, options.seed),
-                               sizes=microbatches)
+                               sizes=microbatches, fused_attention=options.fused_attention)
   t1 = time.perf_counter()
   placement, i = place_any(
       [(profile.at(b), global_batch // b) for b in microbatches], devices=devices,
@@ -209,8 +209,9 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
   `configured.price`). The result carries the breakdown, memory per device
   (`fits`), achieved FLOP/s and MFU; `plan_cluster` on the same step gives
   the planner's plan to set beside it (`explain(against=...)`).
-  options: memory_limit, optimizer, mixed_precision, overlap, budget, seed
-    as in ClusterOptions (the split's fields come from `config`).
+  options: memory_limit, optimizer, mixed_precision, overlap, budget, seed,
+    fused_attention as in ClusterOptions (the split's fields come from
+    `config`).
   """
   options = with_keywords(ClusterOptions, options, keywords, "price_cluster")
   t0 = time.perf_counter()
@@ -220,7 +221,7 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
   config.microbatches(global_batch)  # checks the split against the batch before tracing
   profile = layers_lib.measure(loss_fn, params, batch, widths=[config.tensor], hardware=hw,
                                search=layers_lib.sharding_search(options.budget, options.seed),
-                               sizes=[config.microbatch])
+                               sizes=[config.microbatch], fused_attention=options.fused_attention)
   t1 = time.perf_counter()
   placement = configured.price(profile.at(config.microbatch), config, global_batch=global_batch,
                                hardware=hw, devices=devices,

@@ -16,6 +16,7 @@ import types
 import warnings
 from collections.abc import Mapping
 
+from automap._src.cost.calibration import MATMUL_EFFICIENCY
 from automap._src.cost.compiler import PLATFORMS, Compiler, compiler_for
 
 
@@ -46,6 +47,10 @@ class Hardware:
   reduce_scatter, reduce_in_f32, fuses_shared_producers: deprecated
     overrides of the platform's `Compiler` fields of those names (None:
     the platform's); setting one warns.
+  matmul_efficiency: the share of `flops` large matmuls sustain (0 < x <= 1;
+    the catalogue's are calibrated, see `calibration.py`).
+  matmul_tile: the matrix unit's tile edge: a matmul's contracting and
+    output-minor dims are padded to multiples of it (1: no padding).
   """
 
   name: str
@@ -62,6 +67,8 @@ class Hardware:
   reduce_scatter: bool | None = None
   reduce_in_f32: bool | None = None
   fuses_shared_producers: bool | None = None
+  matmul_efficiency: float = 1.0
+  matmul_tile: int = 1
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -75,6 +82,13 @@ class Hardware:
         raise HardwareError(
             f"Hardware.{field.name} must be a positive finite number, got "
             f"{value!r}. Fix the spec (units: FLOP/s, bytes/s, bytes, s).")
+    if self.matmul_efficiency > 1:
+      raise HardwareError(
+          f"Hardware.matmul_efficiency must be a share of peak in (0, 1], got "
+          f"{self.matmul_efficiency!r}.")
+    if isinstance(self.matmul_tile, bool) or not isinstance(self.matmul_tile, int):
+      raise HardwareError(
+          f"Hardware.matmul_tile must be a positive int (elements), got {self.matmul_tile!r}.")
     given = [b for b in _BEHAVIOURS if getattr(self, b) is not None]
     if given:
       warnings.warn(
@@ -97,7 +111,21 @@ class Hardware:
     return dataclasses.replace(platform, **overrides) if overrides else platform
 
   def matmul_flops(self, itemsize: int) -> float:
+    """Peak matmul FLOP/s for operands of `itemsize` bytes."""
     return self.fp32_flops if itemsize >= 4 else self.flops
+
+  def matmul_rate(self, itemsize: int, contracted: float, minor: float) -> float:
+    """FLOP/s a matmul sustains: the peak for its dtype, times
+    `matmul_efficiency`, times the useful share of its tiles when the
+    `contracted` and output-`minor` dims (elements per device) are padded
+    to `matmul_tile`."""
+    rate = self.matmul_flops(itemsize) * self.matmul_efficiency
+    tile = self.matmul_tile
+    if tile > 1:
+      for size in (contracted, minor):
+        if size > 0:
+          rate *= size / (math.ceil(size / tile - 1e-9) * tile)
+    return rate
 
   @classmethod
   def from_json(cls, d: Mapping) -> Hardware:
@@ -130,12 +158,16 @@ _GiB = 2**30
 # 400 Gb/s per GPU across nodes. Latencies are typical measured step costs
 # (a few microseconds on NVLink/ICI, ~10 us across nodes), order-of-magnitude.
 # What the devices of a family share: their platform, link latencies and,
-# for TPUs, the data-centre network across slices.
+# for TPUs, the data-centre network across slices; the matrix unit's tile
+# (a TPU MXU is 128 x 128; NVIDIA's matmul performance guide aligns
+# dimensions to 64 elements on A100/H100 tensor cores to avoid tile
+# quantisation). Sustained matmul efficiency is calibrated (`calibration`).
 _TPU = dict(platform="tpu", link_latency=5e-6, network_bandwidth=12.5 * _G,
-            network_latency=1e-5)
-_GPU = dict(platform="gpu", link_latency=5e-6, network_latency=1e-5, devices_per_node=8)
+            network_latency=1e-5, matmul_tile=128)
+_GPU = dict(platform="gpu", link_latency=5e-6, network_latency=1e-5, devices_per_node=8,
+            matmul_tile=64)
 
-CATALOGUE: Mapping[str, Hardware] = types.MappingProxyType({
+_SPECS: dict[str, Hardware] = {
     "tpu-v3": Hardware(name="tpu-v3", flops=123 * _T, fp32_flops=123 * _T,
                        hbm_bandwidth=900 * _G, hbm_capacity=32 * _GiB,
                        link_bandwidth=2 * 100 * _G, devices_per_node=1024, **_TPU),
@@ -164,7 +196,10 @@ CATALOGUE: Mapping[str, Hardware] = types.MappingProxyType({
                     hbm_bandwidth=20 * _G, hbm_capacity=16 * _GiB, link_bandwidth=10 * _G,
                     link_latency=1e-5, network_bandwidth=10 * _G, network_latency=1e-5,
                     devices_per_node=8),
-})
+}
+CATALOGUE: Mapping[str, Hardware] = types.MappingProxyType({
+    name: dataclasses.replace(spec, matmul_efficiency=MATMUL_EFFICIENCY[name])
+    for name, spec in _SPECS.items()})
 
 
 def get_hardware(hardware: str | Hardware) -> Hardware:

@@ -722,8 +722,20 @@ class CostModel:
         tiles *= sizes[a]
     flops = float(g.flops[o]) / tiles
     if g.prims[o] in ("dot_general", "conv_general_dilated"):
-      peak = self.hw.matmul_flops(int(self.itemsize[operands[0]])
-                                  if operands[0] >= 0 else 4)
+      itemsize = int(self.itemsize[operands[0]]) if operands[0] >= 0 else 4
+      contracted = minor = 0.0
+      if g.prims[o] == "dot_general" and flops > 0:
+        # In the layout the op computes in: its output's elements and minor
+        # dim per device, the contracted size from its FLOPs (2 per MAC).
+        shape, natural = g.shapes[results[0]], naturals[0]
+        elements, minor = float(np.prod(shape)), float(shape[-1]) if len(shape) else 1.0
+        for a in range(num_axes):
+          if natural[a] >= 0:
+            elements /= sizes[a]
+            if natural[a] == len(shape) - 1:
+              minor /= sizes[a]
+        contracted = flops / (2 * elements)
+      peak = self.hw.matmul_rate(itemsize, contracted, minor)
     else:  # vector units: an order of magnitude below the matrix units
       peak = self.hw.fp32_flops / 16
     # A roofline per op, its traffic the fusions' (`traffic` above).

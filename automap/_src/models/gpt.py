@@ -2,7 +2,10 @@
 
 Used by the demo, the tests and the benchmarks as the reference program whose
 expert sharding (Megatron) is known. Shape letters: B batch, S sequence,
-H hidden, N heads, D head dim (H = N * D), F MLP width (4H), V vocabulary.
+H hidden, N heads, D head dim (H = N * D), K key/value heads (N = K * G),
+F MLP width (4H unless given), V vocabulary. The defaults are GPT-2's block;
+`mlp`, `gated`, `kv_heads` and `tied` give the llama family's (SwiGLU,
+grouped-query attention, an untied output head).
 """
 
 from __future__ import annotations
@@ -27,10 +30,18 @@ class GPTConfig:
   mlp_ratio: int = 4
   dtype: Any = jnp.float32
   scan_layers: bool = False  # blocks as one `nn.scan` over stacked parameters
+  mlp: int = 0  # F; 0: mlp_ratio * hidden
+  gated: bool = False  # SwiGLU: silu(x W_gate) * (x W_up), then W_out
+  kv_heads: int = 0  # K; 0: heads (multi-head attention)
+  tied: bool = True  # the output head reads the embedding table
 
   @property
   def head_dim(self) -> int:
     return self.hidden // self.heads
+
+  @property
+  def mlp_width(self) -> int:
+    return self.mlp or self.mlp_ratio * self.hidden
 
 
 class Attention(nn.Module):
@@ -39,9 +50,13 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:  # [B, S, H] -> [B, S, H]
     c = self.config
-    proj = lambda name: nn.DenseGeneral(  # noqa: E731
-        (c.heads, c.head_dim), use_bias=False, dtype=c.dtype, name=name)
-    q, k, v = proj("query")(x), proj("key")(x), proj("value")(x)  # [B, S, N, D]
+    proj = lambda name, heads: nn.DenseGeneral(  # noqa: E731
+        (heads, c.head_dim), use_bias=False, dtype=c.dtype, name=name)
+    kv = c.kv_heads or c.heads
+    q = proj("query", c.heads)(x)  # [B, S, N, D]
+    k, v = proj("key", kv)(x), proj("value", kv)(x)  # [B, S, K, D]
+    if kv != c.heads:  # each key/value head serves G query heads
+      k, v = (jnp.repeat(a, c.heads // kv, axis=2) for a in (k, v))
     logits = jnp.einsum("bqnd,bknd->bnqk", q, k) / jnp.sqrt(c.head_dim)
     causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), dtype=bool))
     logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
@@ -57,7 +72,10 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     c = self.config
-    h = nn.Dense(c.mlp_ratio * c.hidden, dtype=c.dtype, name="wi")(x)  # [B, S, F]
+    h = nn.Dense(c.mlp_width, dtype=c.dtype, name="wi")(x)  # [B, S, F]
+    if c.gated:
+      gate = nn.Dense(c.mlp_width, use_bias=False, dtype=c.dtype, name="wg")(x)
+      return nn.Dense(c.hidden, dtype=c.dtype, name="wo")(nn.silu(gate) * h)
     return nn.Dense(c.hidden, dtype=c.dtype, name="wo")(nn.gelu(h))
 
 
@@ -95,7 +113,9 @@ class GPT(nn.Module):
       for i in range(c.layers):
         x = Block(c, name=f"block_{i}")(x)
     x = nn.LayerNorm(name="ln_f")(x)
-    return embed.attend(x)
+    if c.tied:
+      return embed.attend(x)
+    return nn.Dense(c.vocab, use_bias=False, dtype=c.dtype, name="head")(x)
 
 
 def make_train_step(

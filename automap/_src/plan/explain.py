@@ -46,6 +46,10 @@ def _summary(plan) -> list[str]:
       f"  step time {_ms(c.step_time)} = compute {_ms(c.compute_time)} "
       f"+ communication {_ms(c.comm_time)}; {c.flops / 1e9:.3f} GFLOP and "
       f"{format_bytes(c.memory_traffic)} of HBM traffic per device"]
+  if c.step_time > 0:
+    achieved, peak = c.flops / c.step_time, plan.hardware.flops
+    lines.append(f"  {achieved / 1e12:,.2f} TFLOP/s per device, MFU {achieved / peak:.1%} of "
+                 f"{plan.hardware.name}'s {peak / 1e12:,.0f} TFLOP/s peak")
   for axes, (t, nbytes) in _axes_of(plan).items():
     lines.append(f"    communication over {axes:<14} {_ms(t)}, {format_bytes(nbytes)}")
   limit = ("no memory limit" if plan.memory_limit is None else

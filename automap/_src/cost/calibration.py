@@ -1,0 +1,36 @@
+"""Calibrated constants of the cost model: one place, with where they came from.
+
+MATMUL_EFFICIENCY: the share of a device's peak FLOP/s that large matmuls
+sustain in training, `Hardware.matmul_efficiency` of the catalogue's
+devices. Fitted by `python benchmarks/measured.py --fit` on the training
+split of `benchmarks/measured_runs.json` (published runs' measured
+throughput; the validation split, Narayanan et al. 2021's weak-scaling
+table among it, is never fitted): per device, the grid value (0.50 to
+1.00 in steps of 0.05, the largest on ties) that minimises the median
+|log(predicted / measured)| over that device's training rows whose
+prediction moves with it (by 10% or more across the grid). Devices with no
+such row take their family's (GPU or TPU) value, and CPU stays 1.0 (the
+`cpu` spec describes XLA:CPU as verified, not a measured machine).
+
+Fit of 2026-12-03 (RESULTS.md, "Published runs"): h100 1.00 on 7 rows
+(Megatron-Core 2024), tpu-v5e 1.00 on 2 and tpu-v5p 1.00 on 5 (MaxText);
+every prediction on those rows is at or below the measurement at full
+efficiency, so the grid's top stands. a100's 4 training rows (ZeRO-3 runs)
+are bound by communication, so a100, h200, tpu-v3 and tpu-v4 take their
+family's 1.00.
+"""
+
+from __future__ import annotations
+
+import types
+
+MATMUL_EFFICIENCY = types.MappingProxyType({
+    "a100": 1.0,
+    "h100": 1.0,
+    "h200": 1.0,
+    "tpu-v3": 1.0,
+    "tpu-v4": 1.0,
+    "tpu-v5e": 1.0,
+    "tpu-v5p": 1.0,
+    "cpu": 1.0,
+})
