@@ -884,16 +884,23 @@ def _search_interleaved(costs: _StageCosts, data_parallel: int | None, bound: fl
   best: Placement | None = None
   widths = sorted({t for layer in costs.graph.layers for t in layer.widths
                    if o.widths is None or t in o.widths})
+  # No stage does less than its share of the layers' fastest work: a floor
+  # on (m + (S - 1) / v) * max T that skips most splits unpriced.
+  work = costs.fastest((1 << len(costs.graph.layers)) - 1)
   for v in virtuals:
     for S in range(2, len(costs.graph.layers) // v + 1):
       if o.stages not in (None, S):
         continue
-      masks = chunks(costs, S * v)
-      if masks is None:
-        continue
+      masks = None
       for d in range(1, o.devices // S + 1):
         if o.microbatches % d or (o.microbatches // d) % S or data_parallel not in (None, d):
           continue
+        m = o.microbatches // d
+        if (m + (S - 1) / v) * work / S >= (bound if best is None else best.time):
+          continue
+        masks = masks or chunks(costs, S * v)
+        if masks is None:
+          break
         for t in widths:
           if d * S * t > o.devices:
             break

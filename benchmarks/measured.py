@@ -1,0 +1,380 @@
+"""Predicted against published measured training throughput.
+
+Every row of `measured_runs.json` is a training run whose configuration and
+measured throughput were published (papers, official READMEs and configs;
+each row names its source, the table or file and commit, and quotes it). A
+row's model is traced as a 2-block bf16 GPT of its shape (hidden, heads,
+key/value heads, MLP width and kind, sequence, vocabulary), priced by the
+cost model at the row's tensor-parallel width under the runs' own layout
+(Megatron-LM's tensor parallelism, `megatron`), its block repeated to the
+row's depth, and run through the cluster
+model exactly as published (`automap.price_placement`: tensor x pipeline x
+data, microbatch, recompute, schedule, ZeRO; mixed-precision Adam). Where
+a source leaves a setting out (microbatch, interleaved chunks, recompute,
+ZeRO), the fastest choice that fits the device's memory stands in, as a
+tuned run would; the table says which were chosen. The predicted time per
+iteration is turned into the source's own unit with the source's own FLOP
+formula (`SOURCE_FLOPS`), so "predicted / measured" compares like with like.
+
+Split: the Narayanan et al. 2021 weak-scaling table (Table 1) and every
+third other row (by id) are validation: nothing is ever fitted to them. The
+training rows fit one constant per device, `Hardware.matmul_efficiency`,
+from the rows whose prediction moves with it, where there are at least
+MIN_FIT_ROWS (`--fit` prints the fit; the catalogue's values in
+`automap/_src/cost/calibration.py` came from it).
+
+Not priced (listed with the reason): context parallelism, FSDP inside a
+slice with data parallelism across slices (hybrid sharding), and rows
+whose model dimensions the source leaves out.
+
+  python benchmarks/measured.py [--only PREFIX] [--fit] [--planner] [--efficiency X]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+import automap
+from automap._src.cluster import layers as layers_lib
+from automap._src.cluster.configured import price
+from automap._src.cluster.layers import Profile
+from automap._src.cluster.model import PlacementError
+from automap._src.cluster.options import PlacementOptions
+from automap._src.cluster.placement import place_any
+from automap._src.cost import calibration
+from automap._src.ir import trace as trace_lib
+from automap._src.models.gpt import GPT, GPTConfig
+from automap._src.search.program import Program
+from automap._src.sharding.mesh import MeshSpec
+
+DATA = pathlib.Path(__file__).with_name("measured_runs.json")
+# Sources whose runs used a fused (flash) attention kernel, and where they say
+# so: MaxText's base.yml @76bd53b0 (`attention: 'flash'`) and its v5e scripts
+# @9bc243c5 (`enable_flash_attention=true`); Megatron-Core r0.8's default
+# `--transformer-impl transformer_engine` (arguments.py @f2e5db40), whose
+# attention is Transformer Engine's fused kernel. The 2021-22 Megatron runs
+# predate FlashAttention; Llama 3's paper does not say.
+FUSED_ATTENTION = ("maxtext_v5e", "maxtext_v5p", "mcore_h100_2024")
+# Sources whose runs overlapped tensor-parallel collectives with the matmuls,
+# and say so: the Megatron-LM README @f2e5db40 (`--tp-comm-overlap`).
+OVERLAP_TENSOR = ("mcore_h100_2024",)
+# A device's constant is fitted only on this many rows that move with it.
+MIN_FIT_ROWS = 3
+MICROBATCHES = (1, 2, 4, 8, 16)
+VIRTUAL = (2, 3, 4, 6, 8)
+
+
+def load() -> tuple[list[dict], dict]:
+  data = json.loads(DATA.read_text())
+  return sorted(data["rows"], key=lambda r: r["id"]), data["sources"]
+
+
+def validation(rows: list[dict]) -> set[str]:
+  """Narayanan et al.'s Table 1, and every third other row by id."""
+  rest = [r["id"] for r in rows if not r["id"].startswith("narayanan21-t1-")]
+  return {r["id"] for r in rows if r["id"].startswith("narayanan21-t1-")} | set(rest[::3])
+
+
+def unpriced(row: dict) -> str | None:
+  """Why a row cannot be priced as published, or None."""
+  m, p = row["model"], row["parallel"]
+  if any(m.get(k) is None for k in ("layers", "hidden", "heads", "seq")):
+    return "model dimensions not published"
+  if (p.get("context") or 1) > 1:
+    return "context parallelism not modelled"
+  if p.get("tensor") is None or p.get("pipeline") is None:
+    return "tensor / pipeline widths not published"
+  if (p.get("fsdp") or 1) > 1 and (p.get("data") or 1) > 1:
+    return "FSDP in a slice with data parallelism across slices (hybrid) not modelled"
+  if row["measured"].get("tflops_per_device") is None:
+    return "no per-device throughput published"
+  return None
+
+
+def model_config(row: dict, layers: int = 2) -> GPTConfig:
+  m = row["model"]
+  return GPTConfig(vocab=m.get("vocab") or 32000, seq=m["seq"], hidden=m["hidden"],
+                   heads=m["heads"], layers=layers, mlp=m.get("ffn") or 0,
+                   gated=bool(m.get("gated_mlp")),
+                   kv_heads=m.get("kv_heads") or 0, dtype=jnp.bfloat16,
+                   tied=row["source"] not in ("llama3", "mcore_h100_2024"))
+
+
+def traced_step(row: dict):
+  """The 2-block step at one sample per microbatch, abstract."""
+  config = model_config(row)
+  model = GPT(config)
+  tokens = jax.ShapeDtypeStruct((1, config.seq), jnp.int32)
+  params = jax.eval_shape(
+      lambda: model.init(jax.random.key(0), jnp.zeros((1, config.seq), jnp.int32)))["params"]
+  # bf16 parameters (mixed precision keeps the float32 copies in the optimizer).
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)
+
+  def loss(p, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, x), y).mean()
+
+  traced = trace_lib.trace(jax.value_and_grad(loss), (params, tokens, tokens))
+  return traced, len(jax.tree.leaves(params))
+
+
+def parameters(row: dict) -> float:
+  """Parameters of the full-depth model as traced (embeddings included)."""
+  config = model_config(row, layers=1)
+  shapes = jax.eval_shape(lambda: GPT(config).init(
+      jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))["params"]
+  sizes = {k: sum(math.prod(x.shape) for x in jax.tree.leaves(v)) for k, v in shapes.items()}
+  block = sizes.pop("block_0")
+  return sum(sizes.values()) + block * row["model"]["layers"]
+
+
+def source_flops(row: dict) -> float:
+  """FLOPs per iteration as the row's source counts them."""
+  m, p = row["model"], row["parallel"]
+  B, s, L, h = p["global_batch"], m["seq"], m["layers"], m["hidden"]
+  V = m.get("vocab") or 0
+  source = row["source"]
+  if source == "narayanan21":  # eq. (3), recompute's forward included
+    return 96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
+  if source == "mcore_h100_2024":  # Megatron-LM's model FLOPs (training.py), no recompute
+    return 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
+  if source == "bloom":  # math/README.md: model size x 4 x 2 x seq x batch
+    return m["params"] * 8 * s * B
+  if source in ("maxtext_v5e", "maxtext_v5p"):  # max_utils.calculate_training_tflops
+    head_dim = h // m["heads"]
+    attention = 12 * m["heads"] * L * head_dim * s**2 * B
+    if source == "maxtext_v5p":  # halved for causality from 2023-11-29 on
+      attention /= 2
+    return 6 * parameters(row) * s * B + attention
+  if source in ("llama3", "palm"):  # PaLM's MFU: 6N + 12 L H Q T per token
+    head_dim = h // m["heads"]
+    return (6 * m["params"] + 12 * L * m["heads"] * head_dim * s) * s * B
+  raise ValueError(f"no FLOP formula for source {source!r}")
+
+
+def hardware(row: dict, efficiency: float | None = None) -> automap.Hardware:
+  hw = automap.HARDWARE[row["hardware"]]
+  if "40GB" in row.get("notes", "") and row["hardware"] == "a100":
+    hw = dataclasses.replace(hw, hbm_capacity=40e9)
+  if efficiency is not None:
+    hw = dataclasses.replace(hw, matmul_efficiency=efficiency)
+  return hw
+
+
+def megatron(path: str, ndim: int) -> P:
+  """Megatron-LM's tensor parallelism of a parameter over "model": attention
+  by heads (q, k, v by columns, the output by rows), the MLP's first
+  layer(s) by columns and its second by rows, the vocabulary split in the
+  embedding and the output head; the rest replicated."""
+  leaf = path.split("/")
+  if leaf[-1] == "kernel" and leaf[-2] in ("query", "key", "value"):
+    return P(None, "model", None)
+  if leaf[-2:] == ["out", "kernel"]:
+    return P("model", None, None)
+  if leaf[-2] in ("wi", "wg"):
+    return P(None, "model") if leaf[-1] == "kernel" else P("model")
+  if leaf[-2:] == ["wo", "kernel"]:
+    return P("model", None)
+  if leaf[-2:] == ["embed", "embedding"]:
+    return P("model", None)
+  if leaf[-2:] == ["head", "kernel"]:
+    return P(None, "model")
+  return P()
+
+
+def published_state(traced, params_count: int, width: int, hw) -> np.ndarray:
+  """The runs' own intra-layer layout (Megatron-LM's, MaxText's tensor
+  axis alike) on a `width`-device mesh; the batch whole on it."""
+  program = Program.build(traced, MeshSpec(("model",), (width,)), hw)
+  if width == 1:
+    return program.initial_state()
+  paths = [str(p) for p in traced.in_paths]
+  specs = [megatron(p, 0) if i < params_count else P() for i, p in enumerate(paths)]
+  return program.state_from_specs(specs)
+
+
+def profile(traced, params_count: int, state, width: int, hw, fused: bool) -> Profile:
+  """Layer costs at one sample per microbatch (scaled to others by `at`)."""
+  program = Program.build(traced, MeshSpec(("model",), (width,)), hw)
+  graphs = layers_lib.layer_graphs({width: (program, state)}, params_count, fused)
+  return Profile({1: graphs}, {}, {})
+
+
+def candidates(row: dict) -> list[automap.ClusterConfig]:
+  """The row's split with every unpublished setting's choices."""
+  p, m = row["parallel"], row["model"]
+  t, pp = p["tensor"], p["pipeline"]
+  if (p.get("fsdp") or 1) > 1:  # FSDP over one slice: ZeRO 3 over its replicas
+    d, zeros = p["fsdp"], (3,)
+  else:
+    d = p["data"] or row["devices"] // (t * pp)
+    zeros = (p["zero"],) if p.get("zero") is not None else (0, 1)
+  per_replica = p["global_batch"] // d
+  if p.get("microbatch"):
+    sizes = (p["microbatch"],)
+  elif (p.get("fsdp") or 1) > 1:  # MaxText: no gradient accumulation
+    sizes = (per_replica,)
+  else:
+    sizes = tuple(b for b in MICROBATCHES if per_replica % b == 0)
+  modes = (p["recompute"],) if p.get("recompute") else ("none", "selective", "full")
+  if pp == 1:
+    schedules = [("1f1b", 1)]
+  elif p.get("virtual_stages"):
+    schedules = [("interleaved", p["virtual_stages"])]
+  else:
+    woven = [("interleaved", v) for v in VIRTUAL if m["layers"] >= pp * v]
+    schedules = woven if p.get("schedule") == "interleaved" else [("1f1b", 1), *woven]
+  out = []
+  for b in sizes:
+    for mode in modes:
+      for schedule, v in schedules:
+        if schedule == "interleaved" and (per_replica // b) % pp:
+          continue
+        for z in zeros:
+          out.append(automap.ClusterConfig(tensor=t, pipeline=pp, data=d, microbatch=b,
+                                           recompute=mode, schedule=schedule,
+                                           virtual_stages=v, zero=z))
+  return out
+
+
+def priced(row: dict, prof: Profile, hw) -> tuple[automap.Placement, automap.ClusterConfig, bool]:
+  """The fastest candidate that fits (or the leanest, marked as not fitting)."""
+  depth = row["model"]["layers"]
+  best, leanest = None, None
+  for config in candidates(row):
+    graph = prof.at(config.microbatch).repeat("block_1", depth - 1)
+    try:
+      plan = price(graph, config, global_batch=row["parallel"]["global_batch"], hardware=hw,
+                   devices=max(row["devices"], config.devices), optimizer="adam",
+                   mixed_precision=True, overlap_tensor=row["source"] in OVERLAP_TENSOR)
+    except PlacementError:
+      continue
+    memory = max(s.memory for s in plan.stages)
+    if memory <= hw.hbm_capacity and (best is None or plan.time < best[0].time):
+      best = (plan, config, True)
+    if leanest is None or memory < leanest[1]:
+      leanest = ((plan, config, False), memory)
+  if best is None and leanest is None:
+    raise PlacementError(f"{row['id']}: no candidate configuration prices")
+  return best or leanest[0]
+
+
+def planned(row: dict, prof: Profile, hw, bound: float) -> automap.Placement | None:
+  """The planner's own plan at the row's tensor width, on its devices and batch."""
+  p = row["parallel"]
+  depth, batch = row["model"]["layers"], p["global_batch"]
+  sizes = [b for b in MICROBATCHES if batch % b == 0]
+  options = PlacementOptions(optimizer="adam", mixed_precision=True, virtual_stages=None,
+                             widths=(p["tensor"],),
+                             overlap_tensor=row["source"] in OVERLAP_TENSOR)
+  try:
+    plan, _ = place_any([(prof.at(b).repeat("block_1", depth - 1), batch // b) for b in sizes],
+                        devices=row["devices"], hardware=hw, options=options, bound=bound)
+  except PlacementError:
+    return None
+  return plan
+
+
+def describe(config: automap.ClusterConfig) -> str:
+  woven = f" v{config.virtual_stages}" if config.schedule == "interleaved" else ""
+  return (f"t{config.tensor} p{config.pipeline} d{config.data} mb{config.microbatch} "
+          f"{config.recompute}{woven} z{config.zero}")
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--only", default="", help="price only rows whose id starts so")
+  parser.add_argument("--fit", action="store_true",
+                      help="fit matmul_efficiency per device on the training rows")
+  parser.add_argument("--planner", action="store_true", help="also run the planner per row")
+  parser.add_argument("--efficiency", type=float, default=None,
+                      help="price every row at this matmul_efficiency (what-if)")
+  opts = parser.parse_args()
+  rows, _ = load()
+  held_out = validation(rows)
+  grid = [round(0.5 + 0.05 * i, 2) for i in range(11)]
+  results = []
+  print("| row | split | device | as published (choices) | fits | memory GB | measured "
+        "TFLOP/s | predicted | predicted / measured |" + (" planner / published |"
+                                                            if opts.planner else ""))
+  print("|---|---|---|---|---|---|---|---|---|" + ("---|" if opts.planner else ""))
+  for row in rows:
+    if not row["id"].startswith(opts.only):
+      continue
+    reason = unpriced(row)
+    split = "validation" if row["id"] in held_out else "training"
+    if reason:
+      print(f"| {row['id']} | {split} | {row['hardware']} | not priced: {reason} |"
+            + " |" * (6 + opts.planner))
+      continue
+    t0 = time.perf_counter()
+    traced, count = traced_step(row)
+    width = row["parallel"]["tensor"]
+    state = published_state(traced, count, width, hardware(row))
+    flops = source_flops(row)
+    fused = row["source"] in FUSED_ATTENTION
+    measured = row["measured"]["tflops_per_device"] * 1e12
+    ratios = {}
+    for eff in (grid if opts.fit and split == "training" else []):
+      plan, _, _ = priced(row, profile(traced, count, state, width, hardware(row, eff), fused),
+                          hardware(row, eff))
+      ratios[eff] = flops / (plan.time * row["devices"]) / measured
+    hw = hardware(row, opts.efficiency)
+    prof = profile(traced, count, state, width, hw, fused)
+    plan, config, fits = priced(row, prof, hw)
+    predicted = flops / (plan.time * row["devices"])
+    memory = max(s.memory for s in plan.stages)
+    cell = ""
+    if opts.planner:
+      own = planned(row, prof, hw, bound=plan.time * 1.5)
+      cell = f" {plan.time / own.time:.2f}x |" if own else " - |"
+    print(f"| {row['id']} | {split} | {row['hardware']} | {describe(config)} | "
+          f"{'yes' if fits else 'NO'} | {memory / 1e9:.1f} | {measured / 1e12:.0f} | "
+          f"{predicted / 1e12:.0f} | {predicted / measured:.3f} |{cell}", flush=True)
+    results.append({"id": row["id"], "split": split, "hardware": row["hardware"],
+                    "ratio": predicted / measured, "fits": fits, "grid": ratios,
+                    "seconds": time.perf_counter() - t0})
+  print()
+  for split in ("training", "validation"):
+    errors = [abs(r["ratio"] - 1) for r in results if r["split"] == split]
+    if errors:
+      print(f"{split}: {len(errors)} rows, |predicted / measured - 1| median "
+            f"{statistics.median(errors):.1%}, max {max(errors):.1%}; fit in memory "
+            f"{sum(r['fits'] for r in results if r['split'] == split)}/{len(errors)}")
+  by_source: dict[str, list[float]] = {}
+  for r in results:
+    by_source.setdefault(r["id"].split("-")[0], []).append(abs(r["ratio"] - 1))
+  print("by source: " + ", ".join(f"{k} median {statistics.median(v):.1%} ({len(v)})"
+                                  for k, v in sorted(by_source.items())))
+  if opts.fit:
+    print()
+    for device in sorted({r["hardware"] for r in results if r["grid"]}):
+      rows_of = [r for r in results if r["hardware"] == device and r["grid"]]
+      # Only rows whose prediction moves with the constant can fit it: a row
+      # bound by communication predicts the same at any matmul efficiency.
+      fitted = [r for r in rows_of if r["grid"][grid[0]] / r["grid"][grid[-1]] < 0.9]
+      if len(fitted) < MIN_FIT_ROWS:
+        print(f"fit {device}: {len(fitted)} of its {len(rows_of)} training rows move with "
+              f"matmul_efficiency (by 10% from {grid[0]} to {grid[-1]}), fewer than "
+              f"{MIN_FIT_ROWS}; not fitted (its family's value stands)")
+        continue
+      best = min(grid, key=lambda e: (statistics.median(abs(math.log(r["grid"][e]))
+                                                        for r in fitted), -e))
+      print(f"fit {device}: matmul_efficiency {best:.2f} on {len(fitted)} of its "
+            f"{len(rows_of)} training rows (catalogue: "
+            f"{calibration.MATMUL_EFFICIENCY.get(device)})")
+
+
+if __name__ == "__main__":
+  main()
