@@ -1,7 +1,7 @@
 """Cluster planning: automap's placement against the fixed splits PHAZE compared with.
 
 For GPT2-XL-, OPT-30B-, BERT-Large-, Llama2-7B- and GPT3-shaped models
-(bf16, Adam with fp32 master weights and moments), the layer costs of one
+(bf16, Adam with fp32 master weights, gradients and moments), the layer costs of one
 transformer block (and of the embedding and head) come from the cost model at
 tensor-parallel widths 1-8, each under the sharding search's plan for that
 width, and are repeated for the model's depth (nothing is compiled). The
@@ -42,8 +42,6 @@ MODELS = {
     "GPT3-175B": (96, 12288, 96, 2048, 50257, 1536, (32, 8, 4)),
 }
 WIDTHS = (1, 2, 4, 8)
-# Adam in mixed precision: fp32 master weights and two moments per bf16 parameter.
-OPTIMIZER = 6.0
 
 
 def block_model(name: str):
@@ -82,7 +80,10 @@ def model_graph(profile: layers_lib.Profile, depth: int, batch: int) -> LayerGra
 def best(profile, depth, devices, global_batch, hardware, microbatches, **fixed):
   sizes = [b for b in microbatches if global_batch % b == 0]
   try:
-    options = PlacementOptions(optimizer=OPTIMIZER, **fixed)
+    # Adam in mixed precision (fp32 master weights, gradients and moments);
+    # the interleaved schedule searched where legal.
+    options = PlacementOptions(optimizer="adam", mixed_precision=True, virtual_stages=None,
+                               **fixed)
     plan, i = place_any([(model_graph(profile, depth, b), global_batch // b) for b in sizes],
                         devices=devices, hardware=hardware, options=options)
   except PlacementError:
@@ -93,8 +94,9 @@ def best(profile, depth, devices, global_batch, hardware, microbatches, **fixed)
 def describe(plan, b) -> str:
   widths = sorted({s.width for s in plan.stages})
   recompute = sum(s.recompute for s in plan.stages)
-  return (f"p{len(plan.stages)} d{plan.data_parallel} t{'/'.join(map(str, widths))} "
-          f"mb{b} z{plan.zero} rc{recompute}")
+  woven = f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else ""
+  return (f"p{len(plan.stages)}{woven} d{plan.data_parallel} "
+          f"t{'/'.join(map(str, widths))} mb{b} z{plan.zero} rc{recompute}")
 
 
 def number(x: float) -> str:

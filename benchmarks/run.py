@@ -44,6 +44,8 @@ SECTIONS = {
                ["--seconds", "1", "--ilp-seconds"]),
     "cache": ("Plan cache", ["--layers", "4", "24"], ["--layers", "4"]),
     "policy": ("Learned policy against uniform priors", ["--seeds", "15"], ["--quick"]),
+    "measured": ("Published training runs: predicted against measured throughput",
+                 ["--fit", "--planner"], ["--only", "narayanan21-t1"]),
     "cluster": ("Cluster planning against fixed Megatron-style splits", [], ["--quick"]),
     "accelerator": ("Accelerator co-search against a TPUv4-like baseline",
                     ["--plot", "benchmarks/accelerator.png"],
