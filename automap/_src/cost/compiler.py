@@ -37,6 +37,11 @@ class Compiler:
   combine_bytes, combine_count: the most bytes and collectives one combined
     collective takes (XLA:CPU: no byte limit, 256; XLA:GPU: 30 MiB,
     `kDefaultAllReduceCombineThreshold`, and 256).
+  async_collectives: whether collectives run as start / done pairs that the
+    latency-hiding scheduler overlaps with independent compute (XLA:GPU's
+    `AsyncCollectiveCreator` and `LatencyHidingScheduler` in
+    `gpu_compiler.cc`; XLA:TPU taken to do the same); XLA:CPU runs them in
+    place.
   """
 
   name: str
@@ -46,16 +51,17 @@ class Compiler:
   combines: frozenset[int] = frozenset({ALL_REDUCE})
   combine_bytes: float = float("inf")
   combine_count: int = 256
+  async_collectives: bool = False
 
 
 _GATHERS_AND_REDUCTIONS = frozenset({ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER})
 _GPU_COMBINE_BYTES = 30 * 2**20
 XLA_TPU = Compiler("xla:tpu", reduce_scatter=True, reduce_in_f32=False,
                    fuses_shared_producers=True, combines=_GATHERS_AND_REDUCTIONS,
-                   combine_bytes=_GPU_COMBINE_BYTES)
+                   combine_bytes=_GPU_COMBINE_BYTES, async_collectives=True)
 XLA_GPU = Compiler("xla:gpu", reduce_scatter=True, reduce_in_f32=False,
                    fuses_shared_producers=True, combines=_GATHERS_AND_REDUCTIONS,
-                   combine_bytes=_GPU_COMBINE_BYTES)
+                   combine_bytes=_GPU_COMBINE_BYTES, async_collectives=True)
 XLA_CPU = Compiler("xla:cpu", reduce_scatter=False, reduce_in_f32=True,
                    fuses_shared_producers=False, combines=frozenset({ALL_REDUCE}))
 

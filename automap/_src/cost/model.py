@@ -51,7 +51,7 @@ from automap._src.sharding.state import UNSHARDED, State
 class Cost:
   """Predicted cost of one sharded step, per device.
 
-  step_time: compute_time + comm_time, seconds (no overlap assumed).
+  step_time: compute_time + comm_time, seconds (what the searches minimise).
   compute_time: roofline time of every op (FLOPs, HBM traffic), seconds.
   comm_time: collective time, seconds.
   flops: FLOPs executed per device.
@@ -64,6 +64,9 @@ class Cost:
   memory_traffic: bytes read and written in HBM per device, as XLA counts
     them (`cost_analysis()["bytes accessed"]`: each fusion's operands and
     results, each collective's; a scan body's once).
+  exposed_comm_time: seconds of comm_time compute does not hide where XLA
+    runs collectives asynchronously (`overlap`); all of it on XLA:CPU.
+    Negative: not computed (equal to comm_time).
   """
 
   step_time: float
@@ -77,10 +80,21 @@ class Cost:
   comm_seconds: dict[tuple[str, tuple[str, ...]], float] = dataclasses.field(
       default_factory=dict)
   memory_traffic: float = 0.0
+  exposed_comm_time: float = -1.0
+
+  def __post_init__(self):
+    if self.exposed_comm_time < 0:
+      object.__setattr__(self, "exposed_comm_time", self.comm_time)
 
   @property
   def total_comm_bytes(self) -> float:
     return float(sum(self.comm_bytes.values()))
+
+  @property
+  def overlapped_step_time(self) -> float:
+    """compute_time + exposed_comm_time: the step with collectives
+    overlapped as XLA's latency-hiding scheduler can."""
+    return self.compute_time + self.exposed_comm_time
 
   def to_json(self) -> dict:
     return {
@@ -92,6 +106,7 @@ class Cost:
         "argument_memory": self.argument_memory,
         "comm_seconds": [[k, list(a), t] for (k, a), t in self.comm_seconds.items()],
         "memory_traffic": self.memory_traffic,
+        "exposed_comm_time": self.exposed_comm_time,
     }
 
   @classmethod
@@ -103,7 +118,8 @@ class Cost:
         comm_count={(k, tuple(a)): n for k, a, n in d["comm_count"]},
         peak_memory=d["peak_memory"], argument_memory=d["argument_memory"],
         comm_seconds={(k, tuple(a)): t for k, a, t in d.get("comm_seconds", ())},
-        memory_traffic=d.get("memory_traffic", 0.0))
+        memory_traffic=d.get("memory_traffic", 0.0),
+        exposed_comm_time=d.get("exposed_comm_time", -1.0))
 
 
 # Contractions: XLA's dot partitioner handles their partial sums.

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from automap._src.cost import kernels
+from automap._src.cost import kernels, overlap
 from automap._src.cost.collectives import ALL_GATHER, ALL_REDUCE, KINDS, REDUCE_SCATTER
 from automap._src.cost.memo import OpCost
 from automap._src.cost.model import Cost, CostModel
@@ -365,6 +365,13 @@ class Tracker:
     operand[REDUCE_SCATTER] = n
     return float((self.bytes * (1.0 + operand)).sum())
 
+  def exposed_comm_time(self) -> float:
+    """Of comm_time, what compute does not hide (`overlap`); all of it where
+    collectives run in place."""
+    if not self.model.compiler.async_collectives:
+      return self.comm_time
+    return min(self.comm_time, overlap.exposed_communication(self.model, self.state))
+
   def cost(self) -> Cost:
     names = self.model.mesh.axis_names
     comm_bytes, comm_count, comm_seconds = {}, {}, {}
@@ -381,4 +388,5 @@ class Tracker:
         comm_bytes=comm_bytes, comm_count=comm_count,
         peak_memory=self.peak_memory, argument_memory=self.args,
         comm_seconds=comm_seconds,
-        memory_traffic=float(self.model.memo.traffic[self.op_ids].sum()) + self.comm_traffic())
+        memory_traffic=float(self.model.memo.traffic[self.op_ids].sum()) + self.comm_traffic(),
+        exposed_comm_time=self.exposed_comm_time())

@@ -46,6 +46,10 @@ def _summary(plan) -> list[str]:
       f"  step time {_ms(c.step_time)} = compute {_ms(c.compute_time)} "
       f"+ communication {_ms(c.comm_time)}; {c.flops / 1e9:.3f} GFLOP and "
       f"{format_bytes(c.memory_traffic)} of HBM traffic per device"]
+  if plan.hardware.compiler.async_collectives:
+    lines.append(f"  collectives overlapped as XLA's latency-hiding scheduler can: "
+                 f"{_ms(c.overlapped_step_time)} per step, communication "
+                 f"{_ms(c.exposed_comm_time)} exposed of {_ms(c.comm_time)}")
   if c.step_time > 0:
     achieved, peak = c.flops / c.step_time, plan.hardware.flops
     lines.append(f"  {achieved / 1e12:,.2f} TFLOP/s per device, MFU {achieved / peak:.1%} of "

@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy as np
 
+from automap._src.cost import overlap
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import graph as graph_lib
 from automap._src.ir.naming import layer_of
@@ -47,26 +48,8 @@ def op_seconds(model, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """Per op, (compute, communication) seconds as the Tracker counts them: a
   resharded copy paid by its first reader, combined reductions' latency once
   (on the last op of the combination)."""
-  g = model.graph
-  compute, comm = np.zeros(g.num_ops), np.zeros(g.num_ops)
-  copies: set[tuple] = set()
-  combined: dict[tuple[int, int], int] = {}  # (kind, mask) -> last op combined
-  for o in range(g.num_ops):
-    c = model.op_cost(state, o)
-    compute[o] = c.time
-    for kind, mask, nbytes, secs, position, target in c.comms:
-      if position >= 0:  # one resharded copy serves every reader: the first pays
-        key = model.copy_key(o, position, kind, mask, target, nbytes)
-        if key in copies:
-          continue
-        copies.add(key)
-      elif model.combined(o, kind):
-        secs -= model.latency[kind, mask]
-        combined[(kind, mask)] = o
-      comm[o] += secs
-  for (kind, mask), o in combined.items():
-    comm[o] += model.latency[kind, mask]
-  return compute, comm
+  compute, before, after = overlap.op_seconds_split(model, state)
+  return compute, before + after
 
 
 def layers(program, tracker: Tracker) -> tuple[LayerRow, ...]:

@@ -1,0 +1,80 @@
+"""Exposed communication: a two-stream list schedule, as XLA overlaps collectives."""
+
+import jax
+import numpy as np
+import pytest
+from helpers import megatron_specs, mesh
+from jax.sharding import PartitionSpec as P
+
+import automap
+from automap._src.cost import overlap
+from automap._src.models.gpt import GPTConfig, make_train_step
+
+
+def test_independent_compute_runs_in_a_reductions_shadow():
+  """A (2 s, then a 3 s reduction of its result a) -> C reads a; B (4 s)
+  needs nothing. In program order A, C, B the compute stream would wait
+  for a: 2 + 3 + 1 + 4 = 10 s. The scheduler runs B while a is reduced:
+  A 0-2, B 2-6, C 6-7, the reduction 2-5 hidden."""
+  operands = [(0,), (2,), (1,)]  # A reads x0, C reads a (=v2), B reads x1
+  results = [(2,), (3,), (4,)]
+  compute = np.array([2.0, 1.0, 4.0])
+  after = np.array([3.0, 0.0, 0.0])
+  assert overlap.makespan(operands, results, compute, np.zeros(3), after, 5) == 7.0
+  # A reduction nothing else can hide is on the clock: 2 + 3 + 1.
+  assert overlap.makespan(operands[:2], results[:2], compute[:2], np.zeros(2), after[:2],
+                          5) == 6.0
+
+
+def test_a_reshard_before_an_op_delays_it_and_queues_on_one_stream():
+  """Two ops each resharding an argument first (2 s, 3 s on the one
+  communication stream) then computing 1 s: 0-2 comm, 2-3 op 0; 2-5 comm,
+  5-6 op 1."""
+  operands, results = [(0,), (1,)], [(2,), (3,)]
+  span = overlap.makespan(operands, results, np.array([1.0, 1.0]), np.array([2.0, 3.0]),
+                          np.zeros(2), 4)
+  assert span == 6.0
+
+
+def step_and_args():
+  config = GPTConfig(vocab=128, seq=128, hidden=128, heads=4, layers=4)
+  return make_train_step(config, batch=256, abstract=True)
+
+
+def test_data_parallel_gradient_reductions_hide_behind_the_backward():
+  step, args = step_and_args()
+  m = mesh((8, 1))
+  specs = (jax.tree.map(lambda _: P(), args[0]), jax.tree.map(lambda _: P(), args[1]),
+           P("data"))
+  tpu = automap.evaluate(step, *args, mesh=m, in_shardings=specs, hardware="tpu-v4")
+  assert 0 < tpu.exposed_comm_time < 0.75 * tpu.comm_time
+  assert tpu.overlapped_step_time == pytest.approx(tpu.compute_time + tpu.exposed_comm_time)
+  assert tpu.step_time == pytest.approx(tpu.compute_time + tpu.comm_time)
+  # XLA:CPU runs collectives in place: all of it is exposed.
+  cpu = automap.evaluate(step, *args, mesh=m, in_shardings=specs, hardware="cpu")
+  assert cpu.exposed_comm_time == cpu.comm_time
+
+
+def test_tensor_parallel_reductions_the_next_op_reads_stay_exposed():
+  step, args = step_and_args()
+  m = mesh((2, 4))
+  cost = automap.evaluate(step, *args, mesh=m, in_shardings=megatron_specs(args),
+                          hardware="tpu-v4")
+  assert cost.exposed_comm_time >= 0.9 * cost.comm_time
+  assert automap.Cost.from_json(cost.to_json()) == cost
+
+
+def test_explain_shows_exposed_and_total_communication_where_xla_overlaps():
+  import jax.numpy as jnp
+
+  def mlp(x, w1, w2):
+    return jnp.tanh(x @ w1) @ w2
+
+  x = (jnp.ones((64, 32)), jnp.ones((32, 64)), jnp.ones((64, 32)))
+  budget = automap.Budget(episodes=4, seconds=10, progress=False)
+  tpu = automap.search(mlp, *x, mesh=mesh((4, 2)), hardware="tpu-v4", budget=budget)
+  c = tpu.cost
+  assert (f"communication {c.exposed_comm_time * 1e3:.3f} ms exposed of "
+          f"{c.comm_time * 1e3:.3f} ms") in tpu.explain()
+  cpu = automap.search(mlp, *x, mesh=mesh((4, 2)), hardware="cpu", budget=budget)
+  assert "exposed of" not in cpu.explain()
