@@ -1,5 +1,7 @@
 """Schedules as practised: overlap, interleaved 1F1B, recompute modes, stated splits."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -311,3 +313,16 @@ def test_fused_attention_ops_are_the_score_chain_both_ways():
   # Each layer's q.k and p.v contractions, forward, are in.
   dots = [o for o in np.flatnonzero(fused & cut.forward) if g.prims[o] == "dot_general"]
   assert len(dots) == 2 * 2
+
+
+def test_stated_fields_and_impossible_interleaving_are_refused_by_name():
+  with pytest.raises(automap.PlacementError, match="virtual_stages=2 fits: it needs 2 or more"):
+    automap.place(blocks(4), devices=2, microbatches=3, hardware=flat(), virtual_stages=2)
+  with pytest.raises(automap.PlacementError, match="recompute_mode must be one of"):
+    dataclasses.replace(automap.price_placement(blocks(2), automap.ClusterConfig(),
+                                                global_batch=1, hardware=flat()).stages[0],
+                        recompute_mode="some")
+  loss, params, batch = gpt_step()
+  with pytest.raises(TypeError, match="got recompute=, which the ClusterConfig states"):
+    automap.price_cluster(loss, params, *batch, config=automap.ClusterConfig(),
+                          global_batch=4, hardware="a100", recompute="full")

@@ -22,7 +22,7 @@ from automap._src.search.request import with_keywords
 
 SCHEDULES = ("1f1b", "interleaved")
 # PlacementOptions fields a ClusterConfig fixes.
-_CONFIG_OWNED = ("recompute", "zero", "widths", "data_parallel", "stages", "virtual_stages")
+CONFIG_OWNED = ("recompute", "zero", "widths", "data_parallel", "stages", "virtual_stages")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +115,7 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
     that does not fit in memory is priced anyway: compare `Stage.memory`
     with the limit.
   """
-  owned = [k for k in keywords if k in _CONFIG_OWNED]
+  owned = [k for k in keywords if k in CONFIG_OWNED]
   if owned:
     raise TypeError(
         f"price_placement() got {owned[0]}=, which the ClusterConfig states; set it there "
@@ -137,11 +137,11 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
       data_parallel=config.data, stages=config.pipeline, virtual_stages=config.virtual_stages)
   problem = placement_lib._problem(devices, config.microbatches(global_batch), hw, options)
   costs = placement_lib._StageCosts(graph, problem)
-  missing = [layer.name for layer in graph.layers if config.tensor not in layer.widths]
+  missing = [layer for layer in graph.layers if config.tensor not in layer.widths]
   if missing:
     raise PlacementError(
-        f"ClusterConfig.tensor={config.tensor}: layers {missing[:3]} are not priced at that "
-        f"width; profile them at it (their widths: {sorted(graph.layers[0].widths)}).")
+        f"ClusterConfig.tensor={config.tensor}: layers {[m.name for m in missing[:3]]} are "
+        f"not priced at that width (theirs: {sorted(missing[0].widths)}); profile them at it.")
   count = config.pipeline * config.virtual_stages
   masks = placement_lib.chunks(costs, count)
   if masks is None:

@@ -240,16 +240,23 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
     model = program.model
     compute, comm = report.op_seconds(model, state)
     op_flops = np.array([model.op_cost(state, o).flops for o in range(g.num_ops)])
+    # The model's FLOPs, each device's share: an op left whole on every
+    # device counts once, not t times.
+    model_flops = np.asarray(g.flops, float) * np.asarray(g.trips, float) / t
     seconds = compute + comm
     rebuilt = sorted({g.producer[v] for v in np.flatnonzero(scores)})
     if fused.any():
       hw = model.hw
-      rate = np.where([p in ("dot_general", "conv_general_dilated") for p in g.prims],
-                      hw.matmul_rate(2, 0, 0), hw.fp32_flops / 16)
+      # Matmuls at the matrix units' rate for their operands' dtype, the rest
+      # at the vector units'.
+      rate = np.array([
+          hw.matmul_rate(int(model.itemsize[g.operands[o][0]]), 0, 0)
+          if g.prims[o] in ("dot_general", "conv_general_dilated") and g.operands[o][0] >= 0
+          else hw.fp32_flops / 16 for o in range(g.num_ops)])
       seconds = np.where(fused, op_flops / rate, seconds)
     fw, bw = cut.split(seconds)
     coll = sum(cut.split(comm))
-    flops = sum(cut.split(op_flops))
+    flops = sum(cut.split(model_flops))
     dropped = np.zeros(len(names))
     rebuild = np.bincount(segment[rebuilt], seconds[rebuilt], len(names))
     if fused.any():  # flash attention's backward rebuilds the scores

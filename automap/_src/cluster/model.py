@@ -212,6 +212,11 @@ class Stage:
   def __post_init__(self):
     if not self.recompute_mode:
       object.__setattr__(self, "recompute_mode", "full" if self.recompute else "none")
+    if self.recompute_mode not in RECOMPUTE_MODES or self.recompute != (
+        self.recompute_mode != "none"):
+      raise PlacementError(
+          f"Stage.recompute_mode must be one of {RECOMPUTE_MODES} and agree with "
+          f"recompute={self.recompute!r}, got {self.recompute_mode!r}.")
     if self.sync_total < 0:
       object.__setattr__(self, "sync_total", self.sync)
     if self.zero_total < 0:
@@ -229,6 +234,12 @@ class Placement:
   devices: int                # devices the plan uses (<= the cluster's)
   time: float                 # seconds per batch
   virtual_stages: int = 1     # interleaved 1F1B: chunks per stage (1: plain 1F1B)
+
+  def __post_init__(self):
+    if isinstance(self.virtual_stages, bool) or not isinstance(self.virtual_stages, int) or (
+        self.virtual_stages < 1):
+      raise PlacementError(
+          f"Placement.virtual_stages must be a positive int, got {self.virtual_stages!r}.")
 
   @property
   def bubble(self) -> float:

@@ -4,8 +4,8 @@ The placement half of PHAZE, on a layer graph with per-layer costs. A plan
 splits the graph into pipeline stages, contiguous in a topological sense (each
 prefix of stages is a downset: it holds every predecessor of its layers), runs
 each stage on `t` tensor-parallel devices (its own width), replicates the whole
-pipeline `d` ways for data parallelism, and per stage either stashes every
-in-flight microbatch's activations or recomputes them from the stage input.
+pipeline `d` ways for data parallelism, and per stage stashes every
+in-flight microbatch's activations or recomputes (modes below).
 
 Schedule and memory follow 1F1B (PipeDream-Flush). With `m` microbatches per
 pipeline and `S` stages, stage `i` (0-based) holds `min(S - i, m)` microbatches
@@ -14,8 +14,10 @@ in flight; a batch takes
     (m + S - 1) * max_i T_i  +  max_i Y_i
 
 where `T_i` is stage i's time per microbatch (forward, backward, recompute,
-transfers to the neighbouring stages, ZeRO collectives) and `Y_i` its data-
-parallel gradient sync after the flush. Units: seconds, bytes (per device).
+transfers to the neighbouring stages, the exposed ZeRO collectives) and `Y_i`
+the exposed part of its data-parallel gradient sync (overlap below; under
+the interleaved schedule, (m + (S - 1) / v) * max_i T_i + max_i Y_i). Units:
+seconds, bytes (per device).
 
 Collectives are priced as rings over the hardware's links: within a node on
 `link_*`, across nodes on `network_*`, with devices numbered pipeline-major
@@ -36,7 +38,7 @@ splits a chain of equal blocks evenly into S * v chunks, chunk c on stage
 c mod S: the bubble shrinks to (S - 1) / v of a stage's time per
 microbatch, each chunk boundary is a transfer, and stage i keeps
 (S - i - 1) * 2 + (v - 1) * S + 1 chunks in flight (Megatron-LM's warm-up).
-It is priced by `_uniform` and searched beside the DP where legal.
+It is priced by `uniform` and searched beside the DP where legal.
 
 The search is exact: a dynamic program over (downset still to place, stages
 after it) that keeps, per state, the Pareto front of (devices used, max T, max
@@ -351,7 +353,7 @@ class _StageCosts:
           kept = {"none": c.activations, "full": self.inputs[kind] / t,
                   "selective": c.activations - c.selective}[mode]
           extra = {"none": 0.0, "full": c.forward, "selective": c.selective_forward}[mode]
-          points.append((t * (c.forward + c.backward + extra),
+          points.append((t * (self.least(c) + extra),
                          t * (fixed + in_flight * kept)))
       if not points:
         self._hulls[key] = (math.inf, math.inf, [])
@@ -372,16 +374,21 @@ class _StageCosts:
     """The layers' seconds per microbatch at their fastest widths, summed."""
     if members not in self._fastest:
       self._fastest[members] = sum(
-          min(c.forward + c.backward for c in self.graph.layers[i].widths.values())
+          min(self.least(c) for c in self.graph.layers[i].widths.values())
           for i in _layer_indices(members))
     return self._fastest[members]
+
+  def least(self, c) -> float:
+    """A layer's seconds per microbatch at the least: forward and backward,
+    less its tensor-parallel collectives where they may hide (a bound)."""
+    return c.forward + c.backward - (c.collectives if self.problem.overlap_tensor else 0.0)
 
   def longest(self, members: int) -> float:
     """The slowest layer's seconds per microbatch at its fastest width: no
     stage holding it is faster."""
     if members not in self._longest:
       self._longest[members] = max(
-          (min(c.forward + c.backward for c in self.graph.layers[i].widths.values())
+          (min(self.least(c) for c in self.graph.layers[i].widths.values())
            for i in _layer_indices(members)), default=0.0)
     return self._longest[members]
 
@@ -491,7 +498,7 @@ class _StageCosts:
     stage at device offset `first` of its pipeline replica."""
     # Rank j of the width-t group syncs with rank j of every replica: d-device
     # rings whose widest spans from replica 0's first device to the last's end.
-    spot = (first, t, d)
+    spot = (first, t, d, per_pipeline)
     levels = self._levels.get(spot)
     if levels is None:
       node = self.problem.hw.devices_per_node
@@ -530,12 +537,15 @@ class _StageCosts:
       rest = compute - tensor
       tensor = exposed(tensor, rest, 4 * c.layers)
       compute = rest + tensor
+    # Gradients move in their own dtype (float32 under mixed precision, as
+    # Megatron-LM reduces bf16 models' gradients), parameters in theirs.
+    grads = c.params * self.problem.gradients
     zero_time = 0.0
     if zero >= 2:  # gradients reduce-scattered every microbatch
-      zero_time += ring.gather(c.params, *group)
+      zero_time += ring.gather(grads, *group)
     if zero >= 3:  # parameters gathered for forward, backward (and full recompute)
       zero_time += (3 if mode == "full" else 2) * ring.gather(c.params, *group)
-    sync = {0: ring.reduce(c.params, *group), 1: ring.reduce(c.params, *group),
+    sync = {0: ring.reduce(grads, *group), 1: ring.reduce(grads, *group),
             2: ring.gather(c.params, *group), 3: 0.0}[zero]
     if not self.problem.overlap:
       return _TimeParts(compute, transfers, zero_time, sync, zero_time, sync, tensor)
@@ -724,6 +734,12 @@ def place_any(candidates: Sequence[tuple[LayerGraph, int]], *, devices: int,
       best = (found, i)
   if best is None and bound < math.inf:
     raise PlacementError(f"no placement takes less than bound={bound:.4g} s per batch.")
+  if best is None and options.virtual_stages not in (None, 1):
+    raise PlacementError(
+        f"no interleaved placement with virtual_stages={options.virtual_stages} fits: it needs "
+        f"2 or more stages, microbatches per replica a multiple of the stage count, stages x "
+        f"virtual_stages blocks at least, and the memory; use virtual_stages=None to let the "
+        f"plain schedule stand where interleaving cannot.")
   if best is None:
     graph = candidates[0][0]
     need = sum(min(c.params * t for t, c in layer.widths.items()) for layer in graph.layers)

@@ -213,6 +213,10 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
     fused_attention as in ClusterOptions (the split's fields come from
     `config`).
   """
+  owned = [k for k in keywords if k in configured.CONFIG_OWNED + ("microbatches",)]
+  if owned:
+    raise TypeError(
+        f"price_cluster() got {owned[0]}=, which the ClusterConfig states; set it there.")
   options = with_keywords(ClusterOptions, options, keywords, "price_cluster")
   t0 = time.perf_counter()
   hw = get_hardware(hardware)

@@ -19,8 +19,10 @@ tpu-v5e has 2 rows and a100 1 (the other three a100 training rows, ZeRO-3
 runs, are bound by communication), so a100, h200, tpu-v3, tpu-v4 and
 tpu-v5e take their family's 1.00. With the one a100 row alone the grid's
 floor (0.50) would win and the validation rows' error would grow (Table 1
-of Narayanan et al. from a median 14.6% to 25.9%): the three-row rule
-exists so that one row cannot set a device's constant.
+of Narayanan et al. from a median 12.9% to 26.2%): the three-row rule
+exists so that one row cannot set a device's constant. Every value is
+1.00 today, h100's and tpu-v5p's at the grid's top: the constant is where
+a device's sustained share of peak is learnt, and it changes no price yet.
 """
 
 from __future__ import annotations
