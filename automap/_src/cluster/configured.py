@@ -21,8 +21,9 @@ from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.search.request import with_keywords
 
 SCHEDULES = ("1f1b", "interleaved")
-# PlacementOptions fields a ClusterConfig fixes.
-CONFIG_OWNED = ("recompute", "zero", "widths", "data_parallel", "stages", "virtual_stages")
+# Options of the planners (PlacementOptions, ClusterOptions) a ClusterConfig fixes.
+CONFIG_OWNED = ("recompute", "zero", "widths", "data_parallel", "stages", "virtual_stages",
+                "microbatches")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +102,15 @@ class ClusterConfig:
     return count * self.data
 
 
+def refuse_stated(keywords, function: str) -> None:
+  """A TypeError for a keyword of `function` that the ClusterConfig states."""
+  owned = [k for k in keywords if k in CONFIG_OWNED]
+  if owned:
+    raise TypeError(
+        f"{function}() got {owned[0]}=, which the ClusterConfig states; set it there "
+        f"(ClusterConfig fields: {', '.join(f.name for f in dataclasses.fields(ClusterConfig))}).")
+
+
 def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
           hardware: str | Hardware, devices: int | None = None,
           options: PlacementOptions | None = None, **keywords) -> Placement:
@@ -115,11 +125,7 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
     that does not fit in memory is priced anyway: compare `Stage.memory`
     with the limit.
   """
-  owned = [k for k in keywords if k in CONFIG_OWNED]
-  if owned:
-    raise TypeError(
-        f"price_placement() got {owned[0]}=, which the ClusterConfig states; set it there "
-        f"(ClusterConfig fields: {', '.join(f.name for f in dataclasses.fields(ClusterConfig))}).")
+  refuse_stated(keywords, "price_placement")
   base = with_keywords(PlacementOptions, options, keywords, "price_placement")
   if not isinstance(config, ClusterConfig):
     raise TypeError(f"config must be an automap.ClusterConfig, got {type(config).__name__}.")

@@ -235,16 +235,15 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
   params = set(g.inputs[:params_count])
   scores = attention_scores(g, forward, params_count)
   fused = fused_attention_ops(g, cut, scores) if fused_attention else np.zeros(g.num_ops, bool)
+  rebuilt = sorted({g.producer[v] for v in np.flatnonzero(scores)})  # ops making the scores
   graphs = {}
   for t, (program, state) in width_states.items():
     model = program.model
     compute, comm = report.op_seconds(model, state)
-    op_flops = np.array([model.op_cost(state, o).flops for o in range(g.num_ops)])
     # The model's FLOPs, each device's share: an op left whole on every
     # device counts once, not t times.
     model_flops = np.asarray(g.flops, float) * np.asarray(g.trips, float) / t
     seconds = compute + comm
-    rebuilt = sorted({g.producer[v] for v in np.flatnonzero(scores)})
     if fused.any():
       hw = model.hw
       # Matmuls at the matrix units' rate for their operands' dtype, the rest
@@ -253,6 +252,7 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
           hw.matmul_rate(int(model.itemsize[g.operands[o][0]]), 0, 0)
           if g.prims[o] in ("dot_general", "conv_general_dilated") and g.operands[o][0] >= 0
           else hw.fp32_flops / 16 for o in range(g.num_ops)])
+      op_flops = np.array([model.op_cost(state, o).flops for o in range(g.num_ops)])
       seconds = np.where(fused, op_flops / rate, seconds)
     fw, bw = cut.split(seconds)
     coll = sum(cut.split(comm))

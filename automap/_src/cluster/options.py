@@ -80,6 +80,12 @@ def recompute_modes(owner: str, value) -> tuple[str, ...]:
   return tuple(dict.fromkeys(modes))
 
 
+def memory_limit(options, hw) -> float:
+  """Bytes per device a planner holds plans to: the options' memory_limit,
+  else the hardware's hbm_capacity."""
+  return float(hw.hbm_capacity if options.memory_limit is None else options.memory_limit)
+
+
 def _flag(owner: str, name: str, value) -> None:
   if not isinstance(value, bool):
     raise PlacementError(f"{owner}.{name} must be True or False, got {value!r}.")
@@ -353,4 +359,4 @@ def _space(owner: str, space) -> Mapping[str, tuple]:
 
 
 __all__ = ["OPTIMIZERS", "ZERO_STAGES", "ClusterOptions", "CoSearchOptions", "PlacementOptions",
-           "recompute_modes"]
+           "memory_limit", "recompute_modes"]

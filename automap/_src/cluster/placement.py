@@ -64,7 +64,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from automap._src.cluster.model import Layer, LayerGraph, Placement, PlacementError, Stage
-from automap._src.cluster.options import PlacementOptions, recompute_modes
+from automap._src.cluster.options import PlacementOptions, memory_limit, recompute_modes
 from automap._src.cost.collectives import ALL_GATHER, ALL_REDUCE, ring_seconds, send_seconds
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.search.request import with_keywords
@@ -124,6 +124,18 @@ class _TimeParts(NamedTuple):
   zero_total: float
   sync_total: float
   tensor: float               # tensor-parallel collectives left exposed (inside compute)
+
+
+def kept(mode: str, activations: float, inputs: float, selective: float) -> float:
+  """Bytes a recompute mode keeps per microbatch in flight: every activation
+  ("none"), every layer's input ("full"), all but the attention scores
+  ("selective")."""
+  return {"none": activations, "full": inputs, "selective": activations - selective}[mode]
+
+
+def rebuilt(mode: str, forward: float, selective_forward: float) -> float:
+  """Seconds of forward a recompute mode runs again in the backward."""
+  return {"none": 0.0, "full": forward, "selective": selective_forward}[mode]
 
 
 def exposed(comm: float, compute: float, pieces: int) -> float:
@@ -350,11 +362,9 @@ class _StageCosts:
         for mode in o.recompute:
           # What a layer keeps per microbatch in flight; the one layer a
           # recomputing stage rebuilds at a time is left out (a bound).
-          kept = {"none": c.activations, "full": self.inputs[kind] / t,
-                  "selective": c.activations - c.selective}[mode]
-          extra = {"none": 0.0, "full": c.forward, "selective": c.selective_forward}[mode]
-          points.append((t * (self.least(c) + extra),
-                         t * (fixed + in_flight * kept)))
+          held = kept(mode, c.activations, self.inputs[kind] / t, c.selective)
+          extra = rebuilt(mode, c.forward, c.selective_forward)
+          points.append((t * (self.least(c) + extra), t * (fixed + in_flight * held)))
       if not points:
         self._hulls[key] = (math.inf, math.inf, [])
         return self._hulls[key]
@@ -460,10 +470,9 @@ class _StageCosts:
       fixed = self.state_bytes(c.params, d, zero)
       if zero >= 3:
         fixed += c.largest_params * (1 - 1 / d)  # one layer's parameters gathered at a time
-      self._terms[key] = {
-          "none": (fixed, c.activations),
-          "full": (fixed + c.largest_activations, c.inputs),
-          "selective": (fixed + c.largest_selective, c.activations - c.selective)}[mode]
+      transient = {"none": 0.0, "full": c.largest_activations,
+                   "selective": c.largest_selective}[mode]
+      self._terms[key] = (fixed + transient, kept(mode, c.activations, c.inputs, c.selective))
     return self._terms[key]
 
   def memory(self, members: int, t: int, mode: str, in_flight: float, d: int,
@@ -528,7 +537,7 @@ class _StageCosts:
     # interleaved first or last stage sends around the end of the pipeline.
     transfers = 2 * (ring.send(c.bytes_in, (first - 1) % per_pipeline, first)
                      + ring.send(c.bytes_out, first + t - 1, (first + t) % per_pipeline))
-    rebuild = {"none": 0.0, "full": c.forward, "selective": c.selective_forward}[mode]
+    rebuild = rebuilt(mode, c.forward, c.selective_forward)
     compute = c.forward + c.backward + rebuild
     tensor = c.collectives * (1.5 if mode == "full" else 1.0)  # full recompute redoes forward's
     if self.problem.overlap_tensor and tensor:
@@ -947,8 +956,7 @@ def _problem(devices, microbatches, hardware, options: PlacementOptions) -> _Pro
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise PlacementError(f"{name} must be a positive int, got {value!r}.")
   hw = get_hardware(hardware)
-  memory = hw.hbm_capacity if options.memory_limit is None else options.memory_limit
-  return _Problem(devices, microbatches, float(memory), hw, options.optimizer_state,
+  return _Problem(devices, microbatches, memory_limit(options, hw), hw, options.optimizer_state,
                   options.zero, recompute_modes("PlacementOptions", options.recompute),
                   options.widths, options.stages, options.gradient_state, options.overlap,
                   options.virtual_stages, options.overlap_tensor)

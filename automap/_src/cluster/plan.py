@@ -17,7 +17,7 @@ from automap._src.cluster import configured
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster.configured import ClusterConfig
 from automap._src.cluster.model import JsonFile, Placement, PlacementError
-from automap._src.cluster.options import ClusterOptions
+from automap._src.cluster.options import ClusterOptions, memory_limit
 from automap._src.cluster.placement import place_any
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.plan.explain import format_bytes
@@ -191,11 +191,7 @@ def plan_cluster(loss_fn: Callable, params, *batch, devices: int, global_batch: 
   return ClusterPlan(placement, b, global_batch, devices, hw.name,
                      {t: profile.specs[t] for t in sorted(used)},
                      {"profile": t1 - t0, "placement": time.perf_counter() - t1},
-                     peak_flops=hw.flops, memory_limit=_limit(options, hw))
-
-
-def _limit(options: ClusterOptions, hw: Hardware) -> float:
-  return float(hw.hbm_capacity if options.memory_limit is None else options.memory_limit)
+                     peak_flops=hw.flops, memory_limit=memory_limit(options, hw))
 
 
 def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, global_batch: int,
@@ -213,10 +209,7 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
     fused_attention as in ClusterOptions (the split's fields come from
     `config`).
   """
-  owned = [k for k in keywords if k in configured.CONFIG_OWNED + ("microbatches",)]
-  if owned:
-    raise TypeError(
-        f"price_cluster() got {owned[0]}=, which the ClusterConfig states; set it there.")
+  configured.refuse_stated(keywords, "price_cluster")
   options = with_keywords(ClusterOptions, options, keywords, "price_cluster")
   t0 = time.perf_counter()
   hw = get_hardware(hardware)
@@ -233,7 +226,7 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
   return ClusterPlan(placement, config.microbatch, global_batch, devices or config.devices,
                      hw.name, {config.tensor: profile.specs[config.tensor]},
                      {"profile": t1 - t0, "placement": time.perf_counter() - t1},
-                     peak_flops=hw.flops, memory_limit=_limit(options, hw))
+                     peak_flops=hw.flops, memory_limit=memory_limit(options, hw))
 
 
 __all__ = ["ClusterPlan", "plan_cluster", "price_cluster"]
