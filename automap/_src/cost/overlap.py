@@ -3,8 +3,8 @@
 On TPU and GPU, XLA makes collectives asynchronous (start / done pairs) and
 its latency-hiding scheduler moves compute that does not depend on one
 between its start and its done; XLA:CPU runs each in place
-(`Compiler.async_collectives`). The model is a list schedule in program
-order on two streams, compute and communication:
+(`Compiler.async_collectives`). The model is a list schedule on two
+streams, compute and communication:
 
 - the collectives that reshard an op's operand start once that operand is
   ready (and the communication stream is free), and the op waits for them;
