@@ -28,7 +28,8 @@ def downsets(graph: LayerGraph) -> list[frozenset]:
 
 
 def brute_force(graph: LayerGraph, *, devices, microbatches, hbm, sync, latency=0.0,
-                optimizer=0.0, zero=0, recompute=("none", "full", "selective"), overlap=True):
+                optimizer=0.0, zero=0, recompute=("none", "full", "selective", "dots"),
+                overlap=True):
   """min over every plan of its time per batch, from the cost rules in place()'s docs."""
   recompute = [("full" if r else "none") if isinstance(r, bool) else r for r in recompute]
   layers = {layer.name: layer for layer in graph.layers}
@@ -68,16 +69,22 @@ def brute_force(graph: LayerGraph, *, devices, microbatches, hbm, sync, latency=
           n = min(s_count - i, m)
           opt = optimizer * params / (d if zero >= 1 else 1)
           # Per layer: full keeps every layer's input and rebuilds one layer at
-          # a time; selective drops and rebuilds the attention scores.
+          # a time; selective drops and rebuilds the attention scores; dots
+          # keeps the inputs and matmul outputs and rebuilds one layer's rest.
           inputs = sum(b for n_ in stage for _, e, b in graph.edges if e == n_) / t
           selective = sum(x.selective for x in c)
-          held = {"none": n * acts,
-                  "full": n * inputs + max(x.activations for x in c),
-                  "selective": n * (acts - selective) + max(x.selective for x in c)}[r]
+          if r == "dots" and any(x.dots is None for x in c):
+            continue
+          held = {"none": lambda: n * acts,
+                  "full": lambda: n * inputs + max(x.activations for x in c),
+                  "selective": lambda: n * (acts - selective) + max(x.selective for x in c),
+                  "dots": lambda: (n * (inputs + sum(x.dots for x in c))
+                                   + max(max(x.activations - x.dots, 0) for x in c))}[r]()
           if 2 * params + opt + held > hbm:
             continue
           rebuild = {"none": 0.0, "full": fw,
-                     "selective": sum(x.selective_forward for x in c)}[r]
+                     "selective": sum(x.selective_forward for x in c),
+                     "dots": sum(x.dots_forward for x in c)}[r]
           time = fw + bwd + rebuild + 2 * (send(b_in) + send(b_out))
           sync_time = 2 * ((d - 1) / d * params / bw + (d - 1) * latency) if d > 1 else 0.0
           if overlap:  # beside the last backward, one piece per layer
@@ -119,11 +126,13 @@ def test_phaze_cases_match_brute_force(hbm, recompute, data_parallel, stages, ex
 
 def random_cost(rng, speed: float = 1.0, width: int = 1) -> LayerCost:
   """A layer's cost; part of its activations (attention scores) selective
-  recompute may drop and rebuild in a share of its forward."""
+  recompute may drop and rebuild in a share of its forward; the "dots"
+  policy keeps a share (matmul outputs) and reruns another."""
   forward, acts = rng.uniform(0.5, 1.5) / speed, rng.uniform(0.2, 1) * 1e9 / width
   return LayerCost(forward, rng.uniform(1, 3) / speed, rng.uniform(0.5, 2) * 1e9 / width, acts,
                    selective=rng.uniform(0, 0.7) * acts,
-                   selective_forward=rng.uniform(0.05, 0.3) * forward)
+                   selective_forward=rng.uniform(0.05, 0.3) * forward,
+                   dots=rng.uniform(0.1, 0.6) * acts, dots_forward=rng.uniform(0.2, 0.8) * forward)
 
 
 def random_graph(rng, n_layers, branching):
@@ -210,7 +219,10 @@ def test_memory_bound_never_exceeds_the_best_assignment(seed):
                (t * (2 * c.forward + c.backward),
                 t * (fixed + in_flight * entering / t + c.activations)),
                (t * (c.forward + c.backward + c.selective_forward),
-                t * (fixed + in_flight * (c.activations - c.selective) + c.selective))]
+                t * (fixed + in_flight * (c.activations - c.selective) + c.selective)),
+               (t * (c.forward + c.backward + c.dots_forward),
+                t * (fixed + in_flight * (entering / t + c.dots)
+                     + max(c.activations - c.dots, 0.0)))]
     menus.append(menu)
   everything = (1 << len(graph.layers)) - 1
   for devices in (1, 2, 4, 5, 6, 7, 8, 10, 12, 16):

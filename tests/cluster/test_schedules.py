@@ -13,7 +13,7 @@ from automap import Layer, LayerCost, LayerGraph
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster import placement
 from automap._src.ir.naming import is_backward
-from automap._src.models.gpt import GPT, GPTConfig
+from automap._src.models.gpt import GPT, Block, GPTConfig
 
 GiB = 2**30
 
@@ -131,11 +131,11 @@ def test_blocks_that_do_not_divide_leave_the_end_chunks_one_short():
 def test_recompute_modes_keep_what_practice_keeps():
   """12 blocks on 3 stages: the middle stage holds 4 blocks, 2 microbatches in flight."""
   c = dict(forward=1.0, backward=2.0, params=1e9, activations=0.5e9, selective=0.2e9,
-           selective_forward=0.25)
+           selective_forward=0.25, dots=0.15e9, dots_forward=0.5)
   graph = blocks(12, edge=0.1e9, **c)
   config = dict(tensor=1, pipeline=3, data=1, microbatch=1)
   memory, time = {}, {}
-  for mode in ("none", "full", "selective"):
+  for mode in ("none", "full", "selective", "dots"):
     plan = automap.price_placement(graph, automap.ClusterConfig(**config, recompute=mode),
                                    global_batch=6, hardware=flat(), optimizer="sgd")
     middle = plan.stages[1]
@@ -146,7 +146,22 @@ def test_recompute_modes_keep_what_practice_keeps():
   assert memory["full"] == pytest.approx(2 * 4 * 0.1e9 + 0.5e9)
   # Selective: all but the scores per microbatch, one block's scores rebuilt.
   assert memory["selective"] == pytest.approx(2 * 4 * 0.3e9 + 0.2e9)
-  assert time == pytest.approx({"none": 12.0, "full": 16.0, "selective": 13.0})
+  # Dots: every block's input and matmul outputs per microbatch, one block's
+  # rest rebuilt at a time.
+  assert memory["dots"] == pytest.approx(2 * 4 * (0.1e9 + 0.15e9) + 0.35e9)
+  assert time == pytest.approx({"none": 12.0, "full": 16.0, "selective": 13.0, "dots": 14.0})
+
+
+def test_dots_mode_needs_traced_layers():
+  """Hand-built layers carry no matmul outputs: the planner leaves "dots"
+  out of its choices, and asking for it by name says what is missing."""
+  graph = blocks(4)
+  plan = automap.place(graph, devices=2, microbatches=4, hardware=flat(hbm=5e9),
+                       optimizer="sgd", zero=0)
+  assert {s.recompute_mode for s in plan.stages} <= {"none", "full", "selective"}
+  with pytest.raises(automap.PlacementError, match="LayerCost.dots.*lacks"):
+    automap.price_placement(graph, automap.ClusterConfig(recompute="dots"), global_batch=2,
+                            hardware=flat())
 
 
 def test_mixed_precision_keeps_float32_master_weights_gradients_and_moments():
@@ -273,6 +288,39 @@ def test_price_cluster_prices_a_traced_step_as_stated():
   assert "this plan is" in planned.explain(against=given)
   with pytest.raises(automap.PlacementError, match="does not divide global_batch=30"):
     automap.price_cluster(loss, params, *batch, config=config, global_batch=30, hardware="a100")
+
+
+def test_dots_policy_keeps_what_jax_saves():
+  """Per block, the bytes the "dots" mode keeps besides the block's input are
+  the dot_general outputs JAX itself saves as residuals of a block under
+  `jax.checkpoint(policy=dots_with_no_batch_dims_saveable)`: q, k, v, the
+  attention output projection and the MLP's first layer, not its last."""
+  import contextlib
+  import io
+  import re
+
+  from jax.ad_checkpoint import print_saved_residuals
+  config = GPTConfig(vocab=256, seq=64, hidden=64, heads=4, layers=2, dtype=jnp.bfloat16)
+  block = Block(config)
+  x = jnp.zeros((4, 64, 64), jnp.bfloat16)
+  p = block.init(jax.random.key(0), x)
+  remat = jax.checkpoint(lambda p, x: block.apply(p, x),
+                         policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    print_saved_residuals(lambda p, x: remat(p, x).astype(jnp.float32).sum(), p, x)
+  saved = [line for line in out.getvalue().splitlines() if "output of dot_general" in line]
+  assert len(saved) == 5
+  jax_bytes = sum(2 * np.prod([int(n) for n in re.search(r"bf16\[([\d,]+)\]", line)[1].split(",")])
+                  for line in saved)
+  loss, params, batch = gpt_step()
+  profile = layers_lib.measure(loss, params, batch, widths=[1], hardware=automap.HARDWARE["a100"],
+                               search=layers_lib.sharding_search(None))
+  costs = {layer.name: layer.widths[1] for layer in profile.at(4).layers}
+  for name in ("block_0", "block_1"):
+    assert costs[name].dots == jax_bytes
+    # Everything but the five projections is rerun: less than the forward.
+    assert 0 < costs[name].dots_forward < costs[name].forward
 
 
 def test_fused_attention_stashes_no_scores_and_prices_their_flops():

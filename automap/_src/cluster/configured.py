@@ -34,8 +34,10 @@ class ClusterConfig:
     data-parallel replicas (tensor * pipeline * data devices in all).
   microbatch: samples per microbatch per replica.
   recompute: "none", "full" (each layer's input kept, the layer rebuilt in
-    its backward) or "selective" (attention scores and softmax rebuilt);
-    True and False stand for "full" and "none".
+    its backward), "selective" (attention scores and softmax rebuilt) or
+    "dots" (each layer's input and weight-matmul outputs kept, the rest
+    rebuilt: JAX's `checkpoint_dots_with_no_batch_dims`); True and False
+    stand for "full" and "none".
   schedule: "1f1b" or "interleaved" (1F1B over `virtual_stages` chunks per
     stage, Narayanan et al. 2021).
   virtual_stages: chunks per stage; 1 with "1f1b", at least 2 interleaved.

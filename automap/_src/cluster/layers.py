@@ -14,7 +14,9 @@ activations the bytes per device its forward ops produce that backward ops
 read (what 1F1B stashes), and an edge the bytes one layer's forward hands to
 another's. Its FLOPs are its ops' under that plan; what selective recompute
 drops are the stashed values between two contractions of activations
-(attention's scores and softmax, `attention_scores`).
+(attention's scores and softmax, `attention_scores`); what the "dots" policy
+keeps and reruns follows from the weight matmuls (`weight_matmuls`) by
+walking back from what the backward reads (`policy_rerun`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from automap._src.cluster.model import Layer, LayerCost, LayerGraph, PlacementEr
 from automap._src.cost.hardware import Hardware
 from automap._src.ir import trace as trace_lib
 from automap._src.ir.naming import is_backward, layer_of
+from automap._src.ir.rules import UNSHARDABLE
 from automap._src.plan import build, report
 from automap._src.search import driver
 from automap._src.search.program import Program
@@ -69,7 +72,8 @@ class Profile:
         c = graph.layers[i].widths[t]
         widths[t] = LayerCost(c.forward * s, c.backward * s, c.params, c.activations * s,
                               c.collectives * s, c.flops * s, c.selective * s,
-                              c.selective_forward * s)
+                              c.selective_forward * s, None if c.dots is None else c.dots * s,
+                              c.dots_forward * s)
       layers.append(Layer(layer.name, widths))
     return LayerGraph(tuple(layers), tuple((a, b, n * s) for a, b, n in some.edges))
 
@@ -184,6 +188,48 @@ def attention_scores(g, forward: np.ndarray, params_count: int) -> np.ndarray:
   return after
 
 
+def weight_matmuls(g, forward: np.ndarray) -> np.ndarray:
+  """[O] bool: the forward dot_generals without batch dimensions (no factor
+  in both operands and the result): the projections, whose outputs JAX's
+  `checkpoint_dots_with_no_batch_dims` policy saves; attention's batched
+  contractions are not among them. A batch dimension of extent 1 has no
+  factor and goes unseen."""
+  found = np.zeros(g.num_ops, bool)
+  for o in np.flatnonzero(forward):
+    if g.prims[o] == "dot_general":
+      rule = g.rules[o]
+      shared = set(rule.operands[0]) & set(rule.operands[1]) & set(rule.results[0])
+      found[o] = not shared - {UNSHARDABLE}
+  return found
+
+
+def policy_rerun(g, cut: LayerCut, needed: np.ndarray,
+                 saveable: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """What a layer under `jax.checkpoint(policy=...)` keeps and reruns.
+
+  needed: [V] forward values its own backward reads.
+  saveable: [O] ops whose results the policy saves.
+  Returns ([V] saved, [O] rerun): walking each layer's forward last to first,
+  a needed value made by a saveable op is saved, one made by any other op is
+  rebuilt by rerunning it, and that op's operands from the same layer are
+  needed in turn. Values from other layers are the layer's input, kept."""
+  needed = needed.copy()
+  saved = np.zeros(g.num_values, bool)
+  rerun = np.zeros(g.num_ops, bool)
+  for o in reversed(np.flatnonzero(cut.forward)):
+    results = [v for v in g.results[o] if v >= 0 and needed[v]]
+    if not results:
+      continue
+    if saveable[o]:
+      saved[results] = True
+      continue
+    rerun[o] = True
+    for v in g.operands[o]:
+      if v >= 0 and g.producer[v] >= 0 and cut.segment[g.producer[v]] == cut.segment[o]:
+        needed[v] = True
+  return saved, rerun
+
+
 def sharding_search(budget, seed: int = 0) -> Callable[[Program], np.ndarray]:
   """`search(program) -> state` for `measure`: the sharding search's plan
   under `budget` (an automap.Budget), or everything whole on one device."""
@@ -236,6 +282,14 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
   scores = attention_scores(g, forward, params_count)
   fused = fused_attention_ops(g, cut, scores) if fused_attention else np.zeros(g.num_ops, bool)
   rebuilt = sorted({g.producer[v] for v in np.flatnonzero(scores)})  # ops making the scores
+  # The "dots" policy: what each layer's own backward reads (flash attention
+  # stashes no scores), kept or rebuilt.
+  own = np.zeros(g.num_values, bool)
+  for v in range(g.num_values):
+    p = g.producer[v]
+    if p >= 0 and forward[p] and not (scores[v] and fused.any()):
+      own[v] = any(not forward[o] and cut.labels[o] == cut.labels[p] for o, _ in g.uses[v])
+  saved, rerun = policy_rerun(g, cut, own, weight_matmuls(g, forward))
   graphs = {}
   for t, (program, state) in width_states.items():
     model = program.model
@@ -263,6 +317,8 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
       bw, rebuild = bw + rebuild, np.zeros(len(names))
     param_bytes = np.zeros(len(names))
     acts = np.zeros(len(names))
+    dots = np.zeros(len(names))
+    dots_forward = np.bincount(segment[rerun], seconds[rerun], len(names))
     edges: dict[tuple[int, int], float] = defaultdict(float)
     for v in range(g.num_values):
       readers = {segment[o] for o, _ in g.uses[v] if forward[o]}
@@ -274,6 +330,8 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
       if p < 0 or not forward[p]:
         continue
       src = segment[p]
+      if saved[v]:
+        dots[src] += model.local_bytes(state, v)
       if any(not forward[o] for o, _ in g.uses[v]) and not (scores[v] and fused.any()):
         acts[src] += model.local_bytes(state, v)
         if scores[v]:
@@ -282,7 +340,8 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
         edges[(src, r)] += float(g.nbytes[v])
     layers = tuple(Layer(n, {t: LayerCost(*(float(x) for x in (
         fw[i], bw[i], param_bytes[i], acts[i], coll[i], flops[i], dropped[i],
-        min(rebuild[i], fw[i]))))}) for i, n in enumerate(names))
+        min(rebuild[i], fw[i]), dots[i], min(dots_forward[i], fw[i]))))})
+                   for i, n in enumerate(names))
     graphs[t] = LayerGraph(layers, tuple((names[a], names[b], nbytes)
                                          for (a, b), nbytes in sorted(edges.items())))
   return graphs

@@ -48,6 +48,12 @@ class LayerCost:
     rebuilds in the backward pass (the attention scores, their softmax and
     what lies between the two batched contractions of attention).
   selective_forward: seconds of forward it takes to rebuild them.
+  dots: bytes of weight-matmul outputs (dot_generals without batch
+    dimensions) the backward needs, directly or to rebuild what it reads:
+    what JAX's `checkpoint_dots_with_no_batch_dims` policy keeps besides the
+    layer's input (MaxText's remat_policy "minimal"). None where the layer
+    was not traced: the "dots" recompute mode is then not priced.
+  dots_forward: seconds of forward that policy reruns in the backward.
   """
 
   forward: float
@@ -58,10 +64,14 @@ class LayerCost:
   flops: float = 0.0
   selective: float = 0.0
   selective_forward: float = 0.0
+  dots: float | None = None
+  dots_forward: float = 0.0
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
+      if field.name == "dots" and value is None:
+        continue
       if (isinstance(value, bool) or not isinstance(value, (int, float))
           or not math.isfinite(value) or value < 0):
         raise PlacementError(
@@ -181,7 +191,7 @@ class LayerGraph:
     return done
 
 
-RECOMPUTE_MODES = ("none", "full", "selective")
+RECOMPUTE_MODES = ("none", "full", "selective", "dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +214,7 @@ class Stage:
   zero: float                 # of which ZeRO gathers / reduce-scatters left exposed
   sync: float                 # data-parallel sync once per batch left exposed, Y_i
   memory: float               # bytes per device
-  recompute_mode: str = ""    # "none" | "full" | "selective" ("": from `recompute`)
+  recompute_mode: str = ""    # one of RECOMPUTE_MODES ("": from `recompute`)
   sync_total: float = -1.0    # the whole sync, exposed or overlapped (-1: `sync`)
   zero_total: float = -1.0    # the whole ZeRO collectives per microbatch (-1: `zero`)
   flops: float = 0.0          # model FLOPs per microbatch per device

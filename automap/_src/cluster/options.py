@@ -156,8 +156,10 @@ class PlacementOptions:
     microbatch), 3 also parameters (gathered for every use).
   recompute: "full" (True: every layer's input kept, the layer rebuilt in
     its backward), "selective" (only the attention scores and softmax
-    rebuilt), "none" (False: everything stashed), a sequence of them, or
-    None: every mode, chosen per stage.
+    rebuilt), "dots" (every layer's input and weight-matmul outputs kept,
+    the rest rebuilt; layers traced from a program only), "none" (False:
+    everything stashed), a sequence of them, or None: every mode the
+    layers price, chosen per stage.
   widths: tensor-parallel widths allowed (None: every width the layers price).
   data_parallel, stages: fix the data-parallel degree or the stage count (to
     price a hand-written split such as Megatron's p x d x t); None searches.

@@ -29,9 +29,12 @@ Recompute is per layer, as Megatron-LM and `jax.checkpoint` on each block
 practise it: "full" keeps each layer's input per microbatch in flight and
 rebuilds one layer's activations at a time in its backward; "selective"
 keeps everything but the attention scores and softmax (`LayerCost.selective`)
-and rebuilds those. With `overlap`, the data-parallel sync and the ZeRO
-collectives run beside compute in as many pieces as the stage has layers
-(`exposed`): only what compute cannot cover is on the clock.
+and rebuilds those; "dots" keeps each layer's input and its weight-matmul
+outputs (`LayerCost.dots`, JAX's `checkpoint_dots_with_no_batch_dims`) and
+reruns the rest of the forward the backward needs. With `overlap`, the
+data-parallel sync and the ZeRO collectives run beside compute in as many
+pieces as the stage has layers (`exposed`): only what compute cannot cover is
+on the clock.
 
 The interleaved 1F1B schedule (v chunks per stage, Narayanan et al. 2021)
 splits a chain of equal blocks evenly into S * v chunks, chunk c on stage
@@ -91,6 +94,7 @@ class _Problem:
   overlap: bool = True          # sync and ZeRO collectives beside compute
   virtual_stages: int | None = 1  # None: interleaving searched where legal
   overlap_tensor: bool = False  # tensor-parallel collectives beside the matmuls
+  recompute_stated: bool = True  # `recompute` as the options name it (else every mode)
 
 
 class _Totals(NamedTuple):
@@ -108,6 +112,9 @@ class _Totals(NamedTuple):
   selective: float            # attention scores selective recompute drops
   largest_selective: float
   selective_forward: float    # seconds to rebuild them
+  dots: float                 # weight-matmul outputs the "dots" policy keeps
+  largest_dots_rebuilt: float  # the most one layer rebuilds under it
+  dots_forward: float         # seconds it reruns
   layers: int
   bytes_in: float             # on edges entering the stage
   bytes_out: float            # on edges leaving it
@@ -126,16 +133,23 @@ class _TimeParts(NamedTuple):
   tensor: float               # tensor-parallel collectives left exposed (inside compute)
 
 
-def kept(mode: str, activations: float, inputs: float, selective: float) -> float:
+def kept(mode: str, activations: float, inputs: float, selective: float, dots: float) -> float:
   """Bytes a recompute mode keeps per microbatch in flight: every activation
   ("none"), every layer's input ("full"), all but the attention scores
-  ("selective")."""
-  return {"none": activations, "full": inputs, "selective": activations - selective}[mode]
+  ("selective"), every layer's input and weight-matmul outputs ("dots")."""
+  return {"none": activations, "full": inputs, "selective": activations - selective,
+          "dots": inputs + dots}[mode]
 
 
-def rebuilt(mode: str, forward: float, selective_forward: float) -> float:
+def rebuilt(mode: str, forward: float, selective_forward: float, dots_forward: float) -> float:
   """Seconds of forward a recompute mode runs again in the backward."""
-  return {"none": 0.0, "full": forward, "selective": selective_forward}[mode]
+  return {"none": 0.0, "full": forward, "selective": selective_forward,
+          "dots": dots_forward}[mode]
+
+
+def _traced(graph: LayerGraph) -> bool:
+  """Every layer carries what the "dots" mode needs (a traced graph does)."""
+  return all(c.dots is not None for layer in graph.layers for c in layer.widths.values())
 
 
 def exposed(comm: float, compute: float, pieces: int) -> float:
@@ -212,6 +226,16 @@ class _StageCosts:
   """Costs of one candidate stage (a set of layers) in one placement problem."""
 
   def __init__(self, graph: LayerGraph, problem: _Problem):
+    if "dots" in problem.recompute and not _traced(graph):
+      if problem.recompute_stated:
+        untraced = next(layer.name for layer in graph.layers
+                        if any(c.dots is None for c in layer.widths.values()))
+        raise PlacementError(
+            f"recompute='dots' needs each layer's weight-matmul outputs (LayerCost.dots), "
+            f"which layer {untraced!r} lacks: trace the step (automap.plan_cluster, "
+            "automap.price_cluster) or set LayerCost.dots and dots_forward.")
+      problem = dataclasses.replace(
+          problem, recompute=tuple(m for m in problem.recompute if m != "dots"))
     self.graph, self.problem = graph, problem
     self.ring = _Ring(problem.hw)
     self.index = {layer.name: i for i, layer in enumerate(graph.layers)}
@@ -362,8 +386,8 @@ class _StageCosts:
         for mode in o.recompute:
           # What a layer keeps per microbatch in flight; the one layer a
           # recomputing stage rebuilds at a time is left out (a bound).
-          held = kept(mode, c.activations, self.inputs[kind] / t, c.selective)
-          extra = rebuilt(mode, c.forward, c.selective_forward)
+          held = kept(mode, c.activations, self.inputs[kind] / t, c.selective, c.dots or 0.0)
+          extra = rebuilt(mode, c.forward, c.selective_forward, c.dots_forward)
           points.append((t * (self.least(c) + extra), t * (fixed + in_flight * held)))
       if not points:
         self._hulls[key] = (math.inf, math.inf, [])
@@ -430,6 +454,10 @@ class _StageCosts:
           selective=total(lambda c: c.selective),
           largest_selective=max(c.selective for _, c, _ in costs),
           selective_forward=total(lambda c: c.selective_forward),
+          dots=total(lambda c: c.dots or 0.0),
+          largest_dots_rebuilt=max(max(c.activations - (c.dots or 0.0), 0.0)
+                                   for _, c, _ in costs),
+          dots_forward=total(lambda c: c.dots_forward),
           layers=sum(n for n, _, _ in costs), bytes_in=b_in / t, bytes_out=b_out / t)
     return self._totals[key]
 
@@ -461,9 +489,11 @@ class _StageCosts:
     base + in_flight * per microbatch. Base: parameters, gradients and
     optimizer state (each sharded over data parallelism from its ZeRO stage
     on) and what the backward rebuilds at a time: one layer's activations
-    under full recompute, one layer's attention scores under selective.
+    under full recompute, one layer's attention scores under selective,
+    one layer's activations less its kept matmul outputs under dots.
     Per microbatch: every activation (none), every layer's input (full),
-    all but the attention scores (selective)."""
+    all but the attention scores (selective), every layer's input and
+    weight-matmul outputs (dots)."""
     key = (self.signature(members), t, mode, d, zero)
     if key not in self._terms:
       c = self.totals(members, t)
@@ -471,8 +501,9 @@ class _StageCosts:
       if zero >= 3:
         fixed += c.largest_params * (1 - 1 / d)  # one layer's parameters gathered at a time
       transient = {"none": 0.0, "full": c.largest_activations,
-                   "selective": c.largest_selective}[mode]
-      self._terms[key] = (fixed + transient, kept(mode, c.activations, c.inputs, c.selective))
+                   "selective": c.largest_selective, "dots": c.largest_dots_rebuilt}[mode]
+      self._terms[key] = (fixed + transient,
+                          kept(mode, c.activations, c.inputs, c.selective, c.dots))
     return self._terms[key]
 
   def memory(self, members: int, t: int, mode: str, in_flight: float, d: int,
@@ -537,7 +568,7 @@ class _StageCosts:
     # interleaved first or last stage sends around the end of the pipeline.
     transfers = 2 * (ring.send(c.bytes_in, (first - 1) % per_pipeline, first)
                      + ring.send(c.bytes_out, first + t - 1, (first + t) % per_pipeline))
-    rebuild = rebuilt(mode, c.forward, c.selective_forward)
+    rebuild = rebuilt(mode, c.forward, c.selective_forward, c.dots_forward)
     compute = c.forward + c.backward + rebuild
     tensor = c.collectives * (1.5 if mode == "full" else 1.0)  # full recompute redoes forward's
     if self.problem.overlap_tensor and tensor:
@@ -959,7 +990,7 @@ def _problem(devices, microbatches, hardware, options: PlacementOptions) -> _Pro
   return _Problem(devices, microbatches, memory_limit(options, hw), hw, options.optimizer_state,
                   options.zero, recompute_modes("PlacementOptions", options.recompute),
                   options.widths, options.stages, options.gradient_state, options.overlap,
-                  options.virtual_stages, options.overlap_tensor)
+                  options.virtual_stages, options.overlap_tensor, options.recompute is not None)
 
 
 __all__ = ["MAX_DOWNSETS", "place", "place_any"]
