@@ -34,10 +34,12 @@ class GPTConfig:
   gated: bool = False  # SwiGLU: silu(x W_gate) * (x W_up), then W_out
   kv_heads: int = 0  # K; 0: heads (multi-head attention)
   tied: bool = True  # the output head reads the embedding table
+  head_size: int = 0  # D; 0: hidden // heads (heads * D need not be hidden)
+  parallel: bool = False  # attention and MLP read one norm, summed (GPT-J, PaLM)
 
   @property
   def head_dim(self) -> int:
-    return self.hidden // self.heads
+    return self.head_size or self.hidden // self.heads
 
   @property
   def mlp_width(self) -> int:
@@ -84,6 +86,9 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
+    if self.config.parallel:
+      y = nn.LayerNorm(name="ln1")(x)
+      return x + Attention(self.config, name="attn")(y) + MLP(self.config, name="mlp")(y)
     x = x + Attention(self.config, name="attn")(nn.LayerNorm(name="ln1")(x))
     return x + MLP(self.config, name="mlp")(nn.LayerNorm(name="ln2")(x))
 
