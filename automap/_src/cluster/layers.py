@@ -245,7 +245,8 @@ def sharding_search(budget, seed: int = 0) -> Callable[[Program], np.ndarray]:
 
 def fused_attention_ops(g, cut: LayerCut, scores: np.ndarray) -> np.ndarray:
   """[O] bool: the ops one fused attention kernel (flash attention) runs: the
-  forward ops making the scores and the contraction reading them, and the
+  forward ops making the scores or anything shaped like them in their layer
+  (the broadcast causal mask) and the contraction reading them, and the
   backward ops of the same layer label that read or make a value shaped
   like that label's scores (their gradients, the product with v's)."""
   fused = np.zeros(g.num_ops, bool)
@@ -258,6 +259,8 @@ def fused_attention_ops(g, cut: LayerCut, scores: np.ndarray) -> np.ndarray:
     values = [v for v in (*g.operands[o], *g.results[o]) if v >= 0]
     if cut.forward[o]:
       fused[o] |= g.prims[o] == "dot_general" and any(scores[v] for v in g.operands[o] if v >= 0)
+      fused[o] |= any(tuple(g.shapes[v]) in shapes.get(cut.labels[o], ())
+                      for v in g.results[o] if v >= 0)
     else:
       fused[o] |= any(tuple(g.shapes[v]) in shapes.get(cut.labels[o], ()) for v in values)
   return fused
@@ -282,12 +285,18 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
   scores = attention_scores(g, forward, params_count)
   fused = fused_attention_ops(g, cut, scores) if fused_attention else np.zeros(g.num_ops, bool)
   rebuilt = sorted({g.producer[v] for v in np.flatnonzero(scores)})  # ops making the scores
-  # The "dots" policy: what each layer's own backward reads (flash attention
-  # stashes no scores), kept or rebuilt.
+  # What stays inside the flash kernel: every value its forward makes but
+  # the product with v (the scores, their mask and softmax never reach memory).
+  in_kernel = np.zeros(g.num_values, bool)
+  for o in np.flatnonzero(fused & forward):
+    kept_out = g.prims[o] == "dot_general" and not any(scores[v] for v in g.results[o] if v >= 0)
+    if not kept_out:
+      in_kernel[[v for v in g.results[o] if v >= 0]] = True
+  # The "dots" policy: what each layer's own backward reads, kept or rebuilt.
   own = np.zeros(g.num_values, bool)
   for v in range(g.num_values):
     p = g.producer[v]
-    if p >= 0 and forward[p] and not (scores[v] and fused.any()):
+    if p >= 0 and forward[p] and not in_kernel[v]:
       own[v] = any(not forward[o] and cut.labels[o] == cut.labels[p] for o, _ in g.uses[v])
   saved, rerun = policy_rerun(g, cut, own, weight_matmuls(g, forward))
   graphs = {}
@@ -332,7 +341,7 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
       src = segment[p]
       if saved[v]:
         dots[src] += model.local_bytes(state, v)
-      if any(not forward[o] for o, _ in g.uses[v]) and not (scores[v] and fused.any()):
+      if any(not forward[o] for o, _ in g.uses[v]) and not in_kernel[v]:
         acts[src] += model.local_bytes(state, v)
         if scores[v]:
           dropped[src] += model.local_bytes(state, v)
