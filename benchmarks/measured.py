@@ -19,8 +19,9 @@ formula (`SOURCE_FLOPS`), so "predicted / measured" compares like with like.
 Split: the Narayanan et al. 2021 weak-scaling table (Table 1) and every
 third other row (by id) are validation: nothing is ever fitted to them. The
 training rows fit one constant per device, `Hardware.matmul_efficiency`,
-from the rows whose prediction moves with it, where there are at least
-MIN_FIT_ROWS (`--fit` prints the fit; the catalogue's values in
+from the rows whose prediction moves with it, where they come from at
+least MIN_FIT_RUNS independent runs (a model at several scales is one run)
+(`--fit` prints the fit; the catalogue's values in
 `automap/_src/cost/calibration.py` came from it).
 
 Not priced (listed with the reason): context parallelism, FSDP inside a
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import pathlib
@@ -64,14 +66,35 @@ DATA = pathlib.Path(__file__).with_name("measured_runs.json")
 # so: MaxText's base.yml @76bd53b0 (`attention: 'flash'`) and its v5e scripts
 # @9bc243c5 (`enable_flash_attention=true`); Megatron-Core r0.8's default
 # `--transformer-impl transformer_engine` (arguments.py @f2e5db40), whose
-# attention is Transformer Engine's fused kernel. The 2021-22 Megatron runs
-# predate FlashAttention; Llama 3's paper does not say.
+# attention is Transformer Engine's fused kernel. Runs that predate
+# FlashAttention (Dao et al., May 2022) did not: Narayanan et al. 2021,
+# MT-NLG (2021), BLOOM (trained from March 2022 with Megatron-DeepSpeed's
+# fused softmax). Where a source is silent (Llama 3), both are tried and the
+# fastest that fits stands, as for any setting a source leaves out.
 FUSED_ATTENTION = ("maxtext_v5e", "maxtext_v5p", "mcore_h100_2024")
+UNFUSED_ATTENTION = ("narayanan21", "mtnlg", "bloom")
 # Sources whose runs overlapped tensor-parallel collectives with the matmuls,
-# and say so: the Megatron-LM README @f2e5db40 (`--tp-comm-overlap`).
-OVERLAP_TENSOR = ("mcore_h100_2024",)
-# A device's constant is fitted only on this many rows that move with it.
-MIN_FIT_ROWS = 3
+# and say so: the Megatron-LM README @f2e5db40 (`--tp-comm-overlap`);
+# MaxText's run scripts (configs/v5p/*.sh @76bd53b0, largest_job/*.sh
+# @9bc243c9), whose LIBTPU_INIT_ARGS set
+# `--xla_tpu_enable_async_collective_fusion=true
+# --xla_tpu_enable_async_collective_fusion_multiple_steps=true
+# --xla_tpu_overlap_compute_collective_tc=true`.
+OVERLAP_TENSOR = ("mcore_h100_2024", "maxtext_v5e", "maxtext_v5p")
+# Sources whose activations between blocks are split over the tensor axis
+# along their embedding dimension: MaxText's logical_axis_rules
+# ('activation_embed', 'tensor') in base.yml @76bd53b0 and @9bc243c9, applied
+# to each decoder layer's input, norm, attention and MLP outputs and sum
+# (layers/models.py). Megatron-LM's runs keep them whole in the group.
+EMBED_SHARDED = ("maxtext_v5e", "maxtext_v5p")
+# Sources whose blocks run attention and the MLP side by side on one norm's
+# output and add both to the input: MaxText's DecoderLayer (layers/models.py
+# @76bd53b0; layers.py @9bc243c9), as PaLM's.
+PARALLEL_BLOCKS = ("maxtext_v5e", "maxtext_v5p", "palm")
+# A device's constant is fitted only on rows that move with it from this many
+# runs: one model measured at several scales is one run, whose software
+# stack a kernel constant must not absorb.
+MIN_FIT_RUNS = 3
 MICROBATCHES = (1, 2, 4, 8, 16)
 VIRTUAL = (2, 3, 4, 6, 8)
 
@@ -82,9 +105,14 @@ def load() -> tuple[list[dict], dict]:
 
 
 def validation(rows: list[dict]) -> set[str]:
-  """Narayanan et al.'s Table 1, and every third other row by id."""
+  """Narayanan et al.'s Table 1, and every third other row by id; rows added
+  later carry their split, fixed before they were first priced, so that
+  adding them moves no earlier row's."""
+  stated = {r["id"] for r in rows if r.get("split") == "validation"}
+  rows = [r for r in rows if "split" not in r]
   rest = [r["id"] for r in rows if not r["id"].startswith("narayanan21-t1-")]
-  return {r["id"] for r in rows if r["id"].startswith("narayanan21-t1-")} | set(rest[::3])
+  return ({r["id"] for r in rows if r["id"].startswith("narayanan21-t1-")} | set(rest[::3])
+          | stated)
 
 
 def unpriced(row: dict) -> str | None:
@@ -108,7 +136,8 @@ def model_config(row: dict, layers: int = 2) -> GPTConfig:
   return GPTConfig(vocab=m.get("vocab") or 32000, seq=m["seq"], hidden=m["hidden"],
                    heads=m["heads"], layers=layers, mlp=m.get("ffn") or 0,
                    gated=bool(m.get("gated_mlp")),
-                   kv_heads=m.get("kv_heads") or 0, dtype=jnp.bfloat16,
+                   kv_heads=m.get("kv_heads") or 0, head_size=m.get("head_dim") or 0,
+                   parallel=row["source"] in PARALLEL_BLOCKS, dtype=jnp.bfloat16,
                    tied=row["source"] not in ("llama3", "mcore_h100_2024"))
 
 
@@ -145,20 +174,20 @@ def source_flops(row: dict) -> float:
   B, s, L, h = p["global_batch"], m["seq"], m["layers"], m["hidden"]
   V = m.get("vocab") or 0
   source = row["source"]
-  if source == "narayanan21":  # eq. (3), recompute's forward included
+  if source in ("narayanan21", "mtnlg"):  # eq. (3), recompute's forward included
     return 96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
   if source == "mcore_h100_2024":  # Megatron-LM's model FLOPs (training.py), no recompute
     return 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
   if source == "bloom":  # math/README.md: model size x 4 x 2 x seq x batch
     return m["params"] * 8 * s * B
   if source in ("maxtext_v5e", "maxtext_v5p"):  # max_utils.calculate_training_tflops
-    head_dim = h // m["heads"]
+    head_dim = m.get("head_dim") or h // m["heads"]
     attention = 12 * m["heads"] * L * head_dim * s**2 * B
     if source == "maxtext_v5p":  # halved for causality from 2023-11-29 on
       attention /= 2
     return 6 * parameters(row) * s * B + attention
   if source in ("llama3", "palm"):  # PaLM's MFU: 6N + 12 L H Q T per token
-    head_dim = h // m["heads"]
+    head_dim = m.get("head_dim") or h // m["heads"]
     return (6 * m["params"] + 12 * L * m["heads"] * head_dim * s) * s * B
   raise ValueError(f"no FLOP formula for source {source!r}")
 
@@ -193,15 +222,24 @@ def megatron(path: str, ndim: int) -> P:
   return P()
 
 
-def published_state(traced, params_count: int, width: int, hw) -> np.ndarray:
+def published_state(traced, params_count: int, width: int, hw,
+                    embed_sharded: int = 0) -> np.ndarray:
   """The runs' own intra-layer layout (Megatron-LM's, MaxText's tensor
-  axis alike) on a `width`-device mesh; the batch whole on it."""
+  axis alike) on a `width`-device mesh; the batch whole on it. With
+  `embed_sharded` = hidden, every [1, seq, hidden] activation and its
+  gradient is split over the axis along hidden, as MaxText constrains them."""
   program = Program.build(traced, MeshSpec(("model",), (width,)), hw)
   if width == 1:
     return program.initial_state()
+  g = program.graph
   paths = [str(p) for p in traced.in_paths]
-  specs = [megatron(p, 0) if i < params_count else P() for i, p in enumerate(paths)]
-  return program.state_from_specs(specs)
+  layouts = [(v, megatron(p, 0) if i < params_count else P())
+             for i, (v, p) in enumerate(zip(g.inputs, paths))]
+  if embed_sharded:
+    layouts += [(v, P(None, None, "model")) for v in range(g.num_values)
+                if g.producer[v] >= 0 and len(g.shapes[v]) == 3
+                and g.shapes[v][0] == 1 and g.shapes[v][2] == embed_sharded]
+  return program.pinned_state(layouts, "published layout")
 
 
 def profile(traced, params_count: int, state, width: int, hw, fused: bool) -> Profile:
@@ -248,11 +286,21 @@ def candidates(row: dict) -> list[automap.ClusterConfig]:
   return out
 
 
-def priced(row: dict, prof: Profile, hw) -> tuple[automap.Placement, automap.ClusterConfig, bool]:
-  """The fastest candidate that fits (or the leanest, marked as not fitting)."""
+def attention(row: dict) -> tuple[bool, ...]:
+  """Whether attention runs fused, as the source states it; both where it is silent."""
+  if row["source"] in FUSED_ATTENTION:
+    return (True,)
+  return (False,) if row["source"] in UNFUSED_ATTENTION else (False, True)
+
+
+def priced(row: dict, profiles: dict[bool, Profile],
+           hw) -> tuple[automap.Placement, automap.ClusterConfig, bool, bool]:
+  """The fastest candidate that fits (or the leanest, marked as not fitting),
+  over the candidates and the attention kernels `profiles` price (fused or
+  not): (plan, config, fits, fused)."""
   depth = row["model"]["layers"]
   best, leanest = None, None
-  for config in candidates(row):
+  for (fused, prof), config in itertools.product(profiles.items(), candidates(row)):
     graph = prof.at(config.microbatch).repeat("block_1", depth - 1)
     try:
       plan = price(graph, config, global_batch=row["parallel"]["global_batch"], hardware=hw,
@@ -262,9 +310,9 @@ def priced(row: dict, prof: Profile, hw) -> tuple[automap.Placement, automap.Clu
       continue
     memory = max(s.memory for s in plan.stages)
     if memory <= hw.hbm_capacity and (best is None or plan.time < best[0].time):
-      best = (plan, config, True)
+      best = (plan, config, True, fused)
     if leanest is None or memory < leanest[1]:
-      leanest = ((plan, config, False), memory)
+      leanest = ((plan, config, False, fused), memory)
   if best is None and leanest is None:
     raise PlacementError(f"{row['id']}: no candidate configuration prices")
   return best or leanest[0]
@@ -286,10 +334,10 @@ def planned(row: dict, prof: Profile, hw, bound: float) -> automap.Placement | N
   return plan
 
 
-def describe(config: automap.ClusterConfig) -> str:
+def describe(config: automap.ClusterConfig, fused: bool) -> str:
   woven = f" v{config.virtual_stages}" if config.schedule == "interleaved" else ""
   return (f"t{config.tensor} p{config.pipeline} d{config.data} mb{config.microbatch} "
-          f"{config.recompute}{woven} z{config.zero}")
+          f"{config.recompute}{woven} z{config.zero}{' flash' if fused else ''}")
 
 
 def main():
@@ -321,28 +369,30 @@ def main():
     t0 = time.perf_counter()
     traced, count = traced_step(row)
     width = row["parallel"]["tensor"]
-    state = published_state(traced, count, width, hardware(row))
+    state = published_state(traced, count, width, hardware(row),
+                            row["model"]["hidden"] if row["source"] in EMBED_SHARDED else 0)
     flops = source_flops(row)
-    fused = row["source"] in FUSED_ATTENTION
+    kernels = attention(row)
     measured = row["measured"]["tflops_per_device"] * 1e12
     ratios = {}
     for eff in (grid if opts.fit and split == "training" else []):
-      plan, _, _ = priced(row, profile(traced, count, state, width, hardware(row, eff), fused),
-                          hardware(row, eff))
+      plan, *_ = priced(row, {f: profile(traced, count, state, width, hardware(row, eff), f)
+                              for f in kernels}, hardware(row, eff))
       ratios[eff] = flops / (plan.time * row["devices"]) / measured
     hw = hardware(row, opts.efficiency)
-    prof = profile(traced, count, state, width, hw, fused)
-    plan, config, fits = priced(row, prof, hw)
+    profiles = {f: profile(traced, count, state, width, hw, f) for f in kernels}
+    plan, config, fits, fused = priced(row, profiles, hw)
     predicted = flops / (plan.time * row["devices"])
     memory = max(s.memory for s in plan.stages)
     cell = ""
     if opts.planner:
-      own = planned(row, prof, hw, bound=plan.time * 1.5)
+      own = planned(row, profiles[fused], hw, bound=plan.time * 1.5)
       cell = f" {plan.time / own.time:.2f}x |" if own else " - |"
-    print(f"| {row['id']} | {split} | {row['hardware']} | {describe(config)} | "
+    print(f"| {row['id']} | {split} | {row['hardware']} | {describe(config, fused)} | "
           f"{'yes' if fits else 'NO'} | {memory / 1e9:.1f} | {measured / 1e12:.0f} | "
           f"{predicted / 1e12:.0f} | {predicted / measured:.3f} |{cell}", flush=True)
-    results.append({"id": row["id"], "split": split, "hardware": row["hardware"],
+    run = (row["source"], *(row["model"].get(k) for k in ("layers", "hidden", "heads", "seq")))
+    results.append({"id": row["id"], "split": split, "hardware": row["hardware"], "run": run,
                     "ratio": predicted / measured, "fits": fits, "grid": ratios,
                     "seconds": time.perf_counter() - t0})
   print()
@@ -364,15 +414,17 @@ def main():
       # Only rows whose prediction moves with the constant can fit it: a row
       # bound by communication predicts the same at any matmul efficiency.
       fitted = [r for r in rows_of if r["grid"][grid[0]] / r["grid"][grid[-1]] < 0.9]
-      if len(fitted) < MIN_FIT_ROWS:
-        print(f"fit {device}: {len(fitted)} of its {len(rows_of)} training rows move with "
-              f"matmul_efficiency (by 10% from {grid[0]} to {grid[-1]}), fewer than "
-              f"{MIN_FIT_ROWS}; not fitted (its family's value stands)")
-        continue
+      runs = len({r["run"] for r in fitted})
       best = min(grid, key=lambda e: (statistics.median(abs(math.log(r["grid"][e]))
-                                                        for r in fitted), -e))
+                                                        for r in fitted), -e)) if fitted else None
+      if runs < MIN_FIT_RUNS:
+        print(f"fit {device}: {len(fitted)} of its {len(rows_of)} training rows move with "
+              f"matmul_efficiency (by 10% from {grid[0]} to {grid[-1]}), from {runs} runs, "
+              f"fewer than {MIN_FIT_RUNS}; not fitted (its family's value stands"
+              + (f"; they alone would give {best:.2f})" if best else ")"))
+        continue
       print(f"fit {device}: matmul_efficiency {best:.2f} on {len(fitted)} of its "
-            f"{len(rows_of)} training rows (catalogue: "
+            f"{len(rows_of)} training rows from {runs} runs (catalogue: "
             f"{calibration.MATMUL_EFFICIENCY.get(device)})")
 
 
