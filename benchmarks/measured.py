@@ -81,6 +81,18 @@ UNFUSED_ATTENTION = ("narayanan21", "mtnlg", "bloom")
 # --xla_tpu_enable_async_collective_fusion_multiple_steps=true
 # --xla_tpu_overlap_compute_collective_tc=true`.
 OVERLAP_TENSOR = ("mcore_h100_2024", "maxtext_v5e", "maxtext_v5p")
+def sync_overlapped(row: dict) -> bool:
+  """Whether the run's data-parallel gradient sync overlapped its backward.
+  Rows say so where their source does (`grad_sync`): Table 1's runs through
+  `--DDP-impl` in Megatron-LM's examples/sc21/run_table_1.sh (torch DDP's
+  bucketed all-reduce during the backward; Megatron's "local" DDP one
+  all-reduce after it), DeepSpeed's pipeline engine (MT-NLG, BLOOM) after
+  the last backward. Elsewhere it overlaps, as XLA's latency-hiding
+  scheduler, Megatron-Core's --overlap-grad-reduce and DeepSpeed's ZeRO
+  run it."""
+  return row["parallel"].get("grad_sync") != "after_backward"
+
+
 # Sources whose activations between blocks are split over the tensor axis
 # along their embedding dimension: MaxText's logical_axis_rules
 # ('activation_embed', 'tensor') in base.yml @76bd53b0 and @9bc243c9, applied
@@ -266,7 +278,7 @@ def candidates(row: dict) -> list[automap.ClusterConfig]:
   else:
     sizes = tuple(b for b in MICROBATCHES if per_replica % b == 0)
   modes = (p["recompute"],) if p.get("recompute") else ("none", "selective", "full")
-  if pp == 1:
+  if pp == 1 or p.get("schedule") == "1f1b":
     schedules = [("1f1b", 1)]
   elif p.get("virtual_stages"):
     schedules = [("interleaved", p["virtual_stages"])]
@@ -305,7 +317,8 @@ def priced(row: dict, profiles: dict[bool, Profile],
     try:
       plan = price(graph, config, global_batch=row["parallel"]["global_batch"], hardware=hw,
                    devices=max(row["devices"], config.devices), optimizer="adam",
-                   mixed_precision=True, overlap_tensor=row["source"] in OVERLAP_TENSOR)
+                   mixed_precision=True, overlap_tensor=row["source"] in OVERLAP_TENSOR,
+                   overlap=sync_overlapped(row))
     except PlacementError:
       continue
     memory = max(s.memory for s in plan.stages)
