@@ -75,11 +75,15 @@ def brute_force(graph: LayerGraph, *, devices, microbatches, hbm, sync, latency=
           selective = sum(x.selective for x in c)
           if r == "dots" and any(x.dots is None for x in c):
             continue
-          held = {"none": lambda: n * acts,
-                  "full": lambda: n * inputs + max(x.activations for x in c),
-                  "selective": lambda: n * (acts - selective) + max(x.selective for x in c),
-                  "dots": lambda: (n * (inputs + sum(x.dots for x in c))
-                                   + max(max(x.activations - x.dots, 0) for x in c))}[r]()
+          if r == "none":
+            held = n * acts
+          elif r == "full":
+            held = n * inputs + max(x.activations for x in c)
+          elif r == "selective":
+            held = n * (acts - selective) + max(x.selective for x in c)
+          else:
+            held = (n * (inputs + sum(x.dots for x in c))
+                    + max(max(x.activations - x.dots, 0) for x in c))
           if 2 * params + opt + held > hbm:
             continue
           rebuild = {"none": 0.0, "full": fw,
