@@ -147,11 +147,6 @@ def rebuilt(mode: str, forward: float, selective_forward: float, dots_forward: f
           "dots": dots_forward}[mode]
 
 
-def _traced(graph: LayerGraph) -> bool:
-  """Every layer carries what the "dots" mode needs (a traced graph does)."""
-  return all(c.dots is not None for layer in graph.layers for c in layer.widths.values())
-
-
 def exposed(comm: float, compute: float, pieces: int) -> float:
   """Seconds of `comm` that `compute` cannot hide when both run in `pieces`
   equal pieces on two streams, each piece of communication bound to one of
@@ -226,10 +221,11 @@ class _StageCosts:
   """Costs of one candidate stage (a set of layers) in one placement problem."""
 
   def __init__(self, graph: LayerGraph, problem: _Problem):
-    if "dots" in problem.recompute and not _traced(graph):
+    # The "dots" mode needs each layer's kept matmul outputs (traced graphs have them).
+    untraced = next((layer.name for layer in graph.layers
+                     if any(c.dots is None for c in layer.widths.values())), None)
+    if "dots" in problem.recompute and untraced is not None:
       if problem.recompute_stated:
-        untraced = next(layer.name for layer in graph.layers
-                        if any(c.dots is None for c in layer.widths.values()))
         raise PlacementError(
             f"recompute='dots' needs each layer's weight-matmul outputs (LayerCost.dots), "
             f"which layer {untraced!r} lacks: trace the step (automap.plan_cluster, "
