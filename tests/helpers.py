@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
+import re
 
 import jax
 import jax.numpy as jnp
@@ -108,3 +111,22 @@ def random_input_tilings(graph, seed: int, count: int, axes: int = 2):
     if graph.rank(v) == 0:
       continue
     yield v, int(rng.integers(graph.rank(v))), int(rng.integers(axes))
+
+
+def saved_dot_outputs(fn, *args) -> list[int]:
+  """Bytes of each dot_general output JAX saves as a residual of `fn` (a
+  scalar function of `args`) under `jax.checkpoint` with the
+  dots-with-no-batch-dims policy, as `print_saved_residuals` lists them."""
+  from jax.ad_checkpoint import print_saved_residuals
+  remat = jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    print_saved_residuals(remat, *args)
+  sizes = []
+  for line in out.getvalue().splitlines():
+    if "output of dot_general" in line:
+      dtype, dims = re.match(r"(\w+)\[([\d,]*)\]", line).groups()
+      shape = [int(d) for d in dims.split(",") if d]
+      itemsize = jnp.dtype({"f32": "float32", "bf16": "bfloat16"}[dtype]).itemsize
+      sizes.append(int(np.prod(shape)) * itemsize)
+  return sizes

@@ -12,10 +12,13 @@ The whole set, at benchmark size, is `benchmarks/outside.py`.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import optax
 import pytest
-from helpers import mesh
+from helpers import mesh, saved_dot_outputs
 
 import automap
+from automap._src.cluster import layers as layers_lib
 
 outside_steps = pytest.importorskip("outside_steps")
 pytest.importorskip("equinox")
@@ -59,3 +62,26 @@ def test_outside_train_step_runs_first_try_and_prices_the_experts_as_compiled(bu
       assert predicted.total_comm_bytes > 0
       peak = outside.compiled_memory(compiled)[0]
       assert predicted.peak_memory == pytest.approx(peak, rel=0.15), name
+
+
+def test_dots_policy_keeps_what_jax_saves_of_huggingface_gpt2():
+  """HuggingFace's Flax GPT-2, traced whole (one layer): the bytes the "dots"
+  recompute mode keeps are the dot_general outputs JAX saves as residuals
+  of the same loss under the dots-with-no-batch-dims policy (q/k/v fused,
+  both projections and both MLP matmuls of each block, and the tied head)."""
+  from transformers import FlaxGPT2LMHeadModel, GPT2Config
+  tokens = jnp.zeros((2, 32), jnp.int32)
+  with jax.numpy_rank_promotion("allow"):  # library code broadcasts freely
+    model = FlaxGPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4,
+                                           n_positions=32), seed=0)
+
+    def loss(p, x, y):
+      logits = model(x, params=p, train=False).logits
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    saved = saved_dot_outputs(loss, model.params, tokens, tokens)
+    profile = layers_lib.measure(loss, model.params, (tokens, tokens), widths=[1],
+                                 hardware=automap.HARDWARE["cpu"],
+                                 search=layers_lib.sharding_search(None))
+  assert len(saved) == 9
+  assert sum(layer.widths[1].dots for layer in profile.at(2).layers) == sum(saved)

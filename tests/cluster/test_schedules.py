@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import saved_dot_outputs
 
 import automap
 from automap import Layer, LayerCost, LayerGraph
@@ -295,24 +296,13 @@ def test_dots_policy_keeps_what_jax_saves():
   the dot_general outputs JAX itself saves as residuals of a block under
   `jax.checkpoint(policy=dots_with_no_batch_dims_saveable)`: q, k, v, the
   attention output projection and the MLP's first layer, not its last."""
-  import contextlib
-  import io
-  import re
-
-  from jax.ad_checkpoint import print_saved_residuals
   config = GPTConfig(vocab=256, seq=64, hidden=64, heads=4, layers=2, dtype=jnp.bfloat16)
   block = Block(config)
   x = jnp.zeros((4, 64, 64), jnp.bfloat16)
   p = block.init(jax.random.key(0), x)
-  remat = jax.checkpoint(lambda p, x: block.apply(p, x),
-                         policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out):
-    print_saved_residuals(lambda p, x: remat(p, x).astype(jnp.float32).sum(), p, x)
-  saved = [line for line in out.getvalue().splitlines() if "output of dot_general" in line]
+  saved = saved_dot_outputs(lambda p, x: block.apply(p, x).astype(jnp.float32).sum(), p, x)
   assert len(saved) == 5
-  jax_bytes = sum(2 * np.prod([int(n) for n in re.search(r"bf16\[([\d,]+)\]", line)[1].split(",")])
-                  for line in saved)
+  jax_bytes = sum(saved)
   loss, params, batch = gpt_step()
   profile = layers_lib.measure(loss, params, batch, widths=[1], hardware=automap.HARDWARE["a100"],
                                search=layers_lib.sharding_search(None))
