@@ -70,10 +70,11 @@ class Profile:
       widths = {}
       for t, graph in per_width.items():
         c = graph.layers[i].widths[t]
-        widths[t] = LayerCost(c.forward * s, c.backward * s, c.params, c.activations * s,
-                              c.collectives * s, c.flops * s, c.selective * s,
-                              c.selective_forward * s, None if c.dots is None else c.dots * s,
-                              c.dots_forward * s)
+        widths[t] = dataclasses.replace(
+            c, forward=c.forward * s, backward=c.backward * s, activations=c.activations * s,
+            collectives=c.collectives * s, flops=c.flops * s, selective=c.selective * s,
+            selective_forward=c.selective_forward * s,
+            dots=None if c.dots is None else c.dots * s, dots_forward=c.dots_forward * s)
       layers.append(Layer(layer.name, widths))
     return LayerGraph(tuple(layers), tuple((a, b, n * s) for a, b, n in some.edges))
 
