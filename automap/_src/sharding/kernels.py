@@ -38,11 +38,12 @@ def _takers(state, o, slot, a, sizes, fixed, shape, mval, role, mdims, fdim, msi
   The tiled dim is offered, through the op's factor, to the members the
   factor's `direction` lets it update (bit 0 results, bit 1 operands; a
   one-way factor offers only from the other side; `sends` and `takes`
-  [O, M] say which members may offer and take at all). A member takes it
-  where it is free on a and not fixed, the factor's extent and the
-  member's dim divide by the tiles, any axes already on that dim nest
-  inside the offer's, and no other member offers it a different factor on
-  a from a larger tensor (more `elements`; ties to the earlier member, then
+  [O, M] say which members may offer and take at all). The offer is a
+  with the axes before it on the dim (mesh order, major first). A member
+  takes it where it is free on a and not fixed, the factor's extent and
+  the member's dim divide by the offer's tiles, the member's dim holds
+  exactly the offer's other axes, and no other member offers it a
+  different factor on a from a larger tensor (more `elements`; ties to the earlier member, then
   the lower factor): Shardy's aggressive propagation resolves conflicts
   between factors so, tensor by tensor."""
   num_axes = state.shape[1]
@@ -51,9 +52,12 @@ def _takers(state, o, slot, a, sizes, fixed, shape, mval, role, mdims, fdim, msi
     return 0
   v = mval[o, slot]
   d = state[v, a]
+  # The offer is the dim's axes up to a, major first (mesh order): a goes
+  # where the axes before it went, as Shardy propagates a factor's
+  # compatible major axes and extends only a member holding a prefix.
   tiles = 1
   offered = 0
-  for b in range(num_axes):
+  for b in range(a + 1):
     if state[v, b] == d:
       tiles *= sizes[b]
       offered |= 1 << b
@@ -77,7 +81,7 @@ def _takers(state, o, slot, a, sizes, fixed, shape, mval, role, mdims, fdim, msi
     for b in range(num_axes):
       if state[u, b] == e:
         nested |= 1 << b
-    if nested & ~offered:
+    if nested != offered & ~(1 << a):
       continue
     beaten = False
     for w in range(width):
@@ -155,22 +159,36 @@ def spread(state, frontier, a, sizes, fixed, shape, vptr, vop, vslot, mval, role
 
 
 @numba.njit(cache=True, nogil=True)
-def sweep(state, a, sizes, fixed, shape, mval, role, mdims, fdim, msize, elements,
-          direction, sends, takes, offer):
-  """Spreads every tiling on mesh axis `a` as Shardy's propagation visits
-  ops: in program order, each op's tiled members offering to the others
-  (`_takers`) and taken at once, so a later op sees what an earlier one
-  spread; sweeps repeat until nothing changes. Arguments as `spread`'s
-  (`offer` stays all -1). Returns the values changed, in order."""
-  width = mval.shape[1]
-  changed = np.empty(state.shape[0], np.int64)
+def sweep(state, order, sizes, fixed, shape, vptr, vop, mval, role, mdims, fdim, msize,
+          elements, direction, sends, takes, offer):
+  """Spreads every tiling as Shardy's propagation visits ops (MLIR's greedy
+  rewrite driver, top-down, `basic_propagation.cc`): a worklist of every
+  op in the module's order (`order` [O]); an op that changes a value puts
+  the value's other ops (its producer and readers) back on top of the
+  worklist unless they are on it already, so a change is chased depth
+  first before that order resumes. At each op its tiled members offer
+  their tilings, axis by axis (`_takers`), taken at once. Runs until the
+  worklist is empty. Other arguments as `spread`'s (`offer` stays all
+  -1). Returns the values changed, in order."""
+  num_ops, width = mval.shape
+  num_axes = state.shape[1]
+  changed = np.empty(state.shape[0] * num_axes, np.int64)
+  pending = np.ones(num_ops, np.bool_)
+  stack = np.empty(num_ops, np.int64)  # ops put back, popped last in first out
   takers = np.empty(width, np.int64)
   taken = np.empty(width, np.int64)
-  n = 0
-  again = True
-  while again:
-    again = False
-    for o in range(mval.shape[0]):
+  n = top = ahead = 0
+  while True:
+    if top > 0:
+      top -= 1
+      o = stack[top]
+    elif ahead < num_ops:
+      o = order[ahead]
+      ahead += 1
+    else:
+      break
+    pending[o] = False
+    for a in range(num_axes):
       for slot in range(width):
         v = mval[o, slot]
         if v < 0 or state[v, a] < 0:
@@ -178,8 +196,14 @@ def sweep(state, a, sizes, fixed, shape, mval, role, mdims, fdim, msize, element
         m = _takers(state, o, slot, a, sizes, fixed, shape, mval, role, mdims, fdim,
                     msize, elements, direction, sends, takes, offer, takers, taken)
         for i in range(m):
-          state[takers[i], a] = taken[i]
-          changed[n] = takers[i]
+          u = takers[i]
+          state[u, a] = taken[i]
+          changed[n] = u
           n += 1
-          again = True
+          for k in range(vptr[u], vptr[u + 1]):
+            p = vop[k]
+            if p != o and not pending[p]:
+              pending[p] = True
+              stack[top] = p
+              top += 1
   return changed[:n]

@@ -32,10 +32,11 @@ class _Tables(NamedTuple):
   dim mdims [O, M, R] (-2 pads), the member dim each factor indexes fdim
   [O, M, F] (-1: none), factor extents msize [O, F], each member's
   elements [O, M], and per propagation round
-  the members each factor may update, direction [3, O, F], and whether each
-  member may offer (sends) and take (takes) tilings, [3, O, M]
-  (`_rounds`); per value: its padded shape [V, R] and the (op, member slot)
-  views of it, as CSR (vptr [V + 1], vop, vslot).
+  the members each factor may update, direction [ROUNDS, O, F], and
+  whether each member may offer (sends) and take (takes) tilings,
+  [ROUNDS, O, M] (`_rounds`); per value: its padded shape [V, R] and the
+  (op, member slot) views of it, as CSR (vptr [V + 1], vop, vslot); the
+  ops in the order Shardy meets them, order [O] (`_module_order`).
   """
 
   mval: np.ndarray
@@ -51,12 +52,18 @@ class _Tables(NamedTuple):
   vptr: np.ndarray
   vop: np.ndarray
   vslot: np.ndarray
+  order: np.ndarray
 
 
 # Bits of `_Tables.direction`: a factor may update an op's results
 # (forward), its operands (backward).
 FORWARD, BACKWARD, BOTH = 1, 2, 3
-ROUNDS = 3
+# Shardy's op-priority schedule (`op_priority_propagation.cc`), one round
+# each: pass-through ops none of whose operands has another use; all
+# pass-through ops; every op's pass-through factors, broadcasts backward
+# only; every factor, broadcasts backward only; everything.
+ROUNDS = 5
+_SINGLE_USE, _PASS_OPS, _PASS_FACTORS, _NO_BROADCAST_FORWARD, _ALL = range(ROUNDS)
 
 # Ops every factor of which passes straight through (Shardy's elementwise
 # ops, reshapes, transposes and data-flow edges: control flow's carries and
@@ -71,19 +78,22 @@ _FORWARD_ONLY = frozenset({"dynamic_slice", "dynamic_update_slice", "scan_slice"
 
 
 def _rounds(prim: str, rule: rules.Rule, shapes: list, results: int, factors: int,
-            width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            width: int, shared: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """How an op propagates in each round of Shardy's op-priority propagation
-  (`op_priority_propagation.cc`): pass-through ops first; then every op's
-  pass-through factors (those that neither reduce nor permute, a
-  broadcast's backward only); then all. Returns per round the members each
-  factor may update [ROUNDS, factors], and which members may offer and take
-  tilings [ROUNDS, width] each.
+  (`op_priority_propagation.cc`): pass-through ops, first only those whose
+  operands have no other use (`shared`: one has), then all; then every
+  op's pass-through factors (those that neither reduce nor permute);
+  then every factor; a broadcast passes its factors backward only until
+  the last round. Returns per round the members each factor may update
+  [ROUNDS, factors], and which members may offer and take tilings
+  [ROUNDS, width] each.
 
   `shapes`: the op's members' shapes, operands first; the last `results`
   are its results. A broadcast that only inserts unit dims is a reshape in
   the module Shardy reads; an elementwise op's operand with unit dims where
   the result has more is broadcast explicitly there, so it takes part as a
-  broadcast's operand: in no first-round exchange, taking only in the second.
+  broadcast's operand: in no pass-through-op round, taking but never
+  offering until the last.
   """
   direction = np.zeros((ROUNDS, factors), np.uint8)
   sends = np.ones((ROUNDS, width), bool)
@@ -92,20 +102,25 @@ def _rounds(prim: str, rule: rules.Rule, shapes: list, results: int, factors: in
   out = shapes[-1] if results else ()
   relabels = prim == "broadcast_in_dim" and [d for d in out if d != 1] == [
       d for d in shapes[0] if d != 1]
+  broadcast = prim == "broadcast_in_dim" and not relabels
   if prim in _PASS_THROUGH or relabels:
-    direction[0, :n] = BOTH
+    direction[_PASS_OPS, :n] = BOTH
   elif prim in _FORWARD_ONLY:
-    direction[0, :n] = FORWARD
+    direction[_PASS_OPS, :n] = FORWARD
+  if not shared:
+    direction[_SINGLE_USE] = direction[_PASS_OPS]
   permuting = {w.factor for w in rule.windows} | set(rule.moved)
   for f in range(n):
-    direction[1, f] = direction[0, f]
+    direction[_PASS_FACTORS, f] = direction[_PASS_OPS, f]
     if not rule.reduction[f] and f not in permuting:
-      direction[1, f] |= BACKWARD if prim == "broadcast_in_dim" and not relabels else BOTH
-  direction[2, :n] = BOTH
+      direction[_PASS_FACTORS, f] |= BACKWARD if broadcast else BOTH
+  direction[_NO_BROADCAST_FORWARD, :n] = BACKWARD if broadcast else BOTH
+  direction[_ALL, :n] = BOTH
   if prim in rules.ELEMENTWISE or prim in ("select_n", "clamp"):
     for j, shape in enumerate(shapes[:len(shapes) - results]):
       if len(shape) == len(out) and any(a == 1 < b for a, b in zip(shape, out)):
-        sends[0, j] = takes[0, j] = sends[1, j] = False
+        sends[:_ALL, j] = False
+        takes[:_PASS_FACTORS, j] = False
   return direction, sends, takes
 
 
@@ -134,6 +149,9 @@ def _tables(graph: Graph) -> _Tables:
   sends = np.ones((ROUNDS, num_ops, width), bool)
   takes = np.ones((ROUNDS, num_ops, width), bool)
   views: list[list[tuple[int, int]]] = [[] for _ in range(num_values)]
+  # Uses as Shardy counts them: every read, and the function's return.
+  uses = np.array([len(u) for u in graph.uses], np.int64)
+  np.add.at(uses, [v for v in graph.outputs if v >= 0], 1)
   for o, m in enumerate(members):
     role[o, operand_count[o]:len(m)] = 1
     for j, (v, dims) in enumerate(m):
@@ -148,7 +166,8 @@ def _tables(graph: Graph) -> _Tables:
     msize[o, :len(rule.sizes)] = rule.sizes
     direction[:, o], sends[:, o], takes[:, o] = _rounds(
         graph.prims[o], rule, [graph.shapes[v] for v, _ in m], len(m) - operand_count[o],
-        factors, width)
+        factors, width, any(uses[v] > 1 for v in graph.operands[o]
+                            if v >= 0 and graph.shapes[v]))
   shape = np.ones((num_values, rank), np.int64)
   for v, s in enumerate(graph.shapes):
     shape[v, :len(s)] = s
@@ -156,7 +175,42 @@ def _tables(graph: Graph) -> _Tables:
   vptr[1:] = np.cumsum([len(x) for x in views])
   vop, vslot = _csr_columns(views)
   return _Tables(mval, role, mdims, fdim, msize, elements, direction, sends, takes, shape,
-                 vptr, vop, vslot)
+                 vptr, vop, vslot, _module_order(graph))
+
+
+def _module_order(graph: Graph) -> np.ndarray:
+  """[O] the ops in the order Shardy meets them: XLA hands it the module
+  in post order (`HloComputation::MakeInstructionPostOrder`: depth first
+  from each op nothing reads, the root's outputs first, operands in
+  order), not in the order the program wrote them; a weight gradient's
+  reduction thus comes after the backward pass that feeds it."""
+  g = graph
+  seen = np.zeros(g.num_ops, bool)
+  order: list[int] = []
+
+  def visit(root: int) -> None:
+    stack = [(root, False)]
+    while stack:
+      o, expanded = stack.pop()
+      if expanded:
+        order.append(o)
+        continue
+      if seen[o]:
+        continue
+      seen[o] = True
+      stack.append((o, True))
+      for v in reversed(g.operands[o]):
+        if v >= 0 and g.producer[v] >= 0 and not seen[g.producer[v]]:
+          stack.append((int(g.producer[v]), False))
+
+  for v in g.outputs:
+    if v >= 0 and g.producer[v] >= 0:
+      visit(int(g.producer[v]))
+  for o in range(g.num_ops):  # ops whose results nothing reads, in program order
+    if not seen[o] and not any(g.uses[v] for v in g.results[o] if v >= 0):
+      visit(o)
+  order += [o for o in range(g.num_ops) if not seen[o]]
+  return np.array(order, np.int64)
 
 
 def _csr_columns(views: list[list[tuple[int, int]]]) -> tuple[np.ndarray, np.ndarray]:
@@ -192,6 +246,7 @@ class Propagator:
     self.sends, self.takes = t.sends, t.takes
     self.shape = t.shape
     self.vptr, self.vop, self.vslot = t.vptr, t.vop, t.vslot
+    self.order = t.order
     self._offer = np.full(graph.num_values, -1, np.int64)  # `kernels.spread`'s scratch
 
   def can_tile(self, state: State, v: int, d: int, a: int) -> bool:
@@ -229,20 +284,20 @@ class Propagator:
 
   def seed_all(self, state: State) -> np.ndarray:
     """Propagates every tiled (value, axis) already in the state as Shardy
-    does (`kernels.sweep`: ops in program order, until nothing changes) in
-    the rounds of its op-priority propagation: through pass-through ops
-    (elementwise, reshapes, transposes) first, then through every op's
-    pass-through factors (a broadcast only back to its operand), then
-    through everything. Layouts given at several points (arguments and
-    constraints) thus reach the values around them before a dot carries
-    one across, and a parameter's tiling reaches no activation through the
-    broadcast that scales it: the batch's tiling does, through the lookup
-    that makes the first activation."""
-    changed = []
-    for stage in range(ROUNDS):
-      for a in range(self.mesh.num_axes):
-        changed.append(kernels.sweep(
-            state, a, self.size_row, self.fixed, self.shape, self.mval, self.role,
-            self.mdims, self.fdim, self.msize, self.elements, self.direction[stage],
-            self.sends[stage], self.takes[stage], self._offer))
-    return concat(changed)
+    does (`kernels.sweep`: ops in the module's post order, each change
+    chased depth first) in the rounds of its op-priority propagation
+    (`_rounds`): through pass-through ops (elementwise, reshapes,
+    transposes) first, then through every op's pass-through factors, then
+    through every factor, a broadcast forward only at the very last.
+    Layouts given at several points (arguments and constraints) thus reach
+    the values around them before a dot carries one across; a parameter's
+    tiling reaches no activation through the broadcast that scales it: the
+    batch's tiling does, through the lookup that makes the first
+    activation; and a broadcast cotangent (a mean's backward) takes the
+    batch's tiling from the backward pass, which the post order puts
+    before the weight gradient that would hand it the weight's."""
+    return concat([kernels.sweep(
+        state, self.order, self.size_row, self.fixed, self.shape, self.vptr, self.vop,
+        self.mval, self.role, self.mdims, self.fdim, self.msize, self.elements,
+        self.direction[stage], self.sends[stage], self.takes[stage], self._offer)
+        for stage in range(ROUNDS)])
