@@ -24,10 +24,16 @@ def loss(p, tokens):
   return jax.nn.logsumexp(x @ p["embed"].T, axis=-1).mean()
 
 
-def step(p, m, tokens):
-  g = jax.grad(loss)(p, tokens)
-  m = jax.tree.map(lambda a, b: 0.9 * a + 0.1 * b, m, g)
-  return jax.tree.map(lambda a, b: a - 0.1 * b, p, m), m
+def momentum_step(loss_fn):
+  """A train step of `loss_fn(p, tokens)`: SGD with momentum m."""
+  def step(p, m, tokens):
+    g = jax.grad(loss_fn)(p, tokens)
+    m = jax.tree.map(lambda a, b: 0.9 * a + 0.1 * b, m, g)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, m), m
+  return step
+
+
+step = momentum_step(loss)
 
 
 PARAMS = {"embed": jnp.ones((512, 128)), "scale": jnp.ones((128,)),
@@ -94,12 +100,7 @@ def test_a_pooled_gradient_keeps_the_batch_tiling_as_compiled():
   fsdp = {"embed": P(EVERY), "scale": P(EVERY), "bias": P(EVERY), "head": P(EVERY)}
   specs = (fsdp, fsdp, P(EVERY))
   args = (params, params, TOKENS)
-
-  def pooled_step(p, m, tokens):
-    g = jax.grad(pooled_loss)(p, tokens)
-    m = jax.tree.map(lambda a, b: 0.9 * a + 0.1 * b, m, g)
-    return jax.tree.map(lambda a, b: a - 0.1 * b, p, m), m
-
+  pooled_step = momentum_step(pooled_loss)
   cost = automap.evaluate(pooled_step, *args, mesh=MESH, in_shardings=specs, hardware="cpu")
   compiled, _, _ = compile_as_written(pooled_step, args, MESH, specs)
   assert cost.comm_bytes == pytest.approx(compiled, rel=0.01), (cost.comm_bytes, compiled)

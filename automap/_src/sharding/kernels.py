@@ -43,9 +43,9 @@ def _takers(state, o, slot, a, sizes, fixed, shape, mval, role, mdims, fdim, msi
   takes it where it is free on a and not fixed, the factor's extent and
   the member's dim divide by the offer's tiles, the member's dim holds
   exactly the offer's other axes, and no other member offers it a
-  different factor on a from a larger tensor (more `elements`; ties to the earlier member, then
-  the lower factor): Shardy's aggressive propagation resolves conflicts
-  between factors so, tensor by tensor."""
+  different factor on a from a larger tensor (more `elements`; ties to
+  the earlier member, then the lower factor): Shardy's aggressive
+  propagation resolves conflicts between factors so, tensor by tensor."""
   num_axes = state.shape[1]
   width = mval.shape[1]
   if not sends[o, slot]:
