@@ -104,3 +104,36 @@ def test_a_pooled_gradient_keeps_the_batch_tiling_as_compiled():
   cost = automap.evaluate(pooled_step, *args, mesh=MESH, in_shardings=specs, hardware="cpu")
   compiled, _, _ = compile_as_written(pooled_step, args, MESH, specs)
   assert cost.comm_bytes == pytest.approx(compiled, rel=0.01), (cost.comm_bytes, compiled)
+
+
+@pytest.mark.parametrize("scale", [P("data"), P(), P(EVERY)])
+@pytest.mark.parametrize("reduce", [jnp.mean, jnp.max])
+def test_a_reduction_reshards_its_result_not_its_operand(reduce, scale):
+  """A batch statistic of activations tiled (batch on data, features on
+  model) read with a scale tiled otherwise: XLA reduces each device's tile
+  as it is held, combines the partial results over data, then moves the
+  small result to the scale's layout (a permute, a gather, a slice); it
+  never gathers the activations to the scale's layout first."""
+  def normalise(x, g):
+    return reduce(x, axis=0) * g
+  args = (jnp.ones((128, 1024)), jnp.ones((1024,)))
+  specs = (P("data", "model"), scale)
+  cost = automap.evaluate(normalise, *args, mesh=MESH, in_shardings=specs, hardware="cpu")
+  compiled, _, _ = compile_as_written(normalise, args, MESH, specs)
+  assert cost.comm_bytes == pytest.approx(compiled), (cost.comm_bytes, compiled)
+
+
+@pytest.mark.parametrize("logits", [P("data", "model"), P(None, EVERY)])
+def test_an_accuracy_over_tiled_classes_gathers_the_winners_not_the_logits(logits):
+  """argmax over classes tiled across devices (vocabulary-parallel logits):
+  no all-reduce combines (value, index) pairs, so XLA takes each device's
+  winner and all-gathers the winners' values and indices, then picks among
+  them; the logits themselves never move."""
+  def accuracy(x, y):
+    return (jnp.argmax(x, axis=-1) == y).mean()
+  args = (jnp.ones((128, 1024)), jnp.zeros((128,), jnp.int32))
+  specs = (logits, P())
+  cost = automap.evaluate(accuracy, *args, mesh=MESH, in_shardings=specs, hardware="cpu")
+  compiled, _, _ = compile_as_written(accuracy, args, MESH, specs)
+  assert cost.comm_bytes == pytest.approx(compiled), (cost.comm_bytes, compiled)
+

@@ -53,12 +53,12 @@ def test_implicit_unit_broadcast_in_elementwise_ops():
   assert r.operands[1][1:] == r.operands[0][1:] == r.results[0][1:]
 
 
-def test_reductions_mark_partial_factors_but_argmax_does_not():
+def test_reductions_and_argmax_mark_partial_factors():
   s = rules.rule_for("reduce_sum", [(8, 64)], [(8,)], {"axes": (1,)})
   assert s.reduction[s.operands[0][1]]
   a = rules.rule_for("argmax", [(8, 64)], [(8,)], {"axes": (1,),
                                                    "index_dtype": np.int32})
-  assert a.operands[0][1] == UNSHARDABLE
+  assert a.reduction[a.operands[0][1]] and not a.reduction[a.operands[0][0]]
 
 
 def test_embedding_gather_looks_up_vocabulary_tiles_locally():

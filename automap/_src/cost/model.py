@@ -128,6 +128,10 @@ _CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 _SLICING = frozenset({"slice", "dynamic_slice", "gather", "scan_slice"})
 # Ops XLA's partitioner chooses among several partitionings of by cost.
 _LOOKUPS = frozenset({"gather", "scatter-add", "scatter_add", "scatter-max", "scatter-min"})
+# Reductions XLA partitions in their operand's layout (HandleReduce).
+_REDUCES = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                      "reduce_or", "argmax", "argmin"})
+_ARG_REDUCES = frozenset({"argmax", "argmin"})
 
 
 def _layout_code(row) -> int:
@@ -330,7 +334,17 @@ class CostModel:
       if res_f in rule.moved:
         res_f = self._moved_factor(state, o, a)
       f = UNSHARDED
-      if g.prims[o] == "scan_stack":
+      if g.prims[o] in _REDUCES:
+        # XLA reduces each device's tile as the operand holds it, combines
+        # the partial sums over the reduced dims' axes, then reshards the
+        # (smaller) result to its own layout: it never reshards the operand
+        # to the result's (`SpmdPartitioningVisitor::HandleReduce`).
+        res_f, reductions = UNSHARDED, []
+        if op_fs:
+          f = op_fs[0]
+          scatter[a] = bool(rule.reduction[f]) and g.prims[o] not in _ARG_REDUCES and any(
+              v >= 0 and state[v, a] >= 0 for v in results)
+      elif g.prims[o] == "scan_stack":
         # The loop stacks each step's result in the layout the body made
         # it in; the stacked result is resharded after the loop.
         res_f = op_fs[0] if op_fs else UNSHARDED
@@ -352,6 +366,7 @@ class CostModel:
     # Scattering a partial sum over axis a into a result dim already tiled by
     # a more minor axis b would need the tiles reordered; the partitioner
     # computes that dim without b instead (b's operands are gathered).
+    # A reduction keeps b and all-reduces over a instead, then reshards.
     for a in range(num_axes):
       if not scatter[a]:
         continue
@@ -360,7 +375,9 @@ class CostModel:
         if d < 0:
           continue
         for b in range(a + 1, num_axes):
-          if state[v, b] == d and factor_of_axis[b] == rule.results[r][d]:
+          if g.prims[o] in _REDUCES and factor_of_axis[b] == rule.results[r][d]:
+            scatter[a] = False
+          elif state[v, b] == d and factor_of_axis[b] == rule.results[r][d]:
             factor_of_axis[b] = UNSHARDED
     wants = []
     if g.prims[o] in _LOOKUPS:
@@ -592,7 +609,8 @@ class CostModel:
                     0.0)
     num_axes = len(sizes)
     comms: list[tuple[int, int, float, float, int, int]] = []
-    factor_of_axis, _, wants = self.layout(state, o)
+    factor_of_axis, scatters, wants = self.layout(state, o)
+    reducing = g.prims[o] in _REDUCES
     # Operands: gather or exchange what the factor layout does not match.
     # HBM bytes as XLA's fusions move them: stored operands read once per
     # fusion the op runs in, stored results written; fused values never.
@@ -671,7 +689,7 @@ class CostModel:
       for a in range(num_axes):
         f = factor_of_axis[a]
         if f >= 0 and rule.reduction[f]:
-          if state[v, a] >= 0:
+          if state[v, a] >= 0 and (scatters[a] or not reducing):
             scatter_mask |= 1 << a
           else:
             reduce_mask |= 1 << a
@@ -710,7 +728,16 @@ class CostModel:
           f = factor_of_axis[a]
           by_factor[f] = by_factor.get(f, 0) | 1 << a
       for mask in by_factor.values():
-        self.emit(comms, ALL_REDUCE, mask, natural_bytes * widen)
+        if g.prims[o] in _ARG_REDUCES:
+          # No all-reduce combines (value, index) pairs: XLA all-gathers
+          # both partial results over the axes and reduces them again.
+          gathered = natural_bytes * self.group_size[mask]
+          values = gathered * self.reduced_itemsize[operands[0]] / self.itemsize[v]
+          self.emit(comms, ALL_GATHER, mask, gathered)
+          self.emit(comms, ALL_GATHER, mask, values)
+          made = max(made, gathered + values)
+        else:
+          self.emit(comms, ALL_REDUCE, mask, natural_bytes * widen)
       if scatter_mask:
         for a in range(num_axes):
           if scatter_mask >> a & 1:

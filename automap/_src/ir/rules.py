@@ -257,23 +257,18 @@ def _conv(ins, outs, params) -> Rule:
   return b.rule([lf, rf], [result])
 
 
-def _reduce(combinable: bool):
-  """reduce_sum/max/min/...: reduced dims are reduction factors if combinable."""
-
-  def rule(ins, outs, params) -> Rule:
-    b = _Builder()
-    axes = set(params["axes"])
-    operand, result = [], []
-    for i, n in enumerate(ins[0]):
-      if i in axes:
-        operand.append(b.new(n) if combinable else UNSHARDABLE)
-      else:
-        f = b.new(n)
-        operand.append(f)
-        result.append(f)
-    return b.rule([operand], [result] * len(outs))
-
-  return rule
+def _reduce(ins, outs, params) -> Rule:
+  """reduce_sum/max/.../argmax: reduced dims are reduction factors (an
+  argmax's partial winners are combined by gathering them)."""
+  b = _Builder()
+  axes = set(params["axes"])
+  operand, result = [], []
+  for i, n in enumerate(ins[0]):
+    f = b.new(n)
+    operand.append(f)
+    if i not in axes:
+      result.append(f)
+  return b.rule([operand], [result] * len(outs))
 
 
 def _along_axis(key: str):
@@ -528,14 +523,14 @@ _RULES: dict[str, Callable[[Any, Any, dict], Rule]] = {
     "transpose": _transpose,
     "dot_general": _dot_general,
     "conv_general_dilated": _conv,
-    "reduce_sum": _reduce(True),
-    "reduce_max": _reduce(True),
-    "reduce_min": _reduce(True),
-    "reduce_and": _reduce(True),
-    "reduce_or": _reduce(True),
-    "reduce_prod": _reduce(True),
-    "argmax": _reduce(False),
-    "argmin": _reduce(False),
+    "reduce_sum": _reduce,
+    "reduce_max": _reduce,
+    "reduce_min": _reduce,
+    "reduce_and": _reduce,
+    "reduce_or": _reduce,
+    "reduce_prod": _reduce,
+    "argmax": _reduce,
+    "argmin": _reduce,
     "cumsum": _along_axis("axis"),
     "cumprod": _along_axis("axis"),
     "cummax": _along_axis("axis"),
