@@ -137,3 +137,40 @@ def test_an_accuracy_over_tiled_classes_gathers_the_winners_not_the_logits(logit
   compiled, _, _ = compile_as_written(accuracy, args, MESH, specs)
   assert cost.comm_bytes == pytest.approx(compiled), (cost.comm_bytes, compiled)
 
+
+def conv1d_loss(p, tokens):
+  """HuggingFace GPT-2's layout of weights: `Conv1D` kernels stored
+  (out, in) and read transposed, the head tied to the embedding and read
+  as `embedding.T`."""
+  x = jax.vmap(jax.vmap(lambda i: p["wte"][i]))(tokens)
+  h = jax.nn.gelu(x @ p["fc"].T + p["fc_b"][None, None])
+  x = x + h @ p["proj"].T
+  return jax.nn.logsumexp(x @ p["wte"].T, axis=-1).mean()
+
+
+def test_megatron_reaches_weights_read_transposed():
+  """The Megatron yardstick follows a transpose to the weight it reads:
+  the up projection split by its stored rows (its outputs), the down
+  projection by its stored columns (its inputs), the tied embedding by
+  vocabulary. Compiled, nothing is gathered: the model axis carries only
+  Megatron's all-reduces of activations, the data axis the gradients'; and
+  the layout is priced as compiled."""
+  from automap._src.search import driver, tactics
+  from automap._src.sharding.state import spec_of
+
+  params = {"wte": jnp.ones((512, 128)), "fc": jnp.ones((512, 128)),
+            "fc_b": jnp.ones((512,)), "proj": jnp.ones((128, 512))}
+  args = (params, params, TOKENS)
+  conv_step = momentum_step(conv1d_loss)
+  program = driver.build_program(conv_step, args, MESH, "cpu")
+  state = tactics.yardsticks(program)["Megatron + data parallel"]
+  g = program.graph
+  specs = [spec_of(state, program.mesh, v, g.rank(v)) for v in g.inputs]
+  laid = dict(zip(program.traced.in_paths, specs))
+  assert laid["0/fc"] == P("model") and laid["0/fc_b"] == P("model")
+  assert laid["0/proj"] == P(None, "model") and laid["0/wte"] == P("model")
+  flat = jax.tree.unflatten(jax.tree.structure(args), specs)
+  compiled, _, _ = compile_as_written(conv_step, args, MESH, flat)
+  cost = automap.evaluate(conv_step, *args, mesh=MESH, in_shardings=flat, hardware="cpu")
+  assert cost.comm_bytes == pytest.approx(compiled, rel=0.01), (cost.comm_bytes, compiled)
+  assert set(compiled) == {("all-reduce", ("model",)), ("all-reduce", ("data",))}

@@ -49,18 +49,25 @@ def state_arguments(traced: Traced) -> np.ndarray:
   return carried_arguments(traced) | mirrored
 
 
-def _weight(graph: Graph, v: int, carried: set[int]) -> tuple[int, int]:
-  """(w, k): the carried argument w that `v` is, or is a dtype conversion
-  of, or (in a scan body) one layer's slice of, with k leading dims of w
-  (stacked layers) before v's; (-1, 0) for none."""
-  lead = 0
+def _weight(graph: Graph, v: int, carried: set[int]) -> tuple[int, list[int]]:
+  """(w, dims): the carried argument w that `v` is, or is a dtype
+  conversion, a transpose (HuggingFace's `Conv1D` reads `kernel.T`, a tied
+  head `embedding.T`) or (in a scan body) one layer's slice of, and per dim
+  of `v` the dim of w it is (-1 for none); (-1, []) for none."""
+  dims = list(range(graph.rank(v)))
   while v >= 0 and v not in carried:
     o = graph.producer[v]
-    if o < 0 or graph.prims[o] not in ("convert_element_type", "copy", "scan_slice"):
-      return -1, 0
-    lead += graph.prims[o] == "scan_slice"
+    if o < 0 or graph.prims[o] not in _VIEWS:
+      return -1, []
+    rule = graph.rules[o]
+    made, read = rule.results[0], rule.operands[0]
+    dims = [read.index(made[d]) if d >= 0 and made[d] >= 0 else -1 for d in dims]
     v = graph.operands[o][0]
-  return v, lead
+  return v, dims
+
+
+# Ops that read a weight whole, each of its dims one of theirs.
+_VIEWS = frozenset({"convert_element_type", "copy", "scan_slice", "transpose"})
 
 
 class Tactics:
@@ -80,12 +87,12 @@ class Tactics:
         continue
       rule = graph.rules[o]
       for i in range(2):
-        w, lead = _weight(graph, graph.operands[o][i], seen)
+        w, dims = _weight(graph, graph.operands[o][i], seen)
         if w < 0:
           continue
         other, out = set(rule.operands[1 - i] or ()), set(rule.results[0])
-        columns = [lead + d for d, f in enumerate(rule.operands[i])
-                   if f >= 0 and f in out and f not in other]
+        columns = [dims[d] for d, f in enumerate(rule.operands[i])
+                   if f >= 0 and f in out and f not in other and dims[d] >= 0]
         if columns:
           self.weights.append((w, columns))
 
