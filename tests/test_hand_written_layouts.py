@@ -138,6 +138,27 @@ def test_an_accuracy_over_tiled_classes_gathers_the_winners_not_the_logits(logit
   assert cost.comm_bytes == pytest.approx(compiled), (cost.comm_bytes, compiled)
 
 
+def attention_scores(x, w):
+  """Self-attention scores of a projection split into 4 heads of 16."""
+  q = (x @ w).reshape(*x.shape[:2], 4, 16)
+  return jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, q)).sum()
+
+
+@pytest.mark.parametrize("fn", [attention_scores, jax.grad(attention_scores, argnums=1)],
+                             ids=["forward", "weight gradient"])
+def test_a_hidden_dim_tiled_over_both_axes_splits_into_heads_as_compiled(fn):
+  """Activations and a projection whose hidden dim is tiled (data, model),
+  as FSDP's backward leaves them: the split into heads keeps both axes,
+  data on the 4 heads and model on the head width (Shardy's compound
+  factors), so the scores contract a head width tiled over model with one
+  all-reduce instead of gathering the heads."""
+  args = (jnp.ones((8, 17, 64)), jnp.ones((64, 64)))
+  specs = (P(None, None, EVERY), P(None, EVERY))
+  cost = automap.evaluate(fn, *args, mesh=MESH, in_shardings=specs, hardware="cpu")
+  compiled, _, _ = compile_as_written(fn, args, MESH, specs)
+  assert cost.comm_bytes == pytest.approx(compiled), (cost.comm_bytes, compiled)
+
+
 def conv1d_loss(p, tokens):
   """HuggingFace GPT-2's layout of weights: `Conv1D` kernels stored
   (out, in) and read transposed, the head tied to the embedding and read

@@ -27,17 +27,34 @@ def test_dot_general_batch_dims_are_shared_by_all_three():
   assert r.results[0][:2] == (lhs[0], lhs[2]) == (rhs[0], rhs[2])
 
 
-def test_reshape_merge_and_split_share_only_the_major_factor():
+def test_a_merged_or_split_dim_indexes_both_factors_major_first():
+  """Shardy's compound factors: the one dim of a merge or split indexes
+  both factors, major then minor; axes tiling it fill the major factor
+  first and tile the minor one only once the major is whole."""
   merge = rules.rule_for("reshape", [(8, 32, 64)], [(256, 64)],
                          {"new_sizes": (256, 64), "dimensions": None})
-  assert merge.operands[0][0] == merge.results[0][0] >= 0
-  assert merge.operands[0][1] == UNSHARDABLE  # minor part of a merged dim
+  batch, seq = merge.operands[0][:2]
+  assert merge.results[0][0] == batch >= 0 and seq >= 0
+  assert merge.minor == ((1, 0, seq),)  # the result's dim 0: (batch, seq)
   assert merge.operands[0][2] == merge.results[0][1]
+  assert not any(merge.reduction)
   split = rules.rule_for("reshape", [(8, 32, 64)], [(8, 32, 4, 16)],
                          {"new_sizes": (8, 32, 4, 16), "dimensions": None})
-  assert split.operands[0][2] == split.results[0][2]  # hidden -> heads
-  assert split.results[0][3] == UNSHARDABLE
-  assert split.sizes[split.results[0][2]] == 4
+  heads, width = split.results[0][2:]
+  assert split.operands[0][2] == heads and split.sizes[heads] == 4
+  assert split.sizes[width] == 16 and split.minor == ((0, 2, width),)
+  assert split.dim_of(0, width) == 2 and split.dim_of(1, width) == 3
+  # Hidden tiled (4 devices, then 2): heads, then head width.
+  assert split.factor_on(0, 2, before=1, tiles=4) == heads
+  assert split.factor_on(0, 2, before=4, tiles=2) == width
+  # 2 devices then 4 straddle the heads: neither factor.
+  assert split.factor_on(0, 2, before=2, tiles=4) == UNSHARDABLE
+
+
+def test_only_the_major_factor_crosses_longer_merges():
+  r = rules.rule_for("reshape", [(2, 3, 4)], [(24,)], {"new_sizes": (24,), "dimensions": None})
+  assert r.operands[0][0] == r.results[0][0] >= 0
+  assert r.operands[0][1:] == (UNSHARDABLE, UNSHARDABLE) and r.minor == ()
 
 
 def test_broadcast_in_dim_never_tiles_a_broadcast_unit_dim():

@@ -147,3 +147,24 @@ def test_a_broadcast_scale_does_not_tile_the_activation_it_scales():
   g, spec = seeded(fn, (jnp.ones((32, 256)), jnp.ones((256,))), (P(BOTH), P(BOTH)))
   (out,) = g.outputs
   assert spec(out) == P(BOTH)
+
+
+def test_a_hidden_dim_tiled_over_two_axes_splits_into_heads_and_head_width():
+  """Shardy's compound factors: hidden tiled (data, model), data filling
+  the 4 heads, reaches the heads x head-width split as data on heads and
+  model on head width, and the merge back as (data, model) on hidden;
+  2 heads cannot hold data, so it stops there."""
+  for heads, expected in ((4, P(None, None, "data", "model")), (2, P())):
+    def attend(x, heads=heads):
+      q = x.reshape(8, 17, heads, 64 // heads)
+      return (q * q).reshape(8, 17, 64)
+
+    g = graph.build(trace.trace(attend, (jnp.ones((8, 17, 64)),)))
+    state = empty_state(g, MESH)
+    (x,), (out,) = g.inputs, g.outputs
+    set_spec(state, MESH, x, g.shapes[x], P(None, None, ("data", "model")), "x")
+    Propagator(g, MESH).seed_all(state)
+    split = [v for v in range(g.num_values) if g.rank(v) == 4]
+    assert {spec_of(state, MESH, v, 4) for v in split} == {expected}
+    if heads == 4:
+      assert spec_of(state, MESH, out, 3) == P(None, None, ("data", "model"))

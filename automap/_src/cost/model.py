@@ -317,19 +317,23 @@ class CostModel:
     windowed = {w.factor for w in rule.windows}
     slicing = bool(windowed) and g.prims[o] in ("slice", "split") and (
         self._tiles(state, operands[0]) > max(self._tiles(state, v) for v in results))
+    first_result = len(rule.operands)
     for a in range(num_axes):
       res_f = UNSHARDED
       for r, v in enumerate(results):
         d = state[v, a] if v >= 0 else -1
         if d >= 0 and rule.results[r][d] >= 0:
-          res_f = rule.results[r][d]
-          break
+          res_f = self._factor_on(state, o, first_result + r, v, a)
+          if res_f >= 0:
+            break
       op_fs = []
       for p, v in enumerate(operands):
         if v >= 0 and rule.operands[p] is not None:
           d = state[v, a]
           if d >= 0 and rule.operands[p][d] >= 0:
-            op_fs.append(rule.operands[p][d])
+            f = self._factor_on(state, o, p, v, a)
+            if f >= 0:
+              op_fs.append(f)
       reductions = [f for f in op_fs if rule.reduction[f]]
       if res_f in rule.moved:
         res_f = self._moved_factor(state, o, a)
@@ -379,6 +383,17 @@ class CostModel:
             scatter[a] = False
           elif state[v, b] == d and factor_of_axis[b] == rule.results[r][d]:
             factor_of_axis[b] = UNSHARDED
+    for member, e, minor in rule.minor:
+      # A compound dim's minor factor is tiled only under a whole major
+      # factor, by axes after its (mesh order); else it is not tiled.
+      major = rule.member_dims(member)[e]
+      on_major = [a for a in range(num_axes) if factor_of_axis[a] == major]
+      on_minor = [a for a in range(num_axes) if factor_of_axis[a] == minor]
+      if on_minor and (math.prod(sizes[a] for a in on_major) != rule.sizes[major]
+                       or max(on_major) > min(on_minor)):
+        for a in on_minor:
+          factor_of_axis[a] = UNSHARDED
+          scatter[a] = False
     wants = []
     if g.prims[o] in _LOOKUPS:
       factor_of_axis, scatter = self._cheapest_lookup(state, o, factor_of_axis, scatter)
@@ -387,9 +402,20 @@ class CostModel:
       if v < 0 or dims is None:
         wants.append(None)
         continue
-      wants.append([dims.index(f) if f >= 0 and f in dims else UNSHARDED
-                    for f in factor_of_axis])
+      wants.append([rule.dim_of(p, f) if f >= 0 else UNSHARDED for f in factor_of_axis])
     return factor_of_axis, scatter, wants
+
+  def _factor_on(self, state: State, o: int, member: int, v: int, a: int) -> int:
+    """The factor axis a tiles on value v, member `member` of op o: its
+    dim's major factor, or on a compound dim (`Rule.minor`) the one the
+    axes before a leave it."""
+    rule = self.graph.rules[o]
+    d = int(state[v, a])
+    if not rule.minor:
+      return rule.member_dims(member)[d]
+    sizes = self.mesh.axis_sizes
+    before = math.prod(sizes[b] for b in range(a) if state[v, b] == d)
+    return rule.factor_on(member, d, before, sizes[a])
 
   def _cheapest_lookup(self, state: State, o: int, factor_of_axis: list,
                        scatter: list) -> tuple[list, list]:
@@ -682,7 +708,6 @@ class CostModel:
         footprint.append(0.0)
         naturals.append(None)
         continue
-      dims = rule.results[r]
       before_results = len(comms)
       reduce_mask = scatter_mask = 0
       natural = [UNSHARDED] * num_axes
@@ -693,8 +718,8 @@ class CostModel:
             scatter_mask |= 1 << a
           else:
             reduce_mask |= 1 << a
-        elif f >= 0 and f in dims:
-          natural[a] = dims.index(f)
+        elif f >= 0 and rule.dim_of(len(rule.operands) + r, f) >= 0:
+          natural[a] = rule.dim_of(len(rule.operands) + r, f)
       natural_bytes = float(g.nbytes[v]) / math.prod(
           sizes[a] for a in range(num_axes) if natural[a] >= 0)
       made = natural_bytes  # the partial result the op makes

@@ -9,9 +9,13 @@ a partial result that a collective must combine. A dimension marked
 `UNSHARDABLE` must be whole on every device (a sorted axis, a concatenated
 axis, a gathered table's rows), so the operation gathers it first.
 
-The factor notation follows Shardy's `OpShardingRule`; merged and split
-dimensions of a reshape share their *major* factor, the only one whose tiles
-are contiguous in both layouts.
+The factor notation follows Shardy's `OpShardingRule`. A dimension a
+reshape merges from two (or splits into two) indexes both of their factors,
+major then minor, as Shardy's compound factors do: axes tiling it fill the
+major factor first, and tile the minor one only once the major is whole
+(a hidden dim tiled (data, model) split into heads x head width is data on
+heads, model on head width). Other merged and split dimensions share only
+their major factor, the one whose tiles are contiguous in both layouts.
 """
 
 from __future__ import annotations
@@ -58,6 +62,9 @@ class Rule(NamedTuple):
     XLA moves their tiles to another dim of the result instead of gathering
     them (`HandleElementwiseWithDimsToReplicate`: a concatenate's dim).
     Propagation passes through them as through any factor.
+  minor: the second factor of a compound dim, as (member, dim, factor):
+    member counts operands first, then results; the dim's entry in
+    `operands`/`results` is its major factor.
   """
 
   operands: tuple[tuple[int, ...] | None, ...]
@@ -67,6 +74,38 @@ class Rule(NamedTuple):
   replicated: bool = False
   windows: tuple[Window, ...] = ()
   moved: tuple[int, ...] = ()
+  minor: tuple[tuple[int, int, int], ...] = ()
+
+  def member_dims(self, member: int) -> tuple[int, ...] | None:
+    """Member `member`'s major factor per dim (operands first)."""
+    n = len(self.operands)
+    return self.operands[member] if member < n else self.results[member - n]
+
+  def factor_on(self, member: int, d: int, before: int, tiles: int) -> int:
+    """The factor an axis of `tiles` devices tiles on dim d of `member`, the
+    axes before it on that dim (mesh order) tiling `before` devices:
+    the major factor while it divides, else the minor one once the major
+    is whole; UNSHARDABLE if neither."""
+    f = self.member_dims(member)[d]
+    if f < 0 or self.sizes[f] % (before * tiles) == 0:
+      return f
+    for m, e, g in self.minor:
+      if m == member and e == d:
+        inner = before // self.sizes[f]
+        if before % self.sizes[f] == 0 and self.sizes[g] % (inner * tiles) == 0:
+          return g
+        return UNSHARDABLE
+    return f
+
+  def dim_of(self, member: int, f: int) -> int:
+    """The dim of `member` that factor f indexes (major or minor), or -1."""
+    dims = self.member_dims(member)
+    if dims is not None and f in dims:
+      return dims.index(f)
+    for m, e, g in self.minor:
+      if m == member and g == f:
+        return e
+    return -1
 
 
 class _Builder:
@@ -81,13 +120,15 @@ class _Builder:
     self.sizes.append(int(size))
     return len(self.sizes) - 1
 
-  def rule(self, operands, results, windows=(), moved=()) -> Rule:
+  def rule(self, operands, results, windows=(), moved=(), minor=()) -> Rule:
     operands = tuple(None if o is None else tuple(o) for o in operands)
     results = tuple(tuple(r) for r in results)
     in_result = {f for r in results for f in r if f != UNSHARDABLE}
+    in_result |= {f for m, _, f in minor if m >= len(operands)}
     reduction = tuple(f not in in_result for f in range(len(self.sizes)))
     return Rule(operands, results, tuple(self.sizes), reduction,
-                windows=tuple(w for w in windows if w.factor >= 0), moved=tuple(moved))
+                windows=tuple(w for w in windows if w.factor >= 0), moved=tuple(moved),
+                minor=tuple(minor))
 
 
 def replicated_rule(in_shapes: Sequence[Shape | None],
@@ -186,6 +227,8 @@ def _reshape(ins, outs, params) -> Rule:
   b = _Builder()
   operand = [UNSHARDABLE] * len(a)
   result = [UNSHARDABLE] * len(o)
+  minor = []
+  results_from = len(ins)  # the result's member index
   for gi, gj in _reshape_groups(a, o):
     if not gi or not gj:
       continue
@@ -193,7 +236,19 @@ def _reshape(ins, outs, params) -> Rule:
     f = b.new(math.gcd(a[gi[0]], o[gj[0]]))
     operand[gi[0]] = f
     result[gj[0]] = f
-  return b.rule([operand] + [None] * (len(ins) - 1), [result])
+    # One dim split into two, or two merged into one: the second of the two
+    # is the one dim's minor factor.
+    if f >= 0 and len(gi) == 1 and len(gj) == 2:
+      g = b.new(o[gj[1]])
+      result[gj[1]] = g
+      if g >= 0:
+        minor.append((0, gi[0], g))
+    elif f >= 0 and len(gi) == 2 and len(gj) == 1:
+      g = b.new(a[gi[1]])
+      operand[gi[1]] = g
+      if g >= 0:
+        minor.append((results_from, gj[0], g))
+  return b.rule([operand] + [None] * (len(ins) - 1), [result], minor=minor)
 
 
 def _squeeze(ins, outs, params) -> Rule:

@@ -109,17 +109,16 @@ class StrategyPricer:
     g, model, state = self.graph, self.model, self.scratch
     rule = g.rules[o]
     wants: list[Layout | None] = []
-    for v, dims in zip(g.operands[o], rule.operands):
+    for p, (v, dims) in enumerate(zip(g.operands[o], rule.operands)):
       if v < 0 or dims is None:
         wants.append(None)
         continue
-      wants.append(tuple(dims.index(f) if f >= 0 and f in dims else UNSHARDED
-                         for f in factors))
+      wants.append(tuple(rule.dim_of(p, f) if f >= 0 else UNSHARDED for f in factors))
     makes = []
     for r in range(len(g.results[o])):
-      dims = rule.results[r]
+      member = len(rule.operands) + r
       makes.append(tuple(scatter.get(a, -1) if f >= 0 and rule.reduction[f] else
-                         (dims.index(f) if f >= 0 and f in dims else UNSHARDED)
+                         (rule.dim_of(member, f) if f >= 0 else UNSHARDED)
                          for a, f in enumerate(factors)))
     members = [(v, w) for v, w in zip(g.operands[o], wants) if w is not None]
     members += [(v, m) for v, m in zip(g.results[o], makes) if v >= 0]

@@ -29,20 +29,56 @@ def interrupted(error: BaseException) -> bool:
 
 
 @numba.njit(cache=True, nogil=True)
-def _takers(state, o, slot, a, sizes, fixed, shape, mval, role, mdims, fdim, msize,
+def _offer(state, v, o, slot, a, sizes, mdims, mminor, msize):
+  """What member `slot` (value v) of op o offers on axis a: (factor, its
+  tiles, a bitmask of the axes tiling it up to a). The offer is a with the
+  axes before it on the dim (mesh order, major first): a goes where the
+  axes before it went, as Shardy propagates a factor's compatible major
+  axes and extends only a member holding a prefix. On a compound dim the
+  axes fill the major factor while it divides, then the minor one; the
+  offer is only the part on a's factor. Factor -1: nothing to offer."""
+  d = state[v, a]
+  f = mdims[o, slot, d]
+  g = mminor[o, slot, d]
+  tiles = 1
+  offered = 0
+  inner = 1  # tiles on the minor factor
+  minor = 0
+  for b in range(a + 1):
+    if state[v, b] != d:
+      continue
+    if minor == 0 and (g < 0 or (f >= 0 and msize[o, f] % (tiles * sizes[b]) == 0)):
+      tiles *= sizes[b]
+      offered |= 1 << b
+    elif f >= 0 and tiles == msize[o, f]:
+      inner *= sizes[b]
+      minor |= 1 << b
+    else:
+      return -1, 1, 0
+  if minor:
+    if msize[o, g] % inner:
+      return -1, 1, 0
+    return g, inner, minor
+  if f < 0 or msize[o, f] % tiles:
+    return -1, 1, 0
+  return f, tiles, offered
+
+
+@numba.njit(cache=True, nogil=True)
+def _takers(state, o, slot, a, sizes, fixed, shape, mval, role, mdims, mminor, fdim, msize,
             elements, direction, sends, takes, busy, out_value, out_dim):
   """The members of op o that take the tiling on axis a its member at `slot`
-  offers: writes them and the dims they take to out_value, out_dim [M];
-  returns how many. Values with busy[u] >= 0 are passed over.
+  offers (`_offer`): writes them and the dims they take to out_value,
+  out_dim [M]; returns how many. Values with busy[u] >= 0 are passed over.
 
-  The tiled dim is offered, through the op's factor, to the members the
-  factor's `direction` lets it update (bit 0 results, bit 1 operands; a
-  one-way factor offers only from the other side; `sends` and `takes`
-  [O, M] say which members may offer and take at all). The offer is a
-  with the axes before it on the dim (mesh order, major first). A member
-  takes it where it is free on a and not fixed, the factor's extent and
-  the member's dim divide by the offer's tiles, the member's dim holds
-  exactly the offer's other axes, and no other member offers it a
+  The offer is made, through the op's factor, to the members the factor's
+  `direction` lets it update (bit 0 results, bit 1 operands; a one-way
+  factor offers only from the other side; `sends` and `takes` [O, M] say
+  which members may offer and take at all). A member takes it where it is
+  free on a and not fixed, the factor's extent and the member's dim
+  divide by the offer's tiles, the member's dim holds exactly the offer's
+  other axes (and, where the factor is the dim's minor one, before them
+  axes filling its major factor), and no other member offers it a
   different factor on a from a larger tensor (more `elements`; ties to
   the earlier member, then the lower factor): Shardy's aggressive
   propagation resolves conflicts between factors so, tensor by tensor."""
@@ -51,22 +87,13 @@ def _takers(state, o, slot, a, sizes, fixed, shape, mval, role, mdims, fdim, msi
   if not sends[o, slot]:
     return 0
   v = mval[o, slot]
-  d = state[v, a]
-  # The offer is the dim's axes up to a, major first (mesh order): a goes
-  # where the axes before it went, as Shardy propagates a factor's
-  # compatible major axes and extends only a member holding a prefix.
-  tiles = 1
-  offered = 0
-  for b in range(a + 1):
-    if state[v, b] == d:
-      tiles *= sizes[b]
-      offered |= 1 << b
-  f = mdims[o, slot, d]
-  if f < 0 or msize[o, f] % tiles:
+  f, tiles, offered = _offer(state, v, o, slot, a, sizes, mdims, mminor, msize)
+  if f < 0:
     return 0
   way = direction[o, f]
   if way == 0 or (way == 1 and role[o, slot] == 1) or (way == 2 and role[o, slot] == 0):
     return 0
+  others = offered & ~(1 << a)
   n = 0
   for j in range(width):
     u = mval[o, j]
@@ -81,14 +108,28 @@ def _takers(state, o, slot, a, sizes, fixed, shape, mval, role, mdims, fdim, msi
     for b in range(num_axes):
       if state[u, b] == e:
         nested |= 1 << b
-    if nested != offered & ~(1 << a):
+    if mminor[o, j, e] == f:
+      # The minor factor: the dim's other axes fill its major factor,
+      # before the offer's in mesh order, and a comes last.
+      major = nested & ~others
+      if nested & others != others or nested >> a:
+        continue
+      filled = 1
+      last = -1
+      for b in range(num_axes):
+        if major >> b & 1:
+          filled *= sizes[b]
+          last = b
+      if filled != msize[o, mdims[o, j, e]] or (others and others & ((1 << (last + 1)) - 1)):
+        continue
+    elif nested != others:
       continue
     beaten = False
     for w in range(width):
       x = mval[o, w]
       if w == j or x < 0 or state[x, a] < 0 or not sends[o, w]:
         continue
-      g = mdims[o, w, state[x, a]]
+      g, _, _ = _offer(state, x, o, w, a, sizes, mdims, mminor, msize)
       if g < 0 or g == f or fdim[o, j, g] < 0:
         continue
       rival = direction[o, g]
@@ -110,7 +151,7 @@ def _takers(state, o, slot, a, sizes, fixed, shape, mval, role, mdims, fdim, msi
 
 @numba.njit(cache=True, nogil=True)
 def spread(state, frontier, a, sizes, fixed, shape, vptr, vop, vslot, mval, role, mdims,
-           fdim, msize, elements, direction, sends, takes, offer):
+           mminor, fdim, msize, elements, direction, sends, takes, offer):
   """Spreads the tilings on mesh axis `a` of the values in `frontier`
   through the factor rules, wave by wave, until nothing changes; in place.
 
@@ -123,9 +164,10 @@ def spread(state, frontier, a, sizes, fixed, shape, vptr, vop, vslot, mval, role
   sizes: [A] int64. fixed: [V] bool. shape: [V, R] int64. vptr: [V + 1],
   vop, vslot: CSR of each value's views. mval: [O, M] member values (-1
   pads). role: [O, M] int8, 1 for a result. mdims: [O, M, R] the factor of
-  each member dim (-2 pads). fdim: [O, M, F] the member dim each factor
-  indexes (-1: none). msize: [O, F] factor extents. elements: [O, M] int64,
-  each member's size. direction: [O, F] uint8.
+  each member dim (-2 pads); mminor: [O, M, R] its minor factor (-1). fdim:
+  [O, M, F] the member dim each factor indexes (-1: none). msize: [O, F]
+  factor extents. elements: [O, M] int64, each member's size. direction:
+  [O, F] uint8.
   sends, takes: [O, M] bool. offer: [V] int64 scratch, all -1 on entry and exit.
   Returns the values changed, in the order they changed.
   """
@@ -145,7 +187,8 @@ def spread(state, frontier, a, sizes, fixed, shape, vptr, vop, vslot, mval, role
         continue
       for k in range(vptr[v], vptr[v + 1]):
         m = _takers(state, vop[k], vslot[k], a, sizes, fixed, shape, mval, role, mdims,
-                    fdim, msize, elements, direction, sends, takes, offer, takers, taken)
+                    mminor, fdim, msize, elements, direction, sends, takes, offer, takers,
+                    taken)
         for i in range(m):
           offer[takers[i]] = taken[i]
           changed[n] = takers[i]
@@ -159,8 +202,8 @@ def spread(state, frontier, a, sizes, fixed, shape, vptr, vop, vslot, mval, role
 
 
 @numba.njit(cache=True, nogil=True)
-def sweep(state, order, sizes, fixed, shape, vptr, vop, mval, role, mdims, fdim, msize,
-          elements, direction, sends, takes, offer):
+def sweep(state, order, sizes, fixed, shape, vptr, vop, mval, role, mdims, mminor, fdim,
+          msize, elements, direction, sends, takes, offer):
   """Spreads every tiling as Shardy's propagation visits ops (MLIR's greedy
   rewrite driver, top-down, `basic_propagation.cc`): a worklist of every
   op in the module's order (`order` [O]); an op that changes a value puts
@@ -193,8 +236,8 @@ def sweep(state, order, sizes, fixed, shape, vptr, vop, mval, role, mdims, fdim,
         v = mval[o, slot]
         if v < 0 or state[v, a] < 0:
           continue
-        m = _takers(state, o, slot, a, sizes, fixed, shape, mval, role, mdims, fdim,
-                    msize, elements, direction, sends, takes, offer, takers, taken)
+        m = _takers(state, o, slot, a, sizes, fixed, shape, mval, role, mdims, mminor,
+                    fdim, msize, elements, direction, sends, takes, offer, takers, taken)
         for i in range(m):
           u = takers[i]
           state[u, a] = taken[i]

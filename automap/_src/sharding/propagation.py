@@ -29,8 +29,9 @@ class _Tables(NamedTuple):
 
   Per op: member values mval [O, M] (-1 pads; operands first, then
   results), whether each is a result role [O, M], the factor of each member
-  dim mdims [O, M, R] (-2 pads), the member dim each factor indexes fdim
-  [O, M, F] (-1: none), factor extents msize [O, F], each member's
+  dim mdims [O, M, R] (-2 pads) and its minor factor where the dim is
+  compound, mminor [O, M, R] (-1: none), the member dim each factor indexes
+  fdim [O, M, F] (-1: none), factor extents msize [O, F], each member's
   elements [O, M], and per propagation round
   the members each factor may update, direction [ROUNDS, O, F], and
   whether each member may offer (sends) and take (takes) tilings,
@@ -42,6 +43,7 @@ class _Tables(NamedTuple):
   mval: np.ndarray
   role: np.ndarray
   mdims: np.ndarray
+  mminor: np.ndarray
   fdim: np.ndarray
   msize: np.ndarray
   elements: np.ndarray
@@ -128,13 +130,17 @@ def _rounds(prim: str, rule: rules.Rule, shapes: list, results: int, factors: in
 # builds a Propagator per program many times over.
 @functools.lru_cache(maxsize=4)
 def _tables(graph: Graph) -> _Tables:
-  members, operand_count = [], []
+  members, operand_count, slots = [], [], []
   for o, rule in enumerate(graph.rules):
     m = [(v, tuple(dims)) for v, dims in zip(graph.operands[o], rule.operands)
          if v >= 0 and dims is not None]
     operand_count.append(len(m))
     m += [(v, tuple(dims)) for v, dims in zip(graph.results[o], rule.results) if v >= 0]
     members.append(m)
+    # The rule's member index of each slot (the rule counts literals too).
+    slots.append([i for i, (v, dims) in enumerate(zip(
+        list(graph.operands[o]) + list(graph.results[o]),
+        list(rule.operands) + list(rule.results))) if v >= 0 and dims is not None])
   num_ops, num_values = graph.num_ops, graph.num_values
   width = max((len(m) for m in members), default=1) or 1
   rank = max((len(s) for s in graph.shapes), default=1) or 1
@@ -142,6 +148,7 @@ def _tables(graph: Graph) -> _Tables:
   mval = np.full((num_ops, width), -1, np.int64)
   role = np.zeros((num_ops, width), np.int8)
   mdims = np.full((num_ops, width, rank), -2, np.int32)
+  mminor = np.full((num_ops, width, rank), -1, np.int32)
   msize = np.ones((num_ops, factors), np.int64)
   fdim = np.full((num_ops, width, factors), -1, np.int8)
   elements = np.zeros((num_ops, width), np.int64)
@@ -163,6 +170,11 @@ def _tables(graph: Graph) -> _Tables:
       elements[o, j] = int(np.prod(graph.shapes[v], dtype=np.int64))
       views[v].append((o, j))
     rule = graph.rules[o]
+    for member, e, f in rule.minor:
+      if member in slots[o]:
+        j = slots[o].index(member)
+        mminor[o, j, e] = f
+        fdim[o, j, f] = e
     msize[o, :len(rule.sizes)] = rule.sizes
     direction[:, o], sends[:, o], takes[:, o] = _rounds(
         graph.prims[o], rule, [graph.shapes[v] for v, _ in m], len(m) - operand_count[o],
@@ -174,7 +186,7 @@ def _tables(graph: Graph) -> _Tables:
   vptr = np.zeros(num_values + 1, np.int64)
   vptr[1:] = np.cumsum([len(x) for x in views])
   vop, vslot = _csr_columns(views)
-  return _Tables(mval, role, mdims, fdim, msize, elements, direction, sends, takes, shape,
+  return _Tables(mval, role, mdims, mminor, fdim, msize, elements, direction, sends, takes, shape,
                  vptr, vop, vslot, _module_order(graph))
 
 
@@ -241,6 +253,7 @@ class Propagator:
     self.size_row = np.array(mesh.axis_sizes, np.int64)
     t = _tables(graph)
     self.mval, self.mdims, self.fdim, self.msize = t.mval, t.mdims, t.fdim, t.msize
+    self.mminor = t.mminor
     self.role, self.elements, self.direction = t.role, t.elements, t.direction
     self.sends, self.takes = t.sends, t.takes
     self.shape = t.shape
@@ -278,7 +291,7 @@ class Propagator:
     return concat([kernels.spread(
         state, np.unique(np.array(values, np.int64)), a, self.size_row, self.fixed,
         self.shape, self.vptr, self.vop, self.vslot, self.mval, self.role, self.mdims,
-        self.fdim, self.msize, self.elements, self.direction[stage], self.sends[stage],
+        self.mminor, self.fdim, self.msize, self.elements, self.direction[stage], self.sends[stage],
         self.takes[stage], self._offer) for a, values in by_axis.items()])
 
   def seed_all(self, state: State) -> np.ndarray:
@@ -297,6 +310,6 @@ class Propagator:
     before the weight gradient that would hand it the weight's."""
     return concat([kernels.sweep(
         state, self.order, self.size_row, self.fixed, self.shape, self.vptr, self.vop,
-        self.mval, self.role, self.mdims, self.fdim, self.msize, self.elements,
+        self.mval, self.role, self.mdims, self.mminor, self.fdim, self.msize, self.elements,
         self.direction[stage], self.sends[stage], self.takes[stage], self._offer)
         for stage in range(ROUNDS)])
