@@ -197,3 +197,26 @@ def test_partition_runs_the_ilp_plan():
   assert step.plan.stats["strategy"] == "ilp"
   np.testing.assert_allclose(out, mlp(*args), rtol=1e-5, atol=1e-5)
   assert out.sharding.spec == step.plan.out_specs[0]
+
+
+def column_totals(x):
+  """Totals of running sums along the rows: the running sum needs whole
+  rows, so its result is made replicated or tiled by rows, and the
+  totals' reduction reads it so."""
+  return jnp.cumsum(jnp.sin(x), axis=1).sum(0)
+
+
+def test_a_reductions_strategy_is_its_operands_layout_as_priced():
+  """A reduction computes in its operand's layout as made and reshards
+  only its result: the solver may not price it tiled by columns on an
+  operand made whole (a free slice on the way in, which XLA never makes),
+  so its objective is the cost model's price of its solution. (The
+  exhaustive optimum slices the running sum's result after making it,
+  a layout no strategy makes: the solver stays at or above it.)"""
+  program = Program.build(trace.trace(column_totals, (jnp.ones((B, D)),)),
+                          MeshSpec(("x",), (2,)), HW)
+  result = ilp.solve(program, ilp.SolverSettings())
+  tracker = Tracker(program.model, result.state)
+  assert result.status == "optimal"
+  assert result.objective == pytest.approx(tracker.step_time, rel=1e-6)
+  assert tracker.step_time >= exhaustive_best(program, None)

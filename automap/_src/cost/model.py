@@ -42,6 +42,7 @@ from automap._src.cost.compiler import Compiler
 from automap._src.cost.hardware import Hardware
 from automap._src.cost.memo import Memo, OpCost
 from automap._src.ir import graph as graph_lib
+from automap._src.ir import rules
 from automap._src.ir.graph import Graph
 from automap._src.sharding.mesh import MeshSpec
 from automap._src.sharding.state import UNSHARDED, State
@@ -128,10 +129,6 @@ _CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 _SLICING = frozenset({"slice", "dynamic_slice", "gather", "scan_slice"})
 # Ops XLA's partitioner chooses among several partitionings of by cost.
 _LOOKUPS = frozenset({"gather", "scatter-add", "scatter_add", "scatter-max", "scatter-min"})
-# Reductions XLA partitions in their operand's layout (HandleReduce).
-_REDUCES = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
-                      "reduce_or", "argmax", "argmin"})
-_ARG_REDUCES = frozenset({"argmax", "argmin"})
 
 
 def _layout_code(row) -> int:
@@ -338,7 +335,7 @@ class CostModel:
       if res_f in rule.moved:
         res_f = self._moved_factor(state, o, a)
       f = UNSHARDED
-      if g.prims[o] in _REDUCES:
+      if g.prims[o] in rules.REDUCTIONS:
         # XLA reduces each device's tile as the operand holds it, combines
         # the partial sums over the reduced dims' axes, then reshards the
         # (smaller) result to its own layout: it never reshards the operand
@@ -346,7 +343,7 @@ class CostModel:
         res_f, reductions = UNSHARDED, []
         if op_fs:
           f = op_fs[0]
-          scatter[a] = bool(rule.reduction[f]) and g.prims[o] not in _ARG_REDUCES and any(
+          scatter[a] = bool(rule.reduction[f]) and g.prims[o] not in rules.ARG_REDUCTIONS and any(
               v >= 0 and state[v, a] >= 0 for v in results)
       elif g.prims[o] == "scan_stack":
         # The loop stacks each step's result in the layout the body made
@@ -379,13 +376,13 @@ class CostModel:
         if d < 0:
           continue
         for b in range(a + 1, num_axes):
-          if g.prims[o] in _REDUCES and factor_of_axis[b] == rule.results[r][d]:
+          if g.prims[o] in rules.REDUCTIONS and factor_of_axis[b] == rule.results[r][d]:
             scatter[a] = False
           elif state[v, b] == d and factor_of_axis[b] == rule.results[r][d]:
             factor_of_axis[b] = UNSHARDED
     for member, e, minor in rule.minor:
       # A compound dim's minor factor is tiled only under a whole major
-      # factor, by axes after its (mesh order); else it is not tiled.
+      # factor, by axes after the major's (mesh order); else not at all.
       major = rule.member_dims(member)[e]
       on_major = [a for a in range(num_axes) if factor_of_axis[a] == major]
       on_minor = [a for a in range(num_axes) if factor_of_axis[a] == minor]
@@ -636,7 +633,7 @@ class CostModel:
     num_axes = len(sizes)
     comms: list[tuple[int, int, float, float, int, int]] = []
     factor_of_axis, scatters, wants = self.layout(state, o)
-    reducing = g.prims[o] in _REDUCES
+    reducing = g.prims[o] in rules.REDUCTIONS
     # Operands: gather or exchange what the factor layout does not match.
     # HBM bytes as XLA's fusions move them: stored operands read once per
     # fusion the op runs in, stored results written; fused values never.
@@ -718,7 +715,7 @@ class CostModel:
             scatter_mask |= 1 << a
           else:
             reduce_mask |= 1 << a
-        elif f >= 0 and rule.dim_of(len(rule.operands) + r, f) >= 0:
+        elif f >= 0:
           natural[a] = rule.dim_of(len(rule.operands) + r, f)
       natural_bytes = float(g.nbytes[v]) / math.prod(
           sizes[a] for a in range(num_axes) if natural[a] >= 0)
@@ -753,7 +750,7 @@ class CostModel:
           f = factor_of_axis[a]
           by_factor[f] = by_factor.get(f, 0) | 1 << a
       for mask in by_factor.values():
-        if g.prims[o] in _ARG_REDUCES:
+        if g.prims[o] in rules.ARG_REDUCTIONS:
           # No all-reduce combines (value, index) pairs: XLA all-gathers
           # both partial results over the axes and reduces them again.
           gathered = natural_bytes * self.group_size[mask]

@@ -84,8 +84,9 @@ class Rule(NamedTuple):
   def factor_on(self, member: int, d: int, before: int, tiles: int) -> int:
     """The factor an axis of `tiles` devices tiles on dim d of `member`, the
     axes before it on that dim (mesh order) tiling `before` devices:
-    the major factor while it divides, else the minor one once the major
-    is whole; UNSHARDABLE if neither."""
+    the major factor while it divides, else, on a compound dim, the minor
+    one once the major is whole (UNSHARDABLE if neither); on another dim
+    its factor, whose extent the caller checks."""
     f = self.member_dims(member)[d]
     if f < 0 or self.sizes[f] % (before * tiles) == 0:
       return f
@@ -560,6 +561,12 @@ def _select_n(ins, outs, params) -> Rule:
   return _elementwise(ins, outs, params)
 
 
+# Reductions, partitioned in their operand's layout (XLA's HandleReduce);
+# those returning an index combine partial winners by gathering them.
+ARG_REDUCTIONS = frozenset({"argmax", "argmin"})
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_and", "reduce_or",
+                        "reduce_prod"}) | ARG_REDUCTIONS
+
 ELEMENTWISE = frozenset("""
 abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clz
 conj convert_element_type copy cos cosh digamma div eq erf erf_inv erfc
@@ -578,14 +585,7 @@ _RULES: dict[str, Callable[[Any, Any, dict], Rule]] = {
     "transpose": _transpose,
     "dot_general": _dot_general,
     "conv_general_dilated": _conv,
-    "reduce_sum": _reduce,
-    "reduce_max": _reduce,
-    "reduce_min": _reduce,
-    "reduce_and": _reduce,
-    "reduce_or": _reduce,
-    "reduce_prod": _reduce,
-    "argmax": _reduce,
-    "argmin": _reduce,
+    **{prim: _reduce for prim in sorted(REDUCTIONS)},
     "cumsum": _along_axis("axis"),
     "cumprod": _along_axis("axis"),
     "cummax": _along_axis("axis"),

@@ -50,6 +50,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from automap._src.cost.tracker import Tracker
+from automap._src.ir import rules
 from automap._src.ir.groups import colours
 from automap._src.search.program import Program
 from automap._src.search.strategies import Layout, StrategyPricer, layouts, op_classes
@@ -227,7 +228,8 @@ class _Formulation:
 
   def _consistent(self) -> None:
     """Each op's strategy is the one `CostModel.layout` derives from the
-    layouts its operands are made in: a reduction factor is tiled on an axis
+    layouts its operands are made in: a reduction op's is its operand's;
+    elsewhere a reduction factor is tiled on an axis
     only where an operand is stored tiled by it there and none by another
     reduction factor (the others are sliced to match), and a result's factor
     wins over an operand's reduction factor only where an operand is stored
@@ -244,6 +246,17 @@ class _Formulation:
 
     for o in range(g.num_ops):
       rule = g.rules[o]
+      if g.prims[o] in rules.REDUCTIONS and g.operands[o][0] >= 0 and not rule.replicated:
+        # A reduction computes in its operand's layout as made, never
+        # resharding it (`CostModel.layout`).
+        c = int(self.cls[o])
+        for x, strategy in zip(self.x[c], self.strategies[c]):
+          lit = self.layout_lit(g.operands[o][0], strategy.wants[0])
+          if lit is None:
+            m.Add(x == 0)
+          elif once([x.Not(), lit]):
+            m.AddImplication(x, lit)
+        continue
       if rule.replicated or not any(rule.reduction):
         continue
       c = int(self.cls[o])

@@ -49,11 +49,17 @@ def state_arguments(traced: Traced) -> np.ndarray:
   return carried_arguments(traced) | mirrored
 
 
+# Ops that read a weight whole, each of its dims one of theirs.
+_VIEWS = frozenset({"convert_element_type", "copy", "scan_slice", "transpose"})
+
+
 def _weight(graph: Graph, v: int, carried: set[int]) -> tuple[int, list[int]]:
   """(w, dims): the carried argument w that `v` is, or is a dtype
   conversion, a transpose (HuggingFace's `Conv1D` reads `kernel.T`, a tied
   head `embedding.T`) or (in a scan body) one layer's slice of, and per dim
   of `v` the dim of w it is (-1 for none); (-1, []) for none."""
+  if v < 0:
+    return -1, []
   dims = list(range(graph.rank(v)))
   while v >= 0 and v not in carried:
     o = graph.producer[v]
@@ -65,9 +71,6 @@ def _weight(graph: Graph, v: int, carried: set[int]) -> tuple[int, list[int]]:
     v = graph.operands[o][0]
   return v, dims
 
-
-# Ops that read a weight whole, each of its dims one of theirs.
-_VIEWS = frozenset({"convert_element_type", "copy", "scan_slice", "transpose"})
 
 
 class Tactics:

@@ -239,7 +239,8 @@ class Propagator:
   same value another factor on that axis (Shardy's conflict rule), the
   factor's extent and the member's dim divide by the tiles, the member
   is free on that axis and not fixed, and any axes already on that dim nest
-  inside the offer's. Within a wave the first offer to a value wins.
+  inside the offer's (on a dim a reshape splits or merges, the minor
+  factor's axes behind a whole major factor's). Within a wave the first offer to a value wins.
 
   fixed: [V] bool, values whose sharding nothing may change (user pins,
   arguments whose layout was given).
