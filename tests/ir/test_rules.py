@@ -45,10 +45,11 @@ def test_a_merged_or_split_dim_indexes_both_factors_major_first():
   assert split.sizes[width] == 16 and split.minor == ((0, 2, width),)
   assert split.dim_of(0, width) == 2 and split.dim_of(1, width) == 3
   # Hidden tiled (4 devices, then 2): heads, then head width.
-  assert split.factor_on(0, 2, before=1, tiles=4) == heads
-  assert split.factor_on(0, 2, before=4, tiles=2) == width
-  # 2 devices then 4 straddle the heads: neither factor.
-  assert split.factor_on(0, 2, before=2, tiles=4) == UNSHARDABLE
+  assert split.factor_on(0, 2, before=(), tiles=4) == heads
+  assert split.factor_on(0, 2, before=(4,), tiles=2) == width
+  # 2 devices then 4 straddle the heads: neither factor, nor for any after.
+  assert split.factor_on(0, 2, before=(2,), tiles=4) == UNSHARDABLE
+  assert split.factor_on(0, 2, before=(2, 4), tiles=2) == UNSHARDABLE
 
 
 def test_only_the_major_factor_crosses_longer_merges():

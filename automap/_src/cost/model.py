@@ -411,8 +411,7 @@ class CostModel:
     if not rule.minor:
       return rule.member_dims(member)[d]
     sizes = self.mesh.axis_sizes
-    before = math.prod(sizes[b] for b in range(a) if state[v, b] == d)
-    return rule.factor_on(member, d, before, sizes[a])
+    return rule.factor_on(member, d, [sizes[b] for b in range(a) if state[v, b] == d], sizes[a])
 
   def _cheapest_lookup(self, state: State, o: int, factor_of_axis: list,
                        scatter: list) -> tuple[list, list]:

@@ -81,22 +81,28 @@ class Rule(NamedTuple):
     n = len(self.operands)
     return self.operands[member] if member < n else self.results[member - n]
 
-  def factor_on(self, member: int, d: int, before: int, tiles: int) -> int:
+  def factor_on(self, member: int, d: int, before: Sequence[int], tiles: int) -> int:
     """The factor an axis of `tiles` devices tiles on dim d of `member`, the
-    axes before it on that dim (mesh order) tiling `before` devices:
-    the major factor while it divides, else, on a compound dim, the minor
-    one once the major is whole (UNSHARDABLE if neither); on another dim
-    its factor, whose extent the caller checks."""
+    axes before it on that dim (mesh order) of `before` devices each: on a
+    compound dim, the major factor while the axes divide it, then the
+    minor one once it is whole (UNSHARDABLE for an axis straddling
+    them, or any after one); on another dim its factor, whose extent the
+    caller checks."""
     f = self.member_dims(member)[d]
-    if f < 0 or self.sizes[f] % (before * tiles) == 0:
+    minor = [g for m, e, g in self.minor if m == member and e == d]
+    if f < 0 or not minor:
       return f
-    for m, e, g in self.minor:
-      if m == member and e == d:
-        inner = before // self.sizes[f]
-        if before % self.sizes[f] == 0 and self.sizes[g] % (inner * tiles) == 0:
-          return g
+    major = inner = 1
+    for n in (*before, tiles):
+      if inner == 1 and self.sizes[f] % (major * n) == 0:
+        major *= n
+        owner = f
+      elif major == self.sizes[f]:
+        inner *= n
+        owner = minor[0]
+      else:
         return UNSHARDABLE
-    return f
+    return owner if self.sizes[owner] % (inner if owner != f else major) == 0 else UNSHARDABLE
 
   def dim_of(self, member: int, f: int) -> int:
     """The dim of `member` that factor f indexes (major or minor), or -1."""
