@@ -15,6 +15,14 @@ MESH = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 EVERY = ("data", "model")
 
 
+def priced_and_compiled(fn, args, specs, mesh=MESH):
+  """`evaluate`'s cost of `fn` laid out by argument specs alone (XLA:CPU's
+  compiler), and the program compiled so: ({(kind, axes): bytes}, peak)."""
+  cost = automap.evaluate(fn, *args, mesh=mesh, in_shardings=specs, hardware="cpu")
+  compiled, peak, _ = compile_as_written(fn, args, mesh, specs)
+  return cost, compiled, peak
+
+
 def loss(p, tokens):
   """Embedding lookup, a normalisation scale, an MLP and a tied head."""
   x = jax.vmap(jax.vmap(lambda i: p["embed"][i]))(tokens)
@@ -53,8 +61,7 @@ LAYOUTS = {
 def test_a_layout_on_the_arguments_is_priced_as_compiled(name):
   specs = LAYOUTS[name]
   args = (PARAMS, PARAMS, TOKENS)
-  cost = automap.evaluate(step, *args, mesh=MESH, in_shardings=specs, hardware="cpu")
-  compiled, peak, _ = compile_as_written(step, args, MESH, specs)
+  cost, compiled, peak = priced_and_compiled(step, args, specs)
   assert cost.comm_bytes == pytest.approx(compiled, rel=0.01), (cost.comm_bytes, compiled)
   assert cost.peak_memory == pytest.approx(peak, rel=0.15)  # the memory model's bound
 
@@ -74,8 +81,7 @@ def test_a_gradient_tiled_over_some_of_the_batch_axes_is_reduced_as_compiled(wei
     return jax.lax.with_sharding_constraint(g, weight)
   args = (jnp.ones((16, 64)), jnp.ones((64, 128)))
   specs = (P(("data", "fsdp", "model")), weight)
-  cost = automap.evaluate(grad, *args, mesh=MESH3, in_shardings=specs, hardware="cpu")
-  compiled, _, _ = compile_as_written(grad, args, MESH3, specs)
+  cost, compiled, _ = priced_and_compiled(grad, args, specs, MESH3)
   assert cost.comm_bytes == pytest.approx(compiled), (cost.comm_bytes, compiled)
 
 
@@ -101,8 +107,7 @@ def test_a_pooled_gradient_keeps_the_batch_tiling_as_compiled():
   specs = (fsdp, fsdp, P(EVERY))
   args = (params, params, TOKENS)
   pooled_step = momentum_step(pooled_loss)
-  cost = automap.evaluate(pooled_step, *args, mesh=MESH, in_shardings=specs, hardware="cpu")
-  compiled, _, _ = compile_as_written(pooled_step, args, MESH, specs)
+  cost, compiled, _ = priced_and_compiled(pooled_step, args, specs)
   assert cost.comm_bytes == pytest.approx(compiled, rel=0.01), (cost.comm_bytes, compiled)
 
 
@@ -118,8 +123,7 @@ def test_a_reduction_reshards_its_result_not_its_operand(reduce, scale):
     return reduce(x, axis=0) * g
   args = (jnp.ones((128, 1024)), jnp.ones((1024,)))
   specs = (P("data", "model"), scale)
-  cost = automap.evaluate(normalise, *args, mesh=MESH, in_shardings=specs, hardware="cpu")
-  compiled, _, _ = compile_as_written(normalise, args, MESH, specs)
+  cost, compiled, _ = priced_and_compiled(normalise, args, specs)
   assert cost.comm_bytes == pytest.approx(compiled), (cost.comm_bytes, compiled)
 
 
@@ -133,8 +137,7 @@ def test_an_accuracy_over_tiled_classes_gathers_the_winners_not_the_logits(logit
     return (jnp.argmax(x, axis=-1) == y).mean()
   args = (jnp.ones((128, 1024)), jnp.zeros((128,), jnp.int32))
   specs = (logits, P())
-  cost = automap.evaluate(accuracy, *args, mesh=MESH, in_shardings=specs, hardware="cpu")
-  compiled, _, _ = compile_as_written(accuracy, args, MESH, specs)
+  cost, compiled, _ = priced_and_compiled(accuracy, args, specs)
   assert cost.comm_bytes == pytest.approx(compiled), (cost.comm_bytes, compiled)
 
 
@@ -154,8 +157,7 @@ def test_a_hidden_dim_tiled_over_both_axes_splits_into_heads_as_compiled(fn):
   all-reduce instead of gathering the heads."""
   args = (jnp.ones((8, 17, 64)), jnp.ones((64, 64)))
   specs = (P(None, None, EVERY), P(None, EVERY))
-  cost = automap.evaluate(fn, *args, mesh=MESH, in_shardings=specs, hardware="cpu")
-  compiled, _, _ = compile_as_written(fn, args, MESH, specs)
+  cost, compiled, _ = priced_and_compiled(fn, args, specs)
   assert cost.comm_bytes == pytest.approx(compiled), (cost.comm_bytes, compiled)
 
 
@@ -191,7 +193,6 @@ def test_megatron_reaches_weights_read_transposed():
   assert laid["0/fc"] == P("model") and laid["0/fc_b"] == P("model")
   assert laid["0/proj"] == P(None, "model") and laid["0/wte"] == P("model")
   flat = jax.tree.unflatten(jax.tree.structure(args), specs)
-  compiled, _, _ = compile_as_written(conv_step, args, MESH, flat)
-  cost = automap.evaluate(conv_step, *args, mesh=MESH, in_shardings=flat, hardware="cpu")
+  cost, compiled, _ = priced_and_compiled(conv_step, args, flat)
   assert cost.comm_bytes == pytest.approx(compiled, rel=0.01), (cost.comm_bytes, compiled)
   assert set(compiled) == {("all-reduce", ("model",)), ("all-reduce", ("data",))}

@@ -72,7 +72,6 @@ def _weight(graph: Graph, v: int, carried: set[int]) -> tuple[int, list[int]]:
   return v, dims
 
 
-
 class Tactics:
   """The tactics of one program, with what they act on found once."""
 

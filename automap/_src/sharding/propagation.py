@@ -130,17 +130,15 @@ def _rounds(prim: str, rule: rules.Rule, shapes: list, results: int, factors: in
 # builds a Propagator per program many times over.
 @functools.lru_cache(maxsize=4)
 def _tables(graph: Graph) -> _Tables:
-  members, operand_count, slots = [], [], []
+  members, operand_count = [], []
   for o, rule in enumerate(graph.rules):
-    m = [(v, tuple(dims)) for v, dims in zip(graph.operands[o], rule.operands)
+    # (value, its dims' factors, its member index in the rule, which counts
+    # literals too), operands first.
+    every = [*zip(graph.operands[o], rule.operands), *zip(graph.results[o], rule.results)]
+    m = [(v, tuple(dims), i) for i, (v, dims) in enumerate(every)
          if v >= 0 and dims is not None]
-    operand_count.append(len(m))
-    m += [(v, tuple(dims)) for v, dims in zip(graph.results[o], rule.results) if v >= 0]
+    operand_count.append(sum(i < len(rule.operands) for *_, i in m))
     members.append(m)
-    # The rule's member index of each slot (the rule counts literals too).
-    slots.append([i for i, (v, dims) in enumerate(zip(
-        list(graph.operands[o]) + list(graph.results[o]),
-        list(rule.operands) + list(rule.results))) if v >= 0 and dims is not None])
   num_ops, num_values = graph.num_ops, graph.num_values
   width = max((len(m) for m in members), default=1) or 1
   rank = max((len(s) for s in graph.shapes), default=1) or 1
@@ -161,7 +159,7 @@ def _tables(graph: Graph) -> _Tables:
   np.add.at(uses, [v for v in graph.outputs if v >= 0], 1)
   for o, m in enumerate(members):
     role[o, operand_count[o]:len(m)] = 1
-    for j, (v, dims) in enumerate(m):
+    for j, (v, dims, _) in enumerate(m):
       mval[o, j] = v
       mdims[o, j, :len(dims)] = dims
       for e, f in reversed(list(enumerate(dims))):  # the first dim a factor indexes
@@ -170,14 +168,14 @@ def _tables(graph: Graph) -> _Tables:
       elements[o, j] = int(np.prod(graph.shapes[v], dtype=np.int64))
       views[v].append((o, j))
     rule = graph.rules[o]
+    slot = {i: j for j, (*_, i) in enumerate(m)}
     for member, e, f in rule.minor:
-      if member in slots[o]:
-        j = slots[o].index(member)
-        mminor[o, j, e] = f
-        fdim[o, j, f] = e
+      if member in slot:
+        mminor[o, slot[member], e] = f
+        fdim[o, slot[member], f] = e
     msize[o, :len(rule.sizes)] = rule.sizes
     direction[:, o], sends[:, o], takes[:, o] = _rounds(
-        graph.prims[o], rule, [graph.shapes[v] for v, _ in m], len(m) - operand_count[o],
+        graph.prims[o], rule, [graph.shapes[v] for v, *_ in m], len(m) - operand_count[o],
         factors, width, any(uses[v] > 1 for v in graph.operands[o]
                             if v >= 0 and graph.shapes[v]))
   shape = np.ones((num_values, rank), np.int64)
