@@ -135,6 +135,32 @@ def test_cpu_reductions_store_the_producers_they_share():
   assert fused <= shared
 
 
+@pytest.mark.parametrize("op,stored", [
+    (jnp.tanh, True),  # expensive: computed once, its buffer read by both
+    (jnp.sin, False),  # cheap for reals: recomputed in each reader
+    (lambda x: 1.0 / x, True),  # a float division is expensive...
+    (lambda x: x / 3.0, False),  # ...unless by a constant (a multiplication)
+])
+def test_an_expensive_op_two_fusions_read_is_stored_once(op, stored):
+  """XLA's fusion never duplicates an expensive op into several consumers
+  (`InstructionFusion::ShouldFuse`): read by two loop fusions, a tanh is a
+  fusion of its own whose buffer both read, a sine is recomputed in each.
+  Checked against the compiled program's fusions."""
+  def fn(x, z):
+    y = op(x)
+    return y * z, y + z
+
+  args = (jnp.ones((64, 64)), jnp.ones((64, 64)))
+  entry = jax.jit(fn).lower(*args).compile().as_text().split("ENTRY")[1]
+  assert entry.count(" fusion(") == (3 if stored else 2)
+  g = program.Program.build(trace.trace(fn, args), MeshSpec(("data",), (8,)),
+                            hardware.get_hardware("cpu")).graph
+  made = g.results[0][0]  # the op's result (the first equation)
+  cpu = compiler.XLA_CPU
+  assert analysis.materialized(g, cpu.fuses_shared_producers, cpu.expensive)[0][made] == stored
+  assert not analysis.materialized(g, cpu.fuses_shared_producers)[0][made]
+
+
 def test_a_gather_fuses_into_its_one_loop_fused_reader():
   """XLA never duplicates a gather (it deems it expensive), so it is fused
   only into a sole reader that loop-fuses, as a concatenation does."""

@@ -33,7 +33,8 @@ _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 _LIBRARY_ELEMENTS = 4096
 
 
-def materialized(graph: Graph, fuses_shared: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def materialized(graph: Graph, fuses_shared: bool = True,
+                 expensive: frozenset[str] = frozenset()) -> tuple[np.ndarray, np.ndarray]:
   """([V] bool, [V] int): values that occupy a buffer of their own once XLA
   fuses, and per value the one whose shape a stored broadcast of it takes
   (-1: none).
@@ -47,6 +48,9 @@ def materialized(graph: Graph, fuses_shared: bool = True) -> tuple[np.ndarray, n
   readers' implicit broadcasts, which the fusion cannot take in): it has
   the shape of the fusion member's result. Nor does such a fusion take in
   a gather.
+
+  An `expensive` op (`Compiler.expensive`) is never recomputed in two
+  fusions: when its computation would run in more than one, it is stored.
   """
   out = np.ones(graph.num_values, bool)
   for v in range(graph.num_values):
@@ -60,7 +64,7 @@ def materialized(graph: Graph, fuses_shared: bool = True) -> tuple[np.ndarray, n
   out[[v for v in graph.outputs if v >= 0]] = True
   wide = np.full(graph.num_values, -1, np.int64)
   if fuses_shared:
-    return _stored_where_cheaper(graph, out), wide
+    return _stored_where_cheaper(graph, out, expensive), wide
   # The reduction whose fusion absorbs each op (-1: none); readers come
   # after producers, so one reverse pass grows every fusion upwards.
   fusion = np.full(graph.num_ops, -1, np.int64)
@@ -93,10 +97,12 @@ def materialized(graph: Graph, fuses_shared: bool = True) -> tuple[np.ndarray, n
       if (fusion[r] >= 0 and made >= 0 and graph.prims[r] in rules.ELEMENTWISE
           and math.prod(graph.shapes[made]) > elements):
         wide[v], elements = made, math.prod(graph.shapes[made])
+  _fusion_roots(graph, out, np.zeros(graph.num_ops, bool), expensive=expensive)
   return out, wide
 
 
-def _stored_where_cheaper(graph: Graph, stored: np.ndarray) -> np.ndarray:
+def _stored_where_cheaper(graph: Graph, stored: np.ndarray,
+                          expensive: frozenset[str] = frozenset()) -> np.ndarray:
   """`stored`, and the fusible values that cost fewer bytes stored than
   recomputed: a value fused into k fusions reads its fused chain's stored
   inputs k times; stored, it is written once and read k times. XLA's fusion
@@ -111,20 +117,23 @@ def _stored_where_cheaper(graph: Graph, stored: np.ndarray) -> np.ndarray:
     for v in graph.results[o]:
       if v >= 0:
         inputs[v] = read
-  _fusion_roots(graph, stored, np.zeros(graph.num_ops, bool), inputs)
+  _fusion_roots(graph, stored, np.zeros(graph.num_ops, bool), inputs, expensive)
   return stored
 
 
 def _fusion_roots(graph: Graph, stored: np.ndarray, dead: np.ndarray,
-                  inputs: np.ndarray | None = None) -> list[frozenset[int]]:
+                  inputs: np.ndarray | None = None,
+                  expensive: frozenset[str] = frozenset()) -> list[frozenset[int]]:
   """[O] the fusions (by their root op) each op's computation runs in.
 
   An op whose results are stored roots a fusion of its own; one whose
   results are never stored is computed inside each fusion that reads them
   (XLA's producer duplication). Given `inputs` (per value, the bytes its
   fused chain reads), a value is instead stored, in `stored`, where that
-  moves fewer bytes than recomputing it. Readers come after producers: one
-  reverse pass."""
+  moves fewer bytes than recomputing it, and so is an `expensive` op's
+  that more than one fusion would recompute (XLA's `InstructionFusion::
+  ShouldFuse`: "don't duplicate expensive instructions"). Readers come
+  after producers: one reverse pass."""
   roots = [frozenset((o,)) for o in range(graph.num_ops)]
   for o in range(graph.num_ops - 1, -1, -1):
     results = [v for v in graph.results[o] if v >= 0]
@@ -133,12 +142,28 @@ def _fusion_roots(graph: Graph, stored: np.ndarray, dead: np.ndarray,
     reached = frozenset().union(*(roots[r] for v in results for r, _ in graph.uses[v]
                                   if not dead[r]))
     k = len(reached)
-    if inputs is not None and k > 1 and sum(
+    if k > 1 and _expensive(graph, o, expensive):
+      stored[results] = True
+    elif inputs is not None and k > 1 and sum(
         (1 + k) * float(graph.nbytes[v]) for v in results) < k * sum(inputs[results]):
       stored[results] = True
     else:
       roots[o] = reached or roots[o]
   return roots
+
+
+def _expensive(graph: Graph, o: int, expensive: frozenset[str]) -> bool:
+  """Whether op o is one XLA's fusion will not duplicate. A division by a
+  constant is cheap: an integer one compiles to multiplies and shifts
+  (`IsExpensive`), and XLA's algebraic simplifier turns a float one into a
+  multiplication by the inverse; by anything else it is expensive."""
+  prim = graph.prims[o]
+  if prim not in expensive:
+    return False
+  if prim in ("div", "rem"):
+    divisor = graph.operands[o][1] if len(graph.operands[o]) > 1 else -1
+    return divisor >= 0 and graph.kind[divisor] != graph_lib.CONST  # -1: a literal
+  return True
 
 
 def fused_liveness(graph: Graph, stored: np.ndarray, end: np.ndarray, dead: np.ndarray,
@@ -326,9 +351,11 @@ class Analysis:
   touch_idx: np.ndarray  # int64 the ops each value is a member of
 
   @classmethod
-  def of(cls, graph: Graph, fuses_shared_producers: bool = True) -> Analysis:
+  def of(cls, graph: Graph, fuses_shared_producers: bool = True,
+         expensive: frozenset[str] = frozenset()) -> Analysis:
     """The analysis of `graph` under a compiler that does (or does not)
-    fuse shared producers into reductions (`Compiler.fuses_shared_producers`)."""
+    fuse shared producers into reductions (`Compiler.fuses_shared_producers`)
+    and never duplicates `expensive` ops (`Compiler.expensive`)."""
     program_end = graph.num_ops
     start = np.where(graph.producer >= 0, graph.producer, 0).astype(np.int64)
     end = np.maximum(graph.last_use.astype(np.int64), start)
@@ -348,7 +375,7 @@ class Analysis:
     made_dead = np.zeros(graph.num_values, bool)
     for o in np.flatnonzero(dead):
       made_dead[[v for v in graph.results[o] if v >= 0]] = True
-    stored, wide = materialized(graph, fuses_shared_producers)
+    stored, wide = materialized(graph, fuses_shared_producers, expensive)
     temporary = stored & ~resident & ~made_dead
     looped = np.array([graph.trips[o] > 1 or graph.prims[o].startswith(("scan_", "while_"))
                        for o in range(graph.num_ops)], bool)

@@ -37,6 +37,13 @@ class Compiler:
   combine_bytes, combine_count: the most bytes and collectives one combined
     collective takes (XLA:CPU: no byte limit, 256; XLA:GPU: 30 MiB,
     `kDefaultAllReduceCombineThreshold`, and 256).
+  expensive: the elementwise primitives XLA's fusion never duplicates: one
+    whose computation several fusions read is stored once, not recomputed
+    in each (`InstructionFusion::IsExpensive`, which XLA:CPU's fusion uses
+    as is and XLA:TPU is taken to; `GpuInstructionFusion::IsExpensive`
+    deems f32/f16 exp, divide, sqrt and rsqrt cheap, and those dtypes are
+    what XLA:GPU computes them in). A division by a constant is cheap on
+    every backend (`analysis._expensive`).
   async_collectives: whether collectives run as start / done pairs that the
     latency-hiding scheduler overlaps with independent compute (XLA:GPU's
     `AsyncCollectiveCreator` and `LatencyHidingScheduler` in
@@ -52,18 +59,28 @@ class Compiler:
   combine_bytes: float = float("inf")
   combine_count: int = 256
   async_collectives: bool = False
+  expensive: frozenset[str] = frozenset()
 
 
+# jax primitives `InstructionFusion::IsExpensive` deems expensive (those the
+# compiler expands into expensive HLO: erfc and erf_inv into exp and log).
+_EXPENSIVE = frozenset({
+    "exp", "exp2", "expm1", "log", "log1p", "logistic", "erf", "erfc", "erf_inv",
+    "tanh", "sqrt", "rsqrt", "cbrt", "pow", "atan2", "div", "rem", "lgamma",
+    "digamma", "igamma", "igammac", "sinh", "cosh", "asinh", "acosh", "atanh"})
 _GATHERS_AND_REDUCTIONS = frozenset({ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER})
 _GPU_COMBINE_BYTES = 30 * 2**20
 XLA_TPU = Compiler("xla:tpu", reduce_scatter=True, reduce_in_f32=False,
                    fuses_shared_producers=True, combines=_GATHERS_AND_REDUCTIONS,
-                   combine_bytes=_GPU_COMBINE_BYTES, async_collectives=True)
+                   combine_bytes=_GPU_COMBINE_BYTES, async_collectives=True,
+                   expensive=_EXPENSIVE)
 XLA_GPU = Compiler("xla:gpu", reduce_scatter=True, reduce_in_f32=False,
                    fuses_shared_producers=True, combines=_GATHERS_AND_REDUCTIONS,
-                   combine_bytes=_GPU_COMBINE_BYTES, async_collectives=True)
+                   combine_bytes=_GPU_COMBINE_BYTES, async_collectives=True,
+                   expensive=_EXPENSIVE - {"exp", "exp2", "div", "sqrt", "rsqrt"})
 XLA_CPU = Compiler("xla:cpu", reduce_scatter=False, reduce_in_f32=True,
-                   fuses_shared_producers=False, combines=frozenset({ALL_REDUCE}))
+                   fuses_shared_producers=False, combines=frozenset({ALL_REDUCE}),
+                   expensive=_EXPENSIVE)
 
 # Platform names as jax reports them (`Device.platform`), and the GPU
 # vendors' names for the one XLA:GPU backend.
