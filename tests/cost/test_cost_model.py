@@ -76,19 +76,21 @@ def test_sharding_reduces_flops_and_memory():
   assert replicated.comm_bytes == {}
   # Without an optimizer's results to hold them, activations set the peak:
   # splitting the batch shrinks it (priced for XLA:CPU, whose compiled peaks
-  # here are 6.2 MB and 5.1 MB).
+  # here are 6.2 MB and 5.1 MB; priced 5.5 MB and 5.0 MB: XLA's heap leaves
+  # gaps between the replicated step's temporaries the model does not count).
   fn, grads_args = loss_and_grads(args)
   replicated = automap.evaluate(fn, *grads_args, mesh=m, in_shardings=P(), hardware="cpu")
   dp = automap.evaluate(fn, *grads_args, mesh=m, in_shardings=(P(), P("data")),
                         hardware="cpu")
-  assert dp.peak_memory < 0.9 * replicated.peak_memory
+  assert dp.peak_memory < 0.95 * replicated.peak_memory
 
 
 def test_results_buffers_hold_temporaries_made_before_them():
   """Activations die before Adam makes the new state, so its buffers hold
   them (XLA's buffer assignment shares live-out allocations): a replicated
-  step peaks at little more than its arguments and results. Gradients live
-  until their own buffers are made, so a (loss, grads) step holds none."""
+  step peaks at little more than its arguments and results. A (loss, grads)
+  step's gradient buffers hold only what dies before each is made (a later
+  layer's activations in an earlier layer's gradient), so less of it."""
   step, args = gpt_step()
   fn, grads_args = loss_and_grads(args)
   replicated = (MeshSpec(("data",), (8,)), hardware.get_hardware("cpu"))
@@ -97,8 +99,8 @@ def test_results_buffers_hold_temporaries_made_before_them():
     prog = program.Program.build(trace.trace(f, a), *replicated)
     tracker = Tracker(prog.model, prog.initial_state())
     peaks[name] = tracker.peak()[0] / tracker.live.max()
-  assert peaks["step"] < 0.2
-  assert peaks["grads"] > 0.7
+  assert peaks["step"] < 0.25
+  assert 2 * peaks["step"] < peaks["grads"] < 0.9
   report = automap.verify(automap.search(step, *args, mesh=mesh((8, 1)), hardware="cpu"),
                           step, *args, mesh=mesh((8, 1)), check_numerics=False)
   assert report.memory_error < 0.15, report.table()
@@ -378,12 +380,36 @@ def test_a_small_long_lived_temporary_holds_back_only_its_own_class():
   foot = np.array([1000.0, 10.0])
   fits = np.array([0, 1])  # class of the smallest buffer each fits
   made, slot = np.array([5]), np.array([0])  # one large buffer, made at op 5
-  by_start, by_end = np.argsort(start), np.argsort(end)
-  held = kernels.temporaries_in_result_buffers(10, by_start, by_end, start, end, foot, fits,
-                                               made, slot, 2)
-  assert held[2] == 1000.0  # the large one lives in the result's buffer
-  assert held[4] == 0.0  # only the small one is alive: it outlives the buffer's making
-  assert held[6] == 0.0  # the buffer is made: it hosts nothing more
+
+  def held(t):
+    return kernels.hosted_at(t, start, end, foot, fits, made, slot)
+
+  assert held(2) == 1000.0  # the large one lives in the result's buffer
+  assert held(4) == 0.0  # only the small one is alive: it outlives the buffer's making
+  assert held(6) == 0.0  # the buffer is made: it hosts nothing more
+  live = np.array([10.0, 1010.0, 1010.0, 1010.0, 10.0, 10.0, 10.0])
+  assert kernels.peak_after_hosting(live, start, end, foot, fits, made, slot) == (10.0, 0)
+
+
+def test_temporaries_take_the_result_buffers_made_after_they_die():
+  """Three equal temporaries alive at op 2, dying at 3, 6 and 8; result
+  buffers of their size made at 4, 7 and 9. Each buffer holds one
+  temporary that dies before it is made: all three are held (the one dying
+  last takes the buffer made last), though the latest death is after the
+  first buffer is made. A larger temporary alive beside them takes a
+  buffer only if one of its size or more is made after it dies."""
+  from automap._src.cost import kernels
+
+  start, end = np.array([0, 1, 2, 0]), np.array([3, 6, 8, 5])
+  foot = np.array([100.0, 100.0, 100.0, 400.0])
+  made, slot = np.array([4, 7, 9]), np.array([1, 1, 1])  # class 1: 100 bytes
+  fits = np.array([1, 1, 1, 0])  # the 400-byte one needs a class-0 buffer: none
+  assert kernels.hosted_at(2, start, end, foot, fits, made, slot) == 300.0
+  assert kernels.hosted_at(5, start, end, foot, fits, made, slot) == 200.0
+  slot = np.array([0, 1, 1])  # the buffer made at 4 is large, but made before op 5
+  assert kernels.hosted_at(2, start, end, foot, fits, made, slot) == 300.0
+  slot = np.array([1, 0, 1])  # one made at 7 is large: the 400-byte one takes it
+  assert kernels.hosted_at(2, start, end, foot, fits, made, slot) == 600.0
 
 
 def test_matmul_rate_pads_to_the_tile_and_scales_by_efficiency():

@@ -194,63 +194,59 @@ def resize_residents(values, resident, state, sizes, nbytes, held, is_input, tot
 
 
 @numba.njit(cache=True, nogil=True)
-def temporaries_in_result_buffers(n, by_start, by_end, start, end, footprint, fits_class,
-                                  made, slot_class, classes):
-  """[n] bytes of temporaries that results not yet made hold, per op index.
+def hosted_at(t, start, end, footprint, fits_class, made, slot_class):
+  """Bytes of the temporaries alive at op t that result buffers not yet made
+  hold (XLA's buffer assignment shares a live-out allocation between values
+  whose live ranges do not interfere, so a buffer made after a temporary
+  dies can hold it).
 
   Temporaries (start, end, footprint, fits_class: the smallest class of
-  result buffers each fits, classes ordered largest first) are sorted by start
-  (`by_start`) and by end (`by_end`); result buffers by the op that makes
-  them (`made`, `slot_class`). A buffer hosts a temporary that dies before
-  its result is made (XLA's buffer assignment shares a live-out
-  allocation between values whose live ranges do not interfere). At each
-  point the buffers are matched to the temporaries alive there by class,
-  largest first: a temporary fits its class and every larger one, so unused
-  larger buffers carry down. Class c's temporaries and the larger ones
-  matched before them take buffers made after the latest of their own ends,
-  so a small long-lived one (a gradient the optimizer reads last) holds
-  back only its own class and the smaller, not every buffer. Where a class
-  has more temporaries than buffers, the share held is its bytes in
-  proportion."""
-  out = np.zeros(n)
-  count = np.zeros(classes)
-  nbytes = np.zeros(classes)
-  last = np.full(classes, -1)  # per class, the latest end of a temporary started
-  # after[c, x]: buffers of class c or larger made after op x.
-  span = n + 2
-  after = np.zeros((classes, span))
-  for k in range(len(slot_class)):  # a histogram by class and op made...
-    after[slot_class[k], min(max(made[k], 0), span - 1)] += 1
-  for c in range(classes):  # ...summed over later ops: made after x
-    running = 0.0
-    for x in range(span - 1, -1, -1):
-      made_here = after[c, x]
-      after[c, x] = running
-      running += made_here
-  for c in range(1, classes):
-    after[c] += after[c - 1]
-  i = j = 0
-  for t in range(n):
-    while i < len(by_start) and start[by_start[i]] <= t:
-      c = fits_class[by_start[i]]
-      count[c] += 1
-      nbytes[c] += footprint[by_start[i]]
-      last[c] = max(last[c], end[by_start[i]])
+  result buffers each fits, classes ordered largest first); result buffers
+  by the op making them (`made`, ascending) and class (`slot_class`). A
+  temporary fits its class and every larger one. Classes are matched
+  largest first; within one, the temporaries that die last take the
+  buffers made last, which hosts as many as any matching can (the buffers
+  a temporary may take are nested by its end)."""
+  alive = np.empty(len(start), np.int64)
+  k = 0
+  for i in range(len(start)):
+    if start[i] <= t <= end[i]:
+      alive[k] = i
+      k += 1
+  first = np.searchsorted(made, t, side="right")
+  if k == 0 or first == len(made):
+    return 0.0
+  alive = alive[:k]
+  span = np.int64(end.max()) + 2
+  order = alive[np.argsort(fits_class[alive] * span + (span - 1 - end[alive]))]
+  used = np.zeros(len(made), np.bool_)
+  total = 0.0
+  i = 0
+  while i < k:
+    c = fits_class[order[i]]
+    p = len(made) - 1
+    while i < k and fits_class[order[i]] == c:
+      v = order[i]
       i += 1
-    while j < len(by_end) and end[by_end[j]] < t:
-      count[fits_class[by_end[j]]] -= 1
-      nbytes[fits_class[by_end[j]]] -= footprint[by_end[j]]
-      j += 1
-    # Ends of temporaries already dead are below t: max(t, ...) discounts them.
-    cutoff = t
-    taken = 0.0
-    total = 0.0
-    for c in range(classes):
-      cutoff = max(cutoff, last[c]) if count[c] > 0 else cutoff
-      left = after[c, min(cutoff, span - 1)] - taken
-      if count[c] > 0 and left > 0:
-        take = min(count[c], left)
-        total += nbytes[c] * take / count[c]
-        taken += take
-    out[t] = total
-  return out
+      while p >= first and (used[p] or slot_class[p] > c):
+        p -= 1
+      if p >= first and made[p] > end[v]:
+        used[p] = True
+        total += footprint[v]
+        p -= 1
+  return total
+
+
+@numba.njit(cache=True, nogil=True)
+def peak_after_hosting(live, start, end, footprint, fits_class, made, slot_class):
+  """(bytes, op) of the peak of `live` less what result buffers hold
+  (`hosted_at`). Points are tried from the most live down, and the search
+  stops once no untried point can beat the best found."""
+  best, at = -np.inf, 0
+  for t in np.argsort(-live, kind="mergesort"):
+    if live[t] < best:
+      break
+    net = live[t] - hosted_at(t, start, end, footprint, fits_class, made, slot_class)
+    if net > best or (net == best and t < at):
+      best, at = net, t
+  return best, at

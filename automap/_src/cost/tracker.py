@@ -264,15 +264,12 @@ class Tracker:
     Before a result of the program is made, its buffer holds temporaries
     that fit in it and die before it is made, one at a time (XLA's buffer
     assignment shares live-out allocations), so a temporary with such a
-    host costs nothing extra. At each point, a size class of temporaries
-    and the larger ones take the buffers of results made after the last of
-    them dies (`kernels.temporaries_in_result_buffers`).
+    host costs nothing extra (`kernels.hosted_at`).
     """
     if not len(self.live):
       return 0.0, 0
-    net = self.live - self._in_result_buffers()
-    t = int(np.argmax(net))
-    return max(float(net[t]), 0.0), t
+    net, t = kernels.peak_after_hosting(self.live, *self._hosting())
+    return max(float(net), 0.0), int(t)
 
   def _hostable_temporaries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(first op, last op, bytes) of the temporary buffers a result's buffer
@@ -289,8 +286,10 @@ class Tracker:
             np.concatenate([a.end[values], last.astype(np.int64)]),
             np.concatenate([self.footprint[values], nbytes.astype(np.float64)]))
 
-  def _in_result_buffers(self) -> np.ndarray:
-    """[O + 1] bytes of temporaries that results' buffers hold."""
+  def _hosting(self) -> tuple[np.ndarray, ...]:
+    """(start, end, bytes, class) of the temporaries a result buffer may
+    hold, and (op made at, class) of those buffers, for `kernels.hosted_at`:
+    classes of buffer sizes, largest first."""
     a = self.model.analysis
     sizes = self.held[a.results_made]
     ascending = np.unique(sizes)
@@ -302,10 +301,8 @@ class Tracker:
     start, end, foot = self._hostable_temporaries()
     fits = m - np.searchsorted(ascending, foot, side="left")  # classes a buffer fits
     temps = np.flatnonzero((foot > 0) & (fits > 0))
-    by_start = temps[np.argsort(start[temps], kind="stable")]
-    by_end = temps[np.argsort(end[temps], kind="stable")]
-    return kernels.temporaries_in_result_buffers(
-        len(self.live), by_start, by_end, start, end, foot, fits - 1, a.results_made_at, slot, m)
+    return (start[temps], end[temps], foot[temps], fits[temps] - 1,
+            a.results_made_at, slot)
 
   def combined_away(self) -> dict[tuple[int, int], int]:
     """{(kind, axes mask): how many collectives XLA's combiners merge away}.
