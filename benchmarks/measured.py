@@ -6,15 +6,17 @@ each row names its source, the table or file and commit, and quotes it). A
 row's model is traced as a 2-block bf16 GPT of its shape (hidden, heads,
 key/value heads, MLP width and kind, sequence, vocabulary), priced by the
 cost model at the row's tensor-parallel width under the runs' own layout
-(Megatron-LM's tensor parallelism, `megatron`), its block repeated to the
-row's depth, and run through the cluster
+(Megatron-LM's tensor parallelism, `megatron`, with its sequence
+parallelism where the run had it, gradients in their parameters' layout),
+its block repeated to the row's depth, and run through the cluster
 model exactly as published (`automap.price_placement`: tensor x pipeline x
 data, microbatch, recompute, schedule, ZeRO; mixed-precision Adam). Where
 a source leaves a setting out (microbatch, interleaved chunks, recompute,
-ZeRO), the fastest choice that fits the device's memory stands in, as a
-tuned run would; the table says which were chosen. The predicted time per
-iteration is turned into the source's own unit with the source's own FLOP
-formula (`SOURCE_FLOPS`), so "predicted / measured" compares like with like.
+ZeRO, sequence parallelism), the fastest choice that fits the device's
+memory stands in, as a tuned run would; the table says which were chosen
+("sp": sequence parallel). The predicted time per iteration is turned
+into the source's own unit with the source's own FLOP formula
+(`SOURCE_FLOPS`), so "predicted / measured" compares like with like.
 
 Split: the Narayanan et al. 2021 weak-scaling table (Table 1) and every
 third other row (by id) are validation: nothing is ever fitted to them. The
@@ -99,6 +101,16 @@ def sync_overlapped(row: dict) -> bool:
 # to each decoder layer's input, norm, attention and MLP outputs and sum
 # (layers/models.py). Megatron-LM's runs keep them whole in the group.
 EMBED_SHARDED = ("maxtext_v5e", "maxtext_v5p")
+# Megatron-LM's sequence parallelism splits the same activations over the
+# tensor group along the sequence (norms, dropout and residual adds run on a
+# slice; the group all-gathers before a column-parallel matmul and
+# reduce-scatters after a row-parallel one). Megatron-Core's runs had it:
+# their --tp-comm-overlap asserts --sequence-parallel (arguments.py
+# @f2e5db40, line 199). Runs before it existed (Korthikanti et al., May 2022;
+# Megatron-DeepSpeed as BLOOM ran it) did not; where a source is silent
+# (Llama 3), both are tried and the fastest that fits stands.
+SEQUENCE_PARALLEL = ("mcore_h100_2024",)
+WHOLE_SEQUENCE = ("narayanan21", "mtnlg", "bloom", "palm")
 # Sources whose blocks run attention and the MLP side by side on one norm's
 # output and add both to the input: MaxText's DecoderLayer (layers/models.py
 # @76bd53b0; layers.py @9bc243c9), as PaLM's.
@@ -235,11 +247,13 @@ def megatron(path: str, ndim: int) -> P:
 
 
 def published_state(traced, params_count: int, width: int, hw,
-                    embed_sharded: int = 0) -> np.ndarray:
+                    embed_sharded: int = 0, sequence_sharded: int = 0) -> np.ndarray:
   """The runs' own intra-layer layout (Megatron-LM's, MaxText's tensor
   axis alike) on a `width`-device mesh; the batch whole on it. With
   `embed_sharded` = hidden, every [1, seq, hidden] activation and its
-  gradient is split over the axis along hidden, as MaxText constrains them."""
+  gradient is split over the axis along hidden, as MaxText constrains them;
+  with `sequence_sharded` = hidden, along the sequence, as Megatron-LM's
+  sequence parallelism splits them."""
   program = Program.build(traced, MeshSpec(("model",), (width,)), hw)
   if width == 1:
     return program.initial_state()
@@ -247,10 +261,19 @@ def published_state(traced, params_count: int, width: int, hw,
   paths = [str(p) for p in traced.in_paths]
   layouts = [(v, megatron(p, 0) if i < params_count else P())
              for i, (v, p) in enumerate(zip(g.inputs, paths))]
+  # Each gradient in its parameter's layout, as Megatron-LM keeps them.
+  layouts += [(v, megatron(p, 0)) for v, p in zip(g.outputs, traced.out_paths)
+              if v >= 0 and g.producer[v] >= 0 and p.startswith("1/")]
   if embed_sharded:
     layouts += [(v, P(None, None, "model")) for v in range(g.num_values)
                 if g.producer[v] >= 0 and len(g.shapes[v]) == 3
                 and g.shapes[v][0] == 1 and g.shapes[v][2] == embed_sharded]
+  if sequence_sharded:  # in the blocks and the final norm: the vocabulary-parallel
+    # lookup makes its rows whole and reduce-scatters them into the first block
+    layouts += [(v, P(None, "model", None)) for v in range(g.num_values)
+                if g.producer[v] >= 0 and len(g.shapes[v]) == 3 and g.shapes[v][0] == 1
+                and g.shapes[v][1] > 1 and g.shapes[v][2] == sequence_sharded
+                and ("/block_" in g.scopes[g.producer[v]] or "/ln_f" in g.scopes[g.producer[v]])]
   return program.pinned_state(layouts, "published layout")
 
 
@@ -305,14 +328,25 @@ def attention(row: dict) -> tuple[bool, ...]:
   return (False,) if row["source"] in UNFUSED_ATTENTION else (False, True)
 
 
-def priced(row: dict, profiles: dict[bool, Profile],
-           hw) -> tuple[automap.Placement, automap.ClusterConfig, bool, bool]:
+def sequence_parallel(row: dict) -> tuple[bool, ...]:
+  """Whether activations are split along the sequence (`SEQUENCE_PARALLEL`),
+  as the source states it; both where it is silent. MaxText's split along
+  the embedding (`EMBED_SHARDED`) stands in its place there."""
+  if row["source"] in SEQUENCE_PARALLEL:
+    return (True,)
+  if row["source"] in WHOLE_SEQUENCE + EMBED_SHARDED or row["parallel"]["tensor"] == 1:
+    return (False,)
+  return (False, True)
+
+
+def priced(row: dict, profiles: dict[tuple[bool, bool], Profile],
+           hw) -> tuple[automap.Placement, automap.ClusterConfig, bool, tuple[bool, bool]]:
   """The fastest candidate that fits (or the leanest, marked as not fitting),
-  over the candidates and the attention kernels `profiles` price (fused or
-  not): (plan, config, fits, fused)."""
+  over the candidates and the layouts `profiles` price, keyed (attention
+  fused, sequence parallel): (plan, config, fits, key)."""
   depth = row["model"]["layers"]
   best, leanest = None, None
-  for (fused, prof), config in itertools.product(profiles.items(), candidates(row)):
+  for (key, prof), config in itertools.product(profiles.items(), candidates(row)):
     graph = prof.at(config.microbatch).repeat("block_1", depth - 1)
     try:
       plan = price(graph, config, global_batch=row["parallel"]["global_batch"], hardware=hw,
@@ -323,9 +357,9 @@ def priced(row: dict, profiles: dict[bool, Profile],
       continue
     memory = max(s.memory for s in plan.stages)
     if memory <= hw.hbm_capacity and (best is None or plan.time < best[0].time):
-      best = (plan, config, True, fused)
+      best = (plan, config, True, key)
     if leanest is None or memory < leanest[1]:
-      leanest = ((plan, config, False, fused), memory)
+      leanest = ((plan, config, False, key), memory)
   if best is None and leanest is None:
     raise PlacementError(f"{row['id']}: no candidate configuration prices")
   return best or leanest[0]
@@ -347,10 +381,12 @@ def planned(row: dict, prof: Profile, hw, bound: float) -> automap.Placement | N
   return plan
 
 
-def describe(config: automap.ClusterConfig, fused: bool) -> str:
+def describe(config: automap.ClusterConfig, key: tuple[bool, bool]) -> str:
+  fused, sequence = key
   woven = f" v{config.virtual_stages}" if config.schedule == "interleaved" else ""
   return (f"t{config.tensor} p{config.pipeline} d{config.data} mb{config.microbatch} "
-          f"{config.recompute}{woven} z{config.zero}{' flash' if fused else ''}")
+          f"{config.recompute}{woven} z{config.zero}{' flash' if fused else ''}"
+          f"{' sp' if sequence else ''}")
 
 
 def main():
@@ -382,26 +418,30 @@ def main():
     t0 = time.perf_counter()
     traced, count = traced_step(row)
     width = row["parallel"]["tensor"]
-    state = published_state(traced, count, width, hardware(row),
-                            row["model"]["hidden"] if row["source"] in EMBED_SHARDED else 0)
+    hidden = row["model"]["hidden"]
+    states = {sp: published_state(traced, count, width, hardware(row),
+                                  hidden if row["source"] in EMBED_SHARDED else 0,
+                                  hidden if sp else 0)
+              for sp in sequence_parallel(row)}
     flops = source_flops(row)
-    kernels = attention(row)
+    keys = list(itertools.product(attention(row), states))
     measured = row["measured"]["tflops_per_device"] * 1e12
     ratios = {}
     for eff in (grid if opts.fit and split == "training" else []):
-      plan, *_ = priced(row, {f: profile(traced, count, state, width, hardware(row, eff), f)
-                              for f in kernels}, hardware(row, eff))
+      plan, *_ = priced(row, {(f, sp): profile(traced, count, states[sp], width,
+                                               hardware(row, eff), f) for f, sp in keys},
+                        hardware(row, eff))
       ratios[eff] = flops / (plan.time * row["devices"]) / measured
     hw = hardware(row, opts.efficiency)
-    profiles = {f: profile(traced, count, state, width, hw, f) for f in kernels}
-    plan, config, fits, fused = priced(row, profiles, hw)
+    profiles = {(f, sp): profile(traced, count, states[sp], width, hw, f) for f, sp in keys}
+    plan, config, fits, key = priced(row, profiles, hw)
     predicted = flops / (plan.time * row["devices"])
     memory = max(s.memory for s in plan.stages)
     cell = ""
     if opts.planner:
-      own = planned(row, profiles[fused], hw, bound=plan.time * 1.5)
+      own = planned(row, profiles[key], hw, bound=plan.time * 1.5)
       cell = f" {plan.time / own.time:.2f}x |" if own else " - |"
-    print(f"| {row['id']} | {split} | {row['hardware']} | {describe(config, fused)} | "
+    print(f"| {row['id']} | {split} | {row['hardware']} | {describe(config, key)} | "
           f"{'yes' if fits else 'NO'} | {memory / 1e9:.1f} | {measured / 1e12:.0f} | "
           f"{predicted / 1e12:.0f} | {predicted / measured:.3f} |{cell}", flush=True)
     run = (row["source"], *(row["model"].get(k) for k in ("layers", "hidden", "heads", "seq")))
