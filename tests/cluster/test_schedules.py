@@ -176,6 +176,31 @@ def test_mixed_precision_keeps_float32_master_weights_gradients_and_moments():
   assert sharded.stages[0].memory - 0.5e9 == pytest.approx(6e9 + 12e9 / 4)
 
 
+def test_zero_3_gathers_one_parameter_array_at_a_time():
+  """Stage 3 shards the bf16 parameters too, and gathers one array whole at
+  a time (DeepSpeed gathers a submodule's before it runs, XLA's FSDP each
+  weight for its matmul): the largest array, not the whole layer. A layer
+  traced from a real block knows its largest array; one built by hand
+  without it is taken whole."""
+  def stage3(graph):
+    plan = automap.price_placement(graph, automap.ClusterConfig(data=4, zero=3), global_batch=4,
+                                   hardware=flat(), optimizer="adam", mixed_precision=True)
+    return plan.stages[0].memory - 0.5e9
+
+  state = 18e9 / 4  # 1e9 parameters: every byte of their 18 sharded four ways
+  assert stage3(blocks(1, params=2e9, largest_param=0.5e9)) == pytest.approx(
+      state + 0.5e9 * 3 / 4)
+  assert stage3(blocks(1, params=2e9)) == pytest.approx(state + 2e9 * 3 / 4)
+  with pytest.raises(automap.PlacementError, match="largest_param .* must not exceed params"):
+    LayerCost(forward=1.0, backward=2.0, params=1e9, activations=0.0, largest_param=2e9)
+  loss, params, batch = gpt_step()
+  profile = layers_lib.measure(loss, params, batch, widths=[1], hardware=automap.HARDWARE["a100"],
+                               search=layers_lib.sharding_search(None))
+  cost = {layer.name: layer.widths[1] for layer in profile.at(4).layers}["block_0"]
+  assert cost.largest_param == 64 * 256 * 4  # the MLP's [64, 256] float32 kernels
+  assert cost.largest_param < cost.params
+
+
 @pytest.mark.parametrize("fields, match", [
     ({"tensor": 0}, r"ClusterConfig.tensor must be a positive int"),
     ({"recompute": "attention"}, r"ClusterConfig.recompute must be one of"),

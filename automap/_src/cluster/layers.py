@@ -326,6 +326,7 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
     if fused.any():  # flash attention's backward rebuilds the scores
       bw, rebuild = bw + rebuild, np.zeros(len(names))
     param_bytes = np.zeros(len(names))
+    largest = np.zeros(len(names))  # each layer's largest parameter array
     acts = np.zeros(len(names))
     dots = np.zeros(len(names))
     dots_forward = np.bincount(segment[rerun], seconds[rerun], len(names))
@@ -335,6 +336,7 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
       if v in params:
         for r in readers:
           param_bytes[r] += model.local_bytes(state, v)
+          largest[r] = max(largest[r], model.local_bytes(state, v))
         continue
       p = g.producer[v]
       if p < 0 or not forward[p]:
@@ -350,7 +352,7 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
         edges[(src, r)] += float(g.nbytes[v])
     layers = tuple(Layer(n, {t: LayerCost(*(float(x) for x in (
         fw[i], bw[i], param_bytes[i], acts[i], coll[i], flops[i], dropped[i],
-        min(rebuild[i], fw[i]), dots[i], min(dots_forward[i], fw[i]))))})
+        min(rebuild[i], fw[i]), dots[i], min(dots_forward[i], fw[i]), largest[i])))})
                    for i, n in enumerate(names))
     graphs[t] = LayerGraph(layers, tuple((names[a], names[b], nbytes)
                                          for (a, b), nbytes in sorted(edges.items())))

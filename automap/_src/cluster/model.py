@@ -54,6 +54,9 @@ class LayerCost:
     layer's input (MaxText's remat_policy "minimal"). None where the layer
     was not traced: the "dots" recompute mode is then not priced.
   dots_forward: seconds of forward that policy reruns in the backward.
+  largest_param: bytes of the layer's largest parameter array on the
+    device: what ZeRO stage 3 gathers at a time (0: not known, the whole
+    layer's `params`).
   """
 
   forward: float
@@ -66,6 +69,7 @@ class LayerCost:
   selective_forward: float = 0.0
   dots: float | None = None
   dots_forward: float = 0.0
+  largest_param: float = 0.0
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -81,6 +85,10 @@ class LayerCost:
       raise PlacementError(
           f"LayerCost.selective ({self.selective!r} bytes) must not exceed activations "
           f"({self.activations!r} bytes): it is the part of them selective recompute drops.")
+    if self.largest_param > self.params:
+      raise PlacementError(
+          f"LayerCost.largest_param ({self.largest_param!r} bytes) must not exceed params "
+          f"({self.params!r} bytes): it is one of the layer's parameter arrays.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -162,7 +162,7 @@ class PassTimes:
       graph = profiled.graphs[size][t]
       per_width[t] = [
           LayerCost(fw[i] + comm_fw[i], bw[i] + comm_bw[i], c.params, c.activations,
-                    comm_fw[i] + comm_bw[i])
+                    comm_fw[i] + comm_bw[i], largest_param=c.largest_param)
           for i, c in enumerate(layer.widths[t] for layer in graph.layers)]
     layers = tuple(Layer(layer.name, {t: per_width[t][i] for t in widths})
                    for i, layer in enumerate(base.layers))

@@ -106,7 +106,7 @@ class _Totals(NamedTuple):
   activations: float
   collectives: float
   flops: float
-  largest_params: float       # the largest layer's
+  largest_param: float        # the largest parameter array of any layer
   inputs: float               # every layer's input, summed (full recompute keeps them)
   largest_activations: float  # the largest layer's (full recompute rebuilds one at a time)
   selective: float            # attention scores selective recompute drops
@@ -444,7 +444,7 @@ class _StageCosts:
           forward=total(lambda c: c.forward), backward=total(lambda c: c.backward),
           params=total(lambda c: c.params), activations=total(lambda c: c.activations),
           collectives=total(lambda c: c.collectives), flops=total(lambda c: c.flops),
-          largest_params=max(c.params for _, c, _ in costs),
+          largest_param=max(c.largest_param or c.params for _, c, _ in costs),
           inputs=sum(n * x for n, _, x in costs),
           largest_activations=max(c.activations for _, c, _ in costs),
           selective=total(lambda c: c.selective),
@@ -495,7 +495,10 @@ class _StageCosts:
       c = self.totals(members, t)
       fixed = self.state_bytes(c.params, d, zero)
       if zero >= 3:
-        fixed += c.largest_params * (1 - 1 / d)  # one layer's parameters gathered at a time
+        # One parameter array gathered at a time: DeepSpeed's stage 3 gathers
+        # a submodule's parameters before it runs and frees them after, XLA's
+        # FSDP all-gathers each weight for the matmul that reads it.
+        fixed += c.largest_param * (1 - 1 / d)
       transient = {"none": 0.0, "full": c.largest_activations,
                    "selective": c.largest_selective, "dots": c.largest_dots_rebuilt}[mode]
       self._terms[key] = (fixed + transient,
