@@ -42,8 +42,10 @@ class Compiler:
     in each (`InstructionFusion::IsExpensive`, which XLA:CPU's fusion uses
     as is and XLA:TPU is taken to; `GpuInstructionFusion::IsExpensive`
     deems f32/f16 exp, divide, sqrt and rsqrt cheap, and those dtypes are
-    what XLA:GPU computes them in). A division by a constant is cheap on
-    every backend (`analysis._expensive`).
+    what XLA:GPU computes them in; its priority fusion, which weighs
+    duplication by its cost model, is taken to agree). Checked on XLA:CPU.
+    A division by a constant is cheap on every backend
+    (`analysis._expensive`).
   async_collectives: whether collectives run as start / done pairs that the
     latency-hiding scheduler overlaps with independent compute (XLA:GPU's
     `AsyncCollectiveCreator` and `LatencyHidingScheduler` in
