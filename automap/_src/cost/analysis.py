@@ -142,7 +142,7 @@ def _fusion_roots(graph: Graph, stored: np.ndarray, dead: np.ndarray,
     reached = frozenset().union(*(roots[r] for v in results for r, _ in graph.uses[v]
                                   if not dead[r]))
     k = len(reached)
-    if _expensive(graph, o, expensive) and len(reached | _expanded_alike(graph, o, roots)) > 1:
+    if k > 1 and _expensive(graph, o, expensive):
       stored[results] = True
     elif inputs is not None and k > 1 and sum(
         (1 + k) * float(graph.nbytes[v]) for v in results) < k * sum(inputs[results]):
@@ -150,37 +150,6 @@ def _fusion_roots(graph: Graph, stored: np.ndarray, dead: np.ndarray,
     else:
       roots[o] = reached or roots[o]
   return roots
-
-
-def _expanded_alike(graph: Graph, o: int, roots: list[frozenset[int]]) -> frozenset[int]:
-  """The fusions that compute op o's value inside another op's expansion,
-  where XLA's CSE makes the two one. JAX's derivative of erfc(u) is
-  -2/sqrt(pi) * exp(-u^2), and XLA expands erfc(u) through the same
-  exp(-u * u) (`ErfcImpl32`): after CSE the exact GELU's backward and its
-  forward erfc read one exp, which, expensive, is stored."""
-  if graph.prims[o] != "exp":
-    return frozenset()
-  u = _negated_square_of(graph, graph.operands[o][0])
-  if u < 0:
-    return frozenset()
-  return frozenset().union(*(roots[r] for r, _ in graph.uses[u] if graph.prims[r] == "erfc"))
-
-
-def _negated_square_of(graph: Graph, v: int) -> int:
-  """u where value v is -(u^2) (neg of a square or of u * u), else -1."""
-  p = graph.producer[v] if v >= 0 else -1
-  if p < 0 or graph.prims[p] != "neg":
-    return -1
-  w = graph.operands[p][0]
-  q = graph.producer[w] if w >= 0 else -1
-  if q < 0:
-    return -1
-  operands = graph.operands[q]
-  if graph.prims[q] == "square":
-    return operands[0]
-  if graph.prims[q] == "mul" and len(operands) == 2 and operands[0] == operands[1] >= 0:
-    return operands[0]
-  return -1
 
 
 def _expensive(graph: Graph, o: int, expensive: frozenset[str]) -> bool:
