@@ -246,14 +246,15 @@ def megatron(path: str, ndim: int) -> P:
   return P()
 
 
-def published_state(traced, params_count: int, width: int, hw,
-                    embed_sharded: int = 0, sequence_sharded: int = 0) -> np.ndarray:
+def published_state(traced, params_count: int, width: int, hw, hidden: int = 0,
+                    split: str = "") -> np.ndarray:
   """The runs' own intra-layer layout (Megatron-LM's, MaxText's tensor
-  axis alike) on a `width`-device mesh; the batch whole on it. With
-  `embed_sharded` = hidden, every [1, seq, hidden] activation and its
-  gradient is split over the axis along hidden, as MaxText constrains them;
-  with `sequence_sharded` = hidden, along the sequence, as Megatron-LM's
-  sequence parallelism splits them."""
+  axis alike) on a `width`-device mesh; the batch whole on it. `split`
+  "embed": every [1, seq, hidden] activation and its gradient is split over
+  the axis along hidden, as MaxText constrains them; "sequence": the
+  blocks' along the sequence, as Megatron-LM's sequence parallelism splits
+  them (the vocabulary-parallel lookup makes its rows whole and
+  reduce-scatters them into the first block)."""
   program = Program.build(traced, MeshSpec(("model",), (width,)), hw)
   if width == 1:
     return program.initial_state()
@@ -264,16 +265,15 @@ def published_state(traced, params_count: int, width: int, hw,
   # Each gradient in its parameter's layout, as Megatron-LM keeps them.
   layouts += [(v, megatron(p, 0)) for v, p in zip(g.outputs, traced.out_paths)
               if v >= 0 and g.producer[v] >= 0 and p.startswith("1/")]
-  if embed_sharded:
-    layouts += [(v, P(None, None, "model")) for v in range(g.num_values)
-                if g.producer[v] >= 0 and len(g.shapes[v]) == 3
-                and g.shapes[v][0] == 1 and g.shapes[v][2] == embed_sharded]
-  if sequence_sharded:  # in the blocks and the final norm: the vocabulary-parallel
-    # lookup makes its rows whole and reduce-scatters them into the first block
-    layouts += [(v, P(None, "model", None)) for v in range(g.num_values)
-                if g.producer[v] >= 0 and len(g.shapes[v]) == 3 and g.shapes[v][0] == 1
-                and g.shapes[v][1] > 1 and g.shapes[v][2] == sequence_sharded
-                and ("/block_" in g.scopes[g.producer[v]] or "/ln_f" in g.scopes[g.producer[v]])]
+  if split:
+    spec = P(None, None, "model") if split == "embed" else P(None, "model", None)
+    for v in range(g.num_values):
+      if (g.producer[v] < 0 or len(g.shapes[v]) != 3 or g.shapes[v][0] != 1
+          or g.shapes[v][2] != hidden):
+        continue
+      scope = g.scopes[g.producer[v]]
+      if split == "embed" or (g.shapes[v][1] > 1 and ("/block_" in scope or "/ln_f" in scope)):
+        layouts.append((v, spec))
   return program.pinned_state(layouts, "published layout")
 
 
@@ -419,9 +419,9 @@ def main():
     traced, count = traced_step(row)
     width = row["parallel"]["tensor"]
     hidden = row["model"]["hidden"]
-    states = {sp: published_state(traced, count, width, hardware(row),
-                                  hidden if row["source"] in EMBED_SHARDED else 0,
-                                  hidden if sp else 0)
+    embed = "embed" if row["source"] in EMBED_SHARDED else ""
+    states = {sp: published_state(traced, count, width, hardware(row), hidden,
+                                  "sequence" if sp else embed)
               for sp in sequence_parallel(row)}
     flops = source_flops(row)
     keys = list(itertools.product(attention(row), states))
