@@ -1,6 +1,8 @@
 """HBM traffic as XLA's fusions move it, against XLA's own accounting of the
 same program compiled here (`cost_analysis()["bytes accessed"]`)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -9,9 +11,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import automap
+from automap._src.cost import compiler
 from automap._src.cost.analysis import canonical_copies
+from automap._src.cost.model import CostModel
+from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace
 from automap._src.run import compiled as hlo
+from automap._src.search import driver
 from automap._src.search.program import Program
 from automap._src.sharding.mesh import MeshSpec
 
@@ -115,3 +121,53 @@ def test_a_fused_chain_takes_the_time_of_one_pass_over_memory():
   one_pass, flops = 2 * big.nbytes / hw.hbm_bandwidth, cost.flops / (hw.fp32_flops / 16)
   assert max(one_pass, flops) <= cost.compute_time <= (one_pass + flops) * (1 + 1e-9)
   assert cost.compute_time < 0.5 * (10 * one_pass + flops)
+
+
+AUTO = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+STACK, TILE, OUT = jnp.ones((4, 256, 96)), jnp.ones((256, 96)), jnp.ones((96, 32))
+
+
+def _to(spec):
+  return lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(AUTO, spec))
+
+
+@pytest.mark.parametrize("fn,spec,relaid", [
+    # A reduction's result is no loop fusion: its tile is copied on its
+    # own; the copy back joins the multiply's fusion.
+    (lambda x, w: _to(P())(x.sum(0)) * 2, P(None, None, "model"), TILE.nbytes),
+    # Read by a dot, the copy back is a fusion of its own too.
+    (lambda x, w: _to(P())(x.sum(0)) @ w, P(None, None, "model"), 3 * TILE.nbytes),
+    # Gathered along the major dim: no copy.
+    (lambda x, w: _to(P())(x.sum(0)) @ w, P(None, "model", None), 0),
+], ids=["read by a multiply", "read by a dot", "major dim"])
+def test_an_all_gather_along_a_minor_dim_is_relaid_as_compiled(fn, spec, relaid):
+  """XLA lays an all-gather's gathered dim out major (XLA:GPU's layout
+  assignment; XLA:CPU compiles the same): gathering columns, the tile is
+  copied into that layout and the result back, each copy joining a loop
+  fusion beside it where there is one."""
+  cost = automap.evaluate(fn, STACK, OUT, mesh=AUTO, in_shardings=(spec, P()), hardware="cpu")
+  shardings = (NamedSharding(AUTO, spec), NamedSharding(AUTO, P()))
+  compiled = jax.jit(fn, in_shardings=shardings).lower(STACK, OUT).compile()
+  assert cost.memory_traffic == hlo.compiled_traffic(compiled)
+  assert ("{0,1} all-gather(" in compiled.as_text()) == (relaid > 0)
+  program = driver.build_program(fn, (STACK, OUT), AUTO, "cpu")
+  in_place = CostModel(program.graph, program.mesh, program.model.hw,
+                       dataclasses.replace(compiler.XLA_CPU, major_collective_dims=False))
+  unrelaid = Tracker(in_place, program.state_from_specs([spec, P()])).cost()
+  assert cost.memory_traffic - unrelaid.memory_traffic == relaid
+
+
+@pytest.mark.parametrize("reader", ["mul", "dot"])
+def test_an_all_to_all_runs_as_slices_and_a_concatenation(reader):
+  """XLA:CPU and XLA:GPU split an all-to-all's operand into a buffer per
+  peer and concatenate what arrives (`AllToAllDecomposer`); a loop-fused
+  reader takes the concatenation in, a dot does not."""
+  then = (lambda y, w: y * 2) if reader == "mul" else (lambda y, w: y @ w)
+  fn = lambda x, w: then(_to(P("model", None))(jnp.sin(x)), w)  # noqa: E731
+  shardings = (NamedSharding(AUTO, P(None, "model")), NamedSharding(AUTO, P()))
+  cost = automap.evaluate(fn, TILE, OUT, mesh=AUTO, in_shardings=(P(None, "model"), P()),
+                          hardware="cpu")
+  compiled = jax.jit(fn, in_shardings=shardings).lower(TILE, OUT).compile()
+  assert " all-to-all(" in compiled.as_text()
+  # XLA counts each slice's fusion reading a little more than its slice.
+  assert cost.memory_traffic == pytest.approx(hlo.compiled_traffic(compiled), rel=0.1)

@@ -344,6 +344,9 @@ class Analysis:
   temporary: np.ndarray  # [V] bool: stored, not resident, made by a live op
   hostable: np.ndarray  # [V] bool
   free: np.ndarray  # [V] bool, `remade_values`
+  loop_made: np.ndarray  # [V] bool: made by an op XLA loop-fuses
+  loop_read: np.ndarray  # [V] bool: no output, and every reader loop-fuses
+  loop_fused: np.ndarray  # [O] bool: an op XLA loop-fuses
   op_class: np.ndarray  # [O] int64: ops that cost the same in the same layouts share one
   member_table: np.ndarray  # [O, M] int64 the values whose layouts key an op's cost
   result_table: np.ndarray  # [O, R] int64 each op's results, -1: none
@@ -384,8 +387,14 @@ class Analysis:
     free = remade_values(graph)
     copies, readers = fusion_copies(graph, stored, dead)
     dot_readers = contraction_readers(graph, dead)
+    # A copy or slice the compiler puts before or after a collective joins
+    # a loop fusion next to it (`relayout_bytes`).
+    loop_fused = np.array([p in _FUSIBLE for p in graph.prims], bool)
+    loop_made = np.append(loop_fused, False)[graph.producer]
+    loop_read = np.array([all(loop_fused[o] for o, _ in uses) for uses in graph.uses], bool)
+    loop_read[outs] = False
     op_class, members, extra = _op_classes(graph, dead, free, wide, unread, stored, copies,
-                                           readers, dot_readers)
+                                           readers, dot_readers, loop_made, loop_read)
     width = max((len(m) for m in members), default=1) or 1
     member_table = np.array(
         [(m or [0]) + [(m or [0])[0]] * (width - len(m or [0])) for m in members],
@@ -408,14 +417,15 @@ class Analysis:
         late=late_ops(graph), wide=wide, stored=stored, copies=copies,
         readers=readers, dot_readers=dot_readers,
         temporary=temporary, hostable=hostable,
-        free=free, op_class=op_class, member_table=member_table,
+        free=free, loop_made=loop_made, loop_read=loop_read, loop_fused=loop_fused,
+        op_class=op_class, member_table=member_table,
         result_table=result_table, touch_ptr=touch_ptr, touch_idx=touch_idx)
 
 
 def _op_classes(graph: Graph, dead: np.ndarray, free: np.ndarray, wide: np.ndarray,
                 unread: np.ndarray, stored: np.ndarray, copies: np.ndarray,
-                readers: np.ndarray, dot_readers: np.ndarray,
-                ) -> tuple[np.ndarray, list[list[int]], list[list[int]]]:
+                readers: np.ndarray, dot_readers: np.ndarray, loop_made: np.ndarray,
+                loop_read: np.ndarray) -> tuple[np.ndarray, list[list[int]], list[list[int]]]:
   """([O] class of each op, its members, the stored broadcasts among them).
 
   An op whose result is stored broadcast (`materialized`) prices that
@@ -438,7 +448,9 @@ def _op_classes(graph: Graph, dead: np.ndarray, free: np.ndarray, wide: np.ndarr
                  tuple(bool(free[v]) if v >= 0 else False for v in graph.operands[o]),
                  tuple(bool(stored[v]) for v in values), int(copies[o]),
                  tuple(int(readers[v]) for v in graph.results[o] if v >= 0),
-                 tuple(int(dot_readers[v]) for v in graph.operands[o] if v >= 0))
+                 tuple(int(dot_readers[v]) for v in graph.operands[o] if v >= 0),
+                 tuple(bool(loop_made[v]) for v in graph.operands[o] if v >= 0),
+                 tuple(bool(loop_read[v]) for v in graph.results[o] if v >= 0))
     op_class[o] = classes.setdefault(signature, len(classes))
     members.append(values)
   return op_class, members, extra

@@ -51,6 +51,18 @@ class Compiler:
     `AsyncCollectiveCreator` and `LatencyHidingScheduler` in
     `gpu_compiler.cc`; XLA:TPU taken to do the same); XLA:CPU runs them in
     place.
+  major_collective_dims: whether an all-gather runs only along its array's
+    most major dim (XLA:GPU's layout assignment moves the gathered dim
+    major, `GpuLayoutAssignment::AddBackendConstraints`; XLA:CPU compiles
+    the same): gathered along another dim of more than one element, the
+    tile is copied into that layout first and the result back after, each
+    copy fused into a loop-fused producer or reader where there is one.
+  tuple_all_to_all: whether an all-to-all runs as slices of its operand,
+    one buffer each, a tuple all-to-all of them, and a concatenation of
+    what arrives (`AllToAllDecomposer`, in XLA:CPU's and XLA:GPU's
+    pipelines), the slices and the concatenation fused into a loop-fused
+    producer or reader where there is one. XLA:TPU's pipeline is not
+    public; it is taken to run both collectives in place.
   """
 
   name: str
@@ -62,6 +74,8 @@ class Compiler:
   combine_count: int = 256
   async_collectives: bool = False
   expensive: frozenset[str] = frozenset()
+  major_collective_dims: bool = False
+  tuple_all_to_all: bool = False
 
 
 # jax primitives `InstructionFusion::IsExpensive` deems expensive (those the
@@ -79,10 +93,11 @@ XLA_TPU = Compiler("xla:tpu", reduce_scatter=True, reduce_in_f32=False,
 XLA_GPU = Compiler("xla:gpu", reduce_scatter=True, reduce_in_f32=False,
                    fuses_shared_producers=True, combines=_GATHERS_AND_REDUCTIONS,
                    combine_bytes=_GPU_COMBINE_BYTES, async_collectives=True,
-                   expensive=_EXPENSIVE - {"exp", "exp2", "div", "sqrt", "rsqrt"})
+                   expensive=_EXPENSIVE - {"exp", "exp2", "div", "sqrt", "rsqrt"},
+                   major_collective_dims=True, tuple_all_to_all=True)
 XLA_CPU = Compiler("xla:cpu", reduce_scatter=False, reduce_in_f32=True,
                    fuses_shared_producers=False, combines=frozenset({ALL_REDUCE}),
-                   expensive=_EXPENSIVE)
+                   expensive=_EXPENSIVE, major_collective_dims=True, tuple_all_to_all=True)
 
 # Platform names as jax reports them (`Device.platform`), and the GPU
 # vendors' names for the one XLA:GPU backend.

@@ -469,9 +469,14 @@ class CostModel:
         moved += local
     return peak, moved
 
-  def transition(self, comms: list, have, want, local: float, value: int) -> float:
+  def transition(self, comms: list, have, want, local: float, value: int,
+                 shape: tuple[int, ...] | None = None, steps: list | None = None) -> float:
     """Collectives that move an array from layout `have` to `want` (per-axis
-    tiled dims); returns its bytes per device after.
+    tiled dims); returns its bytes per device after. Given the array's
+    `shape`, `steps` receives each collective's (relaid before, relaid
+    after, operand bytes, result bytes): whether the compiler rewrites its
+    operand into buffers of another layout first and its result back after
+    (`relayout_bytes`).
 
     As XLA reshards: where every device's target tile lies within some
     device's current tile (each dim's tile count only refined), it slices
@@ -525,6 +530,8 @@ class CostModel:
           permute_mask |= 1 << a
     if not (gathers or a2a_mask or permute_mask):
       return after  # slices of what each device holds
+    if steps is None or shape is None:
+      steps = []
     target = _layout_code(want)
     if all(want_tiles.get(d, 1) % t == 0 for d, t in have_tiles.items()):
       self.emit(comms, PERMUTE, moved | permute_mask, after, value, target)
@@ -573,6 +580,10 @@ class CostModel:
             step[a] = UNSHARDED
         key = target if permuted else _layout_code(step)
         self.emit(comms, ALL_GATHER, gathers[d], gathered, value, key)
+        copied = self.compiler.major_collective_dims and shape is not None and any(
+            shape[e] > math.prod(sizes[a] for a in range(len(sizes)) if step[a] == e)
+            for e in range(d))
+        steps.append((copied, copied, gathered / grow, gathered))
     # Then one all-to-all per (source dim, target dim) of the axes moving.
     pairs: dict[tuple[int, int], int] = {}
     for a in range(len(sizes)):
@@ -581,6 +592,8 @@ class CostModel:
         pairs[pair] = pairs.get(pair, 0) | 1 << a
     for mask in pairs.values():
       self.emit(comms, ALL_TO_ALL, mask, gathered, value, target)
+      split = self.compiler.tuple_all_to_all
+      steps.append((split, split, gathered, gathered))
     return after
 
   def op_cost(self, state: State, o: int) -> OpCost:
@@ -638,6 +651,10 @@ class CostModel:
     # HBM bytes as XLA's fusions move them: stored operands read once per
     # fusion the op runs in, stored results written; fused values never.
     traffic = 0.0
+    # HBM bytes of the copies laying collectives' buffers out
+    # (`relayout_bytes`): counted as traffic, not yet as time, which the
+    # exact solver would have to price per reader of a reshard.
+    relaid = 0.0
     stored, copies = self.analysis.stored, int(self.analysis.copies[o])
     reshards = {}
     reads = [0.0] * len(operands)
@@ -661,8 +678,13 @@ class CostModel:
         once += self.transition(inner, whole, want_row, local / steps, p)
         comms += [(k, m, b, sec * steps, q, t) for k, m, b, sec, q, t in inner]
       else:
-        read = self.transition([] if self.free[v] else comms, have, want_row, local, p)
+        steps: list = []
+        read = self.transition([] if self.free[v] else comms, have, want_row, local, p,
+                               g.shapes[v], steps)
         reads[p] = read
+        # Its collectives' relaid buffers, each reader its own.
+        relaid += relayout_bytes(steps, bool(self.analysis.loop_made[v]),
+                                 bool(self.analysis.loop_fused[o]))
         if p == 0 and g.prims[o] in _SLICING:  # a fusion reads only the slice
           read = min(read, self.local_bytes(state, results[0]))
         if stored[v]:
@@ -766,7 +788,11 @@ class CostModel:
             natural[a] = state[v, a]
         natural_bytes /= self.group_size[scatter_mask]
         self.emit(comms, REDUCE_SCATTER, scatter_mask, natural_bytes)
-      self.transition(comms, natural, state[v], natural_bytes, -1)
+      steps = []
+      made_here = len(comms) == before_results  # else by this result's reductions
+      self.transition(comms, natural, state[v], natural_bytes, -1, g.shapes[v], steps)
+      relaid += relayout_bytes(steps, made_here and bool(self.analysis.loop_fused[o]),
+                               bool(self.analysis.loop_read[v]))
       if len(comms) > before_results:
         traffic += made  # the partial result, for its collectives to finish
       elif stored[v]:
@@ -809,7 +835,8 @@ class CostModel:
     if trips > 1:  # A scan body's op: every step pays; the program holds one copy.
       time, flops = time * trips, flops * trips
       comms = [(k, m, b, sec * trips, p, t) for k, m, b, sec, p, t in comms]
-    return OpCost(time, flops, comms, reshards, tuple(footprint), tuple(naturals), traffic)
+    return OpCost(time, flops, comms, reshards, tuple(footprint), tuple(naturals),
+                  traffic + relaid)
 
   # -- whole state ---------------------------------------------------------
 
@@ -817,6 +844,25 @@ class CostModel:
     """[V] bytes per device of every value."""
     tiles = np.where(state >= 0, self.sizes[None, :], 1).prod(axis=1)
     return self.graph.nbytes / tiles
+
+
+def relayout_bytes(steps: list[tuple[bool, bool, float, float]], fused_before: bool,
+                   fused_after: bool) -> float:
+  """HBM bytes per device of the fusions a compiler adds around one
+  reshard's collectives (`CostModel.transition`'s steps: relaid before,
+  relaid after, operand and result bytes of each) to lay their buffers out
+  as the collectives need (`Compiler.major_collective_dims`,
+  `Compiler.tuple_all_to_all`). Each is one fusion that reads the array and
+  writes it anew: before the first collective unless the array's producer
+  is a loop fusion that takes it in, between two collectives once, after
+  the last unless its reader is a loop fusion that takes it in."""
+  total = 0.0
+  for i, (before, after, operand, result) in enumerate(steps):
+    if before and not (fused_before if i == 0 else steps[i - 1][1]):
+      total += 2 * operand
+    if after and (i < len(steps) - 1 or not fused_after):
+      total += 2 * result
+  return total
 
 
 def _pair_axes(axes: list[int], sizes, pairs) -> int:
