@@ -678,12 +678,12 @@ class CostModel:
         once += self.transition(inner, whole, want_row, local / steps, p)
         comms += [(k, m, b, sec * steps, q, t) for k, m, b, sec, q, t in inner]
       else:
-        steps: list = []
+        relays: list = []
         read = self.transition([] if self.free[v] else comms, have, want_row, local, p,
-                               g.shapes[v], steps)
+                               g.shapes[v], relays)
         reads[p] = read
         # Its collectives' relaid buffers, each reader its own.
-        relaid += relayout_bytes(steps, bool(self.analysis.loop_made[v]),
+        relaid += relayout_bytes(relays, bool(self.analysis.loop_made[v]),
                                  bool(self.analysis.loop_fused[o]))
         if p == 0 and g.prims[o] in _SLICING:  # a fusion reads only the slice
           read = min(read, self.local_bytes(state, results[0]))
@@ -788,10 +788,10 @@ class CostModel:
             natural[a] = state[v, a]
         natural_bytes /= self.group_size[scatter_mask]
         self.emit(comms, REDUCE_SCATTER, scatter_mask, natural_bytes)
-      steps = []
+      relays: list = []
       made_here = len(comms) == before_results  # else by this result's reductions
-      self.transition(comms, natural, state[v], natural_bytes, -1, g.shapes[v], steps)
-      relaid += relayout_bytes(steps, made_here and bool(self.analysis.loop_fused[o]),
+      self.transition(comms, natural, state[v], natural_bytes, -1, g.shapes[v], relays)
+      relaid += relayout_bytes(relays, made_here and bool(self.analysis.loop_fused[o]),
                                bool(self.analysis.loop_read[v]))
       if len(comms) > before_results:
         traffic += made  # the partial result, for its collectives to finish
