@@ -652,8 +652,9 @@ class CostModel:
     # fusion the op runs in, stored results written; fused values never.
     traffic = 0.0
     # HBM bytes of the copies laying collectives' buffers out
-    # (`relayout_bytes`): counted as traffic, not yet as time, which the
-    # exact solver would have to price per reader of a reshard.
+    # (`relayout_bytes`): counted as traffic, not yet as time. Each reader
+    # is charged them; XLA makes one resharded copy for all its readers,
+    # as the tracker and the exact solver price its collectives.
     relaid = 0.0
     stored, copies = self.analysis.stored, int(self.analysis.copies[o])
     reshards = {}
