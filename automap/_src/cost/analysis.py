@@ -450,7 +450,7 @@ def _op_classes(graph: Graph, dead: np.ndarray, free: np.ndarray, wide: np.ndarr
                  tuple(int(readers[v]) for v in graph.results[o] if v >= 0),
                  tuple(int(dot_readers[v]) for v in graph.operands[o] if v >= 0),
                  tuple(bool(loop_made[v]) for v in graph.operands[o] if v >= 0),
-                 tuple(bool(loop_read[v]) for v in graph.results[o] if v >= 0))
+                 tuple(bool(loop_read[v]) for v in values))
     op_class[o] = classes.setdefault(signature, len(classes))
     members.append(values)
   return op_class, members, extra

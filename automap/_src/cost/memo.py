@@ -17,9 +17,10 @@ class OpCost:
   """Cost of one op under one state.
 
   time: compute seconds; flops: per device; comms: (kind, axes bitmask,
-  bytes, seconds, resharded operand position or -1, target layout code) per
-  collective; reshards: operand position -> the per-axis dims it is
-  resharded to on entry, where that differs from its own; footprint: per
+  bytes, seconds, resharded operand position or -1, target layout code,
+  HBM bytes of the copies laying its buffers out) per collective;
+  reshards: operand position -> the per-axis dims it is resharded to on
+  entry, where that differs from its own; footprint: per
   result, the bytes its buffer holds (more than its tile when the op makes
   the whole array and slices it, e.g. an all-reduce standing in for a
   reduce-scatter); natural: per result, the per-axis dims of the layout the
@@ -31,7 +32,7 @@ class OpCost:
   __slots__ = ("time", "flops", "comms", "reshards", "footprint", "natural", "traffic")
 
   def __init__(self, time: float, flops: float,
-               comms: list[tuple[int, int, float, float, int, int]],
+               comms: list[tuple[int, int, float, float, int, int, float]],
                reshards: dict[int, tuple[int, ...]],
                footprint: tuple[float, ...], natural: tuple, traffic: float = 0.0):
     self.time, self.flops = time, flops
@@ -109,11 +110,11 @@ class Memo:
     while rows_at + len(c.comms) > len(self.comm_kind):
       self._grow(("comm_kind", "comm_mask", "comm_bytes", "comm_seconds"),
                  2 * len(self.comm_kind))
-    for r, (kind, mask, nbytes, seconds, _, _) in enumerate(c.comms, rows_at):
+    for r, (kind, mask, nbytes, seconds, *_) in enumerate(c.comms, rows_at):
       self.comm_kind[r], self.comm_mask[r], self.comm_bytes[r], self.comm_seconds[r] = (
           kind, mask, nbytes, seconds)
     self.comm_start[k], self.comm_end[k] = rows_at, rows_at + len(c.comms)
-    self.has_reshard[k] = any(position >= 0 for *_, position, _ in c.comms)
+    self.has_reshard[k] = any(position >= 0 for *_, position, _, _ in c.comms)
     self.entries.append(c)
     self.time[k], self.flops[k], self.has_comms[k] = c.time, c.flops, bool(c.comms)
     self.traffic[k] = c.traffic

@@ -195,12 +195,14 @@ class CostModel:
            position: int = -1, target: int = 0, seconds: float | None = None) -> None:
     """Records a collective (its time `comm_time`'s unless given);
     `position` >= 0 marks a reshard of that operand to layout `target` (a
-    code), which XLA performs once however many ops read the resharded copy."""
+    code), which XLA performs once however many ops read the resharded copy.
+    The last field, HBM bytes of the copies laying its buffers out, is set
+    by `transition`."""
     mask &= self.nontrivial
     if mask:
       if seconds is None:
         seconds = self.comm_time(kind, mask, nbytes)
-      comms.append((kind, mask, nbytes, seconds, position, target))
+      comms.append((kind, mask, nbytes, seconds, position, target, 0.0))
 
   def copy_key(self, o: int, position: int, kind: int, mask: int, target: int,
                nbytes: float) -> tuple:
@@ -470,13 +472,14 @@ class CostModel:
     return peak, moved
 
   def transition(self, comms: list, have, want, local: float, value: int,
-                 shape: tuple[int, ...] | None = None, steps: list | None = None) -> float:
+                 shape: tuple[int, ...] | None = None,
+                 fused: tuple[bool, bool] = (False, False)) -> float:
     """Collectives that move an array from layout `have` to `want` (per-axis
     tiled dims); returns its bytes per device after. Given the array's
-    `shape`, `steps` receives each collective's (relaid before, relaid
-    after, operand bytes, result bytes): whether the compiler rewrites its
-    operand into buffers of another layout first and its result back after
-    (`relayout_bytes`).
+    `shape`, each collective also carries the HBM bytes of the copies the
+    compiler lays its buffers out with (`relayout_bytes`), `fused` saying
+    whether the array's producer and its readers are loop fusions that
+    take the first and last copies in.
 
     As XLA reshards: where every device's target tile lies within some
     device's current tile (each dim's tile count only refined), it slices
@@ -530,8 +533,9 @@ class CostModel:
           permute_mask |= 1 << a
     if not (gathers or a2a_mask or permute_mask):
       return after  # slices of what each device holds
-    if steps is None or shape is None:
-      steps = []
+    # Per collective: its entry in comms, whether its operand and result are
+    # relaid, and their bytes.
+    steps: list[tuple[int, bool, bool, float, float]] = []
     target = _layout_code(want)
     if all(want_tiles.get(d, 1) % t == 0 for d, t in have_tiles.items()):
       self.emit(comms, PERMUTE, moved | permute_mask, after, value, target)
@@ -579,11 +583,13 @@ class CostModel:
           if gathers[d] >> a & 1:
             step[a] = UNSHARDED
         key = target if permuted else _layout_code(step)
+        at = len(comms)
         self.emit(comms, ALL_GATHER, gathers[d], gathered, value, key)
         copied = self.compiler.major_collective_dims and shape is not None and any(
             shape[e] > math.prod(sizes[a] for a in range(len(sizes)) if step[a] == e)
             for e in range(d))
-        steps.append((copied, copied, gathered / grow, gathered))
+        if len(comms) > at:
+          steps.append((at, copied, copied, gathered / grow, gathered))
     # Then one all-to-all per (source dim, target dim) of the axes moving.
     pairs: dict[tuple[int, int], int] = {}
     for a in range(len(sizes)):
@@ -591,9 +597,13 @@ class CostModel:
         pair = (have[a], want[a])
         pairs[pair] = pairs.get(pair, 0) | 1 << a
     for mask in pairs.values():
+      at = len(comms)
       self.emit(comms, ALL_TO_ALL, mask, gathered, value, target)
-      split = self.compiler.tuple_all_to_all
-      steps.append((split, split, gathered, gathered))
+      if len(comms) > at:
+        split = self.compiler.tuple_all_to_all and shape is not None
+        steps.append((at, split, split, gathered, gathered))
+    for (i, *_), relaid in zip(steps, relayout_bytes([s[1:] for s in steps], *fused)):
+      comms[i] = comms[i][:6] + (relaid,)
     return after
 
   def op_cost(self, state: State, o: int) -> OpCost:
@@ -644,17 +654,16 @@ class CostModel:
                     tuple(None if v < 0 else tuple(int(d) for d in state[v]) for v in results),
                     0.0)
     num_axes = len(sizes)
-    comms: list[tuple[int, int, float, float, int, int]] = []
+    comms: list[tuple[int, int, float, float, int, int, float]] = []
     factor_of_axis, scatters, wants = self.layout(state, o)
     reducing = g.prims[o] in rules.REDUCTIONS
     # Operands: gather or exchange what the factor layout does not match.
     # HBM bytes as XLA's fusions move them: stored operands read once per
     # fusion the op runs in, stored results written; fused values never.
     traffic = 0.0
-    # HBM bytes of the copies laying collectives' buffers out
-    # (`relayout_bytes`): counted as traffic, not yet as time. Each reader
-    # is charged them; XLA makes one resharded copy for all its readers,
-    # as the tracker and the exact solver price its collectives.
+    # HBM bytes of the copies laying its results' collectives' buffers out
+    # (`relayout_bytes`): counted as traffic, not yet as time, which the
+    # exact solver would have to price with each reshard.
     relaid = 0.0
     stored, copies = self.analysis.stored, int(self.analysis.copies[o])
     reshards = {}
@@ -677,15 +686,14 @@ class CostModel:
         steps = g.shapes[v][0]
         # Each step reads its slice (a loop body is counted once).
         once += self.transition(inner, whole, want_row, local / steps, p)
-        comms += [(k, m, b, sec * steps, q, t) for k, m, b, sec, q, t in inner]
+        comms += [(k, m, b, sec * steps, q, t, r) for k, m, b, sec, q, t, r in inner]
       else:
-        relays: list = []
+        # Its collectives carry their relaid buffers' bytes: XLA lays out
+        # one resharded copy for all its readers (the tracker counts it so).
+        fused = (bool(self.analysis.loop_made[v]), bool(self.analysis.loop_read[v]))
         read = self.transition([] if self.free[v] else comms, have, want_row, local, p,
-                               g.shapes[v], relays)
+                               g.shapes[v], fused)
         reads[p] = read
-        # Its collectives' relaid buffers, each reader its own.
-        relaid += relayout_bytes(relays, bool(self.analysis.loop_made[v]),
-                                 bool(self.analysis.loop_fused[o]))
         if p == 0 and g.prims[o] in _SLICING:  # a fusion reads only the slice
           read = min(read, self.local_bytes(state, results[0]))
         if stored[v]:
@@ -789,11 +797,12 @@ class CostModel:
             natural[a] = state[v, a]
         natural_bytes /= self.group_size[scatter_mask]
         self.emit(comms, REDUCE_SCATTER, scatter_mask, natural_bytes)
-      relays: list = []
       made_here = len(comms) == before_results  # else by this result's reductions
-      self.transition(comms, natural, state[v], natural_bytes, -1, g.shapes[v], relays)
-      relaid += relayout_bytes(relays, made_here and bool(self.analysis.loop_fused[o]),
-                               bool(self.analysis.loop_read[v]))
+      moved = len(comms)
+      self.transition(comms, natural, state[v], natural_bytes, -1, g.shapes[v],
+                      (made_here and bool(self.analysis.loop_fused[o]),
+                       bool(self.analysis.loop_read[v])))
+      relaid += sum(c[6] for c in comms[moved:])
       if len(comms) > before_results:
         traffic += made  # the partial result, for its collectives to finish
       elif stored[v]:
@@ -835,7 +844,7 @@ class CostModel:
     trips = int(g.trips[o])
     if trips > 1:  # A scan body's op: every step pays; the program holds one copy.
       time, flops = time * trips, flops * trips
-      comms = [(k, m, b, sec * trips, p, t) for k, m, b, sec, p, t in comms]
+      comms = [(k, m, b, sec * trips, p, t, r) for k, m, b, sec, p, t, r in comms]
     return OpCost(time, flops, comms, reshards, tuple(footprint), tuple(naturals),
                   traffic + relaid)
 
@@ -848,22 +857,25 @@ class CostModel:
 
 
 def relayout_bytes(steps: list[tuple[bool, bool, float, float]], fused_before: bool,
-                   fused_after: bool) -> float:
-  """HBM bytes per device of the fusions a compiler adds around one
-  reshard's collectives (`CostModel.transition`'s steps: relaid before,
-  relaid after, operand and result bytes of each) to lay their buffers out
-  as the collectives need (`Compiler.major_collective_dims`,
-  `Compiler.tuple_all_to_all`). Each is one fusion that reads the array and
-  writes it anew: before the first collective unless the array's producer
-  is a loop fusion that takes it in, between two collectives once, after
-  the last unless its reader is a loop fusion that takes it in."""
-  total = 0.0
+                   fused_after: bool) -> list[float]:
+  """HBM bytes per device of the fusions a compiler adds around each of one
+  reshard's collectives (per collective: whether its operand is relaid,
+  whether its result is, their bytes) to lay their buffers out as the
+  collectives need (`Compiler.major_collective_dims`,
+  `Compiler.tuple_all_to_all`). Each fusion reads the array and writes it
+  anew: before the first collective unless the array's producer is a loop
+  fusion that takes it in, between two collectives once (charged to the
+  first), after the last unless its readers are loop fusions that take it
+  in."""
+  out = []
   for i, (before, after, operand, result) in enumerate(steps):
+    total = 0.0
     if before and not (fused_before if i == 0 else steps[i - 1][1]):
       total += 2 * operand
     if after and (i < len(steps) - 1 or not fused_after):
       total += 2 * result
-  return total
+    out.append(total)
+  return out
 
 
 def _pair_axes(axes: list[int], sizes, pairs) -> int:

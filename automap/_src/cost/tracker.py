@@ -50,6 +50,9 @@ class Tracker:
     self.bytes = np.zeros((len(KINDS), model.masks))
     self.count = np.zeros((len(KINDS), model.masks), np.int64)
     self.seconds = np.zeros((len(KINDS), model.masks))
+    # HBM bytes of the copies laying operand reshards' buffers out, each
+    # resharded copy's once (a result's are its op's traffic).
+    self.relaid = 0.0
     # Late collectives per kind and axes, combined into one (`analysis.late_ops`),
     # and the inputs they hold: (kind, mask) -> {op: (first op held, bytes,
     # last reader of its result, result bytes held at the collective)},
@@ -59,9 +62,9 @@ class Tracker:
     self.pending_live: dict[tuple[int, int], np.ndarray] = {}
     self.dirty: set[tuple[int, int]] = set()
     # A resharded copy (`CostModel.copy_key`) -> its readers, and the
-    # seconds charged for it.
+    # seconds and relaid bytes charged for it.
     self.reshards: dict[tuple, list[int]] = {}
-    self.charged: dict[tuple, float] = {}
+    self.charged: dict[tuple, tuple[float, float]] = {}
     local = model.value_bytes(state)
     a = model.analysis
     self.held = np.where(a.resident, local, 0.0)  # [V] resident bytes
@@ -110,7 +113,7 @@ class Tracker:
 
   def _count_collectives(self, o: int, c: OpCost, sign: int) -> None:
     """Adds (sign 1) or removes (-1) the collectives of op o's cost c."""
-    for kind, mask, nbytes, seconds, position, target in c.comms:
+    for kind, mask, nbytes, seconds, position, target, relaid in c.comms:
       if position >= 0:  # A reshard of an operand: one copy for all its readers.
         key = self.model.copy_key(o, position, kind, mask, target, nbytes)
         readers = self.reshards.get(key)
@@ -129,11 +132,12 @@ class Tracker:
         if sign > 0 and len(readers) == 1:
           # The copy costs what its first reader priced it at (readers inside
           # a loop price it per step); the same amount is refunded with it.
-          self.charged[key] = seconds
+          self.charged[key] = seconds, relaid
         elif sign < 0 and not readers:
-          seconds = self.charged.pop(key)
+          seconds, relaid = self.charged.pop(key)
         else:
           continue
+        self.relaid += sign * relaid
       self.bytes[kind, mask] += sign * nbytes
       self.count[kind, mask] += sign
       if position < 0 and self.model.combined(o, kind):
@@ -320,7 +324,7 @@ class Tracker:
     for o in np.flatnonzero(model.memo.has_comms[self.op_ids]).tolist():
       if g.trips[o] > 1 or g.regions[o]:
         continue
-      for kind, mask, nbytes, _, position, _ in model.memo.entries[self.op_ids[o]].comms:
+      for kind, mask, nbytes, _, position, *_ in model.memo.entries[self.op_ids[o]].comms:
         if position < 0 and kind in compiler.combines:
           made = [v for v in g.results[o] if v >= 0]
           dtype = str(g.dtypes[made[0]]) if made else ""
@@ -385,5 +389,6 @@ class Tracker:
         comm_bytes=comm_bytes, comm_count=comm_count,
         peak_memory=self.peak_memory, argument_memory=self.args,
         comm_seconds=comm_seconds,
-        memory_traffic=float(self.model.memo.traffic[self.op_ids].sum()) + self.comm_traffic(),
+        memory_traffic=(float(self.model.memo.traffic[self.op_ids].sum()) + self.comm_traffic()
+                        + self.relaid),
         exposed_comm_time=self.exposed_comm_time())

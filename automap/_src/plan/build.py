@@ -75,7 +75,7 @@ def make_plan(program: Program, state: State, stats: dict,
   collectives: dict[tuple, list] = {}
   copies = set()  # a resharded copy is made once, for its first reader
   for o, c in enumerate(op_costs):
-    for kind, mask, nbytes, _, position, target in c.comms:
+    for kind, mask, nbytes, _, position, target, _ in c.comms:
       if position >= 0:
         copy = program.model.copy_key(o, position, kind, mask, target, nbytes)
         if copy in copies:

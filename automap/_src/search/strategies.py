@@ -145,7 +145,7 @@ class StrategyPricer:
     if tuple(derived) != factors or cost.reshards:
       return None
     seconds, late = cost.time, []
-    for kind, mask, _, sec, position, _ in cost.comms:
+    for kind, mask, _, sec, position, *_ in cost.comms:
       if position >= 0:
         return None  # a result the op cannot make in its own layout
       if model.combined(o, kind):  # with its kind's other late collectives
@@ -164,7 +164,7 @@ class StrategyPricer:
       tiles = math.prod(s for s, d in zip(self.sizes, have) if d >= 0)
       comms: list = []
       self.model.transition(comms, have, want, nbytes / tiles, 0)
-      steps = self.reshard_steps[key] = tuple(((k, m, t), sec) for k, m, _, sec, _, t in comms)
+      steps = self.reshard_steps[key] = tuple(((k, m, t), sec) for k, m, _, sec, _, t, _ in comms)
     return steps
 
 
