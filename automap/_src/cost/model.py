@@ -229,6 +229,12 @@ class CostModel:
     lat = self.hw.network_latency if cross else self.hw.link_latency
     return ring_seconds(kind, nbytes, n, bw, lat)
 
+  def relayout_time(self, nbytes: float) -> float:
+    """Seconds of the copies that lay a collective's buffers out, `nbytes`
+    of HBM traffic (`relayout_bytes`): fusions of their own, at HBM
+    bandwidth."""
+    return nbytes / self.hw.hbm_bandwidth
+
   def combined(self, o: int, kind: int) -> bool:
     """Whether op o's plain collective of `kind` joins the one its kind's
     late collectives are combined into (`analysis.late_ops`), paying one
@@ -662,8 +668,7 @@ class CostModel:
     # fusion the op runs in, stored results written; fused values never.
     traffic = 0.0
     # HBM bytes of the copies laying its results' collectives' buffers out
-    # (`relayout_bytes`): counted as traffic, not yet as time, which the
-    # exact solver would have to price with each reshard.
+    # (`relayout_bytes`), fusions of their own beside the op's.
     relaid = 0.0
     stored, copies = self.analysis.stored, int(self.analysis.copies[o])
     reshards = {}
@@ -840,7 +845,7 @@ class CostModel:
     else:  # vector units: an order of magnitude below the matrix units
       peak = self.hw.fp32_flops / 16
     # A roofline per op, its traffic the fusions' (`traffic` above).
-    time = max(flops / peak, traffic / self.hw.hbm_bandwidth)
+    time = max(flops / peak, traffic / self.hw.hbm_bandwidth) + self.relayout_time(relaid)
     trips = int(g.trips[o])
     if trips > 1:  # A scan body's op: every step pays; the program holds one copy.
       time, flops = time * trips, flops * trips

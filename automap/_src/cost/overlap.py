@@ -41,13 +41,14 @@ def op_seconds_split(model, state) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   for o in range(g.num_ops):
     c = model.op_cost(state, o)
     compute[o] = c.time
-    for kind, mask, nbytes, secs, position, target, _ in c.comms:
+    for kind, mask, nbytes, secs, position, target, relaid in c.comms:
       if position >= 0:  # one resharded copy serves every reader: the first pays
         key = model.copy_key(o, position, kind, mask, target, nbytes)
         if key in copies:
           continue
         copies.add(key)
         before[o] += secs
+        compute[o] += model.relayout_time(relaid) * int(g.trips[o])
         continue
       if model.combined(o, kind):
         secs -= model.latency[kind, mask]

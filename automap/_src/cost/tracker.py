@@ -51,7 +51,8 @@ class Tracker:
     self.count = np.zeros((len(KINDS), model.masks), np.int64)
     self.seconds = np.zeros((len(KINDS), model.masks))
     # HBM bytes of the copies laying operand reshards' buffers out, each
-    # resharded copy's once (a result's are its op's traffic).
+    # resharded copy's once (a result's are its op's traffic and time);
+    # their seconds are compute's.
     self.relaid = 0.0
     # Late collectives per kind and axes, combined into one (`analysis.late_ops`),
     # and the inputs they hold: (kind, mask) -> {op: (first op held, bytes,
@@ -62,9 +63,9 @@ class Tracker:
     self.pending_live: dict[tuple[int, int], np.ndarray] = {}
     self.dirty: set[tuple[int, int]] = set()
     # A resharded copy (`CostModel.copy_key`) -> its readers, and the
-    # seconds and relaid bytes charged for it.
+    # seconds, relaid bytes and their seconds charged for it.
     self.reshards: dict[tuple, list[int]] = {}
-    self.charged: dict[tuple, tuple[float, float]] = {}
+    self.charged: dict[tuple, tuple[float, float, float]] = {}
     local = model.value_bytes(state)
     a = model.analysis
     self.held = np.where(a.resident, local, 0.0)  # [V] resident bytes
@@ -132,12 +133,14 @@ class Tracker:
         if sign > 0 and len(readers) == 1:
           # The copy costs what its first reader priced it at (readers inside
           # a loop price it per step); the same amount is refunded with it.
-          self.charged[key] = seconds, relaid
+          copying = self.model.relayout_time(relaid) * int(self.model.graph.trips[o])
+          self.charged[key] = seconds, relaid, copying
         elif sign < 0 and not readers:
-          seconds, relaid = self.charged.pop(key)
+          seconds, relaid, copying = self.charged.pop(key)
         else:
           continue
         self.relaid += sign * relaid
+        self.compute += sign * copying
       self.bytes[kind, mask] += sign * nbytes
       self.count[kind, mask] += sign
       if position < 0 and self.model.combined(o, kind):

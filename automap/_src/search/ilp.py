@@ -335,7 +335,10 @@ class _Formulation:
         wanted.setdefault(w, []).append(x)
         trips[w] = max(trips.get(w, 1), int(g.trips[o]))
     nbytes, n_made = int(g.nbytes[v]), len(made)
-    steps = {(row, w): pricer.steps(nbytes, row, w) for row in made for w in wanted}
+    a = self.program.model.analysis
+    fused = (bool(a.loop_made[v]), bool(a.loop_read[v]))
+    steps = {(row, w): pricer.steps(nbytes, row, w, g.shapes[v], fused)
+             for row in made for w in wanted}
     # A step (from a layout, a collective, the layout after) that the
     # reshards to several wanted layouts pass through is made once.
     sharing: dict[tuple, list[Layout]] = {}

@@ -154,17 +154,21 @@ class StrategyPricer:
       seconds += sec
     return Strategy(factors, tuple(wants), tuple(makes), seconds, tuple(late))
 
-  def steps(self, nbytes: int, have: Layout, want: Layout) -> tuple:
-    """The collectives that reshard an array of `nbytes` from `have` to
-    `want`: ((kind, axes mask, layout after), seconds) each, one run. Readers
-    of one value whose reshards pass through the same step share it."""
-    key = (nbytes, have, want)
+  def steps(self, nbytes: int, have: Layout, want: Layout, shape: tuple[int, ...],
+            fused: tuple[bool, bool]) -> tuple:
+    """The collectives that reshard an array of `nbytes` and `shape` from
+    `have` to `want`: ((kind, axes mask, layout after), seconds) each, one
+    run, the copies laying its buffers out included (`fused` as
+    `CostModel.transition` takes it). Readers of one value whose reshards
+    pass through the same step share it."""
+    key = (nbytes, have, want, shape, fused)
     steps = self.reshard_steps.get(key)
     if steps is None:
       tiles = math.prod(s for s, d in zip(self.sizes, have) if d >= 0)
       comms: list = []
-      self.model.transition(comms, have, want, nbytes / tiles, 0)
-      steps = self.reshard_steps[key] = tuple(((k, m, t), sec) for k, m, _, sec, _, t, _ in comms)
+      self.model.transition(comms, have, want, nbytes / tiles, 0, shape, fused)
+      steps = self.reshard_steps[key] = tuple(
+          ((k, m, t), sec + self.model.relayout_time(r)) for k, m, _, sec, _, t, r in comms)
     return steps
 
 
