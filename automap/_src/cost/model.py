@@ -591,10 +591,10 @@ class CostModel:
         key = target if permuted else _layout_code(step)
         at = len(comms)
         self.emit(comms, ALL_GATHER, gathers[d], gathered, value, key)
-        copied = self.compiler.major_collective_dims and shape is not None and any(
-            shape[e] > math.prod(sizes[a] for a in range(len(sizes)) if step[a] == e)
-            for e in range(d))
-        if len(comms) > at:
+        if len(comms) > at:  # relaid unless every dim before d is one element here
+          copied = self.compiler.major_collective_dims and shape is not None and any(
+              shape[e] > math.prod(sizes[a] for a in range(len(sizes)) if step[a] == e)
+              for e in range(d))
           steps.append((at, copied, copied, gathered / grow, gathered))
     # Then one all-to-all per (source dim, target dim) of the axes moving.
     pairs: dict[tuple[int, int], int] = {}
