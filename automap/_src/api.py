@@ -332,7 +332,7 @@ class Partitioned:
       out = entry.jitted(*jax.device_put(dynamic, entry.in_shardings))
     if self._auto is not self.mesh:
       out = jax.device_put(out, entry.out_shardings)  # Same devices: no copy.
-    return entry.traced.results(out)
+    return entry.traced.results(out, dynamic)
 
   def lower(self, *args, **kwargs):
     """The partitioned program lowered for these arguments (their array

@@ -128,6 +128,9 @@ class Traced:
   in_static: Static | None = None
   out_static: Static | None = None
   tree_paths: tuple[str, ...] = ()
+  # (dynamic result leaf, dynamic argument leaf) pairs where a Python-number
+  # argument is returned as it came: the call's own number goes back.
+  passthrough: tuple[tuple[int, int], ...] = ()
 
   def dynamic_args(self, args: tuple) -> tuple:
     """The arguments the traced program takes: `args` without its static
@@ -152,10 +155,18 @@ class Traced:
     if self.in_static is None and self.out_static is None:
       return self.fn
     merge = (lambda a: a) if self.in_static is None else self.in_static.merge
-    return lambda *a: split(self.fn(*merge(a)), "result")[0]
+    return lambda *a: split(self.fn(*merge(a)), "result", numbers=False)[0]
 
-  def results(self, outs):
-    """The program's results from the dynamic ones it computes."""
+  def results(self, outs, dynamic_args: tuple | None = None):
+    """The program's results from the dynamic ones it computes, with the
+    call's own Python numbers (`dynamic_args`) where it returns them as
+    they came, as `eqx.filter_jit` does."""
+    if self.passthrough and dynamic_args is not None:
+      leaves, tree = jax.tree.flatten(outs)
+      given = jax.tree.leaves(dynamic_args)
+      for out, arg in self.passthrough:
+        leaves[out] = given[arg]
+      outs = tree.unflatten(leaves)
     return outs if self.out_static is None else self.out_static.merge(outs)
 
   def fingerprint(self) -> str:
@@ -258,11 +269,19 @@ def _trace(fn: Callable, args: tuple, mesh, numbers: bool, names) -> Traced:
   _, in_tree, paths, avals = flatten_args(dynamic)
   specs = jax.tree.unflatten(in_tree, [
       jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals])
-  out_static = []
+  out_static, passthrough = [], []
+  numbers_at = [i for i, leaf in enumerate(jax.tree.leaves(dynamic))
+                if isinstance(leaf, _NUMBERS)]
 
   def body(*traced):  # A fresh callable: see below.
-    dynamic_out, static = split(fn(*in_static.merge(traced)), "result")
+    # A Python number a result holds is a constant of the trace: static.
+    dynamic_out, static = split(fn(*in_static.merge(traced)), "result", numbers=False)
     out_static.append(static)
+    flat = jax.tree.leaves(traced)
+    numbers = {id(flat[i]): i for i in numbers_at}
+    passthrough.extend((j, numbers[id(leaf)])
+                       for j, leaf in enumerate(jax.tree.leaves(dynamic_out))
+                       if id(leaf) in numbers)
     return dynamic_out
 
   context = contextlib.nullcontext()
@@ -299,4 +318,5 @@ def _trace(fn: Callable, args: tuple, mesh, numbers: bool, names) -> Traced:
       in_static=in_static if in_static.where else None,
       out_static=out_static[0] if out_static[0].where else None,
       tree_paths=paths if named != paths else (),
+      passthrough=tuple(passthrough),
   )
