@@ -361,7 +361,8 @@ def test_old_hardware_flags_still_price_with_a_deprecation_warning():
   tpu = automap.Hardware(**fields)
   # Whether collectives run asynchronously was never a flag: it stays the
   # platform's (tpu here), so only the exposed share of communication differs.
-  in_place = lambda c: dataclasses.replace(c, exposed_comm_time=c.comm_time)  # noqa: E731
+  in_place = lambda c: dataclasses.replace(  # noqa: E731
+      c, exposed_comm_time=c.comm_time, step_time=c.serial_step_time)
   assert in_place(priced(old)) == priced(tpu, compiler.XLA_CPU) == priced(
       automap.Hardware(**fields, platform="cpu"))
   assert priced(old) != priced(tpu)

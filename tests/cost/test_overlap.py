@@ -49,7 +49,9 @@ def test_data_parallel_gradient_reductions_hide_behind_the_backward():
   tpu = automap.evaluate(step, *args, mesh=m, in_shardings=specs, hardware="tpu-v4")
   assert 0 < tpu.exposed_comm_time < 0.75 * tpu.comm_time
   assert tpu.overlapped_step_time == pytest.approx(tpu.compute_time + tpu.exposed_comm_time)
-  assert tpu.step_time == pytest.approx(tpu.compute_time + tpu.comm_time)
+  # The searches rank plans by the overlapped clock; the serial sum stays.
+  assert tpu.step_time == tpu.overlapped_step_time
+  assert tpu.serial_step_time == pytest.approx(tpu.compute_time + tpu.comm_time)
   # XLA:CPU runs collectives in place: all of it is exposed.
   cpu = automap.evaluate(step, *args, mesh=m, in_shardings=specs, hardware="cpu")
   assert cpu.exposed_comm_time == cpu.comm_time
@@ -76,5 +78,53 @@ def test_explain_shows_exposed_and_total_communication_where_xla_overlaps():
   c = tpu.cost
   assert (f"communication {c.exposed_comm_time * 1e3:.3f} ms exposed of "
           f"{c.comm_time * 1e3:.3f} ms") in tpu.explain()
+  assert "ranked by the overlapped clock" in tpu.explain()
   cpu = automap.search(mlp, *x, mesh=mesh((4, 2)), hardware="cpu", budget=budget)
   assert "exposed of" not in cpu.explain()
+  assert "ranked by the serial clock" in cpu.explain()
+
+
+@pytest.mark.parametrize("hardware", ["tpu-v4", "h100"])
+def test_the_searched_clock_is_the_schedule_after_every_update(hardware):
+  """The Tracker's step time, refreshed incrementally as a search changes
+  layouts, is the two-stream schedule of the state it holds, computed from
+  scratch; the serial sum stays beside it."""
+  from automap._src.cost.hardware import get_hardware
+  from automap._src.cost.tracker import Tracker
+  from automap._src.ir import trace
+  from automap._src.search.actions import ActionSpace
+  from automap._src.search.program import Program
+  from automap._src.sharding.mesh import MeshSpec
+
+  step, args = step_and_args()
+  m = mesh((4, 2))
+  program = Program.build(trace.trace(step, args, m), MeshSpec.of(m), get_hardware(hardware))
+  space = ActionSpace(program)
+  state = program.initial_state()
+  tracker = Tracker(program.model, state)
+  rng = np.random.default_rng(0)
+  for _ in range(12):
+    actions = space.legal(state)
+    changed = space.apply(state, actions[rng.integers(len(actions))])
+    tracker.update(changed)
+    scheduled = overlap.exposed_communication(program.model, state)
+    assert tracker.exposed_comm_time() == pytest.approx(min(scheduled, tracker.comm_time))
+    assert tracker.step_time == pytest.approx(tracker.compute + tracker.exposed_comm_time())
+    assert tracker.serial_step_time >= tracker.step_time
+  assert tracker.comm_time > tracker.exposed_comm_time() > 0
+
+
+def test_the_schedule_kernel_is_its_python_source():
+  """`kernels.list_schedule` compiled and as written agree on a random DAG."""
+  from automap._src.cost import kernels
+  from automap._src.cost.analysis import dependencies
+
+  rng = np.random.default_rng(1)
+  n = 60
+  operands = [tuple(int(v) for v in rng.choice(n + 4, size=2) if v < o + 4) for o in range(n)]
+  results = [(o + 4,) for o in range(n)]
+  deps = dependencies(operands, results, n + 4)
+  secs = [rng.exponential(size=n) * (rng.random(n) < p) for p in (1.0, 0.3, 0.3)]
+  args = (deps.operands, deps.results, deps.succ_ptr, deps.succ_idx, deps.preds, *secs, n + 4)
+  assert kernels.list_schedule(*args) == pytest.approx(kernels.list_schedule.py_func(*args))
+  assert kernels.list_schedule(*args) >= secs[0].sum()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -294,6 +295,44 @@ def contraction_readers(graph: Graph, dead: np.ndarray) -> np.ndarray:
   return readers
 
 
+class Dependencies(NamedTuple):
+  """The op graph a schedule walks (`kernels.list_schedule`)."""
+
+  operands: np.ndarray  # [O, K] int64 each op's operands, -1: none
+  results: np.ndarray  # [O, R] int64 each op's results, -1: none
+  succ_ptr: np.ndarray  # [O + 1] int64 CSR offsets into succ_idx, per op
+  succ_idx: np.ndarray  # int64 the ops reading each op's results
+  preds: np.ndarray  # [O] int64 distinct producers each op reads
+
+
+def _padded(rows, width: int | None = None) -> np.ndarray:
+  width = width or max((len(r) for r in rows), default=1) or 1
+  return np.array([list(r) + [-1] * (width - len(r)) for r in rows],
+                  np.int64).reshape(len(rows), width)
+
+
+def dependencies(operands, results, num_values: int) -> Dependencies:
+  """The dependencies of ops that read `operands` and make `results` (per
+  op, value ids, -1: none). An op reading its own result (a loop's carry)
+  does not wait for itself."""
+  producer = np.full(num_values, -1, np.int64)
+  for o, made in enumerate(results):
+    for v in made:
+      if v >= 0:
+        producer[v] = o
+  succs: list[list[int]] = [[] for _ in operands]
+  preds = np.zeros(len(operands), np.int64)
+  for o, read in enumerate(operands):
+    for p in sorted({int(producer[v]) for v in read if v >= 0}):
+      if p >= 0 and p != o:
+        succs[p].append(o)
+        preds[o] += 1
+  succ_ptr = np.zeros(len(operands) + 1, np.int64)
+  succ_ptr[1:] = np.cumsum([len(s) for s in succs])
+  succ_idx = np.array([o for s in succs for o in s], np.int64)
+  return Dependencies(_padded(operands), _padded(results), succ_ptr, succ_idx, preds)
+
+
 def remade_values(graph: Graph) -> np.ndarray:
   """[V] bool values XLA makes anew in whatever layout a reader wants (an
   iota, a broadcast constant scalar, an uninitialised array): reading one in
@@ -352,6 +391,7 @@ class Analysis:
   result_table: np.ndarray  # [O, R] int64 each op's results, -1: none
   touch_ptr: np.ndarray  # [V + 1] int64 CSR offsets into touch_idx, per value
   touch_idx: np.ndarray  # int64 the ops each value is a member of
+  dependencies: Dependencies  # the op graph a schedule walks
 
   @classmethod
   def of(cls, graph: Graph, fuses_shared_producers: bool = True,
@@ -419,7 +459,8 @@ class Analysis:
         temporary=temporary, hostable=hostable,
         free=free, loop_made=loop_made, loop_read=loop_read, loop_fused=loop_fused,
         op_class=op_class, member_table=member_table,
-        result_table=result_table, touch_ptr=touch_ptr, touch_idx=touch_idx)
+        result_table=result_table, touch_ptr=touch_ptr, touch_idx=touch_idx,
+        dependencies=dependencies(graph.operands, graph.results, graph.num_values))
 
 
 def _op_classes(graph: Graph, dead: np.ndarray, free: np.ndarray, wide: np.ndarray,

@@ -250,3 +250,109 @@ def peak_after_hosting(live, start, end, footprint, fits_class, made, slot_class
     if net > best or (net == best and t < at):
       best, at = net, t
   return best, at
+
+
+@numba.njit(cache=True, nogil=True)
+def after_seconds(ops, entries, comm_start, comm_end, comm_kind, comm_mask, comm_seconds,
+                  comm_after, late, combines, latency, after):
+  """Adds to `after` [O] each op's seconds of collectives that finish its
+  result (`OpCost.comms` of position -1). A late collective of a kind the
+  compiler combines pays no latency of its own; its combination pays one,
+  on the last op it combines (`CostModel.combined`)."""
+  last = np.full(latency.shape, -1, np.int64)
+  for i in range(len(ops)):
+    o, e = ops[i], entries[i]
+    for r in range(comm_start[e], comm_end[e]):
+      if not comm_after[r]:
+        continue
+      k, m = comm_kind[r], comm_mask[r]
+      seconds = comm_seconds[r]
+      if late[o] and combines[k]:
+        seconds -= latency[k, m]
+        last[k, m] = max(last[k, m], o)
+      after[o] += seconds
+  for k in range(latency.shape[0]):
+    for m in range(latency.shape[1]):
+      if last[k, m] >= 0:
+        after[last[k, m]] += latency[k, m]
+
+
+@numba.njit(cache=True, nogil=True)
+def _sift_down(keys, items, n, i):
+  while True:
+    child = 2 * i + 1
+    if child >= n:
+      return
+    if child + 1 < n and (keys[child + 1] < keys[child] or (
+        keys[child + 1] == keys[child] and items[child + 1] < items[child])):
+      child += 1
+    if keys[child] < keys[i] or (keys[child] == keys[i] and items[child] < items[i]):
+      keys[i], keys[child] = keys[child], keys[i]
+      items[i], items[child] = items[child], items[i]
+      i = child
+    else:
+      return
+
+
+@numba.njit(cache=True, nogil=True)
+def _sift_up(keys, items, i):
+  while i > 0:
+    parent = (i - 1) // 2
+    if keys[i] < keys[parent] or (keys[i] == keys[parent] and items[i] < items[parent]):
+      keys[i], keys[parent] = keys[parent], keys[i]
+      items[i], items[parent] = items[parent], items[i]
+      i = parent
+    else:
+      return
+
+
+@numba.njit(cache=True, nogil=True)
+def list_schedule(operand_table, result_table, succ_ptr, succ_idx, preds, compute, before,
+                  after, num_values):
+  """Seconds the two-stream list schedule of `overlap` takes: of the ops
+  whose producers have all run, the compute stream runs the one whose
+  operands arrived first (the lower op on ties); an op's `before`
+  collectives run on the communication stream once its operands arrived,
+  its `after` ones once it has computed, and its results are ready then."""
+  n = len(compute)
+  waiting = preds.copy()
+  ready = np.zeros(num_values)
+  keys = np.zeros(n)
+  items = np.zeros(n, np.int64)
+  size = 0
+  for o in range(n):
+    if waiting[o] == 0:
+      keys[size], items[size] = 0.0, o
+      size += 1
+  compute_free = comm_free = end = 0.0
+  while size:
+    at, o = keys[0], items[0]
+    size -= 1
+    keys[0], items[0] = keys[size], items[size]
+    _sift_down(keys, items, size, 0)
+    if before[o] > 0:
+      comm_free = max(comm_free, at) + before[o]
+      at = comm_free
+    done = max(compute_free, at) + compute[o]
+    compute_free = done
+    if after[o] > 0:
+      comm_free = max(comm_free, done) + after[o]
+      done = comm_free
+    for j in range(result_table.shape[1]):
+      v = result_table[o, j]
+      if v >= 0:
+        ready[v] = done
+    end = max(end, done)
+    for k in range(succ_ptr[o], succ_ptr[o + 1]):
+      s = succ_idx[k]
+      waiting[s] -= 1
+      if waiting[s] == 0:
+        arrived = 0.0
+        for j in range(operand_table.shape[1]):
+          v = operand_table[s, j]
+          if v >= 0:
+            arrived = max(arrived, ready[v])
+        keys[size], items[size] = arrived, s
+        _sift_up(keys, items, size)
+        size += 1
+  return max(end, max(compute_free, comm_free))

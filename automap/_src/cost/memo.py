@@ -57,7 +57,8 @@ class Memo:
     operand's readers in that layout share).
   comm_start, comm_end: [E] its collectives are rows comm_start to comm_end
     of comm_kind (index into KINDS), comm_mask (axes bitmask), comm_bytes
-    and comm_seconds, each [C].
+    and comm_seconds, each [C]; comm_after [C] whether it finishes the
+    op's result (else it reshards an operand before the op).
   """
 
   def __init__(self, result_slots: int, key_width: int):
@@ -74,6 +75,7 @@ class Memo:
     self.comm_mask = np.zeros(256, np.int64)
     self.comm_bytes = np.zeros(256)
     self.comm_seconds = np.zeros(256)
+    self.comm_after = np.zeros(256, bool)
     # Each entry's exact key -> its id; and its key as arrays (class,
     # members' state rows [E, key_width]) and the key's hash, with the
     # open-addressing table of hashes `kernels.find_entries` searches.
@@ -108,11 +110,12 @@ class Memo:
                   "has_reshard", "comm_start", "comm_end"), 2 * k)
     rows_at = int(self.comm_end[k - 1]) if k else 0
     while rows_at + len(c.comms) > len(self.comm_kind):
-      self._grow(("comm_kind", "comm_mask", "comm_bytes", "comm_seconds"),
+      self._grow(("comm_kind", "comm_mask", "comm_bytes", "comm_seconds", "comm_after"),
                  2 * len(self.comm_kind))
-    for r, (kind, mask, nbytes, seconds, *_) in enumerate(c.comms, rows_at):
+    for r, (kind, mask, nbytes, seconds, position, *_) in enumerate(c.comms, rows_at):
       self.comm_kind[r], self.comm_mask[r], self.comm_bytes[r], self.comm_seconds[r] = (
           kind, mask, nbytes, seconds)
+      self.comm_after[r] = position < 0
     self.comm_start[k], self.comm_end[k] = rows_at, rows_at + len(c.comms)
     self.has_reshard[k] = any(position >= 0 for *_, position, _, _ in c.comms)
     self.entries.append(c)

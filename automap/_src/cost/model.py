@@ -52,7 +52,9 @@ from automap._src.sharding.state import UNSHARDED, State
 class Cost:
   """Predicted cost of one sharded step, per device.
 
-  step_time: compute_time + comm_time, seconds (what the searches minimise).
+  step_time: seconds of the step as XLA runs it on the target, what every
+    search minimises: compute_time + exposed_comm_time (the two equal
+    where collectives run in place, as on XLA:CPU).
   compute_time: roofline time of every op (FLOPs, HBM traffic), seconds.
   comm_time: collective time, seconds.
   flops: FLOPs executed per device.
@@ -96,6 +98,12 @@ class Cost:
     """compute_time + exposed_comm_time: the step with collectives
     overlapped as XLA's latency-hiding scheduler can."""
     return self.compute_time + self.exposed_comm_time
+
+  @property
+  def serial_step_time(self) -> float:
+    """compute_time + comm_time: every collective in full after compute,
+    as if none ran beside it."""
+    return self.compute_time + self.comm_time
 
   def to_json(self) -> dict:
     return {

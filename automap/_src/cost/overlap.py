@@ -24,9 +24,10 @@ layers before it. Units: seconds per device.
 
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
+
+from automap._src.cost import kernels
+from automap._src.cost.analysis import Dependencies, dependencies
 
 
 def op_seconds_split(model, state) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -59,54 +60,39 @@ def op_seconds_split(model, state) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   return compute, before, after
 
 
-def makespan(operands, results, compute: np.ndarray, before: np.ndarray,
+def schedule(deps: Dependencies, compute: np.ndarray, before: np.ndarray,
              after: np.ndarray, num_values: int) -> float:
-  """Seconds the two-stream list schedule of the module docstring takes.
+  """Seconds the two-stream list schedule of the module docstring takes
+  over the ops of `deps` (`analysis.dependencies`).
 
   The compute stream runs, of the ops whose producers have all run, the one
   whose operands arrived first (program order on ties), so compute that
   does not need a collective's result runs while the collective is in
-  flight.
-  operands, results: per op, the value ids it reads and makes (-1: none).
-  compute, before, after: per op, seconds (`op_seconds_split`).
+  flight (`kernels.list_schedule`).
+  compute, before, after: [O] seconds per op (`op_seconds_split`).
   """
-  n = len(compute)
-  producer = np.full(num_values, -1)
-  for o in range(n):
-    for v in results[o]:
-      if v >= 0:
-        producer[v] = o
-  succs: list[list[int]] = [[] for _ in range(n)]
-  waiting = np.zeros(n, np.int64)
-  for o in range(n):
-    for p in {int(producer[v]) for v in operands[o] if v >= 0 and producer[v] >= 0}:
-      if p != o:
-        succs[p].append(o)
-        waiting[o] += 1
-  ready = np.zeros(num_values)
-  arrived = lambda o: max((ready[v] for v in operands[o] if v >= 0), default=0.0)  # noqa: E731
-  heap = [(0.0, o) for o in range(n) if not waiting[o]]
-  heapq.heapify(heap)
-  compute_free = comm_free = end = 0.0
-  while heap:
-    at, o = heapq.heappop(heap)
-    if before[o] > 0:
-      comm_free = max(comm_free, at) + before[o]
-      at = comm_free
-    done = max(compute_free, at) + compute[o]
-    compute_free = done
-    if after[o] > 0:
-      comm_free = max(comm_free, done) + after[o]
-      done = comm_free
-    for v in results[o]:
-      if v >= 0:
-        ready[v] = done
-    end = max(end, done)
-    for s in succs[o]:
-      waiting[s] -= 1
-      if not waiting[s]:
-        heapq.heappush(heap, (arrived(s), s))
-  return max(end, compute_free, comm_free)
+  return float(kernels.list_schedule(deps.operands, deps.results, deps.succ_ptr,
+                                     deps.succ_idx, deps.preds, compute, before, after,
+                                     num_values))
+
+
+def makespan(operands, results, compute: np.ndarray, before: np.ndarray,
+             after: np.ndarray, num_values: int) -> float:
+  """`schedule` of ops reading `operands` and making `results` (per op,
+  value ids, -1: none)."""
+  return schedule(dependencies(operands, results, num_values), compute, before, after,
+                  num_values)
+
+
+def exposed(deps: Dependencies, compute: np.ndarray, before: np.ndarray,
+            after: np.ndarray, num_values: int) -> float:
+  """Seconds of `before` and `after` that the schedule leaves exposed: its
+  makespan less compute, within [0, all of them]."""
+  total = float(before.sum() + after.sum())
+  if total == 0:
+    return 0.0
+  span = schedule(deps, compute, before, after, num_values)
+  return float(min(total, max(0.0, span - compute.sum())))
 
 
 def exposed_communication(model, state) -> float:
@@ -114,12 +100,7 @@ def exposed_communication(model, state) -> float:
   collectives run asynchronously: the schedule's makespan less compute
   (never more than all of it, never less than none)."""
   compute, before, after = op_seconds_split(model, state)
-  total = float(before.sum() + after.sum())
-  if total == 0:
-    return 0.0
-  g = model.graph
-  span = makespan(g.operands, g.results, compute, before, after, g.num_values)
-  return float(min(total, max(0.0, span - compute.sum())))
+  return exposed(model.analysis.dependencies, compute, before, after, model.graph.num_values)
 
 
-__all__ = ["exposed_communication", "makespan", "op_seconds_split"]
+__all__ = ["exposed", "exposed_communication", "makespan", "op_seconds_split", "schedule"]

@@ -82,6 +82,7 @@ class Tracker:
     none = np.zeros(0, np.int64)
     self._swap_collectives(ops, none, self.op_ids)
     self._set_footprints(ops, self.op_ids)
+    self._exposed: float | None = None  # `exposed_comm_time`, until the next update
 
   @property
   def ops(self) -> list[OpCost]:
@@ -233,6 +234,7 @@ class Tracker:
                          np.int64).ravel()
     if not len(changed):
       return
+    self._exposed = None
     ops = kernels.gather(changed, a.touch_ptr, a.touch_idx, self._scratch)
     ops, old, new, time, flops = kernels.swap_entries(
         ops, model.entry_ids(state, ops), self.op_ids, model.memo.time, model.memo.flops)
@@ -253,8 +255,19 @@ class Tracker:
     return float(self.seconds.sum() + self.model.latency[self.combined > 0].sum())
 
   @property
-  def step_time(self) -> float:
+  def serial_step_time(self) -> float:
+    """Compute plus every collective in full, one after another: the step
+    as XLA:CPU runs it."""
     return self.compute + self.comm_time
+
+  @property
+  def step_time(self) -> float:
+    """The step as XLA runs it on the model's compiler, what every search
+    minimises: compute plus the communication it does not hide
+    (`exposed_comm_time`); serial where collectives run in place."""
+    if not self.model.compiler.async_collectives:
+      return self.serial_step_time
+    return self.compute + self.exposed_comm_time()
 
   @property
   def peak_memory(self) -> float:
@@ -374,7 +387,33 @@ class Tracker:
     collectives run in place."""
     if not self.model.compiler.async_collectives:
       return self.comm_time
-    return min(self.comm_time, overlap.exposed_communication(self.model, self.state))
+    if self._exposed is None:
+      compute, before, after = self.op_seconds_split()
+      g = self.model.graph
+      self._exposed = min(self.comm_time, overlap.exposed(
+          self.model.analysis.dependencies, compute, before, after, g.num_values))
+    return self._exposed
+
+  def op_seconds_split(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per op, (compute, communication before it, after it) seconds as this
+    tracker counts them (`overlap.op_seconds_split`): a resharded copy and
+    the layout copies around it paid by its first reader in program order,
+    a combination of late collectives' latency once, on its last op."""
+    model, memo, a = self.model, self.model.memo, self.model.analysis
+    compute = memo.time[self.op_ids].astype(np.float64)
+    before, after = np.zeros(len(compute)), np.zeros(len(compute))
+    for key, readers in self.reshards.items():
+      seconds, _, copying = self.charged[key]
+      first = min(readers)
+      before[first] += seconds
+      compute[first] += copying
+    ops = self.ops_with_collectives()
+    combines = np.zeros(len(KINDS), bool)
+    combines[list(model.compiler.combines)] = True
+    kernels.after_seconds(ops, self.op_ids[ops], memo.comm_start, memo.comm_end, memo.comm_kind,
+                          memo.comm_mask, memo.comm_seconds, memo.comm_after, a.late, combines,
+                          model.latency, after)
+    return compute, before, after
 
   def cost(self) -> Cost:
     names = self.model.mesh.axis_names

@@ -123,16 +123,23 @@ class _Formulation:
     for xs in self.x.values():
       m.AddExactlyOne(xs)
     count = np.bincount(self.cls, minlength=len(reps))
+    # Seconds by variable: in all, of which compute, of which communication
+    # that compute can hide (`_overlap`).
     terms: list[tuple[cp_model.IntVar, int]] = []
+    compute: list[tuple[cp_model.IntVar, int]] = []
+    hidden: list[tuple[cp_model.IntVar, int]] = []
     late: dict[tuple[int, int], list] = {}
     for c, xs in self.x.items():
       for x, s in zip(xs, self.strategies[c]):
         terms.append((x, _picoseconds(s.seconds * count[c])))
+        compute.append((x, _picoseconds(s.compute * count[c])))
+        hidden.append((x, _picoseconds(s.hidden * count[c])))
         for key in s.late:
           late.setdefault(key, []).append(x)
     for (kind, mask), xs in late.items():
       terms.append((self._any(xs, f"latency{kind}_{mask}"),
                     _picoseconds(program.model.latency[kind, mask])))
+      hidden.append(terms[-1])
     # Arguments (and constants): a layout each, shared by equal colours.
     if colour is None:
       colour = np.arange(g.num_values)
@@ -173,9 +180,15 @@ class _Formulation:
         key = (self._made_key(v), tuple(sorted((int(self.cls[o]), p) for o, p in g.uses[v])))
         alike.setdefault(key, [v, 0])[1] += 1
     for v, n in alike.values():
-      self._reshards(v, n, pricer, terms)
+      copies: list[tuple[cp_model.IntVar, int]] = []
+      self._reshards(v, n, pricer, copies)
+      terms += copies
+      if g.producer[v] < 0:  # an argument's reshard can start with the step
+        hidden += copies
     self.terms = [(x, k) for x, k in terms if k]
-    self.time = sum(x * k for x, k in self.terms)
+    self.compute = [(x, k) for x, k in compute if k]
+    self.hidden = [(x, k) for x, k in hidden if k]
+    self.time = self._overlap(sum(x * k for x, k in self.terms))
     # Ties (equal step times) go to the plan holding fewer bytes of
     # arguments and results per device: 1 ps per KiB, far below any step.
     held = self.memory(None)
@@ -183,6 +196,35 @@ class _Formulation:
     m.Minimize(self.time + sum(x * (k // 1024) for x, k in held.values()))
     self.points: list[int] = []
     self.variables = len(m.Proto().variables)
+
+  def _overlap(self, serial):
+    """The step time to minimise, from the `serial` sum of every term.
+
+    Where collectives run in place, the serial sum. Where XLA runs them
+    asynchronously, a linear model of the schedule in `cost.overlap`:
+    collectives whose inputs are ready early (an argument's reshard, such
+    as FSDP's gathers) or whose results are read late (gradient
+    reductions) run beside compute, the rest wait on it, so
+
+      step = compute + blocking + max(0, hideable - compute),
+
+    the exposed part an integer variable bounded below by both. It drops
+    the schedule's order (hideable communication hides behind any compute,
+    not only the compute after it is ready); the plan the solver returns
+    is priced by `Tracker` on the schedule itself, and the driver keeps
+    its warm start when that is faster (checked against the schedule in
+    `tests/search/test_ilp.py`)."""
+    if not self.program.model.compiler.async_collectives or not self.hidden:
+      return serial
+    hidden = sum(x * k for x, k in self.hidden)
+    compute = sum(x * k for x, k in self.compute)
+    bound = sum(k for _, k in self.hidden)
+    self.exposed = self.model.NewIntVar(0, bound, "exposed")
+    self.model.Add(self.exposed >= hidden - compute)
+    total = lambda h, terms: sum(k * h[x.Index()] for x, k in terms)  # noqa: E731
+    self.derived.append((self.exposed, lambda h: max(
+        0, total(h, self.hidden) - total(h, self.compute))))
+    return serial - hidden + self.exposed
 
   def _any(self, xs: list, name: str) -> cp_model.IntVar:
     """A literal implied by each of `xs` (true when one is; the objective
@@ -398,10 +440,10 @@ class _Formulation:
     self.model.Add(_linear(self.memory(point)) <= int(limit))
     self.points.append(point)
 
-  def hint(self, state: State) -> None:
-    """Starts the solver from `state`: per op class the strategy its first
-    op computes in there, per argument its layout, and every derived
-    variable to match (where the state is expressible)."""
+  def decisions(self, state: State) -> dict[int, int]:
+    """Variable values (by index) expressing `state`: per op class the
+    strategy its first op computes in there, per argument its layout, and
+    every derived variable to match (where the state is expressible)."""
     g, model = self.graph, self.program.model
     h: dict[int, int] = {}
     for _, xs in self.inputs.values():
@@ -426,6 +468,11 @@ class _Formulation:
       for i, x in enumerate(self.x[c]):
         h[x.Index()] = int(i == pick)
     self._derive(h)
+    return h
+
+  def hint(self, state: State) -> None:
+    """Starts the solver from `state` (`decisions`)."""
+    h = self.decisions(state)
     for var, _ in self.derived:
       self.model.AddHint(var, h[var.Index()])
     for xs in list(self.x.values()) + [xs for _, xs in self.inputs.values()]:
@@ -441,7 +488,7 @@ class _Formulation:
     h.update((x.Index(), int(solver.Value(x)))
              for _, xs in self.inputs.values() for x in xs)
     self._derive(h)
-    return sum(k * h[x.Index()] for x, k in self.terms) / PICOSECONDS
+    return linear_seconds(self, h)
 
   def _derive(self, h: dict[int, int]) -> None:
     """Adds to `h` (decision values by variable index) the value every
@@ -461,6 +508,15 @@ class _Formulation:
         if v >= 0:
           state[v] = row
     return state
+
+
+def linear_seconds(form: _Formulation, h: dict[int, int]) -> float:
+  """The step time of `form._overlap`'s model, for variable values `h`."""
+  total = lambda terms: sum(k * h[x.Index()] for x, k in terms)  # noqa: E731
+  serial = total(form.terms)
+  if form.program.model.compiler.async_collectives and form.hidden:
+    serial += max(0, total(form.hidden) - total(form.compute)) - total(form.hidden)
+  return serial / PICOSECONDS
 
 
 def _linear(coef: dict):

@@ -32,6 +32,9 @@ class Strategy(NamedTuple):
   seconds: compute plus result collectives, the latency of combinable
     (late) collectives left out.
   late: (kind, axes mask) of the combinable collectives it emits.
+  compute: of seconds, the op's compute.
+  hidden: of seconds, the collectives of a late op (`analysis.late_ops`:
+    gradient reductions), which compute not waiting on them can hide.
   """
 
   factors: Layout
@@ -39,6 +42,8 @@ class Strategy(NamedTuple):
   makes: tuple[Layout, ...]
   seconds: float
   late: tuple[tuple[int, int], ...]
+  compute: float = 0.0
+  hidden: float = 0.0
 
 
 def layouts(shape: tuple[int, ...], sizes: tuple[int, ...]) -> list[Layout]:
@@ -152,7 +157,8 @@ class StrategyPricer:
         sec -= model.latency[kind, mask]
         late.append((kind, mask))
       seconds += sec
-    return Strategy(factors, tuple(wants), tuple(makes), seconds, tuple(late))
+    hidden = seconds - cost.time if model.late[o] else 0.0
+    return Strategy(factors, tuple(wants), tuple(makes), seconds, tuple(late), cost.time, hidden)
 
   def steps(self, nbytes: int, have: Layout, want: Layout, shape: tuple[int, ...],
             fused: tuple[bool, bool]) -> tuple:
