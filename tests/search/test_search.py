@@ -147,18 +147,21 @@ def test_search_recovers_megatron_on_the_model_axis(shape):
   assert report.max_abs_error < 2e-3, report.worst_leaf
 
 
-def test_search_picks_data_parallelism_on_a_data_only_mesh():
-  # Many tokens per parameter: the regime where data parallelism pays.
+def test_search_splits_the_batch_on_a_data_only_mesh():
+  """Many tokens per parameter: the regime where data parallelism pays. The
+  plan splits the batch, and is no slower than data parallelism beyond the
+  time tolerance within which it takes the plan of least memory (on the
+  GPU's overlapped clock it may hide a few FSDP gathers behind compute)."""
   step, args = make_train_step(
       GPTConfig(vocab=128, seq=64, hidden=64, heads=4, layers=2), batch=64, abstract=True)
   m = mesh((8, 1))
   plan = automap.search(step, *args, mesh=m, hardware=COMPUTE_BOUND)
-  batch = [s for p, s in zip(plan.in_paths, plan.in_specs) if p.startswith("2/")]
-  assert batch and all(s == P("data") for s in batch)
   dp = automap.evaluate(step, *args, mesh=m, in_shardings=megatron_specs(args, model=None),
                         hardware=COMPUTE_BOUND)
-  assert plan.cost.step_time <= dp.step_time
-  assert plan.cost.flops <= dp.flops * 1.001  # compute split 8 ways, as in DP
+  batch = dict((p, s) for p, s in zip(plan.in_paths, plan.in_specs) if p.startswith("2/"))
+  assert batch["2/targets"] == P("data")
+  assert plan.cost.step_time <= dp.step_time * 1.01
+  assert plan.cost.step_time <= dp.step_time or plan.cost.peak_memory <= dp.peak_memory
 
 
 def test_tight_memory_limit_finds_a_plan_that_fits_when_compiled():
