@@ -147,7 +147,7 @@ def _check_placement_fields(options) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class PlacementOptions:
-  """How `automap.place` may place a layer graph.
+  """How `automap.cluster.place` may place a layer graph.
 
   memory_limit: bytes per device; None: the hardware's `hbm_capacity`.
   optimizer: a name in OPTIMIZERS or bytes of optimizer state per parameter byte.
@@ -214,7 +214,7 @@ class PlacementOptions:
 
 @dataclasses.dataclass(frozen=True)
 class ClusterOptions:
-  """How `automap.plan_cluster` may plan a training step.
+  """How `automap.cluster.plan_cluster` may plan a training step.
 
   memory_limit, optimizer, zero, recompute, mixed_precision, overlap,
     overlap_tensor, virtual_stages: as in PlacementOptions (virtual_stages=None here: the
@@ -266,7 +266,7 @@ class ClusterOptions:
 
 @dataclasses.dataclass(frozen=True)
 class CoSearchOptions:
-  """How `automap.search_accelerator` may search architectures and placements.
+  """How `automap.cluster.search_accelerator` may search architectures and placements.
 
   baseline: the architecture scores are relative to (None: TPU_V4_LIKE);
     its area is the default area budget.
@@ -305,7 +305,7 @@ class CoSearchOptions:
     owner = type(self).__name__
     if self.baseline is not None and not isinstance(self.baseline, Accelerator):
       raise TypeError(
-          f"{owner}.baseline must be an automap.Accelerator or None (TPU_V4_LIKE), got "
+          f"{owner}.baseline must be an automap.cluster.Accelerator or None (TPU_V4_LIKE), got "
           f"{type(self.baseline).__name__}.")
     # An empty space has always meant the default grid.
     object.__setattr__(self, "space", _space(owner, self.space) if self.space else None)
