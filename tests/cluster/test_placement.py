@@ -270,6 +270,21 @@ def test_slow_network_keeps_data_parallel_sync_inside_a_node():
   assert flat_plan.data_parallel == 8
 
 
+def test_memory_limit_none_means_no_limit_as_in_a_sharding_search():
+  """One meaning for memory_limit across automap: "device" (the default)
+  holds plans to the hardware's capacity, None to nothing, a number to
+  that many bytes per device."""
+  assert cluster.PlacementOptions().memory_limit == "device"
+  assert cluster.ClusterOptions().memory_limit == automap.SearchOptions().memory_limit
+  graph = LayerGraph.chain([Layer.of(f"l{i}", 1.0, 2.0, 2e9, 0.1e9) for i in range(2)])
+  kw = dict(devices=4, microbatches=4, hardware=flat(7e9), optimizer="adam", zero=0)
+  for limit in ("device", 7e9):
+    with pytest.raises(cluster.PlacementError, match="memory_limit"):
+      cluster.place(graph, memory_limit=limit, **kw)
+  unlimited = cluster.place(graph, memory_limit=None, **kw)
+  assert max(s.memory for s in unlimited.stages) > 7e9
+
+
 def test_zero_shards_optimizer_state_to_fit():
   layers = [Layer.of(f"l{i}", 1.0, 2.0, 2e9, 0.1e9) for i in range(2)]
   graph = LayerGraph.chain(layers)
@@ -363,7 +378,7 @@ def test_options_object_and_keywords_place_alike():
     ({"optimizer": -1.0}, r"PlacementOptions.optimizer state factor must be a number >= 0"),
     ({"recompute": "yes"}, r"PlacementOptions.recompute must be True .*, False .* or None"),
     ({"widths": 4}, r"PlacementOptions.widths must be positive ints, got 4; e.g. widths="),
-    ({"memory_limit": 0}, r"PlacementOptions.memory_limit must be a positive number.*None"),
+    ({"memory_limit": 0}, r"PlacementOptions.memory_limit must be a positive number.*'device'"),
     ({"stages": 0}, r"PlacementOptions.stages must be None \(searched\) or a positive int"),
 ])
 def test_bad_placement_options_name_the_field(fields, match):
@@ -378,5 +393,6 @@ def test_an_option_given_both_ways_or_misspelt_is_a_type_error():
     run(options=cluster.PlacementOptions(zero=1), zero=1)
   with pytest.raises(TypeError, match=r"unexpected keyword argument 'zeros'.*memory_limit"):
     run(zeros=1)
-  with pytest.raises(TypeError, match=r"options must be an cluster.PlacementOptions, got dict"):
+  with pytest.raises(TypeError,
+                     match=r"options must be an automap.cluster.PlacementOptions, got dict"):
     run(options={"zero": 1})

@@ -741,7 +741,8 @@ def place(graph: LayerGraph, *, devices: int, microbatches: int, hardware: str |
   microbatches: microbatches per batch over all data-parallel replicas (each of
     d replicas runs microbatches / d of them; d must divide it).
   hardware: its links price collectives and transfers; its `hbm_capacity` is
-    the memory limit unless the options give `memory_limit` (bytes per device).
+    the memory limit unless the options give `memory_limit` (bytes per device,
+    or None for none).
   options: an automap.cluster.PlacementOptions: memory_limit, optimizer, zero,
     recompute, widths, data_parallel, stages (see its docstring). Each field
     may be given as a keyword instead (`place(..., zero=0)`), but not both ways.
