@@ -33,11 +33,11 @@ OPTIMIZER = 6.0
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def workload(name: str) -> automap.Workload:
+def workload(name: str) -> automap.cluster.Workload:
   """The 2-block model of the named shape, its second block standing for the rest."""
   loss, params, batch = block_model(name)
   layers, *_, global_batch, _ = MODELS[name]
-  return automap.Workload(loss, params, batch, global_batch, name,
+  return automap.cluster.Workload(loss, params, batch, global_batch, name,
                           repeat={"block_1": layers - 1})
 
 
@@ -55,7 +55,7 @@ def main():
   print("|---|---|---|---|---|---|---|---|---|")
   ratios, times = [], []
   for name in models:
-    plan = automap.search_accelerator(
+    plan = automap.cluster.search_accelerator(
         workload(name), devices=1024, hardware="tpu-v4", optimizer=OPTIMIZER,
         microbatches=(1, 2, 4), schedule_seconds=0.5 if opts.quick else 1.0,
         budget=automap.Budget(episodes=10 if opts.quick else 20, seconds=60, progress=False),

@@ -9,7 +9,7 @@ cost model at the row's tensor-parallel width under the runs' own layout
 (Megatron-LM's tensor parallelism, `megatron`, with its sequence
 parallelism where the run had it, gradients in their parameters' layout),
 its block repeated to the row's depth, and run through the cluster
-model exactly as published (`automap.price_placement`: tensor x pipeline x
+model exactly as published (`cluster.price_placement`: tensor x pipeline x
 data, microbatch, recompute, schedule, ZeRO; mixed-precision Adam). Where
 a source leaves a setting out (microbatch, interleaved chunks, recompute,
 ZeRO, sequence parallelism), the fastest choice that fits the device's
@@ -51,6 +51,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import automap
+from automap import cluster
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster.configured import price
 from automap._src.cluster.layers import Profile
@@ -284,7 +285,7 @@ def profile(traced, params_count: int, state, width: int, hw, fused: bool) -> Pr
   return Profile({1: graphs}, {}, {})
 
 
-def candidates(row: dict) -> list[automap.ClusterConfig]:
+def candidates(row: dict) -> list[cluster.ClusterConfig]:
   """The row's split with every unpublished setting's choices."""
   p, m = row["parallel"], row["model"]
   t, pp = p["tensor"], p["pipeline"]
@@ -315,7 +316,7 @@ def candidates(row: dict) -> list[automap.ClusterConfig]:
         if schedule == "interleaved" and (per_replica // b) % pp:
           continue
         for z in zeros:
-          out.append(automap.ClusterConfig(tensor=t, pipeline=pp, data=d, microbatch=b,
+          out.append(cluster.ClusterConfig(tensor=t, pipeline=pp, data=d, microbatch=b,
                                            recompute=mode, schedule=schedule,
                                            virtual_stages=v, zero=z))
   return out
@@ -340,7 +341,7 @@ def sequence_parallel(row: dict) -> tuple[bool, ...]:
 
 
 def priced(row: dict, profiles: dict[tuple[bool, bool], Profile],
-           hw) -> tuple[automap.Placement, automap.ClusterConfig, bool, tuple[bool, bool]]:
+           hw) -> tuple[cluster.Placement, cluster.ClusterConfig, bool, tuple[bool, bool]]:
   """The fastest candidate that fits (or the leanest, marked as not fitting),
   over the candidates and the layouts `profiles` price, keyed (attention
   fused, sequence parallel): (plan, config, fits, key)."""
@@ -365,7 +366,7 @@ def priced(row: dict, profiles: dict[tuple[bool, bool], Profile],
   return best or leanest[0]
 
 
-def planned(row: dict, prof: Profile, hw, bound: float) -> automap.Placement | None:
+def planned(row: dict, prof: Profile, hw, bound: float) -> cluster.Placement | None:
   """The planner's own plan at the row's tensor width, on its devices and batch."""
   p = row["parallel"]
   depth, batch = row["model"]["layers"], p["global_batch"]
@@ -381,7 +382,7 @@ def planned(row: dict, prof: Profile, hw, bound: float) -> automap.Placement | N
   return plan
 
 
-def describe(config: automap.ClusterConfig, key: tuple[bool, bool]) -> str:
+def describe(config: cluster.ClusterConfig, key: tuple[bool, bool]) -> str:
   fused, sequence = key
   woven = f" v{config.virtual_stages}" if config.schedule == "interleaved" else ""
   return (f"t{config.tensor} p{config.pipeline} d{config.data} mb{config.microbatch} "

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import automap
+from automap import cluster
 from automap._src.cli import main as cli
 from automap._src.cluster import layers as layers_lib
 from automap._src.cost.tracker import Tracker
@@ -95,7 +96,7 @@ def test_plan_cluster_pipelines_when_memory_is_short():
   # Adam: parameters, gradients and two moments are 4x the parameters; a
   # quarter of that per device leaves no room for one replica of everything.
   limit = total * 1.6
-  plan = automap.plan_cluster(loss, params, batch, devices=8, global_batch=32, hardware="tpu-v4",
+  plan = cluster.plan_cluster(loss, params, batch, devices=8, global_batch=32, hardware="tpu-v4",
                               memory_limit=limit, optimizer="adam", zero=0, budget=BUDGET,
                               microbatches=[1, 4, 8])
   p = plan.placement
@@ -109,7 +110,7 @@ def test_plan_cluster_pipelines_when_memory_is_short():
   text = plan.explain()
   assert "pipeline stage(s)" in text and "block_0" in text and "recompute" in text
   # With the memory to spare, the same program goes data parallel.
-  roomy = automap.plan_cluster(loss, params, batch, devices=8, global_batch=32,
+  roomy = cluster.plan_cluster(loss, params, batch, devices=8, global_batch=32,
                                hardware="tpu-v4", optimizer="adam", budget=BUDGET,
                                microbatches=[1, 4, 8])
   assert roomy.time <= plan.time
@@ -117,10 +118,10 @@ def test_plan_cluster_pipelines_when_memory_is_short():
 
 def test_cluster_plan_round_trips(tmp_path, capsys):
   loss, params, batch = gpt_loss()
-  plan = automap.plan_cluster(loss, params, batch, devices=4, global_batch=16, widths=[1, 2],
+  plan = cluster.plan_cluster(loss, params, batch, devices=4, global_batch=16, widths=[1, 2],
                               budget=BUDGET)
   plan.save(tmp_path / "cluster.json")
-  assert automap.ClusterPlan.load(tmp_path / "cluster.json") == plan
+  assert cluster.ClusterPlan.load(tmp_path / "cluster.json") == plan
   assert set(plan.shardings) == {s.width for s in plan.placement.stages}
   assert cli.main(["explain", str(tmp_path / "cluster.json")]) == 0
   assert "automap cluster plan" in capsys.readouterr().out
@@ -134,8 +135,8 @@ def test_cluster_plan_round_trips(tmp_path, capsys):
 def test_plan_cluster_bad_arguments(kwargs, match):
   loss, params, batch = gpt_loss()
   args = {"devices": 8, "global_batch": 32} | kwargs
-  with pytest.raises(automap.PlacementError, match=match):
-    automap.plan_cluster(loss, params, batch, budget=BUDGET, **args)
+  with pytest.raises(cluster.PlacementError, match=match):
+    cluster.plan_cluster(loss, params, batch, budget=BUDGET, **args)
 
 
 def mlp_loss(params, x, y):
@@ -148,12 +149,12 @@ def mlp_loss(params, x, y):
 def test_plain_jax_function_with_named_scopes():
   params = [(jnp.zeros((32, 32)), jnp.zeros(32)) for _ in range(3)]
   x = jnp.zeros((16, 32))
-  plan = automap.plan_cluster(mlp_loss, params, x, x, devices=4, global_batch=64,
+  plan = cluster.plan_cluster(mlp_loss, params, x, x, devices=4, global_batch=64,
                               widths=[1, 2], budget=BUDGET)
   assert [n for s in plan.placement.stages for n in s.layers] == ["dense_0", "dense_1",
                                                                   "dense_2"]
-  with pytest.raises(automap.PlacementError, match="leading .batch. dimension"):
-    automap.plan_cluster(mlp_loss, params, x, x[:8], devices=4, global_batch=64, budget=BUDGET)
+  with pytest.raises(cluster.PlacementError, match="leading .batch. dimension"):
+    cluster.plan_cluster(mlp_loss, params, x, x[:8], devices=4, global_batch=64, budget=BUDGET)
 
 
 def test_options_object_and_keywords_plan_alike():
@@ -161,34 +162,45 @@ def test_options_object_and_keywords_plan_alike():
   x = jnp.zeros((16, 32))
   keywords = {"optimizer": "momentum", "zero": (0, 1), "recompute": False, "widths": [1, 2],
               "microbatches": [4, 8], "budget": BUDGET, "seed": 1, "memory_limit": 1e9}
-  by_keywords = automap.plan_cluster(mlp_loss, params, x, x, devices=4, global_batch=64,
+  by_keywords = cluster.plan_cluster(mlp_loss, params, x, x, devices=4, global_batch=64,
                                      **keywords)
-  by_options = automap.plan_cluster(mlp_loss, params, x, x, devices=4, global_batch=64,
-                                    options=automap.ClusterOptions(**keywords))
+  by_options = cluster.plan_cluster(mlp_loss, params, x, x, devices=4, global_batch=64,
+                                    options=cluster.ClusterOptions(**keywords))
   assert by_options == by_keywords
   assert by_options.explain() == by_keywords.explain()
 
 
 @pytest.mark.parametrize("fields, error, match", [
-    ({"microbatches": [4, 0]}, automap.PlacementError,
+    ({"microbatches": [4, 0]}, cluster.PlacementError,
      r"ClusterOptions.microbatches must be positive ints, got \[4, 0\]; e.g. microbatches="),
-    ({"widths": ()}, automap.PlacementError, r"ClusterOptions.widths must be positive ints"),
-    ({"zero": "all"}, automap.PlacementError, r"ClusterOptions.zero must be a stage in 0..3"),
-    ({"optimizer": "lion"}, automap.PlacementError, r"ClusterOptions.optimizer must be one of"),
+    ({"widths": ()}, cluster.PlacementError, r"ClusterOptions.widths must be positive ints"),
+    ({"zero": "all"}, cluster.PlacementError, r"ClusterOptions.zero must be a stage in 0..3"),
+    ({"optimizer": "lion"}, cluster.PlacementError, r"ClusterOptions.optimizer must be one of"),
     ({"budget": 20}, TypeError, r"ClusterOptions.budget must be an automap.Budget.*Budget\("),
     ({"seed": -1}, TypeError, r"ClusterOptions.seed must be a non-negative integer"),
 ])
 def test_bad_cluster_options_name_the_field(fields, error, match):
   with pytest.raises(error, match=match):
-    automap.ClusterOptions(**fields)
+    cluster.ClusterOptions(**fields)
   loss, params, batch = gpt_loss()
   # Given as keywords, they fail the same way, before any tracing.
   with pytest.raises(error, match=match):
-    automap.plan_cluster(loss, params, batch, devices=8, global_batch=32, **fields)
+    cluster.plan_cluster(loss, params, batch, devices=8, global_batch=32, **fields)
 
 
 def test_plan_cluster_refuses_an_option_given_both_ways():
   loss, params, batch = gpt_loss()
   with pytest.raises(TypeError, match=r"plan_cluster\(\) got seed= as keyword\(s\) and options"):
-    automap.plan_cluster(loss, params, batch, devices=8, global_batch=32,
-                         options=automap.ClusterOptions(budget=BUDGET), seed=1)
+    cluster.plan_cluster(loss, params, batch, devices=8, global_batch=32,
+                         options=cluster.ClusterOptions(budget=BUDGET), seed=1)
+
+
+def test_cluster_names_live_in_automap_cluster_and_the_old_ones_warn():
+  """Cluster planning has its own namespace; the top-level names it once had
+  still work, with a DeprecationWarning naming the new home."""
+  assert not set(cluster.__all__) & set(automap.__all__)
+  for name in cluster.__all__:
+    with pytest.warns(DeprecationWarning, match=f"automap.cluster.{name}"):
+      assert getattr(automap, name) is getattr(cluster, name)
+  with pytest.raises(AttributeError, match="no attribute 'plan_clusters'"):
+    automap.plan_clusters  # noqa: B018

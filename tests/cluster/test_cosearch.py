@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import automap
+from automap import cluster
 from automap._src.cluster import accelerator as acc_lib
 from automap._src.cluster import cosearch, pass_times, scheduling
 from automap._src.cluster import layers as layers_lib
@@ -33,7 +34,7 @@ def gpt_workload(name="gpt", depth=None):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
   repeat = {} if depth is None else {"block_1": depth - 1}
-  return automap.Workload(loss, params, (batch,), global_batch=64, name=name, repeat=repeat)
+  return cluster.Workload(loss, params, (batch,), global_batch=64, name=name, repeat=repeat)
 
 
 def mlp_workload():
@@ -44,7 +45,7 @@ def mlp_workload():
     return jnp.mean(x**2)
 
   params = [jax.ShapeDtypeStruct((256, 256), jnp.float32) for _ in range(3)]
-  return automap.Workload(loss, params, (jax.ShapeDtypeStruct((16, 256), jnp.float32),),
+  return cluster.Workload(loss, params, (jax.ShapeDtypeStruct((16, 256), jnp.float32),),
                            global_batch=64, name="mlp")
 
 
@@ -71,7 +72,7 @@ def test_the_search_never_loses_to_the_baseline_and_stays_in_budget():
   for a, x in by["exact"].items():
     assert by["greedy"][a] * (1 - 1e-9) <= x <= by["bound"][a] * (1 + 1e-9)
     assert by["bound"][a] <= by["ratio"][a] * (1 + 1e-6)
-  assert automap.AcceleratorPlan.from_json(plan.to_json()) == plan
+  assert cluster.AcceleratorPlan.from_json(plan.to_json()) == plan
   assert "tensor units" in plan.explain()
 
 
@@ -110,9 +111,9 @@ def test_candidates_are_the_grid_within_budget():
 
 
 def test_bad_arguments():
-  with pytest.raises(automap.PlacementError, match="workloads must be"):
+  with pytest.raises(cluster.PlacementError, match="workloads must be"):
     cosearch.search_accelerator([], devices=8)
-  with pytest.raises(automap.PlacementError, match="must divide"):
+  with pytest.raises(cluster.PlacementError, match="must divide"):
     cosearch.search_accelerator(gpt_workload(), devices=8, microbatches=(3,))
 
 
@@ -162,7 +163,7 @@ def test_lazy_scheduling_places_as_scheduling_every_pass_does(profiled):
   passes = passes_lib.all_passes(profiled)
   bounds = pass_times.PassBounds(passes)
   hw = get_hardware("tpu-v4")
-  knobs = automap.PlacementOptions()
+  knobs = cluster.PlacementOptions()
   for acc in (acc_lib.TPU_V4_LIKE, acc_lib.Accelerator(tensor_units=16, array=64)):
     lazy = pass_times.PassTimes(acc, 0.0, "greedy", bounds)
     eager = pass_times.PassTimes(acc, 0.0, "greedy", bounds)
@@ -178,7 +179,7 @@ def test_a_point_no_faster_on_every_pass_places_no_faster(profiled):
   """What lets the search bound a point by another's placement at bound."""
   bounds = pass_times.PassBounds(passes_lib.all_passes(profiled))
   hw = get_hardware("tpu-v4")
-  knobs = automap.PlacementOptions()
+  knobs = cluster.PlacementOptions()
   fast = acc_lib.TPU_V4_LIKE
   for slow in (acc_lib.Accelerator(vector_units=1), acc_lib.Accelerator(buffer=16 * 2**20),
                acc_lib.Accelerator(vector_units=1, hbm_capacity=16 * 2**30)):
@@ -192,34 +193,34 @@ def test_options_object_and_keywords_search_alike():
   keywords = {"space": {"tensor_units": (4, 8), "array": (64, 128)}, "widths": (1, 2),
               "microbatches": (4,), "schedule_seconds": 0.0, "finalists": 1, "gap": 0.0,
               "budget": BUDGET, "progress": False, "optimizer": "sgd", "zero": (0, 1)}
-  by_keywords = automap.search_accelerator(mlp_workload(), devices=4, **keywords)
-  by_options = automap.search_accelerator(mlp_workload(), devices=4,
-                                          options=automap.CoSearchOptions(**keywords))
+  by_keywords = cluster.search_accelerator(mlp_workload(), devices=4, **keywords)
+  by_options = cluster.search_accelerator(mlp_workload(), devices=4,
+                                          options=cluster.CoSearchOptions(**keywords))
   assert by_options == by_keywords
   assert by_options.history == by_keywords.history
 
 
 @pytest.mark.parametrize("fields, error, match", [
-    ({"gap": -0.1}, automap.PlacementError,
+    ({"gap": -0.1}, cluster.PlacementError,
      r"CoSearchOptions.gap must be a finite number >= 0, got -0.1; the default is 0.01"),
-    ({"bucket": 0}, automap.PlacementError, r"CoSearchOptions.bucket must be a finite number > 0"),
-    ({"finalists": 1.5}, automap.PlacementError, r"CoSearchOptions.finalists must be an int >= 0"),
-    ({"space": {"arrays": (64,)}}, automap.PlacementError,
+    ({"bucket": 0}, cluster.PlacementError, r"CoSearchOptions.bucket must be a finite number > 0"),
+    ({"finalists": 1.5}, cluster.PlacementError, r"CoSearchOptions.finalists must be an int >= 0"),
+    ({"space": {"arrays": (64,)}}, cluster.PlacementError,
      r"CoSearchOptions.space: 'arrays' is not an Accelerator field; the fields are \['tensor_"),
-    ({"space": {"array": ()}}, automap.PlacementError,
+    ({"space": {"array": ()}}, cluster.PlacementError,
      r"CoSearchOptions.space\['array'\] must be a non-empty sequence"),
-    ({"widths": (1, 0)}, automap.PlacementError, r"CoSearchOptions.widths must be positive ints"),
+    ({"widths": (1, 0)}, cluster.PlacementError, r"CoSearchOptions.widths must be positive ints"),
     ({"baseline": "tpu-v4"}, TypeError, r"CoSearchOptions.baseline must be an automap.Accel"),
-    ({"progress": "yes"}, automap.PlacementError, r"CoSearchOptions.progress must be True"),
+    ({"progress": "yes"}, cluster.PlacementError, r"CoSearchOptions.progress must be True"),
 ])
 def test_bad_cosearch_options_name_the_field(fields, error, match):
   with pytest.raises(error, match=match):
-    automap.CoSearchOptions(**fields)
+    cluster.CoSearchOptions(**fields)
   with pytest.raises(error, match=match):
-    automap.search_accelerator(mlp_workload(), devices=4, **fields)
+    cluster.search_accelerator(mlp_workload(), devices=4, **fields)
 
 
 def test_search_accelerator_refuses_an_option_given_both_ways():
   with pytest.raises(TypeError, match=r"search_accelerator\(\) got gap=, bucket= as keyword"):
-    automap.search_accelerator(mlp_workload(), devices=4, options=automap.CoSearchOptions(),
+    cluster.search_accelerator(mlp_workload(), devices=4, options=cluster.CoSearchOptions(),
                                gap=0.0, bucket=1.0)

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import automap
-from automap import Layer, LayerCost, LayerGraph
+from automap import cluster
 from automap._src.cluster import placement
+from automap.cluster import Layer, LayerCost, LayerGraph
 
 GiB = 2**30
 
@@ -117,7 +118,7 @@ def phaze_chain():
 def test_phaze_cases_match_brute_force(hbm, recompute, data_parallel, stages, expected):
   """PHAZE's model: the sync after the flush, nothing overlapped."""
   graph = phaze_chain()
-  plan = automap.place(graph, devices=8, microbatches=16, hardware=flat(hbm), optimizer="sgd",
+  plan = cluster.place(graph, devices=8, microbatches=16, hardware=flat(hbm), optimizer="sgd",
                        zero=0, recompute=recompute, overlap=False)
   assert plan.data_parallel == data_parallel
   assert [len(s.layers) for s in plan.stages] == stages
@@ -158,11 +159,11 @@ def matches_brute_force(graph, *, devices, microbatches, hbm, latency=0.0, optim
   """place() finds the brute force's optimum, or says no plan fits."""
   brute = brute_force(graph, devices=devices, microbatches=microbatches, hbm=hbm, sync=4 * GiB,
                       latency=latency, optimizer=optimizer, zero=zero)
-  run = lambda: automap.place(  # noqa: E731
+  run = lambda: cluster.place(  # noqa: E731
       graph, devices=devices, microbatches=microbatches, optimizer=optimizer, zero=zero,
       hardware=flat(hbm, latency=latency))
   if np.isinf(brute):
-    with pytest.raises(automap.PlacementError, match="memory_limit"):
+    with pytest.raises(cluster.PlacementError, match="memory_limit"):
       run()
     return
   plan = run()
@@ -209,7 +210,7 @@ def test_memory_bound_never_exceeds_the_best_assignment(seed):
   # best such choice, or the search would discard optimal plans.
   rng = np.random.default_rng(200 + seed)
   graph = random_graph(rng, 4, branching=False)
-  options = automap.PlacementOptions(optimizer=2.0, zero=(0, 1))
+  options = cluster.PlacementOptions(optimizer=2.0, zero=(0, 1))
   problem = placement._problem(8, 8, flat(4e9), options)
   costs = placement._StageCosts(graph, problem)
   in_flight, d, zero = int(rng.integers(1, 5)), int(rng.choice([1, 2])), int(rng.integers(0, 2))
@@ -242,7 +243,7 @@ def test_branching_stages_are_downsets():
   layers = [Layer.of(n, 1.0, 2.0, 1e9, 0.4e9) for n in "abcd"]
   edges = (("a", "b", 1e8), ("a", "c", 1e8), ("b", "d", 1e8), ("c", "d", 1e8))
   graph = LayerGraph(tuple(layers), edges)
-  plan = automap.place(graph, devices=4, microbatches=8, hardware=flat(4e9), optimizer="sgd",
+  plan = cluster.place(graph, devices=4, microbatches=8, hardware=flat(4e9), optimizer="sgd",
                        zero=0, recompute=False)
   seen: set[str] = set()
   for stage in plan.stages:
@@ -262,28 +263,43 @@ def test_slow_network_keeps_data_parallel_sync_inside_a_node():
   hw = automap.Hardware(name="two-level", flops=1e12, fp32_flops=1e12, hbm_bandwidth=1e12,
                         hbm_capacity=100e9, link_bandwidth=10e9, link_latency=0.0,
                         network_bandwidth=0.1e9, network_latency=0.0, devices_per_node=2)
-  plan = automap.place(graph, devices=8, microbatches=8, hardware=hw, optimizer="sgd", zero=0)
+  plan = cluster.place(graph, devices=8, microbatches=8, hardware=hw, optimizer="sgd", zero=0)
   assert plan.data_parallel <= 2
-  flat_plan = automap.place(graph, devices=8, microbatches=8, optimizer="sgd", zero=0,
+  flat_plan = cluster.place(graph, devices=8, microbatches=8, optimizer="sgd", zero=0,
                             hardware=flat(100e9, sync=20e9))
   assert flat_plan.data_parallel == 8
+
+
+def test_memory_limit_none_means_no_limit_as_in_a_sharding_search():
+  """One meaning for memory_limit across automap: "device" (the default)
+  holds plans to the hardware's capacity, None to nothing, a number to
+  that many bytes per device."""
+  assert cluster.PlacementOptions().memory_limit == "device"
+  assert cluster.ClusterOptions().memory_limit == automap.SearchOptions().memory_limit
+  graph = LayerGraph.chain([Layer.of(f"l{i}", 1.0, 2.0, 2e9, 0.1e9) for i in range(2)])
+  kw = dict(devices=4, microbatches=4, hardware=flat(7e9), optimizer="adam", zero=0)
+  for limit in ("device", 7e9):
+    with pytest.raises(cluster.PlacementError, match="memory_limit"):
+      cluster.place(graph, memory_limit=limit, **kw)
+  unlimited = cluster.place(graph, memory_limit=None, **kw)
+  assert max(s.memory for s in unlimited.stages) > 7e9
 
 
 def test_zero_shards_optimizer_state_to_fit():
   layers = [Layer.of(f"l{i}", 1.0, 2.0, 2e9, 0.1e9) for i in range(2)]
   graph = LayerGraph.chain(layers)
-  with pytest.raises(automap.PlacementError, match="memory_limit"):
-    automap.place(graph, devices=4, microbatches=4, hardware=flat(7e9), optimizer="adam",
+  with pytest.raises(cluster.PlacementError, match="memory_limit"):
+    cluster.place(graph, devices=4, microbatches=4, hardware=flat(7e9), optimizer="adam",
                   zero=0)
-  plan = automap.place(graph, devices=4, microbatches=4, hardware=flat(7e9), optimizer="adam")
+  plan = cluster.place(graph, devices=4, microbatches=4, hardware=flat(7e9), optimizer="adam")
   assert plan.zero >= 1
   assert all(s.memory <= 7e9 for s in plan.stages)
 
 
 def test_placement_round_trips_through_json():
-  plan = automap.place(phaze_chain(), devices=8, microbatches=16, hardware=flat(5e9),
+  plan = cluster.place(phaze_chain(), devices=8, microbatches=16, hardware=flat(5e9),
                        optimizer="sgd", zero=0)
-  assert automap.Placement.from_json(plan.to_json()) == plan
+  assert cluster.Placement.from_json(plan.to_json()) == plan
   assert sum(plan.breakdown.values()) == pytest.approx(plan.time)
 
 
@@ -298,35 +314,35 @@ def test_placement_round_trips_through_json():
 ])
 def test_bad_options_name_the_argument(kwargs, match):
   args = {"devices": 8, "microbatches": 16, "hardware": flat(5e9)} | kwargs
-  with pytest.raises((automap.PlacementError, automap.HardwareError), match=match):
-    automap.place(phaze_chain(), **args)
+  with pytest.raises((cluster.PlacementError, automap.HardwareError), match=match):
+    cluster.place(phaze_chain(), **args)
 
 
 def test_bad_graphs_name_the_problem():
-  with pytest.raises(automap.PlacementError, match="unique"):
+  with pytest.raises(cluster.PlacementError, match="unique"):
     LayerGraph.chain([Layer.of("a", 1, 1, 1, 1), Layer.of("a", 1, 1, 1, 1)])
-  with pytest.raises(automap.PlacementError, match="cycle"):
+  with pytest.raises(cluster.PlacementError, match="cycle"):
     LayerGraph((Layer.of("a", 1, 1, 1, 1), Layer.of("b", 1, 1, 1, 1)),
                (("a", "b", 0.0), ("b", "a", 0.0)))
-  with pytest.raises(automap.PlacementError, match="known layers"):
+  with pytest.raises(cluster.PlacementError, match="known layers"):
     LayerGraph((Layer.of("a", 1, 1, 1, 1),), (("a", "z", 0.0),))
-  with pytest.raises(automap.PlacementError, match="LayerCost.forward"):
+  with pytest.raises(cluster.PlacementError, match="LayerCost.forward"):
     Layer.of("a", -1, 1, 1, 1)
 
 
 def test_a_fixed_split_is_priced_as_given():
   """Megatron-style p x d: the DP only splits the layers, so free search never loses."""
   graph = phaze_chain()
-  fixed = automap.place(graph, devices=8, microbatches=16, hardware=flat(100e9),
+  fixed = cluster.place(graph, devices=8, microbatches=16, hardware=flat(100e9),
                         optimizer="sgd", zero=0, data_parallel=2, stages=4, recompute=False)
   assert (fixed.data_parallel, len(fixed.stages)) == (2, 4)
   # (8 microbatches + 3) x 3 s per layer + the 2-way sync of one layer.
   assert fixed.time == pytest.approx(11 * 3 + 2 * 0.5 * 1e9 / (2 * GiB))
-  free = automap.place(graph, devices=8, microbatches=16, hardware=flat(100e9),
+  free = cluster.place(graph, devices=8, microbatches=16, hardware=flat(100e9),
                        optimizer="sgd", zero=0, recompute=False)
   assert free.time < fixed.time
-  with pytest.raises(automap.PlacementError, match="in 5 stages"):
-    automap.place(graph, devices=8, microbatches=16, hardware=flat(100e9), stages=5)
+  with pytest.raises(cluster.PlacementError, match="in 5 stages"):
+    cluster.place(graph, devices=8, microbatches=16, hardware=flat(100e9), stages=5)
 
 
 def test_repeat_stands_a_block_for_many():
@@ -337,23 +353,23 @@ def test_repeat_stands_a_block_for_many():
   assert [layer.name for layer in deep.layers] == ["embed", "block", "block*2", "block*3", "head"]
   assert sorted(deep.edges) == sorted([("embed", "block", 3e6), ("block", "block*2", 3e6),
                                        ("block*2", "block*3", 3e6), ("block*3", "head", 5e6)])
-  with pytest.raises(automap.PlacementError, match="no layer 'tail'"):
+  with pytest.raises(cluster.PlacementError, match="no layer 'tail'"):
     graph.repeat("tail", 2)
 
 
 def test_options_object_and_keywords_place_alike():
   keywords = {"optimizer": "sgd", "zero": 0, "recompute": False, "widths": [1],
               "data_parallel": 2, "stages": 4, "memory_limit": 90e9}
-  by_keywords = automap.place(phaze_chain(), devices=8, microbatches=16, hardware=flat(100e9),
+  by_keywords = cluster.place(phaze_chain(), devices=8, microbatches=16, hardware=flat(100e9),
                               **keywords)
-  options = automap.PlacementOptions(**keywords)
+  options = cluster.PlacementOptions(**keywords)
   assert options.zero == (0,) and options.widths == (1,)
-  by_options = automap.place(phaze_chain(), devices=8, microbatches=16, hardware=flat(100e9),
+  by_options = cluster.place(phaze_chain(), devices=8, microbatches=16, hardware=flat(100e9),
                              options=options)
   assert by_options == by_keywords
-  default = automap.place(phaze_chain(), devices=8, microbatches=16, hardware=flat(5e9))
-  assert automap.place(phaze_chain(), devices=8, microbatches=16, hardware=flat(5e9),
-                       options=automap.PlacementOptions()) == default
+  default = cluster.place(phaze_chain(), devices=8, microbatches=16, hardware=flat(5e9))
+  assert cluster.place(phaze_chain(), devices=8, microbatches=16, hardware=flat(5e9),
+                       options=cluster.PlacementOptions()) == default
 
 
 @pytest.mark.parametrize("fields, match", [
@@ -362,20 +378,21 @@ def test_options_object_and_keywords_place_alike():
     ({"optimizer": -1.0}, r"PlacementOptions.optimizer state factor must be a number >= 0"),
     ({"recompute": "yes"}, r"PlacementOptions.recompute must be True .*, False .* or None"),
     ({"widths": 4}, r"PlacementOptions.widths must be positive ints, got 4; e.g. widths="),
-    ({"memory_limit": 0}, r"PlacementOptions.memory_limit must be a positive number.*None"),
+    ({"memory_limit": 0}, r"PlacementOptions.memory_limit must be a positive number.*'device'"),
     ({"stages": 0}, r"PlacementOptions.stages must be None \(searched\) or a positive int"),
 ])
 def test_bad_placement_options_name_the_field(fields, match):
-  with pytest.raises(automap.PlacementError, match=match):
-    automap.PlacementOptions(**fields)
+  with pytest.raises(cluster.PlacementError, match=match):
+    cluster.PlacementOptions(**fields)
 
 
 def test_an_option_given_both_ways_or_misspelt_is_a_type_error():
-  run = lambda **kw: automap.place(phaze_chain(), devices=8, microbatches=16,  # noqa: E731
+  run = lambda **kw: cluster.place(phaze_chain(), devices=8, microbatches=16,  # noqa: E731
                                    hardware=flat(5e9), **kw)
   with pytest.raises(TypeError, match=r"place\(\) got zero= as keyword\(s\) and options= too"):
-    run(options=automap.PlacementOptions(zero=1), zero=1)
+    run(options=cluster.PlacementOptions(zero=1), zero=1)
   with pytest.raises(TypeError, match=r"unexpected keyword argument 'zeros'.*memory_limit"):
     run(zeros=1)
-  with pytest.raises(TypeError, match=r"options must be an automap.PlacementOptions, got dict"):
+  with pytest.raises(TypeError,
+                     match=r"options must be an automap.cluster.PlacementOptions, got dict"):
     run(options={"zero": 1})

@@ -10,11 +10,12 @@ import pytest
 from helpers import saved_dot_outputs
 
 import automap
-from automap import Layer, LayerCost, LayerGraph
+from automap import cluster
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster import placement
 from automap._src.ir.naming import is_backward
 from automap._src.models.gpt import GPT, Block, GPTConfig
+from automap.cluster import Layer, LayerCost, LayerGraph
 
 GiB = 2**30
 
@@ -54,9 +55,9 @@ def test_data_parallel_sync_hides_behind_the_last_backward():
   graph = blocks(4)
   hw = flat()
   # 2 replicas: an all-reduce of 4e9 bytes moves 2 * 1/2 * 4e9 / 1e9 = 4 s.
-  kept = automap.place(graph, devices=2, microbatches=2, hardware=hw, optimizer="sgd", zero=0,
+  kept = cluster.place(graph, devices=2, microbatches=2, hardware=hw, optimizer="sgd", zero=0,
                        recompute=False, data_parallel=2, stages=1)
-  after = automap.place(graph, devices=2, microbatches=2, hardware=hw, optimizer="sgd", zero=0,
+  after = cluster.place(graph, devices=2, microbatches=2, hardware=hw, optimizer="sgd", zero=0,
                         recompute=False, data_parallel=2, stages=1, overlap=False)
   (stage,) = kept.stages
   assert stage.sync_total == pytest.approx(4.0)
@@ -70,9 +71,9 @@ def test_tensor_parallel_collectives_overlap_the_matmuls_when_asked():
   """2 layers, 1.6 s of their 6 s in tensor-parallel collectives: beside the
   other 4.4 s in 8 pieces only the first piece, 0.2 s, stays exposed."""
   graph = blocks(2, collectives=0.8)
-  config = automap.ClusterConfig()
-  plain = automap.price_placement(graph, config, global_batch=1, hardware=flat())
-  hidden = automap.price_placement(graph, config, global_batch=1, hardware=flat(),
+  config = cluster.ClusterConfig()
+  plain = cluster.price_placement(graph, config, global_batch=1, hardware=flat())
+  hidden = cluster.price_placement(graph, config, global_batch=1, hardware=flat(),
                                    overlap_tensor=True)
   assert plain.time == pytest.approx(6.0) and plain.stages[0].collectives == pytest.approx(1.6)
   assert hidden.time == pytest.approx(4.6) and hidden.stages[0].collectives == pytest.approx(0.2)
@@ -85,8 +86,8 @@ def test_interleaving_shrinks_the_bubble_by_the_chunks_per_stage():
   hw = flat()
   common = dict(devices=2, microbatches=4, hardware=hw, optimizer="sgd", zero=0,
                 recompute=False, stages=2, data_parallel=1)
-  plain = automap.place(graph, virtual_stages=1, **common)
-  woven = automap.place(graph, virtual_stages=2, **common)
+  plain = cluster.place(graph, virtual_stages=1, **common)
+  woven = cluster.place(graph, virtual_stages=2, **common)
   send = 1e8 / 1e9
   assert plain.stages[0].time == pytest.approx(4 * 3 + 2 * send)
   assert plain.time == pytest.approx((4 + 1) * (12 + 2 * send))
@@ -105,14 +106,14 @@ def test_interleaving_shrinks_the_bubble_by_the_chunks_per_stage():
 
 def test_the_search_interleaves_only_where_it_pays_and_is_legal():
   graph = blocks(8, edge=1e6)
-  found = automap.place(graph, devices=4, microbatches=8, hardware=flat(), optimizer="sgd",
+  found = cluster.place(graph, devices=4, microbatches=8, hardware=flat(), optimizer="sgd",
                         zero=0, recompute=False, data_parallel=1, virtual_stages=None)
   assert found.virtual_stages > 1
-  plain = automap.place(graph, devices=4, microbatches=8, hardware=flat(), optimizer="sgd",
+  plain = cluster.place(graph, devices=4, microbatches=8, hardware=flat(), optimizer="sgd",
                         zero=0, recompute=False, data_parallel=1)
   assert found.time < plain.time
   # 3 blocks cannot make 2 chunks on each of 2 stages: the plain plan stands.
-  short = automap.place(blocks(3, edge=1e6), devices=2, microbatches=8, hardware=flat(),
+  short = cluster.place(blocks(3, edge=1e6), devices=2, microbatches=8, hardware=flat(),
                         optimizer="sgd", zero=0, recompute=False, data_parallel=1, stages=2,
                         virtual_stages=None)
   assert short.virtual_stages == 1
@@ -122,7 +123,7 @@ def test_blocks_that_do_not_divide_leave_the_end_chunks_one_short():
   """70 blocks on 12 stages, as BLOOM ran: 5 at each end, 6 between."""
   graph = LayerGraph.chain([Layer.of("embed", 0.1, 0.1, 1e8, 1e7)]
                            + list(blocks(70).layers) + [Layer.of("head", 0.1, 0.1, 1e8, 1e7)])
-  plan = automap.price_placement(graph, automap.ClusterConfig(pipeline=12), global_batch=12,
+  plan = cluster.price_placement(graph, cluster.ClusterConfig(pipeline=12), global_batch=12,
                                  hardware=flat())
   counts = [sum(name.startswith("b") for name in s.layers) for s in plan.stages]
   assert counts == [5] + [6] * 10 + [5]
@@ -137,7 +138,7 @@ def test_recompute_modes_keep_what_practice_keeps():
   config = dict(tensor=1, pipeline=3, data=1, microbatch=1)
   memory, time = {}, {}
   for mode in ("none", "full", "selective", "dots"):
-    plan = automap.price_placement(graph, automap.ClusterConfig(**config, recompute=mode),
+    plan = cluster.price_placement(graph, cluster.ClusterConfig(**config, recompute=mode),
                                    global_batch=6, hardware=flat(), optimizer="sgd")
     middle = plan.stages[1]
     assert middle.in_flight == 2 and middle.recompute_mode == mode
@@ -157,21 +158,21 @@ def test_dots_mode_needs_traced_layers():
   """Hand-built layers carry no matmul outputs: the planner leaves "dots"
   out of its choices, and asking for it by name says what is missing."""
   graph = blocks(4)
-  plan = automap.place(graph, devices=2, microbatches=4, hardware=flat(hbm=5e9),
+  plan = cluster.place(graph, devices=2, microbatches=4, hardware=flat(hbm=5e9),
                        optimizer="sgd", zero=0)
   assert {s.recompute_mode for s in plan.stages} <= {"none", "full", "selective"}
-  with pytest.raises(automap.PlacementError, match="LayerCost.dots.*lacks"):
-    automap.price_placement(graph, automap.ClusterConfig(recompute="dots"), global_batch=2,
+  with pytest.raises(cluster.PlacementError, match="LayerCost.dots.*lacks"):
+    cluster.price_placement(graph, cluster.ClusterConfig(recompute="dots"), global_batch=2,
                             hardware=flat())
 
 
 def test_mixed_precision_keeps_float32_master_weights_gradients_and_moments():
   graph = blocks(1, params=2e9)  # 1e9 bf16 parameters
-  plan = automap.price_placement(graph, automap.ClusterConfig(), global_batch=1,
+  plan = cluster.price_placement(graph, cluster.ClusterConfig(), global_batch=1,
                                  hardware=flat(), optimizer="adam", mixed_precision=True)
   # 2 (bf16) + 4 (fp32 gradients) + 4 (master) + 8 (moments) bytes per parameter: 18.
   assert plan.stages[0].memory - 0.5e9 == pytest.approx(18e9)
-  sharded = automap.price_placement(graph, automap.ClusterConfig(data=4, zero=1), global_batch=4,
+  sharded = cluster.price_placement(graph, cluster.ClusterConfig(data=4, zero=1), global_batch=4,
                                     hardware=flat(), optimizer="adam", mixed_precision=True)
   assert sharded.stages[0].memory - 0.5e9 == pytest.approx(6e9 + 12e9 / 4)
 
@@ -183,7 +184,7 @@ def test_zero_3_gathers_one_parameter_array_at_a_time():
   traced from a real block knows its largest array; one built by hand
   without it is taken whole."""
   def stage3(graph):
-    plan = automap.price_placement(graph, automap.ClusterConfig(data=4, zero=3), global_batch=4,
+    plan = cluster.price_placement(graph, cluster.ClusterConfig(data=4, zero=3), global_batch=4,
                                    hardware=flat(), optimizer="adam", mixed_precision=True)
     return plan.stages[0].memory - 0.5e9
 
@@ -191,7 +192,7 @@ def test_zero_3_gathers_one_parameter_array_at_a_time():
   assert stage3(blocks(1, params=2e9, largest_param=0.5e9)) == pytest.approx(
       state + 0.5e9 * 3 / 4)
   assert stage3(blocks(1, params=2e9)) == pytest.approx(state + 2e9 * 3 / 4)
-  with pytest.raises(automap.PlacementError, match="largest_param .* must not exceed params"):
+  with pytest.raises(cluster.PlacementError, match="largest_param .* must not exceed params"):
     LayerCost(forward=1.0, backward=2.0, params=1e9, activations=0.0, largest_param=2e9)
   loss, params, batch = gpt_step()
   profile = layers_lib.measure(loss, params, batch, widths=[1], hardware=automap.HARDWARE["a100"],
@@ -210,32 +211,32 @@ def test_zero_3_gathers_one_parameter_array_at_a_time():
     ({"zero": 4}, r"ClusterConfig.zero must be a ZeRO stage"),
 ])
 def test_bad_configurations_name_the_field(fields, match):
-  with pytest.raises(automap.PlacementError, match=match):
-    automap.ClusterConfig(**fields)
+  with pytest.raises(cluster.PlacementError, match=match):
+    cluster.ClusterConfig(**fields)
 
 
 def test_configurations_that_do_not_fit_the_batch_or_cluster_say_how():
   graph = blocks(4)
-  with pytest.raises(automap.PlacementError, match=r"microbatch=3 x data=2 = 6 .* does not "
+  with pytest.raises(cluster.PlacementError, match=r"microbatch=3 x data=2 = 6 .* does not "
                      r"divide global_batch=16"):
-    automap.price_placement(graph, automap.ClusterConfig(data=2, microbatch=3), global_batch=16,
+    cluster.price_placement(graph, cluster.ClusterConfig(data=2, microbatch=3), global_batch=16,
                             hardware=flat())
-  with pytest.raises(automap.PlacementError, match=r"= 16 devices do not fit devices=8"):
-    automap.price_placement(graph, automap.ClusterConfig(tensor=1, pipeline=4, data=4),
+  with pytest.raises(cluster.PlacementError, match=r"= 16 devices do not fit devices=8"):
+    cluster.price_placement(graph, cluster.ClusterConfig(tensor=1, pipeline=4, data=4),
                             global_batch=16, hardware=flat(), devices=8)
-  with pytest.raises(automap.PlacementError, match=r"fewer blocks than pipeline=5"):
-    automap.price_placement(graph, automap.ClusterConfig(pipeline=5), global_batch=5,
+  with pytest.raises(cluster.PlacementError, match=r"fewer blocks than pipeline=5"):
+    cluster.price_placement(graph, cluster.ClusterConfig(pipeline=5), global_batch=5,
                             hardware=flat())
-  with pytest.raises(automap.PlacementError, match=r"multiple of pipeline=2"):
-    automap.price_placement(graph, automap.ClusterConfig(
+  with pytest.raises(cluster.PlacementError, match=r"multiple of pipeline=2"):
+    cluster.price_placement(graph, cluster.ClusterConfig(
         pipeline=2, schedule="interleaved", virtual_stages=2), global_batch=3, hardware=flat())
-  with pytest.raises(automap.PlacementError, match=r"tensor=2: layers .* not priced"):
-    automap.price_placement(graph, automap.ClusterConfig(tensor=2), global_batch=1,
+  with pytest.raises(cluster.PlacementError, match=r"tensor=2: layers .* not priced"):
+    cluster.price_placement(graph, cluster.ClusterConfig(tensor=2), global_batch=1,
                             hardware=flat())
-  with pytest.raises(automap.PlacementError, match=r"PlacementOptions.recompute must be"):
-    automap.PlacementOptions(recompute="some")
+  with pytest.raises(cluster.PlacementError, match=r"PlacementOptions.recompute must be"):
+    cluster.PlacementOptions(recompute="some")
   with pytest.raises(TypeError, match=r"got recompute=, which the ClusterConfig states"):
-    automap.price_placement(graph, automap.ClusterConfig(), global_batch=1, hardware=flat(),
+    cluster.price_placement(graph, cluster.ClusterConfig(), global_batch=1, hardware=flat(),
                             recompute="full")
 
 
@@ -243,9 +244,9 @@ def test_a_stated_split_equals_the_planner_held_to_it():
   """A 1F1B split stated as a config prices what the DP finds when fixed to it."""
   graph = blocks(8, edge=1e7)
   hw = flat(hbm=40e9)
-  stated = automap.price_placement(graph, automap.ClusterConfig(pipeline=4, data=2, microbatch=1),
+  stated = cluster.price_placement(graph, cluster.ClusterConfig(pipeline=4, data=2, microbatch=1),
                                    global_batch=16, hardware=hw, optimizer="sgd")
-  held = automap.place(graph, devices=8, microbatches=16, hardware=hw, optimizer="sgd", zero=0,
+  held = cluster.place(graph, devices=8, microbatches=16, hardware=hw, optimizer="sgd", zero=0,
                        recompute=False, data_parallel=2, stages=4)
   assert [len(s.layers) for s in held.stages] == [2, 2, 2, 2]
   assert stated.time == pytest.approx(held.time)
@@ -254,10 +255,10 @@ def test_a_stated_split_equals_the_planner_held_to_it():
 
 def test_placement_with_virtual_stages_round_trips_through_json():
   graph = blocks(8, edge=1e6)
-  plan = automap.price_placement(graph, automap.ClusterConfig(
+  plan = cluster.price_placement(graph, cluster.ClusterConfig(
       pipeline=2, schedule="interleaved", virtual_stages=2, recompute="selective"),
       global_batch=4, hardware=flat())
-  assert automap.Placement.from_json(plan.to_json()) == plan
+  assert cluster.Placement.from_json(plan.to_json()) == plan
 
 
 def gpt_step(layers: int = 2):
@@ -295,9 +296,9 @@ def test_selective_recompute_drops_exactly_the_attention_scores():
 @pytest.mark.slow
 def test_price_cluster_prices_a_traced_step_as_stated():
   loss, params, batch = gpt_step(layers=4)
-  config = automap.ClusterConfig(tensor=2, pipeline=2, data=2, microbatch=2, recompute="selective")
+  config = cluster.ClusterConfig(tensor=2, pipeline=2, data=2, microbatch=2, recompute="selective")
   budget = automap.Budget(episodes=2, seconds=10, progress=False)
-  given = automap.price_cluster(loss, params, *batch, config=config, global_batch=32,
+  given = cluster.price_cluster(loss, params, *batch, config=config, global_batch=32,
                                 hardware="a100", budget=budget, mixed_precision=True)
   p = given.placement
   assert (p.data_parallel, len(p.stages), p.microbatches) == (2, 2, 8)
@@ -307,13 +308,13 @@ def test_price_cluster_prices_a_traced_step_as_stated():
   assert given.achieved_flops == pytest.approx(given.mfu * automap.HARDWARE["a100"].flops)
   text = given.explain()
   assert "MFU" in text and "exposed of" in text and "selective" in text
-  planned = automap.plan_cluster(loss, params, *batch, devices=8, global_batch=32,
+  planned = cluster.plan_cluster(loss, params, *batch, devices=8, global_batch=32,
                                  hardware="a100", budget=budget, mixed_precision=True,
                                  microbatches=(2,), widths=(2,))
   assert planned.time <= p.time * (1 + 1e-9)
   assert "this plan is" in planned.explain(against=given)
-  with pytest.raises(automap.PlacementError, match="does not divide global_batch=30"):
-    automap.price_cluster(loss, params, *batch, config=config, global_batch=30, hardware="a100")
+  with pytest.raises(cluster.PlacementError, match="does not divide global_batch=30"):
+    cluster.price_cluster(loss, params, *batch, config=config, global_batch=30, hardware="a100")
 
 
 def test_dots_policy_keeps_what_jax_saves():
@@ -383,13 +384,13 @@ def test_fused_attention_ops_are_the_score_chain_both_ways():
 
 
 def test_stated_fields_and_impossible_interleaving_are_refused_by_name():
-  with pytest.raises(automap.PlacementError, match="virtual_stages=2 fits: it needs 2 or more"):
-    automap.place(blocks(4), devices=2, microbatches=3, hardware=flat(), virtual_stages=2)
-  with pytest.raises(automap.PlacementError, match="recompute_mode must be one of"):
-    dataclasses.replace(automap.price_placement(blocks(2), automap.ClusterConfig(),
+  with pytest.raises(cluster.PlacementError, match="virtual_stages=2 fits: it needs 2 or more"):
+    cluster.place(blocks(4), devices=2, microbatches=3, hardware=flat(), virtual_stages=2)
+  with pytest.raises(cluster.PlacementError, match="recompute_mode must be one of"):
+    dataclasses.replace(cluster.price_placement(blocks(2), cluster.ClusterConfig(),
                                                 global_batch=1, hardware=flat()).stages[0],
                         recompute_mode="some")
   loss, params, batch = gpt_step()
   with pytest.raises(TypeError, match="got recompute=, which the ClusterConfig states"):
-    automap.price_cluster(loss, params, *batch, config=automap.ClusterConfig(),
+    cluster.price_cluster(loss, params, *batch, config=cluster.ClusterConfig(),
                           global_batch=4, hardware="a100", recompute="full")

@@ -250,7 +250,7 @@ def _explain(args) -> int:
 
   with open(args.plan) as f:
     cluster = "placement" in json.load(f)
-  plan = (automap.ClusterPlan if cluster else automap.Plan).load(args.plan)
+  plan = (automap.cluster.ClusterPlan if cluster else automap.Plan).load(args.plan)
   print(plan.explain())
   if args.plot:
     if cluster:

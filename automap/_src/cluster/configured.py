@@ -130,9 +130,10 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
   refuse_stated(keywords, "price_placement")
   base = with_keywords(PlacementOptions, options, keywords, "price_placement")
   if not isinstance(config, ClusterConfig):
-    raise TypeError(f"config must be an automap.ClusterConfig, got {type(config).__name__}.")
+    raise TypeError(
+        f"config must be an automap.cluster.ClusterConfig, got {type(config).__name__}.")
   if not isinstance(graph, LayerGraph):
-    raise TypeError(f"graph must be an automap.LayerGraph, got {type(graph).__name__}.")
+    raise TypeError(f"graph must be an automap.cluster.LayerGraph, got {type(graph).__name__}.")
   hw = get_hardware(hardware)
   devices = config.devices if devices is None else devices
   if isinstance(devices, bool) or not isinstance(devices, int) or devices < config.devices:

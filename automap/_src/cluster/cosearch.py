@@ -227,7 +227,7 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
   architecture: the score is the geometric mean of their throughputs
   relative to the baseline's.
 
-  options: an automap.CoSearchOptions: baseline, space, widths,
+  options: an automap.cluster.CoSearchOptions: baseline, space, widths,
     microbatches, optimizer, zero, schedule_seconds, bucket, gap, finalists,
     budget, progress, seed (see its docstring). Each field may be given as a
     keyword instead (`search_accelerator(..., gap=0.0)`), but not both ways.
@@ -237,7 +237,8 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
   t0 = time.perf_counter()
   workloads = [workloads] if isinstance(workloads, Workload) else list(workloads)
   if not workloads or not all(isinstance(w, Workload) for w in workloads):
-    raise PlacementError("workloads must be an automap.Workload or a non-empty list of them.")
+    raise PlacementError(
+        "workloads must be an automap.cluster.Workload or a non-empty list of them.")
   hw = get_hardware(hardware)
   base = options.baseline or acc_lib.TPU_V4_LIKE
   budget_area = base.area() if area_budget is None else float(area_budget)

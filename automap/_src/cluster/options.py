@@ -19,7 +19,7 @@ import numpy as np
 
 from automap._src.cluster.accelerator import Accelerator
 from automap._src.cluster.model import RECOMPUTE_MODES, PlacementError
-from automap._src.search.request import Budget
+from automap._src.search.request import DEVICE, Budget
 
 # Optimizer state per parameter byte, in the parameters' dtype.
 OPTIMIZERS: Mapping[str, float] = types.MappingProxyType(
@@ -28,11 +28,11 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 
 def _memory_limit(owner: str, value) -> None:
-  if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                            or not value > 0):
+  if value is not None and value != DEVICE and (
+      isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
     raise PlacementError(
         f"{owner}.memory_limit must be a positive number of bytes per device, got {value!r}; "
-        "or None for the hardware's hbm_capacity.")
+        "or 'device' for the hardware's hbm_capacity, None for no limit.")
 
 
 def _optimizer(owner: str, value) -> None:
@@ -82,8 +82,11 @@ def recompute_modes(owner: str, value) -> tuple[str, ...]:
 
 def memory_limit(options, hw) -> float:
   """Bytes per device a planner holds plans to: the options' memory_limit,
-  else the hardware's hbm_capacity."""
-  return float(hw.hbm_capacity if options.memory_limit is None else options.memory_limit)
+  the hardware's hbm_capacity for "device", unbounded for None (as
+  `SearchOptions.memory_limit` reads them)."""
+  if options.memory_limit is None:
+    return math.inf
+  return float(hw.hbm_capacity if options.memory_limit == DEVICE else options.memory_limit)
 
 
 def _flag(owner: str, name: str, value) -> None:
@@ -147,9 +150,10 @@ def _check_placement_fields(options) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class PlacementOptions:
-  """How `automap.place` may place a layer graph.
+  """How `automap.cluster.place` may place a layer graph.
 
-  memory_limit: bytes per device; None: the hardware's `hbm_capacity`.
+  memory_limit: bytes per device; "device" (the default): the hardware's
+    `hbm_capacity`; None: no limit (as for `automap.SearchOptions`).
   optimizer: a name in OPTIMIZERS or bytes of optimizer state per parameter byte.
   zero: ZeRO stage(s) to consider (an int is one): 1 shards optimizer state
     over data parallelism, 2 also gradients (reduce-scattered every
@@ -177,7 +181,7 @@ class PlacementOptions:
     False: on the critical path, as XLA's partitioner emits them.
   """
 
-  memory_limit: float | None = None
+  memory_limit: float | str | None = DEVICE
   optimizer: str | float = "adam"
   zero: tuple[int, ...] = ZERO_STAGES
   recompute: bool | str | tuple[str, ...] | None = None
@@ -214,7 +218,7 @@ class PlacementOptions:
 
 @dataclasses.dataclass(frozen=True)
 class ClusterOptions:
-  """How `automap.plan_cluster` may plan a training step.
+  """How `automap.cluster.plan_cluster` may plan a training step.
 
   memory_limit, optimizer, zero, recompute, mixed_precision, overlap,
     overlap_tensor, virtual_stages: as in PlacementOptions (virtual_stages=None here: the
@@ -231,7 +235,7 @@ class ClusterOptions:
     False prices the ops as traced.
   """
 
-  memory_limit: float | None = None
+  memory_limit: float | str | None = DEVICE
   optimizer: str | float = "adam"
   zero: tuple[int, ...] = ZERO_STAGES
   recompute: bool | str | tuple[str, ...] | None = None
@@ -266,7 +270,7 @@ class ClusterOptions:
 
 @dataclasses.dataclass(frozen=True)
 class CoSearchOptions:
-  """How `automap.search_accelerator` may search architectures and placements.
+  """How `automap.cluster.search_accelerator` may search architectures and placements.
 
   baseline: the architecture scores are relative to (None: TPU_V4_LIKE);
     its area is the default area budget.
@@ -305,7 +309,7 @@ class CoSearchOptions:
     owner = type(self).__name__
     if self.baseline is not None and not isinstance(self.baseline, Accelerator):
       raise TypeError(
-          f"{owner}.baseline must be an automap.Accelerator or None (TPU_V4_LIKE), got "
+          f"{owner}.baseline must be an automap.cluster.Accelerator or None (TPU_V4_LIKE), got "
           f"{type(self.baseline).__name__}.")
     # An empty space has always meant the default grid.
     object.__setattr__(self, "space", _space(owner, self.space) if self.space else None)

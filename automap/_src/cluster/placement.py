@@ -228,8 +228,8 @@ class _StageCosts:
       if problem.recompute_stated:
         raise PlacementError(
             f"recompute='dots' needs each layer's weight-matmul outputs (LayerCost.dots), "
-            f"which layer {untraced!r} lacks: trace the step (automap.plan_cluster, "
-            "automap.price_cluster) or set LayerCost.dots and dots_forward.")
+            f"which layer {untraced!r} lacks: trace the step (automap.cluster.plan_cluster, "
+            "automap.cluster.price_cluster) or set LayerCost.dots and dots_forward.")
       problem = dataclasses.replace(
           problem, recompute=tuple(m for m in problem.recompute if m != "dots"))
     self.graph, self.problem = graph, problem
@@ -741,8 +741,9 @@ def place(graph: LayerGraph, *, devices: int, microbatches: int, hardware: str |
   microbatches: microbatches per batch over all data-parallel replicas (each of
     d replicas runs microbatches / d of them; d must divide it).
   hardware: its links price collectives and transfers; its `hbm_capacity` is
-    the memory limit unless the options give `memory_limit` (bytes per device).
-  options: an automap.PlacementOptions: memory_limit, optimizer, zero,
+    the memory limit unless the options give `memory_limit` (bytes per device,
+    or None for none).
+  options: an automap.cluster.PlacementOptions: memory_limit, optimizer, zero,
     recompute, widths, data_parallel, stages (see its docstring). Each field
     may be given as a keyword instead (`place(..., zero=0)`), but not both ways.
   """

@@ -152,7 +152,7 @@ def plan_cluster(loss_fn: Callable, params, *batch, devices: int, global_batch: 
   The example `batch` may be any size (its leading dimension); costs are
   scaled to each microbatch size. Leaves may be `jax.ShapeDtypeStruct`s.
   global_batch: samples per optimizer step over the whole cluster.
-  options: an automap.ClusterOptions: memory_limit, optimizer, zero,
+  options: an automap.cluster.ClusterOptions: memory_limit, optimizer, zero,
     recompute, widths, microbatches, budget, seed (see its docstring). Each
     field may be given as a keyword instead (`plan_cluster(..., zero=0)`),
     but not both ways.
@@ -214,7 +214,8 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
   t0 = time.perf_counter()
   hw = get_hardware(hardware)
   if not isinstance(config, ClusterConfig):
-    raise TypeError(f"config must be an automap.ClusterConfig, got {type(config).__name__}.")
+    raise TypeError(
+        f"config must be an automap.cluster.ClusterConfig, got {type(config).__name__}.")
   config.microbatches(global_batch)  # checks the split against the batch before tracing
   profile = layers_lib.measure(loss_fn, params, batch, widths=[config.tensor], hardware=hw,
                                search=layers_lib.sharding_search(options.budget, options.seed),

@@ -180,6 +180,13 @@ class SearchOptions:
     return learned.digest(None if self.policy == "learned" else self.policy)
 
 
+def public_name(cls: type) -> str:
+  """Where users reach an options class: `automap.cluster.X` for cluster
+  planning's, `automap.X` for the rest."""
+  home = "automap.cluster" if cls.__module__.startswith("automap._src.cluster") else "automap"
+  return f"{home}.{cls.__name__}"
+
+
 def with_keywords(cls: type, options, keywords: dict, function: str):
   """`options` (a `cls`, or None for its defaults) with a planner's keyword
   arguments folded in, each naming a field of `cls`. With options= given,
@@ -189,13 +196,13 @@ def with_keywords(cls: type, options, keywords: dict, function: str):
   if unknown:
     raise TypeError(
         f"{function}() got an unexpected keyword argument {unknown[0]!r}; its options "
-        f"(keywords, or fields of automap.{cls.__name__}) are {', '.join(fields)}.")
+        f"(keywords, or fields of {public_name(cls)}) are {', '.join(fields)}.")
   if options is None:
     return cls(**keywords)
   if not isinstance(options, cls):
     raise TypeError(
-        f"{function}(): options must be an automap.{cls.__name__}, got "
-        f"{type(options).__name__}; build one with automap.{cls.__name__}(...).")
+        f"{function}(): options must be an {public_name(cls)}, got "
+        f"{type(options).__name__}; build one with {public_name(cls)}(...).")
   if keywords:
     names = ", ".join(f"{k}=" for k in keywords)
     raise TypeError(
