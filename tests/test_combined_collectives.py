@@ -37,6 +37,7 @@ def test_sibling_all_reduces_are_one_collective():
   assert cost.comm_count == {("all-reduce", ("model",)): 1}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("shape", [(4, 2), (2, 4)])
 def test_a_megatron_step_counts_its_collectives_as_compiled(shape):
   """Forward and backward all-reduces depend on each other (none merge);

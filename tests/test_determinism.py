@@ -49,6 +49,7 @@ def _plan_in_subprocess(path, seed: int, search: str, hash_seed: str) -> bytes:
   return path.read_bytes()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("search", ["mcts", "ilp"])
 def test_same_seed_gives_byte_identical_plans_across_processes(tmp_path, search):
   plan_of(search, seed=3).save(tmp_path / "here.json")
@@ -59,6 +60,7 @@ def test_same_seed_gives_byte_identical_plans_across_processes(tmp_path, search)
   assert a == b == (tmp_path / "here.json").read_bytes()
 
 
+@pytest.mark.heavy
 def test_other_seeds_may_differ_but_keep_the_memory_limit():
   step, args = gpt_step()
   m = mesh((4, 2))
@@ -88,6 +90,7 @@ f(*args)
 """
 
 
+@pytest.mark.heavy
 def test_ctrl_c_during_a_search_raises_cleanly_and_caches_nothing(tmp_path):
   cache = tmp_path / "cache"
   proc = subprocess.Popen(

@@ -57,6 +57,7 @@ def test_memory_limit_below_the_lower_bound_states_it():
     automap.search(step, *args, mesh=mesh((4, 2)), memory_limit=1000)
 
 
+@pytest.mark.heavy
 def test_a_reachable_memory_limit_is_met():
   step, args = gpt_step()
   m = mesh((4, 2))

@@ -3,11 +3,13 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import linen as nn
 
 from automap._src.models.gpt import GPT, MLP, Attention, Block, GPTConfig
 
 
+@pytest.mark.heavy
 def test_head_size_need_not_divide_hidden():
   """MaxText's and PaLM's heads are 256 wide whatever the model width."""
   config = GPTConfig(vocab=64, seq=8, hidden=48, heads=2, head_size=32, layers=1)
@@ -17,6 +19,7 @@ def test_head_size_need_not_divide_hidden():
   assert attn["out"]["kernel"].shape == (2, 32, 48)
 
 
+@pytest.mark.heavy
 def test_parallel_block_adds_attention_and_mlp_of_one_norm():
   config = GPTConfig(vocab=64, seq=8, hidden=32, heads=2, layers=1, parallel=True)
   x = jax.random.normal(jax.random.key(1), (2, 8, 32))

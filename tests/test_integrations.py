@@ -172,6 +172,7 @@ def nnx_split_step(width=64, tokens=32):
   return step, (state, tx.init(state), x, y)
 
 
+@pytest.mark.heavy
 def test_nnx_split_state_train_step_matches_jit():
   step, args = nnx_split_step()
   f = partitioned(step)
@@ -200,6 +201,7 @@ def test_nnx_split_state_train_step_matches_jit():
   assert_collectives_as_predicted(plan, step, *args)
 
 
+@pytest.mark.heavy
 def test_nnx_hints_match_state_paths():
   step, args = nnx_split_step()
   head = P(None, "model")
@@ -241,6 +243,7 @@ def test_nnx_star_pattern_groups_the_layers():
   assert up1 in group.members, group
 
 
+@pytest.mark.heavy
 def test_nnx_modules_and_optimizer_as_arguments():
   """The nnx.jit style: the model and an nnx.Optimizer go in as pytrees; as
   with jax.jit (unlike nnx.jit) the step returns them updated."""
@@ -361,6 +364,7 @@ def test_plain_jax_mlp_train_step_matches_jit():
   assert report.memory_error < 0.15, report.table()
 
 
+@pytest.mark.heavy
 def test_plain_jax_attention_gradients_match_jit():
   heads, width, seq, batch = 4, 64, 16, 8
 
@@ -414,6 +418,7 @@ def adam_state(opt_state):
   return state
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_optax_moments_share_their_parameters_specs(name):
   tx = OPTIMIZERS[name]()
@@ -445,6 +450,7 @@ def test_optax_multisteps_is_priced_as_compiled():
   assert compare_numerics(expected, out)[1] < 1e-5
 
 
+@pytest.mark.heavy
 def test_optax_multisteps_moments_share_their_parameters_specs():
   """Accumulated gradients and the inner Adam moments, updated inside the
   cond's branches, are laid out like their parameters, and the step runs
@@ -471,6 +477,7 @@ def sgd_bf16_steps():
           "bf16": (mlp_step(tx), mlp_args(tx, jnp.bfloat16))}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("precision", ["mixed", "bf16"])
 def test_low_precision_train_step_matches_jit(precision):
   step, args = sgd_bf16_steps()[precision]

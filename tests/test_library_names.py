@@ -67,6 +67,7 @@ def test_names_of_another_structure_are_refused_with_the_mismatch():
     trace_lib.trace(_step, args, names=(["w", 3, "v"], None, None))
 
 
+@pytest.mark.heavy
 def test_plans_hints_and_export_speak_the_given_names():
   m = mesh((4, 2))
   args = (PARAMS, OPT.init(PARAMS), X)

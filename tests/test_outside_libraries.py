@@ -39,6 +39,7 @@ BUILDERS = [outside_steps.hf_gpt2, outside_steps.eqx_mlp,
             pytest.param(outside_steps.keras_transformer, marks=pytest.mark.slow)]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("build", BUILDERS, ids=lambda b: b.__name__)
 def test_outside_train_step_runs_first_try_and_prices_the_experts_as_compiled(build):
   with jax.numpy_rank_promotion("allow"):  # library code broadcasts freely

@@ -38,6 +38,7 @@ def planned(shape, what="step"):
 
 
 # Each on one two-axis mesh by default, the wider model axis for gradients.
+@pytest.mark.heavy
 @pytest.mark.parametrize("shape", meshes_but((2, 4)))
 def test_plan_gradients_equal_the_unpartitioned_ones(shape):
   fn, args, m, plan = planned(shape, "grads")
@@ -50,6 +51,7 @@ def test_plan_gradients_equal_the_unpartitioned_ones(shape):
   assert report.memory_error < 0.15, report.table()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("shape", meshes_but((4, 2)))
 def test_plan_of_a_train_step_is_faithful(shape):
   fn, args, m, plan = planned(shape)
@@ -76,6 +78,7 @@ def test_plan_is_never_worse_than_data_parallelism(shape):
   assert plan.cost.step_time <= dp.step_time * (1 + 1e-9)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("shape", [(4, 2), (2, 4)])
 def test_parameter_heavy_model_beats_data_parallelism(shape):
   # Few tokens, wide layers: gradients dwarf activations.
@@ -93,6 +96,7 @@ def test_parameter_heavy_model_beats_data_parallelism(shape):
   assert sharded, "a parameter-heavy plan shards parameters"
 
 
+@pytest.mark.heavy
 def test_partitioned_function_behaves_like_jit():
   step, args = gpt_step()
   m = mesh((4, 2))  # Explicit axes: the default of jax.make_mesh
@@ -115,6 +119,7 @@ def test_partitioned_function_behaves_like_jit():
   assert f.plan is not plan
 
 
+@pytest.mark.heavy
 def test_a_partitioned_function_verifies_its_own_plan():
   step, args = gpt_step()
   f = automap.partition(step, mesh=mesh((4, 2)), hardware="cpu")
@@ -125,6 +130,7 @@ def test_a_partitioned_function_verifies_its_own_plan():
   assert f.verify(*args, check_numerics=False).max_rel_error is None
 
 
+@pytest.mark.heavy
 def test_donated_params_and_optimizer_state_are_updated_in_place():
   step, shared = gpt_step()
   args = jax.tree.map(jnp.copy, shared)  # donation must not reach the shared ones
@@ -159,6 +165,7 @@ def test_decorator_with_auto_mesh():
   np.testing.assert_allclose(f(x, w1, w2), jnp.tanh(x @ w1) @ w2, rtol=1e-5)
 
 
+@pytest.mark.heavy
 def test_search_accepts_shape_dtype_structs():
   step, args = gpt_step()
   specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
@@ -168,6 +175,7 @@ def test_search_accepts_shape_dtype_structs():
   assert without_timing(plan) == without_timing(concrete)
 
 
+@pytest.mark.heavy
 def test_nn_scan_over_layers_partitions_correctly():
   class Layer(nn.Module):
     @nn.compact
@@ -208,6 +216,7 @@ def test_rematerialised_and_custom_derivative_code_partitions_correctly():
   assert_faithful(jax.value_and_grad(loss), (params, x), mesh((4, 2)))
 
 
+@pytest.mark.heavy
 def test_gpt_with_scanned_blocks_partitions_inside_the_loop():
   """The same GPT with its blocks in one nn.scan: planned, compiled and run
   faithfully, and better than the experts written for the stacked layout."""

@@ -80,6 +80,7 @@ def test_program_partitions_faithfully(fn, args, shape):
   assert_faithful(fn, args, mesh(shape, names))
 
 
+@pytest.mark.heavy
 def test_convolutional_train_step():
   import flax.linen as nn
   import optax
@@ -147,6 +148,7 @@ def _sgd_step(model, x):
   return step, (params, tx.init(params), x)
 
 
+@pytest.mark.heavy
 def test_vision_transformer_train_step():
   import flax.linen as nn
 
@@ -165,6 +167,7 @@ def test_vision_transformer_train_step():
   assert_faithful(step, args, mesh((4, 2)))
 
 
+@pytest.mark.heavy
 def test_encoder_decoder_with_cross_attention_train_step():
   import flax.linen as nn
 

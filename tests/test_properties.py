@@ -108,10 +108,12 @@ SCAN = Step("scan", (0,))
 @example(RandomProgram(((1, 8), (1,)), (), (ABS,), (2,), grad=False), (1, 8), [0, 0, 2])
 @example(RandomProgram(((4, 2),), (), (ABS, ABS, Step("reduce", (0,), ("max", 0))), (3,),
                        grad=False), (2, 2, 2), [0, 0, 177])
+@pytest.mark.heavy
 def test_dataflow_programs(prog, mesh_shape, picks):
   check(prog, mesh_shape, picks)
 
 
+@pytest.mark.heavy
 @given(random_programs(kinds=INDEXING), MESH, PICKS)
 def test_indexing_programs(prog, mesh_shape, picks):
   check(prog, mesh_shape, picks)
@@ -120,6 +122,7 @@ def test_indexing_programs(prog, mesh_shape, picks):
 @given(random_programs(kinds=CONTROL), MESH, PICKS)
 @example(RandomProgram(((4, 2), (1, 1, 2)), (), (Step("reduce", (1,), ("max", 0)), SCAN),
                        (3,), grad=True), (2, 2, 2), [2085, 362, 230])
+@pytest.mark.heavy
 def test_control_flow_programs(prog, mesh_shape, picks):
   check(prog, mesh_shape, picks)
 

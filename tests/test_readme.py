@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -15,6 +17,7 @@ def _quickstart() -> str:
   return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+@pytest.mark.heavy
 def test_quickstart_runs_and_prints_its_plan(tmp_path):
   script = tmp_path / "quickstart.py"
   script.write_text(_quickstart())

@@ -113,6 +113,7 @@ def test_equinox_tutorial_loop_matches_filter_jit_at_every_step():
   assert len(ours._entries) == 1
 
 
+@pytest.mark.heavy
 def test_haiku_loop_matches_jit_at_every_step():
   hk = pytest.importorskip("haiku")
 

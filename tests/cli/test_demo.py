@@ -11,6 +11,7 @@ from automap._src.cli import main as cli
 from automap._src.models.gpt import GPTConfig
 
 
+@pytest.mark.heavy
 def test_demo_runs_and_checks_itself():
   out = io.StringIO()
   small = demo.DemoConfig(model=GPTConfig(vocab=128, seq=16, hidden=128, heads=4, layers=2),
@@ -118,6 +119,7 @@ def test_cli_help_lists_every_command(capsys):
   assert all(c in out for c in ("demo", "search", "explain", "bench"))
 
 
+@pytest.mark.heavy
 def test_cli_bench_compares_plans_with_the_experts(capsys):
   assert cli.main(["bench", "--layers", "2", "--hidden", "128", "--heads", "4",
                    "--seq", "16", "--batch", "8", "--meshes", "4,2", "--seconds", "3"]) == 0

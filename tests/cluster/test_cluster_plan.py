@@ -90,6 +90,7 @@ def test_wider_tensor_parallel_groups_step_faster():
     assert c.widths[1].forward == pytest.approx(2 * a.widths[1].forward)
 
 
+@pytest.mark.heavy
 def test_plan_cluster_pipelines_when_memory_is_short():
   loss, params, batch = gpt_loss()
   total = param_bytes(params)
@@ -116,6 +117,7 @@ def test_plan_cluster_pipelines_when_memory_is_short():
   assert roomy.time <= plan.time
 
 
+@pytest.mark.heavy
 def test_cluster_plan_round_trips(tmp_path, capsys):
   loss, params, batch = gpt_loss()
   plan = cluster.plan_cluster(loss, params, batch, devices=4, global_batch=16, widths=[1, 2],

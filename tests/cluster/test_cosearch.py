@@ -49,6 +49,7 @@ def mlp_workload():
                            global_batch=64, name="mlp")
 
 
+@pytest.mark.heavy
 def test_the_search_never_loses_to_the_baseline_and_stays_in_budget():
   plan = cosearch.search_accelerator(
       gpt_workload(depth=6), devices=8, space=SPACE, widths=(1, 2), microbatches=(2, 4),
@@ -91,6 +92,7 @@ def test_more_area_never_hurts_a_search_of_the_whole_grid():
   assert large.score >= listed(large) * (1 - 1e-9)  # CP-SAT only shortens schedules
 
 
+@pytest.mark.heavy
 def test_one_architecture_for_two_models():
   plan = cosearch.search_accelerator(
       [gpt_workload(), mlp_workload()], devices=4, space=SPACE, widths=(1, 2),

@@ -67,6 +67,7 @@ def stage_transfers(hlo: str, mesh) -> dict[tuple[int, int], list[str]]:
   return moves
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("axis_types", [AxisType.Explicit, AxisType.Auto])
 def test_gpipe_training_step_equals_the_unpipelined_step(axis_types):
   mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"), axis_types=(axis_types,) * 3)
@@ -108,6 +109,7 @@ def test_arguments_typed_on_an_explicit_mesh_keep_their_types(schedule):
     assert jax.typeof(grad).sharding.spec == jax.typeof(arg).sharding.spec
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("schedule,remat", [("gpipe", False), ("gpipe", True), ("1f1b", False)])
 def test_four_stages_by_two_data(schedule, remat):
   mesh = jax.make_mesh((4, 2), ("stage", "data"))
@@ -119,6 +121,7 @@ def test_four_stages_by_two_data(schedule, remat):
   assert set(moves) == {(s, s + 1) for s in range(3)} | {(s + 1, s) for s in range(3)}
 
 
+@pytest.mark.heavy
 def test_1f1b_training_step_equals_the_unpipelined_step():
   mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"))
   params, x, t = problem()
@@ -127,6 +130,7 @@ def test_1f1b_training_step_equals_the_unpipelined_step():
   np.testing.assert_allclose(loss(params, x, t), mse(stack(params, x), t), rtol=1e-5)
 
 
+@pytest.mark.heavy
 def test_1f1b_with_integer_class_labels():
   mesh = jax.make_mesh((2, 4), ("stage", "data"))
   params, x, _ = problem()
@@ -147,6 +151,7 @@ def test_1f1b_with_fewer_microbatches_than_stages_or_a_single_stage(stages, micr
   assert_same_step(got, reference_step(params, x, t))
 
 
+@pytest.mark.heavy
 def test_1f1b_holds_fewer_activations_than_gpipe():
   mesh = jax.make_mesh((2, 4), ("stage", "data"))
   params, x, t = problem(batch=128)

@@ -317,6 +317,7 @@ def test_price_cluster_prices_a_traced_step_as_stated():
     cluster.price_cluster(loss, params, *batch, config=config, global_batch=30, hardware="a100")
 
 
+@pytest.mark.heavy
 def test_dots_policy_keeps_what_jax_saves():
   """Per block, the bytes the "dots" mode keeps besides the block's input are
   the dot_general outputs JAX itself saves as residuals of a block under

@@ -20,6 +20,7 @@ from automap._src.sharding.mesh import MeshSpec
 from automap._src.sharding.state import flat_specs, set_spec
 
 
+@pytest.mark.heavy
 def test_megatron_dp_prediction_matches_the_formula_and_xla():
   step, args = gpt_step()
   m = mesh((4, 2))
@@ -85,6 +86,7 @@ def test_sharding_reduces_flops_and_memory():
   assert dp.peak_memory < 0.95 * replicated.peak_memory
 
 
+@pytest.mark.heavy
 def test_results_buffers_hold_temporaries_made_before_them():
   """Activations die before Adam makes the new state, so its buffers hold
   them (XLA's buffer assignment shares live-out allocations): a replicated

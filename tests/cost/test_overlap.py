@@ -41,6 +41,7 @@ def step_and_args():
   return make_train_step(config, batch=256, abstract=True)
 
 
+@pytest.mark.heavy
 def test_data_parallel_gradient_reductions_hide_behind_the_backward():
   step, args = step_and_args()
   m = mesh((8, 1))

@@ -96,6 +96,7 @@ def test_dot_decomposition_copies_operands_out_of_its_order():
   assert predicted_and_compiled(in_order, (x, w)) == (3 * x.nbytes, 3 * x.nbytes)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("layout", ["data parallel", "megatron"])
 def test_a_train_steps_traffic_is_within_15_percent_of_xlas(layout):
   step, args = gpt_step()

@@ -12,6 +12,7 @@ import automap
 from automap._src.plan import build
 
 
+@pytest.mark.heavy
 def test_plan_round_trips_through_json(tmp_path):
   step, args = gpt_step()
   plan = automap.search(step, *args, mesh=mesh((4, 2)), hardware="cpu")
@@ -45,6 +46,7 @@ def test_corrupt_plan_files_are_reported(tmp_path):
     automap.Plan.load(bad)
 
 
+@pytest.mark.heavy
 def test_explain_lists_layouts_collectives_and_cost():
   step, args = gpt_step()
   plan = automap.search(step, *args, mesh=mesh((4, 2)), hardware="cpu")
@@ -93,6 +95,7 @@ def test_yardsticks_are_the_expert_strategies_under_the_same_model():
   assert "per layer" in text and "block_1" in text
 
 
+@pytest.mark.heavy
 def test_explain_reports_memory_against_the_limit_and_plots(tmp_path):
   step, args = gpt_step()
   plan = automap.search(step, *args, mesh=mesh((4, 2)), hardware="cpu",

@@ -92,6 +92,7 @@ def run_workers(out_dir: pathlib.Path) -> None:
               f"killed):\n{report}", pytrace=False)
 
 
+@pytest.mark.heavy
 def test_plan_applies_unchanged_on_a_mesh_spanning_two_processes(tmp_path, devices):
   fn, args = worker.program()
   mesh = jax.make_mesh(worker.MESH_SHAPE, worker.MESH_AXES)

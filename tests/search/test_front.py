@@ -31,6 +31,7 @@ def _experts():
   return program, dp, mt
 
 
+@pytest.mark.heavy
 def test_the_least_peak_within_the_tolerance_is_chosen_and_the_front_kept():
   program, dp, mt = _experts()
   t_dp, t_mt = Tracker(program.model, dp), Tracker(program.model, mt)
@@ -51,6 +52,7 @@ def test_the_least_peak_within_the_tolerance_is_chosen_and_the_front_kept():
   assert state is mt
 
 
+@pytest.mark.heavy
 def test_a_wider_tolerance_never_raises_the_peak_and_stays_in_its_band():
   # A batch large enough that splitting it pays for its gradient reductions:
   # plans trade time for memory (at 8 the replicated step is fastest).

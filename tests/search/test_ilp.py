@@ -122,6 +122,7 @@ def test_unmeetable_memory_limit_names_the_least_peak():
     automap.search(mlp, *args, mesh=m, hardware=HW, search="ilp", memory_limit=limit)
 
 
+@pytest.mark.heavy
 def test_train_step_plan_is_faithful_and_no_worse_than_its_warm_start():
   m = mesh((4, 2))
   step, args = gpt_step(SMALL)
@@ -140,6 +141,7 @@ def test_train_step_plan_is_faithful_and_no_worse_than_its_warm_start():
 
 @pytest.mark.parametrize("shape,names", [
     ((4, 2), ("data", "model")), pytest.param((2,), ("data",), marks=pytest.mark.slow)])
+@pytest.mark.heavy
 def test_solver_objective_is_the_cost_models_price_of_its_solution(shape, names):
   # Feasible solutions included: attention's dots read operands tiled on
   # different contracting dims in some of them unless the model forbids it.
@@ -165,6 +167,7 @@ def test_solver_objective_without_lookups_is_exactly_the_price_of_its_solution()
       Tracker(program.model, result.state).step_time, rel=1e-6)
 
 
+@pytest.mark.heavy
 def test_timeout_falls_back_to_the_warm_start_with_a_warning():
   m = mesh((4, 2))
   step, args = gpt_step(SMALL)
@@ -222,6 +225,7 @@ def test_a_reductions_strategy_is_its_operands_layout_as_priced():
   assert tracker.step_time >= exhaustive_best(program, None)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("layouts", ["data parallel", "megatron", "fsdp"])
 def test_linear_overlap_model_is_checked_against_the_schedule(layouts):
   """On tpu-v4 the solver minimises a linear model of the overlapped

@@ -51,6 +51,7 @@ def test_features_describe_layouts_and_actions(gpt_space):
   assert after.globals[features.MAX_AXES + 3] > 0  # memory pressure
 
 
+@pytest.mark.heavy
 def test_network_runs_under_jit_on_padded_batches_without_recompiling(shipped):
   traces = []
   net = model.PolicyNet(shipped.width, shipped.rounds)
@@ -116,6 +117,7 @@ def test_unusable_weights_fall_back_to_uniform_with_a_warning(tmp_path, shipped)
   assert plan.stats["policy"] == "uniform"
 
 
+@pytest.mark.heavy
 def test_searches_take_the_shipped_policy_on_request():
   step, args = gpt_step(SMALL)
   m = mesh((4, 2))
@@ -129,6 +131,7 @@ def test_searches_take_the_shipped_policy_on_request():
     automap.search(step, *args, mesh=m, policy=3)
 
 
+@pytest.mark.heavy
 def test_a_few_training_steps_lower_the_loss():
   rng = np.random.default_rng(1)
   examples = []

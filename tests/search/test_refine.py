@@ -50,6 +50,7 @@ def program_of(fn, args, shape, names=("data",)):
                        automap.HARDWARE["cpu"])
 
 
+@pytest.mark.heavy
 def test_refinement_keeps_the_router_whole_beside_expert_parallel_weights():
   # Tiling the experts spreads, through the one-hot dispatch, into the
   # router's [tokens, experts] softmax, whose reductions then each pay a

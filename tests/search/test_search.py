@@ -121,6 +121,7 @@ def test_plan_records_search_statistics():
   assert "actions taken:\n  1. " + s["actions"][0] in plan.explain()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("shape", [(4, 2), pytest.param((2, 4), marks=pytest.mark.slow)])
 def test_search_recovers_megatron_on_the_model_axis(shape):
   """With the batch on 'data' (Hints.fixed) on a compute-bound device, the
@@ -164,6 +165,7 @@ def test_search_splits_the_batch_on_a_data_only_mesh():
   assert plan.cost.step_time <= dp.step_time or plan.cost.peak_memory <= dp.peak_memory
 
 
+@pytest.mark.heavy
 def test_tight_memory_limit_finds_a_plan_that_fits_when_compiled():
   step, args = gpt_step()
   m = mesh((4, 2))
@@ -183,6 +185,7 @@ def test_tight_memory_limit_finds_a_plan_that_fits_when_compiled():
   assert any(s != P() for s in carried)  # parameters sharded, ZeRO/FSDP-like
 
 
+@pytest.mark.heavy
 def test_devices_tries_every_mesh_shape_and_keeps_the_best():
   assert mesh_shapes(8) == [(8,), (2, 4), (4, 2), (2, 2, 2)]
   assert mesh_shapes(1) == [(1,)] and mesh_shapes(6) == [(6,), (2, 3), (3, 2)]
@@ -207,6 +210,7 @@ def test_search_rejects_both_or_neither_of_mesh_and_devices():
     automap.search(step, *args, devices=0)
 
 
+@pytest.mark.heavy
 def test_graph_network_shards_edges_when_they_dominate():
   step, args = graph_network_step(64, 65536, 16)
   graph = args[2]

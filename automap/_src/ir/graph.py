@@ -53,7 +53,8 @@ SEALED = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
 # initial), a cond's result (each branch's value).
 CARRIES = frozenset({"scan_carry", "while_carry", "cond_result"})
 # Ops kept whole on purpose: their results must not depend on the layout, or
-# XLA's partitioner gathers them whole anyway (top_k).
+# XLA's partitioner gathers them whole anyway (top_k). random_bits is split
+# where its bits do not depend on the layout (`jax_threefry_partitionable`).
 DELIBERATELY_REPLICATED = frozenset({
     "top_k",
     "random_bits", "random_seed", "random_wrap",
@@ -457,7 +458,10 @@ class _Builder:
       if found is not None:
         operand, in_shapes[0], params = found
         ins = [operand, *ins[1:]]
-    if name in DELIBERATELY_REPLICATED or exotic:
+    # Counter-based bits: split like any generator, the key's hidden words
+    # (its extended dtype) never tiled.
+    bits = name == "random_bits" and jax.config.jax_threefry_partitionable
+    if (name in DELIBERATELY_REPLICATED or exotic) and not bits:
       rule = rules.replicated_rule(in_shapes, out_shapes)
     else:
       if not rules.has_rule(name):

@@ -439,6 +439,15 @@ def _iota(ins, outs, params) -> Rule:
   return b.rule([], [[b.new(n) for n in outs[0]]])
 
 
+def _random_bits(ins, outs, params) -> Rule:
+  """Counter-based bits (`jax_threefry_partitionable`, on by default): each
+  element hashes its own index under its key, so any tile computes its own
+  elements alone, and a key array's dims lead the result's."""
+  b = _Builder()
+  factors = [b.new(n) for n in outs[0]]
+  return b.rule([factors[:len(ins[0])]], [factors])
+
+
 def _whole_windows(b: _Builder, operand, of: list, window_factors: list, window_dims,
                    skipped, indexed, window_size, clipped: bool) -> None:
   """Gives each operand dim a whole window spans one factor with its dim in
@@ -607,6 +616,7 @@ _RULES: dict[str, Callable[[Any, Any, dict], Rule]] = {
     "concatenate": _concatenate,
     "iota": _iota,
     "empty2": _iota,  # an uninitialised array (AD's zeros in cond branches)
+    "random_bits": _random_bits,
     "gather": _gather,
     "scatter-add": _scatter_add,
     "scatter_add": _scatter_add,
