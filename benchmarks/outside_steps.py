@@ -87,6 +87,24 @@ def hf_bert(z: Size = BENCH) -> Step:
                 "hf-bert", "transformers", "encoder")
 
 
+def hf_bert_dropout(z: Size = BENCH) -> Step:
+  """`run_mlm_flax`'s step: dropout on, its key part of the batch."""
+  from transformers import BertConfig, FlaxBertForMaskedLM
+
+  model = FlaxBertForMaskedLM(BertConfig(
+      vocab_size=z.vocab, hidden_size=z.width, num_hidden_layers=z.layers,
+      num_attention_heads=z.heads, intermediate_size=z.ff, max_position_embeddings=z.seq),
+      seed=0)
+
+  def loss(params, batch):
+    logits = model(batch["inputs"], params=params, train=True,
+                   dropout_rng=batch["dropout"]).logits
+    return _xent(logits, batch["labels"])
+
+  batch = {"inputs": _tokens(z, 1), "labels": _tokens(z, 2), "dropout": jax.random.key(3)}
+  return _train(loss, model.params, batch, "hf-bert-dropout", "transformers", "encoder")
+
+
 def hf_gpt2(z: Size = BENCH) -> Step:
   from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
@@ -391,5 +409,5 @@ def nnx_decoder(z: Size = BENCH) -> Step:
                 "decoder")
 
 
-BUILDERS = (hf_bert, hf_gpt2, hf_bart, hf_gemma, hf_vit, eqx_transformer, eqx_mlp,
+BUILDERS = (hf_bert, hf_bert_dropout, hf_gpt2, hf_bart, hf_gemma, hf_vit, eqx_transformer, eqx_mlp,
             hk_transformer, hk_mlp, keras_transformer, keras_mlp, linen_encoder, nnx_decoder)
