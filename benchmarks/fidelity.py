@@ -33,7 +33,7 @@ from quality import expert_states  # noqa: E402
 
 import automap  # noqa: E402
 from automap._src.plan import build as plan_build  # noqa: E402
-from automap._src.search import driver  # noqa: E402
+from automap._src.plan import planner
 from automap._src.search.actions import ActionSpace  # noqa: E402
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
@@ -59,7 +59,7 @@ def plans(fn, args, mesh, ilp_seconds: float) -> dict:
     warnings.simplefilter("ignore", automap.SearchWarning)
     out["automap (ILP)"] = automap.search(fn, *args, mesh=mesh, hardware="cpu", search="ilp",
                                           budget=automap.Budget(seconds=ilp_seconds))
-  prog = driver.build_program(fn, args, mesh, "cpu")
+  prog = planner.build_program(fn, args, mesh, "cpu")
   states = expert_states(prog, ActionSpace(prog))
   for label in ("data parallel", "Megatron+DP"):
     out[label] = plan_build.make_plan(prog, states[label], {"strategy": label})

@@ -40,13 +40,13 @@ from automap._src.cost.compiler import compiler_for  # noqa: E402
 from automap._src.cost.hardware import get_hardware  # noqa: E402
 from automap._src.cost.model import CostModel  # noqa: E402
 from automap._src.cost.tracker import Tracker  # noqa: E402
+from automap._src.plan import planner
 from automap._src.run import apply as apply_lib  # noqa: E402
 from automap._src.run.compiled import (  # noqa: E402
   collectives,
   compiled_costs,
   compiled_memory,
 )
-from automap._src.search import driver  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
 from automap._src.sharding.state import spec_of  # noqa: E402
 
@@ -83,7 +83,7 @@ def expert_specs(step, mesh, hw) -> tuple[dict, object]:
   priced as `evaluate` prices a hand-written layout (its argument specs,
   the rest propagated): under `hw` (the clock that ranks them) and under
   XLA:CPU's compiler (what the program compiled here is checked against)."""
-  program = driver.build_program(step.fn, step.args, mesh, hw, names=step.names)
+  program = planner.build_program(step.fn, step.args, mesh, hw, names=step.names)
   on_cpu = CostModel(program.graph, program.mesh, hw, compiler_for("cpu"))
   g = program.graph
   out = {}

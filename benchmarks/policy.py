@@ -29,11 +29,11 @@ import programs  # noqa: E402
 from quality import expert_states  # noqa: E402
 
 from automap._src.cost.hardware import get_hardware  # noqa: E402
+from automap._src.cost.program import Program  # noqa: E402
 from automap._src.cost.tracker import Tracker  # noqa: E402
 from automap._src.ir import trace  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
 from automap._src.search.policy import compare, learned  # noqa: E402
-from automap._src.search.program import Program  # noqa: E402
 from automap._src.sharding.mesh import MeshSpec  # noqa: E402
 
 HELD_OUT = {

@@ -27,11 +27,11 @@ import numpy as np  # noqa: E402
 import programs  # noqa: E402
 
 from automap._src.cost.hardware import get_hardware  # noqa: E402
+from automap._src.cost.program import Program  # noqa: E402
 from automap._src.cost.tracker import Tracker  # noqa: E402
 from automap._src.ir import trace  # noqa: E402
 from automap._src.search import driver  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
-from automap._src.search.program import Program  # noqa: E402
 from automap._src.search.request import Budget, SearchOptions  # noqa: E402
 from automap._src.sharding.mesh import MeshSpec  # noqa: E402
 

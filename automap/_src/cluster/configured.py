@@ -15,7 +15,7 @@ import dataclasses
 import math
 
 from automap._src.cluster import placement as placement_lib
-from automap._src.cluster.model import RECOMPUTE_MODES, LayerGraph, Placement, PlacementError
+from automap._src.cluster.layer_graph import RECOMPUTE_MODES, LayerGraph, Placement, PlacementError
 from automap._src.cluster.options import PlacementOptions
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.search.request import with_keywords

@@ -66,7 +66,7 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from automap._src.cluster.model import Layer, LayerGraph, Placement, PlacementError, Stage
+from automap._src.cluster.layer_graph import Layer, LayerGraph, Placement, PlacementError, Stage
 from automap._src.cluster.options import PlacementOptions, memory_limit, recompute_modes
 from automap._src.cost.collectives import ALL_GATHER, ALL_REDUCE, ring_seconds, send_seconds
 from automap._src.cost.hardware import Hardware, get_hardware

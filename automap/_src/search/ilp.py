@@ -49,10 +49,10 @@ from collections.abc import Callable
 import numpy as np
 from ortools.sat.python import cp_model
 
+from automap._src.cost.program import Program
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import rules
 from automap._src.ir.groups import colours
-from automap._src.search.program import Program
 from automap._src.search.strategies import Layout, StrategyPricer, layouts, op_classes
 from automap._src.sharding.state import UNSHARDED, State, empty_state
 

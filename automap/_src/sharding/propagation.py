@@ -19,7 +19,7 @@ import numpy as np
 
 from automap._src.ir import rules
 from automap._src.ir.graph import Graph
-from automap._src.sharding import kernels
+from automap._src.sharding import propagation_kernels as kernels
 from automap._src.sharding.mesh import MeshSpec
 from automap._src.sharding.state import UNSHARDED, State, concat, tile_count
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from automap._src.cluster import configured
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster.configured import ClusterConfig
-from automap._src.cluster.model import JsonFile, Placement, PlacementError
+from automap._src.cluster.layer_graph import JsonFile, Placement, PlacementError
 from automap._src.cluster.options import ClusterOptions, memory_limit
 from automap._src.cluster.placement import place_any
 from automap._src.cost.hardware import Hardware, get_hardware
