@@ -68,7 +68,21 @@ def test_the_import_graph_has_no_cycles():
       assert cycle_from(m, []) is None
 
 
-def test_no_module_imports_another_modules_private_names():
-  private = [(a, b, n) for a, found in _imports(_modules()).items() for b, n in found
-             if n.startswith("_") and not n.startswith("__")]
-  assert not private
+def _private(name: str) -> bool:
+  return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+  """Neither `from m import _x` nor `m._x` on a module of automap."""
+  modules = _modules()
+  reached = [(a, b, n) for a, found in _imports(modules).items() for b, n in found if _private(n)]
+  for name, path in modules.items():
+    tree = ast.parse(path.read_text())
+    aliases = {alias.asname or alias.name for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) and node.module and
+               node.module.startswith("automap") for alias in node.names
+               if f"{node.module}.{alias.name}" in modules}
+    reached += [(name, node.value.id, node.attr) for node in ast.walk(tree)
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in aliases and _private(node.attr)]
+  assert not reached
