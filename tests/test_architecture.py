@@ -86,3 +86,10 @@ def test_no_module_reaches_into_another_modules_private_names():
                 if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                 and node.value.id in aliases and _private(node.attr)]
   assert not reached
+
+
+def test_modules_stay_short():
+  """One concept a module: none over 600 lines."""
+  long = {name: n for name, path in _modules().items()
+          if (n := len(path.read_text().splitlines())) > 600}
+  assert not long

@@ -32,8 +32,8 @@ from automap._src.cluster.layer_graph import Layer, LayerCost, LayerGraph, Place
 from automap._src.cost.hardware import Hardware
 from automap._src.cost.program import Program
 from automap._src.ir import trace as trace_lib
+from automap._src.ir.factor_rule import UNSHARDABLE
 from automap._src.ir.naming import is_backward, layer_of
-from automap._src.ir.rules import UNSHARDABLE
 from automap._src.plan import build, report
 from automap._src.search import driver
 from automap._src.search.request import SearchOptions
