@@ -26,32 +26,36 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
            hardware: str | Hardware = "tpu-v4", options: SearchOptions | None = None,
            cache: bool | str | os.PathLike = False, names=None, layout=None,
            layout_rules=None, **search_options) -> Plan:
-  """Plans `fn(*args)` without running it, on `mesh`, or on the best mesh
-  of `devices` devices (axes named "x", "y", "z"; the budget is shared by
-  the mesh shapes tried).
+  """Plans `fn(*args)` without running it.
 
-  Argument leaves may be `jax.ShapeDtypeStruct`s. `options` says how to
-  search (`automap.SearchOptions`: hints, budget, memory_limit, seed, search
-  backend "mcts" or "ilp", policy "uniform", "learned" or a weights file,
-  constraints: what to do with the program's own `with_sharding_constraint`s,
-  "keep", "hints" or "ignore");
-  each of its fields may be given as a keyword instead
-  (`automap.search(fn, *args, mesh=mesh, budget=automap.Budget(episodes=50))`).
-  `cache` (off by default here, on for `partition`) reuses and stores plans
-  of `mesh=` searches as `partition` does. `names` says what argument
-  leaves are called where their paths do not (keras keeps state in lists):
-  a pytree prefix of the arguments with a string or None per leaf or
-  subtree (`names=([v.path for v in model.trainable_variables], None)`);
-  plans, explain, export, hints and errors use those names.
+  Args:
+    fn: the step to plan.
+    *args: its arguments; leaves may be `jax.ShapeDtypeStruct`s, so models
+      larger than this machine can be planned.
+    mesh: a `jax.sharding.Mesh` or `AbstractMesh` to plan on; or
+    devices: a device count: every 1-3 axis mesh of it is tried (axes "x",
+      "y", "z"; the budget shared between the shapes) and the best kept.
+    hardware: a catalogue name (`automap.HARDWARE`) or a `Hardware`.
+    options: how to search (`automap.SearchOptions`: hints, budget,
+      memory_limit, seed, search "mcts" or "ilp", policy, constraints,
+      start, time_tolerance); each field may be given as a keyword instead
+      (`budget=automap.Budget(episodes=50)`), not both ways.
+    cache: reuse and store plans of `mesh=` searches as `partition` does
+      (off by default here); True, False or a folder.
+    names: what argument leaves are called where their paths do not say
+      (keras keeps state in lists): a pytree prefix of the arguments with a
+      string or None per leaf or subtree.
+    layout: "your layout", the layout the arguments state, priced beside
+      the plan (and refined with `start="your layout"`): a pytree prefix of
+      PartitionSpecs as `jax.jit`'s in_shardings, a mapping of argument-path
+      pattern -> spec, or a keras LayoutMap; by default the arguments' own
+      annotations (flax partitioning metadata, NamedShardings); False: none.
+    layout_rules: (logical, mesh axes) pairs for logical names in `layout`,
+      else flax's rules active now.
 
-  "your layout" in the plan's yardsticks is the layout the arguments state:
-  `layout` (a pytree prefix of the arguments with PartitionSpecs, as
-  `jax.jit`'s in_shardings; a mapping of argument-path pattern -> spec; or a
-  keras LayoutMap), else their own annotations (flax `with_partitioning` /
-  logical partitioning metadata, arrays or ShapeDtypeStructs placed with a
-  NamedSharding); `layout=False` reads none. Logical axis names resolve
-  through `layout_rules` ((logical, mesh axes) pairs), else flax's rules
-  active now. `start="your layout"` also refines it and keeps the better.
+  Returns:
+    The `automap.Plan`: argument and result PartitionSpecs, the predicted
+    `Cost` on the clock the search minimised, yardsticks and statistics.
   """
   if (mesh is None) == (devices is None):
     raise TypeError("search takes exactly one of mesh= (a jax.sharding.Mesh) "
@@ -78,17 +82,22 @@ def evaluate(fn: Callable, *args, mesh, in_shardings=None,
              names=None, layout_rules=None) -> Cost:
   """Cost of a hand-written strategy under the same cost model.
 
-  `in_shardings` is a pytree of PartitionSpecs (a prefix of the arguments
-  works). None (the default) takes the layout the arguments state, as
-  `jax.jit` takes unspecified shardings from its arguments: flax
-  partitioning metadata (logical names through `layout_rules`, else flax's
-  rules active now) or the NamedSharding an array or ShapeDtypeStruct is
-  placed with; leaves that state none are replicated. The program's own
-  constraints (`with_sharding_constraint`, flax logical constraints under
-  the rules active now; traced with `mesh` in context) lay out the values
-  they name, and everything else follows by propagation, as XLA compiles
-  the program under `jax.jit(in_shardings=...)`. `constraints="ignore"`
-  prices the layout as if the program had none.
+  Args:
+    fn, *args: the step and its arguments (leaves may be ShapeDtypeStructs).
+    mesh: the mesh the layout names axes of.
+    in_shardings: a pytree (or prefix) of PartitionSpecs for the arguments;
+      None takes the layout the arguments state, as `jax.jit` does (flax
+      partitioning metadata through `layout_rules`, else flax's rules active
+      now; an array's or ShapeDtypeStruct's NamedSharding), leaves that
+      state none replicated.
+    hardware: a catalogue name or a `Hardware`.
+    constraints: "keep" prices the program's own constraints as XLA
+      compiles them (values they name laid out so, the rest propagated);
+      "ignore" as if it had none.
+    names, layout_rules: as for `search`.
+
+  Returns:
+    The `automap.Cost` of the layout, on the clock the searches minimise.
   """
   if constraints not in ("keep", "ignore"):
     raise ValueError(
@@ -109,9 +118,20 @@ def evaluate(fn: Callable, *args, mesh, in_shardings=None,
 
 def verify(plan: Plan, fn: Callable, *args, mesh=None,
            check_numerics: bool = True, names=None) -> verify_lib.Report:
-  """Compiles `plan` for `fn(*args)`; compares collectives, memory, numerics.
+  """Compiles `plan` for `fn(*args)` and compares it with the prediction.
 
-  The prediction is re-priced for the platform compiled on (XLA:CPU, for one,
-  never forms reduce-scatters), so it is comparable with what XLA emitted.
+  Args:
+    plan: an `automap.Plan` of `fn` for these arguments' signature.
+    fn, *args: the step and concrete arguments.
+    mesh: the mesh to compile on (default: one of the plan's shape made of
+      the local devices).
+    check_numerics: also run the partitioned and the unpartitioned step and
+      compare their outputs.
+    names: as for `search`.
+
+  Returns:
+    An `automap.Report`: compiled collectives (kind, bytes, mesh axes) and
+    memory against the prediction re-priced for the platform compiled on
+    (XLA:CPU never forms reduce-scatters), and the largest numeric errors.
   """
   return verify_lib.verify(plan, fn, args, mesh, check_numerics, names)

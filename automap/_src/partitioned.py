@@ -196,17 +196,28 @@ def partition(fn: Callable | None = None, *, mesh, hardware: str | Hardware = "t
   """Partitions `fn` automatically over `mesh`.
 
   Use as `@automap.partition(mesh=mesh)` or `automap.partition(fn, mesh=mesh)`.
-  `options` (or its fields as keywords: hints, budget, memory_limit, seed,
-  search, policy, constraints) says how to search, as for `automap.search`;
-  the program's own `with_sharding_constraint`s are kept by default (the
-  plan respects them, as `jax.jit` would). Plans are
-  cached on disk (`cache=True`: $AUTOMAP_CACHE_DIR, else ~/.cache/automap; a
-  folder path; or False for none), keyed by the program, mesh, hardware,
-  search options and versions. `donate_argnums` donates arguments as
-  `jax.jit` does (a train step's params and optimizer state, so the update
-  happens in place). `names` names argument leaves, and `layout` /
-  `layout_rules` say what "your layout" is, as for `automap.search`: by
-  default the layout the first call's arguments state.
+  The first call with a new argument signature plans (or loads a cached
+  plan) and compiles; later calls only run. Non-array leaves come back as
+  they went in, as under `eqx.filter_jit`.
+
+  Args:
+    fn: the step (None when used as a decorator with arguments).
+    mesh: a concrete `jax.sharding.Mesh` (Explicit or Auto axes).
+    hardware: a catalogue name or a `Hardware`: the clock plans are ranked on.
+    options: how to search, as for `automap.search` (each field also a
+      keyword); the program's own `with_sharding_constraint`s are kept by
+      default, as `jax.jit` keeps them.
+    cache: plans on disk (True: $AUTOMAP_CACHE_DIR, else ~/.cache/automap;
+      a folder; False: none), keyed by the program, mesh, hardware, search
+      options and versions.
+    donate_argnums: arguments donated as `jax.jit` donates them (a train
+      step's params and optimizer state, updated in place).
+    names, layout, layout_rules: as for `automap.search`; by default "your
+      layout" is what the first call's arguments state.
+
+  Returns:
+    A `Partitioned` function (a decorator when `fn` is None); `.plan` is the
+    plan of its last call's signature.
   """
   # Checked now, not at the first call, so a decorator fails where it is written.
   request = with_keywords(SearchOptions, options, search_options, "partition")

@@ -1,59 +1,18 @@
 """Device placement: pipeline stages x tensor x data parallelism over a layer graph.
 
-The placement half of PHAZE, on a layer graph with per-layer costs. A plan
-splits the graph into pipeline stages, contiguous in a topological sense (each
-prefix of stages is a downset: it holds every predecessor of its layers), runs
-each stage on `t` tensor-parallel devices (its own width), replicates the whole
-pipeline `d` ways for data parallelism, and per stage stashes every
-in-flight microbatch's activations or recomputes (modes below).
-
-Schedule and memory follow 1F1B (PipeDream-Flush). With `m` microbatches per
-pipeline and `S` stages, stage `i` (0-based) holds `min(S - i, m)` microbatches
-in flight; a batch takes
-
-    (m + S - 1) * max_i T_i  +  max_i Y_i
-
-where `T_i` is stage i's time per microbatch (forward, backward, recompute,
-transfers to the neighbouring stages, the exposed ZeRO collectives) and `Y_i`
-the exposed part of its data-parallel gradient sync (overlap below; under
-the interleaved schedule, (m + (S - 1) / v) * max_i T_i + max_i Y_i). Units:
-seconds, bytes (per device).
-
-Collectives are priced as rings over the hardware's links: within a node on
-`link_*`, across nodes on `network_*`, with devices numbered pipeline-major
-(replica r of the pipeline holds devices [r*P, (r+1)*P), its stages in order,
-each stage's tensor-parallel group contiguous), so a group's level follows from
-where its devices sit.
-
-Recompute is per layer, as Megatron-LM and `jax.checkpoint` on each block
-practise it: "full" keeps each layer's input per microbatch in flight and
-rebuilds one layer's activations at a time in its backward; "selective"
-keeps everything but the attention scores and softmax (`LayerCost.selective`)
-and rebuilds those; "dots" keeps each layer's input and its weight-matmul
-outputs (`LayerCost.dots`, JAX's `checkpoint_dots_with_no_batch_dims`) and
-reruns the rest of the forward the backward needs. With `overlap`, the
-data-parallel sync and the ZeRO collectives run beside compute in as many
-pieces as the stage has layers (`exposed`): only what compute cannot cover is
-on the clock.
-
-The interleaved 1F1B schedule (v chunks per stage, Narayanan et al. 2021)
-splits a chain of equal blocks evenly into S * v chunks, chunk c on stage
-c mod S: the bubble shrinks to (S - 1) / v of a stage's time per
-microbatch, each chunk boundary is a transfer, and stage i keeps
-(S - i - 1) * 2 + (v - 1) * S + 1 chunks in flight (Megatron-LM's warm-up).
-It is priced by `uniform` and searched beside the DP where legal.
-
-The search is exact: a dynamic program over (downset still to place, stages
-after it) that keeps, per state, the Pareto front of (devices used, max T, max
-Y), inside an outer loop over the data-parallel degree and ZeRO stage. It
-prunes with lower bounds on what a partial plan can still reach (the work
-left over the devices left, in their memory: `StageCosts.packed_work`), and
-prices stages by what their costs depend on (`StageCosts.signature`), so the
-stages of a repeated block are priced once. The DP and `StageCosts` (which
-prices its candidate stages and bounds what a partial plan can still reach)
-stay one module: the bounds are written for the DP's states (a downset still
-to place, the stages after it), so neither reads alone. The data they read
-and return is in `model.py`, their options in `options.py`.
+The placement half of PHAZE. A plan splits the graph into pipeline stages
+(each prefix of stages a downset), runs stage i on its own tensor-parallel
+width, replicates the pipeline d ways and, per stage, stashes or recomputes.
+Under 1F1B (PipeDream-Flush) a batch of m microbatches over S stages takes
+(m + S - 1) * max_i T_i + max_i Y_i seconds, T_i a stage's time per
+microbatch (`stage_costs`) and Y_i its exposed data-parallel sync; the
+interleaved schedule (v chunks a stage) takes (m + (S - 1) / v) * max_i T_i
++ max_i Y_i (`uniform`). The search is exact: a dynamic program over
+(downset still to place, stages after it) keeping per state the Pareto
+front of (devices used, max T, max Y), inside a loop over the data-parallel
+degree and ZeRO stage, pruned by bounds on what a partial plan can reach
+(`StageCosts.packed_work`). Devices are numbered pipeline-major, so a
+group's link level follows from where its devices sit.
 """
 
 from __future__ import annotations

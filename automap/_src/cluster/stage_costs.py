@@ -1,12 +1,16 @@
 """What a pipeline stage costs: time per microbatch, sync and memory.
 
-`StageCosts` prices a set of layers run as one stage at a tensor-parallel
-width, a recompute mode, a ZeRO stage and a data-parallel degree: compute,
-the transfers to neighbouring stages, the exposed ZeRO collectives and
-data-parallel sync (`exposed`), and the bytes held with microbatches in
-flight (`kept`, `rebuilt`). `Problem` is one placement search's cluster,
-microbatches and resolved options (`problem`). The placement's dynamic
-program (`placement.py`) reads stages through these alone.
+`StageCosts` prices layers run as one stage at a tensor-parallel width, a
+recompute mode, a ZeRO stage and a data-parallel degree; `Problem` is one
+placement search's cluster, microbatches and resolved options (`problem`).
+Collectives are rings over the hardware's links, within a node on `link_*`
+and across nodes on `network_*`. Recompute is per layer: "full" keeps each
+layer's input and rebuilds one layer's activations at a time in its
+backward; "selective" drops only the attention scores and softmax; "dots"
+keeps each layer's input and weight-matmul outputs (`kept`, `rebuilt`).
+With overlap, the data-parallel sync and ZeRO collectives run beside compute
+in as many pieces as the stage has layers, and only what compute cannot
+cover is on the clock (`exposed`). Seconds and bytes per device.
 """
 
 from __future__ import annotations
