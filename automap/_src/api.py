@@ -21,8 +21,11 @@ from automap._src.sharding import annotations
 from automap._src.sharding.mesh import MeshSpec
 from automap._src.sharding.state import flat_specs
 
+# A mesh to plan on: concrete, or abstract (no devices needed to plan).
+AnyMesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
 
-def search(fn: Callable, *args, mesh=None, devices: int | None = None,
+
+def search(fn: Callable, *args, mesh: AnyMesh | None = None, devices: int | None = None,
            hardware: str | Hardware = "tpu-v4", options: SearchOptions | None = None,
            cache: bool | str | os.PathLike = False, names=None, layout=None,
            layout_rules=None, **search_options) -> Plan:
@@ -77,7 +80,7 @@ def search(fn: Callable, *args, mesh=None, devices: int | None = None,
                                  layout, layout_rules)
 
 
-def evaluate(fn: Callable, *args, mesh, in_shardings=None,
+def evaluate(fn: Callable, *args, mesh: AnyMesh, in_shardings=None,
              hardware: str | Hardware = "tpu-v4", constraints: str = "keep",
              names=None, layout_rules=None) -> Cost:
   """Cost of a hand-written strategy under the same cost model.
@@ -116,7 +119,7 @@ def evaluate(fn: Callable, *args, mesh, in_shardings=None,
   return Tracker(program.model, state).cost()
 
 
-def verify(plan: Plan, fn: Callable, *args, mesh=None,
+def verify(plan: Plan, fn: Callable, *args, mesh: jax.sharding.Mesh | None = None,
            check_numerics: bool = True, names=None) -> verify_lib.Report:
   """Compiles `plan` for `fn(*args)` and compares it with the prediction.
 

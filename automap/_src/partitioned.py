@@ -48,7 +48,7 @@ class Partitioned:
   them concretely; elsewhere they are traced as `jax.jit` traces them.
   """
 
-  def __init__(self, fn: Callable, *, mesh, hardware: str | Hardware = "tpu-v4",
+  def __init__(self, fn: Callable, *, mesh: jax.sharding.Mesh, hardware: str | Hardware = "tpu-v4",
                options: SearchOptions | None = None,
                cache: bool | str | os.PathLike = True,
                donate_argnums: int | tuple[int, ...] = (), names=None, layout=None,
@@ -189,8 +189,9 @@ def _signature_of(fn) -> inspect.Signature | None:
     return None
 
 
-def partition(fn: Callable | None = None, *, mesh, hardware: str | Hardware = "tpu-v4",
-              options: SearchOptions | None = None, cache: bool | str | os.PathLike = True,
+def partition(fn: Callable | None = None, *, mesh: jax.sharding.Mesh,
+              hardware: str | Hardware = "tpu-v4", options: SearchOptions | None = None,
+              cache: bool | str | os.PathLike = True,
               donate_argnums: int | tuple[int, ...] = (), names=None, layout=None,
               layout_rules=None, **search_options):
   """Partitions `fn` automatically over `mesh`.
