@@ -3,9 +3,7 @@
 import warnings as _warnings
 
 from automap import cluster as cluster
-from automap._src.api import Partitioned as Partitioned
 from automap._src.api import evaluate as evaluate
-from automap._src.api import partition as partition
 from automap._src.api import search as search
 from automap._src.api import verify as verify
 from automap._src.cost.hardware import CATALOGUE as HARDWARE
@@ -15,6 +13,8 @@ from automap._src.cost.model import Cost as Cost
 from automap._src.ir.errors import ArgumentError as ArgumentError
 from automap._src.ir.graph import UnknownPrimitiveWarning as UnknownPrimitiveWarning
 from automap._src.ir.groups import GroupError as GroupError
+from automap._src.partitioned import Partitioned as Partitioned
+from automap._src.partitioned import partition as partition
 from automap._src.plan.cache import PlanCacheWarning as PlanCacheWarning
 from automap._src.plan.errors import PlanError as PlanError
 from automap._src.plan.export import LogicalRules as LogicalRules

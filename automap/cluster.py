@@ -6,16 +6,19 @@ from automap._src.cluster.accelerator import AREA_BUDGET as AREA_BUDGET
 from automap._src.cluster.accelerator import TPU_V4_LIKE as TPU_V4_LIKE
 from automap._src.cluster.accelerator import Accelerator as Accelerator
 from automap._src.cluster.accelerator import AcceleratorError as AcceleratorError
+from automap._src.cluster.cluster_plan import ClusterPlan as ClusterPlan
+from automap._src.cluster.cluster_plan import plan_cluster as plan_cluster
+from automap._src.cluster.cluster_plan import price_cluster as price_cluster
 from automap._src.cluster.configured import ClusterConfig as ClusterConfig
 from automap._src.cluster.configured import price as price_placement
 from automap._src.cluster.cosearch import AcceleratorPlan as AcceleratorPlan
 from automap._src.cluster.cosearch import search_accelerator as search_accelerator
-from automap._src.cluster.model import Layer as Layer
-from automap._src.cluster.model import LayerCost as LayerCost
-from automap._src.cluster.model import LayerGraph as LayerGraph
-from automap._src.cluster.model import Placement as Placement
-from automap._src.cluster.model import PlacementError as PlacementError
-from automap._src.cluster.model import Stage as Stage
+from automap._src.cluster.layer_graph import Layer as Layer
+from automap._src.cluster.layer_graph import LayerCost as LayerCost
+from automap._src.cluster.layer_graph import LayerGraph as LayerGraph
+from automap._src.cluster.layer_graph import Placement as Placement
+from automap._src.cluster.layer_graph import PlacementError as PlacementError
+from automap._src.cluster.layer_graph import Stage as Stage
 from automap._src.cluster.options import ClusterOptions as ClusterOptions
 from automap._src.cluster.options import CoSearchOptions as CoSearchOptions
 from automap._src.cluster.options import PlacementOptions as PlacementOptions
@@ -24,9 +27,6 @@ from automap._src.cluster.pipeline import PipelineError as PipelineError
 from automap._src.cluster.pipeline import pipelined as pipelined
 from automap._src.cluster.pipeline import pipelined_loss as pipelined_loss
 from automap._src.cluster.placement import place as place
-from automap._src.cluster.plan import ClusterPlan as ClusterPlan
-from automap._src.cluster.plan import plan_cluster as plan_cluster
-from automap._src.cluster.plan import price_cluster as price_cluster
 
 __all__ = (
     "AREA_BUDGET",

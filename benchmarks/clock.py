@@ -32,9 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import automap  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
-import programs  # noqa: E402
+from automap._src.models import zoo as programs  # noqa: E402
 
 SNAPSHOT = os.path.join(os.path.dirname(__file__), "clock_snapshot.json")
 MESHES = {(8,): ("data",), (4, 2): ("data", "model"), (2, 4): ("data", "model"),

@@ -28,7 +28,7 @@ import optax
 import automap
 from automap import Budget
 from automap._src.cluster import layers as layers_lib
-from automap._src.cluster.model import LayerGraph, PlacementError
+from automap._src.cluster.layer_graph import LayerGraph, PlacementError
 from automap._src.cluster.options import PlacementOptions
 from automap._src.cluster.placement import place_any
 from automap._src.models.gpt import GPT, GPTConfig

@@ -18,23 +18,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import warnings
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import programs  # noqa: E402
-from helpers import gpt_step, loss_and_grads  # noqa: E402
-from quality import expert_states  # noqa: E402
 
 import automap  # noqa: E402
+from automap._src.models import zoo as programs  # noqa: E402
+from automap._src.models.zoo import gpt_step, loss_and_grads  # noqa: E402
 from automap._src.plan import build as plan_build  # noqa: E402
-from automap._src.search import driver  # noqa: E402
+from automap._src.plan import planner
 from automap._src.search.actions import ActionSpace  # noqa: E402
+from automap._src.search.tactics import expert_states  # noqa: E402
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 NAMES = ("data", "model", "seq")
@@ -59,7 +56,7 @@ def plans(fn, args, mesh, ilp_seconds: float) -> dict:
     warnings.simplefilter("ignore", automap.SearchWarning)
     out["automap (ILP)"] = automap.search(fn, *args, mesh=mesh, hardware="cpu", search="ilp",
                                           budget=automap.Budget(seconds=ilp_seconds))
-  prog = driver.build_program(fn, args, mesh, "cpu")
+  prog = planner.build_program(fn, args, mesh, "cpu")
   states = expert_states(prog, ActionSpace(prog))
   for label in ("data parallel", "Megatron+DP"):
     out[label] = plan_build.make_plan(prog, states[label], {"strategy": label})

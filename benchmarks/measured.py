@@ -54,14 +54,14 @@ import automap
 from automap import cluster
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster.configured import price
+from automap._src.cluster.layer_graph import PlacementError
 from automap._src.cluster.layers import Profile
-from automap._src.cluster.model import PlacementError
 from automap._src.cluster.options import PlacementOptions
 from automap._src.cluster.placement import place_any
 from automap._src.cost import calibration
+from automap._src.cost.program import Program
 from automap._src.ir import trace as trace_lib
 from automap._src.models.gpt import GPT, GPTConfig
-from automap._src.search.program import Program
 from automap._src.sharding.mesh import MeshSpec
 
 DATA = pathlib.Path(__file__).with_name("measured_runs.json")

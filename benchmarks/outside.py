@@ -1,5 +1,5 @@
 """Other people's model code: train steps written with HuggingFace Flax,
-equinox, haiku, keras 3, flax linen and nnx layers (`outside_steps.py`), each
+equinox, haiku, keras 3, flax linen and nnx layers (`automap/_src/models/outside_steps.py`), each
 on a 2-axis (4, 2) and a 3-axis (2, 2, 2) mesh of 8 CPU devices.
 
 Per step and mesh: whether automap plans and runs it first try; the
@@ -26,85 +26,23 @@ import time
 import warnings
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import outside_steps  # noqa: E402
-import quality  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
 
 import automap  # noqa: E402
-from automap._src.cost.collectives import KINDS, ring_seconds  # noqa: E402
-from automap._src.cost.compiler import compiler_for  # noqa: E402
 from automap._src.cost.hardware import get_hardware  # noqa: E402
-from automap._src.cost.model import CostModel  # noqa: E402
-from automap._src.cost.tracker import Tracker  # noqa: E402
+from automap._src.models import outside_steps  # noqa: E402
 from automap._src.run import apply as apply_lib  # noqa: E402
+from automap._src.run import referee as referee_lib  # noqa: E402
 from automap._src.run.compiled import (  # noqa: E402
   collectives,
-  compiled_costs,
-  compiled_memory,
 )
-from automap._src.search import driver  # noqa: E402
-from automap._src.search.actions import ActionSpace  # noqa: E402
-from automap._src.sharding.state import spec_of  # noqa: E402
 
 MESHES = {(4, 2): ("data", "model"), (2, 2, 2): ("data", "fsdp", "model")}
 EXPERTS = ("data parallel", "Megatron + DP", "FSDP")
-# quality.py's names for them.
-_EXPERT_NAMES = {"data parallel": "data parallel", "Megatron+DP": "Megatron + DP",
-                 "FSDP": "FSDP"}
 HARDWARE = "tpu-v4"
-
-
-def referee(compiled, mesh, hw) -> dict:
-  """The compiled program's own accounting: seconds of compute (XLA's
-  FLOPs at the float32 peak plus its bytes accessed at HBM bandwidth), of
-  communication (a ring per compiled collective over its group) and the
-  compiled peak bytes per device."""
-  costs = compiled_costs(compiled)
-  flops, accessed = float(costs.get("flops", 0.0)), float(costs.get("bytes accessed", 0.0))
-  sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
-  comm = 0.0
-  for c in collectives(compiled.as_text(), mesh):
-    n = int(np.prod([sizes[a] for a in c.axes])) if c.axes else 1
-    if n > 1:
-      comm += ring_seconds(KINDS.index(c.kind), c.nbytes, n, hw.link_bandwidth,
-                           hw.link_latency)
-  compute = flops / hw.fp32_flops + accessed / hw.hbm_bandwidth
-  return {"time": compute + comm, "compute": compute, "comm": comm,
-          "peak": compiled_memory(compiled)[0], "bytes": accessed}
-
-
-def expert_specs(step, mesh, hw) -> tuple[dict, object]:
-  """Each expert's argument specs, from automap's tactics (the states
-  `quality.expert_states` builds, as its yardsticks use), and their cost
-  priced as `evaluate` prices a hand-written layout (its argument specs,
-  the rest propagated): under `hw` (the clock that ranks them) and under
-  XLA:CPU's compiler (what the program compiled here is checked against)."""
-  program = driver.build_program(step.fn, step.args, mesh, hw, names=step.names)
-  on_cpu = CostModel(program.graph, program.mesh, hw, compiler_for("cpu"))
-  g = program.graph
-  out = {}
-  for name, state in quality.expert_states(program, ActionSpace(program)).items():
-    if name not in _EXPERT_NAMES:
-      continue
-    specs = [spec_of(state, program.mesh, v, g.rank(v)) for v in g.inputs]
-    layout = program.state_from_specs(specs)
-    out[_EXPERT_NAMES[name]] = (specs, Tracker(program.model, layout).cost(),
-                                Tracker(on_cpu, layout).cost())
-  return out, program.traced
-
-
-def compile_layout(traced, mesh, specs, args):
-  """`jax.jit` of the step with these argument shardings only, as a user
-  writes a layout by hand; XLA propagates the rest."""
-  auto = apply_lib.auto_mesh(mesh)
-  shardings = jax.tree.unflatten(traced.in_tree, [NamedSharding(auto, s) for s in specs])
-  with jax.set_mesh(auto):
-    jitted = jax.jit(traced.dynamic_fn(), in_shardings=shardings)
-    return jitted.lower(*apply_lib.abstract_args(traced.dynamic_args(args))).compile()
 
 
 def measure(step, shape, names, episodes: int) -> dict:
@@ -129,17 +67,17 @@ def measure(step, shape, names, episodes: int) -> dict:
              params=sum(int(np.prod(s)) for s in plan.in_shapes))
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    experts, traced = expert_specs(step, mesh, hw)
+    experts, traced = referee_lib.expert_specs(step, mesh, hw)
     auto = apply_lib.auto_mesh(mesh)
     jitted = apply_lib.jit_with_plan(traced, mesh, plan)
     with jax.set_mesh(auto):
       mine = jitted.lower(*apply_lib.abstract_args(traced.dynamic_args(step.args))).compile()
-    judged = {"automap": referee(mine, mesh, hw)}
+    judged = {"automap": referee_lib.referee(mine, mesh, hw)}
     predicted = {"automap": plan.cost}
     expert_errors = {}  # each expert's (comm, peak) relative error, priced as `evaluate` does
     for name, (specs, cost, on_cpu) in experts.items():
-      compiled = compile_layout(traced, mesh, specs, step.args)
-      judged[name] = referee(compiled, mesh, hw)
+      compiled = referee_lib.compile_layout(traced, mesh, specs, step.args)
+      judged[name] = referee_lib.referee(compiled, mesh, hw)
       predicted[name] = cost
       xla = sum(c.nbytes for c in collectives(compiled.as_text(), mesh))
       expert_errors[name] = (

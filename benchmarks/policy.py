@@ -18,22 +18,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import warnings
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
-import programs  # noqa: E402
-from quality import expert_states  # noqa: E402
 
 from automap._src.cost.hardware import get_hardware  # noqa: E402
+from automap._src.cost.program import Program  # noqa: E402
 from automap._src.cost.tracker import Tracker  # noqa: E402
 from automap._src.ir import trace  # noqa: E402
+from automap._src.models import zoo as programs  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
 from automap._src.search.policy import compare, learned  # noqa: E402
-from automap._src.search.program import Program  # noqa: E402
+from automap._src.search.tactics import expert_states  # noqa: E402
 from automap._src.sharding.mesh import MeshSpec  # noqa: E402
 
 HELD_OUT = {

@@ -17,52 +17,28 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
-import programs  # noqa: E402
 
 from automap._src.cost.hardware import get_hardware  # noqa: E402
+from automap._src.cost.program import Program  # noqa: E402
 from automap._src.cost.tracker import Tracker  # noqa: E402
 from automap._src.ir import trace  # noqa: E402
-from automap._src.search import driver  # noqa: E402
+from automap._src.models import zoo as programs  # noqa: E402
+from automap._src.search import driver, tactics  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
-from automap._src.search.program import Program  # noqa: E402
 from automap._src.search.request import Budget, SearchOptions  # noqa: E402
 from automap._src.sharding.mesh import MeshSpec  # noqa: E402
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8), (2, 2, 2)]
 NAMES = ("data", "model", "seq")
-EXPERTS = ("data parallel", "Megatron", "Megatron+DP", "FSDP")
-
-
-def expert_states(program: Program, space: ActionSpace) -> dict:
-  tactics, real = space.experts, space.real_axes
-  out = {}
-  for name in EXPERTS:
-    state = program.initial_state()
-    if name == "data parallel":
-      tactics.data_parallel(state, real)
-    elif name == "Megatron":
-      tactics.megatron(state, real[-1])
-    elif name == "Megatron+DP":
-      tactics.data_parallel(state, real[:-1])
-      tactics.megatron(state, real[-1])
-    else:
-      for a in real:
-        tactics.fsdp(state, a)
-    out[name] = state
-  return out
-
-
 def row(program: Program, ilp_seconds: float | None, episodes: int) -> dict:
   space = ActionSpace(program)
   costs = {name: Tracker(program.model, s) for name, s in
-           expert_states(program, space).items()}
+           tactics.expert_states(program, space).items()}
   out = {name: (t.step_time, t.peak_memory) for name, t in costs.items()}
   if ilp_seconds is None:
     request = SearchOptions(budget=Budget(episodes=episodes, seconds=600))
@@ -103,7 +79,7 @@ def main():
       for hw in hardware:
         program = Program.build(traced, mesh, get_hardware(hw))
         r = row(program, opts.ilp_seconds if hw == "tpu-v4" else None, opts.episodes)
-        best = min(EXPERTS, key=lambda e: r[e][0])
+        best = min(tactics.EXPERTS, key=lambda e: r[e][0])
         ms = lambda k, r=r: f"{r[k][0] * 1e3:.3f}"  # noqa: E731
         ratio = r["MCTS"][0] / r[best][0]
         summary["mcts"].append(ratio)

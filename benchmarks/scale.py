@@ -28,10 +28,10 @@ import numpy as np  # noqa: E402
 
 import automap  # noqa: E402
 from automap._src.cost import hardware
+from automap._src.cost.program import Program  # noqa: E402
 from automap._src.cost.tracker import Tracker  # noqa: E402
 from automap._src.ir import graph, trace  # noqa: E402
 from automap._src.models.gpt import GPTConfig, make_train_step  # noqa: E402
-from automap._src.search.program import Program  # noqa: E402
 from automap._src.sharding.mesh import MeshSpec
 
 MESH = (("data", "model"), (4, 2))

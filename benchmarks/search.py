@@ -22,12 +22,12 @@ import jax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from automap._src.cost.hardware import get_hardware  # noqa: E402
+from automap._src.cost.program import Program  # noqa: E402
 from automap._src.cost.tracker import Tracker  # noqa: E402
 from automap._src.ir import trace  # noqa: E402
 from automap._src.models.gpt import GPTConfig, make_train_step, megatron_specs  # noqa: E402
 from automap._src.search import mcts  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
-from automap._src.search.program import Program  # noqa: E402
 from automap._src.sharding.mesh import MeshSpec  # noqa: E402
 from automap._src.sharding.state import flat_specs  # noqa: E402
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import re
 
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 from automap._src.models.gpt import GPTConfig, make_train_step, megatron_specs
+from automap._src.models.zoo import SMALL, gpt_step, loss_and_grads
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 
@@ -24,35 +24,8 @@ def meshes_but(*quick: tuple[int, ...]) -> list:
   return [s if s in quick else pytest.param(s, marks=pytest.mark.slow) for s in MESHES]
 
 
-SMALL = GPTConfig(vocab=128, seq=16, hidden=128, heads=4, layers=2)
-
-
-@functools.cache
-def gpt_step(config: GPTConfig = SMALL, batch: int = 8):
-  return make_train_step(config, batch=batch)
-
-
 def mesh(shape, names=("data", "model")):
   return jax.make_mesh(shape, names)
-
-
-def loss_and_grads(step_args, config: GPTConfig = SMALL):
-  """A (loss, grads) function of the same model, for gradient numerics."""
-  import optax
-
-  from automap._src.models.gpt import GPT
-
-  model = GPT(config)
-
-  def fn(params, batch):
-    def loss(p):
-      logits = model.apply({"params": p}, batch["inputs"])
-      return optax.softmax_cross_entropy_with_integer_labels(
-          logits, batch["targets"]).mean()
-    return jax.value_and_grad(loss)(params)
-
-  params, _, batch = step_args
-  return fn, (params, batch)
 
 
 def assert_faithful(fn, args, m, numerics: float = 1e-5):

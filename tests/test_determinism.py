@@ -109,7 +109,7 @@ def test_ctrl_c_during_a_search_raises_cleanly_and_caches_nothing(tmp_path):
 
 
 def test_an_interrupt_inside_a_compiled_kernel_is_still_an_interrupt():
-  from automap._src.sharding import kernels
+  from automap._src.sharding import propagation_kernels as kernels
 
   def dispatch():  # what numba's dispatcher does with Ctrl-C in its Python code
     try:

@@ -178,14 +178,15 @@ def test_megatron_reaches_weights_read_transposed():
   vocabulary. Compiled, nothing is gathered: the model axis carries only
   Megatron's all-reduces of activations, the data axis the gradients'; and
   the layout is priced as compiled."""
-  from automap._src.search import driver, tactics
+  from automap._src.plan import planner
+  from automap._src.search import tactics
   from automap._src.sharding.state import spec_of
 
   params = {"wte": jnp.ones((512, 128)), "fc": jnp.ones((512, 128)),
             "fc_b": jnp.ones((512,)), "proj": jnp.ones((128, 512))}
   args = (params, params, TOKENS)
   conv_step = momentum_step(conv1d_loss)
-  program = driver.build_program(conv_step, args, MESH, "cpu")
+  program = planner.build_program(conv_step, args, MESH, "cpu")
   state = tactics.yardsticks(program)["Megatron + data parallel"]
   g = program.graph
   specs = [spec_of(state, program.mesh, v, g.rank(v)) for v in g.inputs]

@@ -1,6 +1,6 @@
 """Train steps written with other libraries' own model code run first try.
 
-Steps of `benchmarks/outside_steps.py` at its TINY size: a HuggingFace Flax
+Steps of `automap/_src/models/outside_steps.py` at its TINY size: a HuggingFace Flax
 GPT-2 with its tied head, equinox (the whole model as the argument,
 activation functions static) and keras 3 (`stateless_call` on lists, named
 by `names=`). Each is partitioned and run, checked against the
@@ -20,13 +20,14 @@ from helpers import mesh, saved_dot_outputs
 import automap
 from automap._src.cluster import layers as layers_lib
 
-outside_steps = pytest.importorskip("outside_steps")
 pytest.importorskip("equinox")
 pytest.importorskip("haiku")
 pytest.importorskip("keras")
 pytest.importorskip("transformers")
 
-import outside  # noqa: E402  (benchmarks/outside.py: the compiled-program referee)
+from automap._src.models import outside_steps  # noqa: E402
+from automap._src.run import referee as outside  # noqa: E402  (the compiled-program referee)
+from automap._src.run.compiled import collectives, compiled_memory  # noqa: E402
 
 M = mesh((4, 2))
 # The three calling conventions apart from flax's own: HF's model objects
@@ -58,10 +59,10 @@ def test_outside_train_step_runs_first_try_and_prices_the_experts_as_compiled(bu
     experts, traced = outside.expert_specs(step, M, automap.HARDWARE["cpu"])
     for name, (specs, _, predicted) in experts.items():
       compiled = outside.compile_layout(traced, M, specs, step.args)
-      found = sum(c.nbytes for c in outside.collectives(compiled.as_text(), M))
+      found = sum(c.nbytes for c in collectives(compiled.as_text(), M))
       assert predicted.total_comm_bytes == pytest.approx(found, rel=0.05), name
       assert predicted.total_comm_bytes > 0
-      peak = outside.compiled_memory(compiled)[0]
+      peak = compiled_memory(compiled)[0]
       assert predicted.peak_memory == pytest.approx(peak, rel=0.15), name
 
 

@@ -236,8 +236,8 @@ def test_scatter_max_and_min_combine_tiled_updates_by_an_all_reduce(reduce):
   """A segment max over edges tiled across the mesh: each device scatters
   its own edges and one all-reduce combines them, as priced, where a
   whole-array rule would gather every edge first."""
+  from automap._src.cost.program import Program
   from automap._src.ir import trace
-  from automap._src.search.program import Program
   from automap._src.sharding.mesh import MeshSpec
 
   def fn(messages, segments):

@@ -24,9 +24,9 @@ from random_programs import MESHES, RandomProgram, Step, random_programs
 
 import automap
 from automap._src.cost.hardware import CATALOGUE
+from automap._src.cost.program import Program
 from automap._src.ir import trace as trace_lib
 from automap._src.plan import build
-from automap._src.search.program import Program
 from automap._src.sharding.mesh import MeshSpec
 
 NUMERICS = 1e-4  # float32 sums in another order; a mis-sharding errs by O(1)

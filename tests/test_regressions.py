@@ -8,7 +8,7 @@ from helpers import mesh, mlp
 from jax.sharding import PartitionSpec as P
 
 import automap
-from automap._src.plan import build
+from automap._src.plan import build, planner
 from automap._src.run import compiled as hlo
 
 X = (jnp.ones((16, 32)), jnp.ones((32, 64)), jnp.ones((64, 32)))
@@ -219,12 +219,11 @@ def test_sliced_gradient_reductions_hold_their_results():
   # sliced: its whole results sit beside its unreduced inputs.
   from helpers import gpt_step
 
-  from automap._src.search import driver
   from automap._src.search.actions import ActionSpace, Tactic
 
   step, args = gpt_step()
   m = mesh((2, 4))
-  program = driver.build_program(step, args, m, "cpu")
+  program = planner.build_program(step, args, m, "cpu")
   space, state = ActionSpace(program), program.initial_state()
   for action in (Tactic("data-parallel", (0, 1)), Tactic("megatron", (1,)),
                  Tactic("megatron", (0,))):

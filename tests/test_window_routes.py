@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import automap
 from automap._src.cost.hardware import get_hardware
-from automap._src.search import driver
+from automap._src.plan import planner
 from automap._src.sharding.state import spec_of
 
 HIDDEN = 64
@@ -62,7 +62,7 @@ def test_a_split_keeps_its_dim_tiled_into_the_pieces():
   """Propagation carries the projection's tiling through the split, each
   piece tiled alike, as XLA's propagation does."""
   m = jax.make_mesh((4, 2), ("data", "model"))
-  program = driver.build_program(fused_qkv, (X, W), m, get_hardware("cpu"))
+  program = planner.build_program(fused_qkv, (X, W), m, get_hardware("cpu"))
   state = program.state_from_specs([P("data"), P(None, "model")])
   g = program.graph
   (split,) = [o for o in range(g.num_ops) if g.prims[o] == "split"]

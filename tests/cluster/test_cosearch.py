@@ -212,7 +212,8 @@ def test_options_object_and_keywords_search_alike():
     ({"space": {"array": ()}}, cluster.PlacementError,
      r"CoSearchOptions.space\['array'\] must be a non-empty sequence"),
     ({"widths": (1, 0)}, cluster.PlacementError, r"CoSearchOptions.widths must be positive ints"),
-    ({"baseline": "tpu-v4"}, TypeError, r"CoSearchOptions.baseline must be an automap.Accel"),
+    ({"baseline": "tpu-v4"}, TypeError,
+     r"CoSearchOptions.baseline must be an automap.cluster.Accel"),
     ({"progress": "yes"}, cluster.PlacementError, r"CoSearchOptions.progress must be True"),
 ])
 def test_bad_cosearch_options_name_the_field(fields, error, match):

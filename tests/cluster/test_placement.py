@@ -7,7 +7,7 @@ import pytest
 
 import automap
 from automap import cluster
-from automap._src.cluster import placement
+from automap._src.cluster import stage_costs
 from automap.cluster import Layer, LayerCost, LayerGraph
 
 GiB = 2**30
@@ -211,8 +211,8 @@ def test_memory_bound_never_exceeds_the_best_assignment(seed):
   rng = np.random.default_rng(200 + seed)
   graph = random_graph(rng, 4, branching=False)
   options = cluster.PlacementOptions(optimizer=2.0, zero=(0, 1))
-  problem = placement._problem(8, 8, flat(4e9), options)
-  costs = placement._StageCosts(graph, problem)
+  problem = stage_costs.problem(8, 8, flat(4e9), options)
+  costs = stage_costs.StageCosts(graph, problem)
   in_flight, d, zero = int(rng.integers(1, 5)), int(rng.choice([1, 2])), int(rng.integers(0, 2))
   menus = []
   for layer in graph.layers:

@@ -11,11 +11,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import automap
-from automap._src.cost import analysis, collectives, compiler, hardware
+from automap._src.cost import analysis, collectives, compiler, hardware, program
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace
 from automap._src.run import compiled as hlo
-from automap._src.search import program
 from automap._src.sharding.mesh import MeshSpec
 from automap._src.sharding.state import flat_specs, set_spec
 

@@ -91,10 +91,10 @@ def test_the_searched_clock_is_the_schedule_after_every_update(hardware):
   layouts, is the two-stream schedule of the state it holds, computed from
   scratch; the serial sum stays beside it."""
   from automap._src.cost.hardware import get_hardware
+  from automap._src.cost.program import Program
   from automap._src.cost.tracker import Tracker
   from automap._src.ir import trace
   from automap._src.search.actions import ActionSpace
-  from automap._src.search.program import Program
   from automap._src.sharding.mesh import MeshSpec
 
   step, args = step_and_args()

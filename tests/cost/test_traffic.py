@@ -14,11 +14,11 @@ import automap
 from automap._src.cost import compiler
 from automap._src.cost.analysis import canonical_copies
 from automap._src.cost.model import CostModel
+from automap._src.cost.program import Program
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace
+from automap._src.plan import planner
 from automap._src.run import compiled as hlo
-from automap._src.search import driver
-from automap._src.search.program import Program
 from automap._src.sharding.mesh import MeshSpec
 
 ONE = mesh((1,), ("data",))
@@ -151,7 +151,7 @@ def test_an_all_gather_along_a_minor_dim_is_relaid_as_compiled(fn, spec, relaid)
   compiled = jax.jit(fn, in_shardings=shardings).lower(STACK, OUT).compile()
   assert cost.memory_traffic == hlo.compiled_traffic(compiled)
   assert ("{0,1} all-gather(" in compiled.as_text()) == (relaid > 0)
-  program = driver.build_program(fn, (STACK, OUT), AUTO, "cpu")
+  program = planner.build_program(fn, (STACK, OUT), AUTO, "cpu")
   in_place = CostModel(program.graph, program.mesh, program.model.hw,
                        dataclasses.replace(compiler.XLA_CPU, major_collective_dims=False))
   unrelaid = Tracker(in_place, program.state_from_specs([spec, P()])).cost()

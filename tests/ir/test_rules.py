@@ -4,7 +4,7 @@ import numpy as np
 from jax import lax
 
 from automap._src.ir import rules
-from automap._src.ir.rules import UNSHARDABLE
+from automap._src.ir.factor_rule import UNSHARDABLE
 
 
 def test_dot_general_names_batch_contracting_and_free_factors():

@@ -125,9 +125,9 @@ def test_a_plan_reprices_as_searched_inside_scanned_and_rematerialised_layers():
   import flax.linen as nn
   import optax
 
+  from automap._src.cost.program import Program
   from automap._src.cost.tracker import Tracker
   from automap._src.ir import trace
-  from automap._src.search.program import Program
 
   class Block(nn.Module):
     @nn.compact
@@ -171,8 +171,8 @@ def test_results_of_a_sealed_call_are_pinned_where_it_returns_them():
   makes inside is left to XLA, but its result is pinned where it returns,
   so a plan that gathers the result before a scatter-add compiles to that
   gather, not to XLA's own choice (a partial scatter, then an all-reduce)."""
+  from automap._src.cost.program import Program
   from automap._src.ir import trace
-  from automap._src.search.program import Program
   from automap._src.sharding.mesh import MeshSpec
 
   def fn(x, w, idx):
@@ -203,9 +203,9 @@ def test_plans_saved_before_hardware_had_a_platform_load_and_price_the_same():
   import dataclasses
 
   from automap._src.cost.compiler import XLA_TPU
+  from automap._src.cost.program import Program
   from automap._src.cost.tracker import Tracker
   from automap._src.ir import trace
-  from automap._src.search.program import Program
   from automap._src.sharding.mesh import MeshSpec
 
   x = (jnp.ones((16, 32)), jnp.ones((32, 64)), jnp.ones((64, 32)))

@@ -11,7 +11,8 @@ from helpers import SMALL, gpt_step, mesh
 
 import automap
 from automap._src.cost.tracker import Tracker
-from automap._src.search import driver, front
+from automap._src.plan import planner
+from automap._src.search import front
 from automap._src.search.actions import ActionSpace
 from automap._src.search.mcts import score_of
 
@@ -22,7 +23,7 @@ def _experts():
   # Wide enough for Megatron's activation all-reduces (its vocabulary-
   # parallel embedding's among them) to stay within the front's reach.
   fn, args = gpt_step(dataclasses.replace(SMALL, hidden=256))
-  program = driver.build_program(fn, args, M, "tpu-v4")
+  program = planner.build_program(fn, args, M, "tpu-v4")
   space = ActionSpace(program)
   dp, mt = program.initial_state(), program.initial_state()
   space.experts.data_parallel(dp)

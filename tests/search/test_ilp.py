@@ -10,10 +10,10 @@ from helpers import SMALL, gpt_step, mesh
 from jax.sharding import PartitionSpec as P
 
 import automap
+from automap._src.cost.program import Program
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace
 from automap._src.search import ilp
-from automap._src.search.program import Program
 from automap._src.sharding.mesh import MeshSpec
 
 B, D, H = 8, 256, 1024

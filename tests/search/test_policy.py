@@ -5,11 +5,12 @@ import pytest
 from helpers import SMALL, gpt_step, graph_network_step, mesh
 
 import automap
+from automap._src.cost.program import Program
 from automap._src.ir import trace
 from automap._src.search import mcts
 from automap._src.search.actions import ActionSpace
-from automap._src.search.policy import compare, features, learned, model, synthetic, train
-from automap._src.search.program import Program
+from automap._src.search.policy import compare, features, learned, synthetic, train
+from automap._src.search.policy import network as model
 from automap._src.sharding.mesh import MeshSpec
 
 

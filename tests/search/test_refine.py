@@ -9,11 +9,11 @@ import pytest
 from helpers import SMALL, gpt_step, mesh
 
 import automap
+from automap._src.cost.program import Program
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace
 from automap._src.search import ilp, mcts
 from automap._src.search.actions import ActionSpace
-from automap._src.search.program import Program
 from automap._src.search.refine import Refiner, refine_best
 from automap._src.sharding.mesh import MeshSpec
 

@@ -10,6 +10,7 @@ from helpers import gpt_step, graph_network_step, megatron_specs, mesh
 from jax.sharding import PartitionSpec as P
 
 import automap
+from automap._src.cost.program import Program
 from automap._src.ir import graph as graph_lib
 from automap._src.ir import groups as groups_lib
 from automap._src.ir import trace as trace_lib
@@ -17,7 +18,6 @@ from automap._src.models.gpt import GPTConfig, make_train_step
 from automap._src.search import mcts
 from automap._src.search.actions import ActionSpace, Tactic
 from automap._src.search.driver import mesh_shapes
-from automap._src.search.program import Program
 from automap._src.sharding.mesh import MeshSpec
 
 # A compute-bound accelerator (slow matmuls, fast links): splitting the

@@ -87,7 +87,7 @@ def test_set_spec_validates_rank_axes_and_divisibility():
 def test_compiled_propagation_matches_its_python_source():
   from helpers import gpt_step, random_input_tilings
 
-  from automap._src.sharding import kernels
+  from automap._src.sharding import propagation_kernels as kernels
 
   step, args = gpt_step()
   g = graph.build(trace.trace(step, args))

@@ -15,7 +15,8 @@ import dataclasses
 import math
 
 from automap._src.cluster import placement as placement_lib
-from automap._src.cluster.model import RECOMPUTE_MODES, LayerGraph, Placement, PlacementError
+from automap._src.cluster import stage_costs
+from automap._src.cluster.layer_graph import RECOMPUTE_MODES, LayerGraph, Placement, PlacementError
 from automap._src.cluster.options import PlacementOptions
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.search.request import with_keywords
@@ -144,8 +145,8 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
   options = dataclasses.replace(
       base, recompute=config.recompute, zero=config.zero, widths=(config.tensor,),
       data_parallel=config.data, stages=config.pipeline, virtual_stages=config.virtual_stages)
-  problem = placement_lib._problem(devices, config.microbatches(global_batch), hw, options)
-  costs = placement_lib._StageCosts(graph, problem)
+  problem = stage_costs.problem(devices, config.microbatches(global_batch), hw, options)
+  costs = stage_costs.StageCosts(graph, problem)
   missing = [layer for layer in graph.layers if config.tensor not in layer.widths]
   if missing:
     raise PlacementError(

@@ -46,7 +46,7 @@ import numpy as np
 
 from automap._src.cluster import accelerator as acc_lib
 from automap._src.cluster import layers as layers_lib
-from automap._src.cluster.model import JsonFile, Placement, PlacementError
+from automap._src.cluster.layer_graph import JsonFile, Placement, PlacementError
 from automap._src.cluster.options import CoSearchOptions, PlacementOptions
 from automap._src.cluster.pass_times import PassBounds, PassTimes
 from automap._src.cluster.passes import ProfiledWorkload, Workload, all_passes, profile_workload

@@ -28,14 +28,14 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from automap._src.cluster.model import Layer, LayerCost, LayerGraph, PlacementError
+from automap._src.cluster.layer_graph import Layer, LayerCost, LayerGraph, PlacementError
 from automap._src.cost.hardware import Hardware
+from automap._src.cost.program import Program
 from automap._src.ir import trace as trace_lib
+from automap._src.ir.factor_rule import UNSHARDABLE
 from automap._src.ir.naming import is_backward, layer_of
-from automap._src.ir.rules import UNSHARDABLE
 from automap._src.plan import build, report
 from automap._src.search import driver
-from automap._src.search.program import Program
 from automap._src.search.request import SearchOptions
 from automap._src.sharding.mesh import MeshSpec
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from automap._src.cluster.accelerator import Accelerator
-from automap._src.cluster.model import RECOMPUTE_MODES, PlacementError
+from automap._src.cluster.layer_graph import RECOMPUTE_MODES, PlacementError
 from automap._src.search.request import DEVICE, Budget
 
 # Optimizer state per parameter byte, in the parameters' dtype.

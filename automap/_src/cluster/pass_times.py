@@ -18,7 +18,7 @@ import numpy as np
 from automap._src.cluster import accelerator as acc_lib
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster import scheduling
-from automap._src.cluster.model import Layer, LayerCost, LayerGraph
+from automap._src.cluster.layer_graph import Layer, LayerCost, LayerGraph
 from automap._src.cluster.passes import LayerPass, ProfiledWorkload
 
 

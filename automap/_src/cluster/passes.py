@@ -19,7 +19,7 @@ import numpy as np
 
 from automap._src.cluster import accelerator as acc_lib
 from automap._src.cluster import layers as layers_lib
-from automap._src.cluster.model import LayerGraph
+from automap._src.cluster.layer_graph import LayerGraph
 from automap._src.cost.hardware import Hardware
 from automap._src.plan import report
 

@@ -1,196 +1,37 @@
 """Device placement: pipeline stages x tensor x data parallelism over a layer graph.
 
-The placement half of PHAZE, on a layer graph with per-layer costs. A plan
-splits the graph into pipeline stages, contiguous in a topological sense (each
-prefix of stages is a downset: it holds every predecessor of its layers), runs
-each stage on `t` tensor-parallel devices (its own width), replicates the whole
-pipeline `d` ways for data parallelism, and per stage stashes every
-in-flight microbatch's activations or recomputes (modes below).
-
-Schedule and memory follow 1F1B (PipeDream-Flush). With `m` microbatches per
-pipeline and `S` stages, stage `i` (0-based) holds `min(S - i, m)` microbatches
-in flight; a batch takes
-
-    (m + S - 1) * max_i T_i  +  max_i Y_i
-
-where `T_i` is stage i's time per microbatch (forward, backward, recompute,
-transfers to the neighbouring stages, the exposed ZeRO collectives) and `Y_i`
-the exposed part of its data-parallel gradient sync (overlap below; under
-the interleaved schedule, (m + (S - 1) / v) * max_i T_i + max_i Y_i). Units:
-seconds, bytes (per device).
-
-Collectives are priced as rings over the hardware's links: within a node on
-`link_*`, across nodes on `network_*`, with devices numbered pipeline-major
-(replica r of the pipeline holds devices [r*P, (r+1)*P), its stages in order,
-each stage's tensor-parallel group contiguous), so a group's level follows from
-where its devices sit.
-
-Recompute is per layer, as Megatron-LM and `jax.checkpoint` on each block
-practise it: "full" keeps each layer's input per microbatch in flight and
-rebuilds one layer's activations at a time in its backward; "selective"
-keeps everything but the attention scores and softmax (`LayerCost.selective`)
-and rebuilds those; "dots" keeps each layer's input and its weight-matmul
-outputs (`LayerCost.dots`, JAX's `checkpoint_dots_with_no_batch_dims`) and
-reruns the rest of the forward the backward needs. With `overlap`, the
-data-parallel sync and the ZeRO collectives run beside compute in as many
-pieces as the stage has layers (`exposed`): only what compute cannot cover is
-on the clock.
-
-The interleaved 1F1B schedule (v chunks per stage, Narayanan et al. 2021)
-splits a chain of equal blocks evenly into S * v chunks, chunk c on stage
-c mod S: the bubble shrinks to (S - 1) / v of a stage's time per
-microbatch, each chunk boundary is a transfer, and stage i keeps
-(S - i - 1) * 2 + (v - 1) * S + 1 chunks in flight (Megatron-LM's warm-up).
-It is priced by `uniform` and searched beside the DP where legal.
-
-The search is exact: a dynamic program over (downset still to place, stages
-after it) that keeps, per state, the Pareto front of (devices used, max T, max
-Y), inside an outer loop over the data-parallel degree and ZeRO stage. It
-prunes with lower bounds on what a partial plan can still reach (the work
-left over the devices left, in their memory: `_StageCosts.packed_work`), and
-prices stages by what their costs depend on (`_StageCosts.signature`), so the
-stages of a repeated block are priced once. The DP and `_StageCosts` (which
-prices its candidate stages and bounds what a partial plan can still reach)
-stay one module: the bounds are written for the DP's states (a downset still
-to place, the stages after it), so neither reads alone. The data they read
-and return is in `model.py`, their options in `options.py`.
+The placement half of PHAZE. A plan splits the graph into pipeline stages
+(each prefix of stages a downset), runs stage i on its own tensor-parallel
+width, replicates the pipeline d ways and, per stage, stashes or recomputes.
+Under 1F1B (PipeDream-Flush) a batch of m microbatches over S stages takes
+(m + S - 1) * max_i T_i + max_i Y_i seconds, T_i a stage's time per
+microbatch (`stage_costs`) and Y_i its exposed data-parallel sync; the
+interleaved schedule (v chunks a stage) takes (m + (S - 1) / v) * max_i T_i
++ max_i Y_i (`uniform`). The search is exact: a dynamic program over
+(downset still to place, stages after it) keeping per state the Pareto
+front of (devices used, max T, max Y), inside a loop over the data-parallel
+degree and ZeRO stage, pruned by bounds on what a partial plan can reach
+(`StageCosts.packed_work`). Devices are numbered pipeline-major, so a
+group's link level follows from where its devices sit.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-import functools
 import itertools
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
 
-from automap._src.cluster.model import Layer, LayerGraph, Placement, PlacementError, Stage
-from automap._src.cluster.options import PlacementOptions, memory_limit, recompute_modes
-from automap._src.cost.collectives import ALL_GATHER, ALL_REDUCE, ring_seconds, send_seconds
-from automap._src.cost.hardware import Hardware, get_hardware
+from automap._src.cluster import stage_costs
+from automap._src.cluster.layer_graph import LayerGraph, Placement, PlacementError
+from automap._src.cluster.options import PlacementOptions
+from automap._src.cluster.stage_costs import Problem, StageCosts
+from automap._src.cost.hardware import Hardware
 from automap._src.search.request import with_keywords
 
 # Downsets enumerated at most; wider graphs should be coarsened into layer groups.
 MAX_DOWNSETS = 4096
-
-
-@dataclasses.dataclass(frozen=True)
-class _Problem:
-  """One search: a graph's cluster and microbatches, with the options resolved
-  against the hardware."""
-
-  devices: int
-  microbatches: int
-  memory: float                 # bytes per device
-  hw: Hardware
-  optimizer: float              # bytes of optimizer state per parameter byte
-  zero: tuple[int, ...]         # ZeRO stages to try
-  recompute: tuple[str, ...]    # per stage, the modes tried
-  widths: tuple[int, ...] | None
-  stages: int | None
-  gradients: float = 1.0        # bytes of gradient per parameter byte
-  overlap: bool = True          # sync and ZeRO collectives beside compute
-  virtual_stages: int | None = 1  # None: interleaving searched where legal
-  overlap_tensor: bool = False  # tensor-parallel collectives beside the matmuls
-  recompute_stated: bool = True  # `recompute` as the options name it (else every mode)
-
-
-class _Totals(NamedTuple):
-  """A stage's sums per microbatch per device at one width (seconds, bytes, FLOPs)."""
-
-  forward: float
-  backward: float
-  params: float
-  activations: float
-  collectives: float
-  flops: float
-  largest_param: float        # the largest parameter array of any layer
-  inputs: float               # every layer's input, summed (full recompute keeps them)
-  largest_activations: float  # the largest layer's (full recompute rebuilds one at a time)
-  selective: float            # attention scores selective recompute drops
-  largest_selective: float
-  selective_forward: float    # seconds to rebuild them
-  dots: float                 # weight-matmul outputs the "dots" policy keeps
-  largest_dots_rebuilt: float  # the most one layer rebuilds under it
-  dots_forward: float         # seconds it reruns
-  layers: int
-  bytes_in: float             # on edges entering the stage
-  bytes_out: float            # on edges leaving it
-
-
-class _TimeParts(NamedTuple):
-  """A stage's seconds: per microbatch compute, transfers and exposed ZeRO
-  collectives; per batch the exposed sync; and the two collectives in all."""
-
-  compute: float
-  transfers: float
-  zero: float
-  sync: float
-  zero_total: float
-  sync_total: float
-  tensor: float               # tensor-parallel collectives left exposed (inside compute)
-
-
-def kept(mode: str, activations: float, inputs: float, selective: float, dots: float) -> float:
-  """Bytes a recompute mode keeps per microbatch in flight: every activation
-  ("none"), every layer's input ("full"), all but the attention scores
-  ("selective"), every layer's input and weight-matmul outputs ("dots")."""
-  return {"none": activations, "full": inputs, "selective": activations - selective,
-          "dots": inputs + dots}[mode]
-
-
-def rebuilt(mode: str, forward: float, selective_forward: float, dots_forward: float) -> float:
-  """Seconds of forward a recompute mode runs again in the backward."""
-  return {"none": 0.0, "full": forward, "selective": selective_forward,
-          "dots": dots_forward}[mode]
-
-
-def exposed(comm: float, compute: float, pieces: int) -> float:
-  """Seconds of `comm` that `compute` cannot hide when both run in `pieces`
-  equal pieces on two streams, each piece of communication bound to one of
-  compute (a gather feeds the next piece, a reduction follows the last):
-  the critical path is one piece of communication plus, at each of the
-  other pieces, whatever communication outlasts the compute beside it,
-  c / n + (n - 1) / n * max(0, c - w)."""
-  n = max(1, pieces)
-  return comm / n + (n - 1) / n * max(0.0, comm - compute)
-
-
-class _Ring:
-  """Ring collectives over a set of devices on the hardware's links
-  (`collectives`), for arrays of `nbytes` in all."""
-
-  def __init__(self, hw: Hardware):
-    self.hw = hw
-
-  def link(self, lo: int, hi: int) -> tuple[float, float]:
-    """(bandwidth, latency) of the link joining devices lo..hi."""
-    node = self.hw.devices_per_node
-    if lo // node == hi // node:
-      return self.hw.link_bandwidth, self.hw.link_latency
-    return self.hw.network_bandwidth, self.hw.network_latency
-
-  def gather(self, nbytes: float, n: int, lo: int, hi: int) -> float:
-    """All-gather (or reduce-scatter) of `nbytes` in all over a ring of n
-    devices spanning lo..hi: a reduce-scatter's input is the gathered
-    array, its steps the same."""
-    if n == 1 or nbytes == 0:
-      return 0.0
-    return ring_seconds(ALL_GATHER, nbytes, n, *self.link(lo, hi))
-
-  def reduce(self, nbytes: float, n: int, lo: int, hi: int) -> float:
-    """All-reduce of `nbytes` over a ring of n devices spanning lo..hi."""
-    if n == 1 or nbytes == 0:
-      return 0.0
-    return ring_seconds(ALL_REDUCE, nbytes, n, *self.link(lo, hi))
-
-  def send(self, nbytes: float, a: int, b: int) -> float:
-    """Sends `nbytes` from device a to device b."""
-    if nbytes == 0:
-      return 0.0
-    return send_seconds(nbytes, *self.link(min(a, b), max(a, b)))
 
 
 def _downsets(graph: LayerGraph) -> list[int]:
@@ -217,403 +58,6 @@ def _downsets(graph: LayerGraph) -> list[int]:
   return sorted(seen, key=lambda s: (bin(s).count("1"), s))
 
 
-class _StageCosts:
-  """Costs of one candidate stage (a set of layers) in one placement problem."""
-
-  def __init__(self, graph: LayerGraph, problem: _Problem):
-    # The "dots" mode needs each layer's kept matmul outputs (traced graphs have them).
-    untraced = next((layer.name for layer in graph.layers
-                     if any(c.dots is None for c in layer.widths.values())), None)
-    if "dots" in problem.recompute and untraced is not None:
-      if problem.recompute_stated:
-        raise PlacementError(
-            f"recompute='dots' needs each layer's weight-matmul outputs (LayerCost.dots), "
-            f"which layer {untraced!r} lacks: trace the step (automap.cluster.plan_cluster, "
-            "automap.cluster.price_cluster) or set LayerCost.dots and dots_forward.")
-      problem = dataclasses.replace(
-          problem, recompute=tuple(m for m in problem.recompute if m != "dots"))
-    self.graph, self.problem = graph, problem
-    self.ring = _Ring(problem.hw)
-    self.index = {layer.name: i for i, layer in enumerate(graph.layers)}
-    self.edges = [(self.index[s], self.index[d], float(b)) for s, d, b in graph.edges]
-    self._ins: list[list[tuple[int, float]]] = [[] for _ in graph.layers]
-    self._outs: list[list[tuple[int, float]]] = [[] for _ in graph.layers]
-    for s, d, b in self.edges:
-      self._ins[d].append((s, b))
-      self._outs[s].append((d, b))
-    self._signatures: dict[int, tuple] = {}
-    self._totals: dict[tuple, tuple[float, ...]] = {}
-    self._choices: dict[tuple, tuple[float, list]] = {}
-    self._terms: dict[tuple, tuple[float, float, float]] = {}
-    self._levels: dict[tuple[int, int, int], tuple[bool, bool, bool]] = {}
-    self._tables: dict[tuple, dict[int, tuple[float, float]]] = {}
-    self._times: dict[tuple, tuple[float, float]] = {}
-    self._inside: dict[int, list[int]] = {}
-    self._widths: dict[tuple, list[int]] = {}
-    self._longest: dict[int, float] = {}
-    self._fastest: dict[int, float] = {0: 0.0}
-    # Layers priced alike, with inputs as large (a repeated block), share one
-    # template; `inputs[kind]` is the bytes per microbatch entering one.
-    entering = [sum(b for _, b in ins) for ins in self._ins]
-    kinds: dict[tuple, int] = {}
-    self.kind = [kinds.setdefault((tuple(sorted(layer.widths.items())), entering[i]), len(kinds))
-                 for i, layer in enumerate(graph.layers)]
-    self.example: dict[int, Layer] = {}
-    self.inputs: dict[int, float] = {}
-    for i, (layer, kind) in enumerate(zip(graph.layers, self.kind)):
-      self.example.setdefault(kind, layer)
-      self.inputs.setdefault(kind, entering[i])
-    self._hulls: dict[tuple, tuple[float, float, list[tuple[float, float]]]] = {}
-    self._packs: dict[tuple, tuple[float, float, list[tuple[float, float]]]] = {}
-
-  @functools.cached_property
-  def single_level(self) -> bool:
-    """One link level: a stage's position changes none of its times."""
-    return self.problem.hw.devices_per_node >= self.problem.devices
-
-  @functools.cached_property
-  def least_transfer(self) -> float:
-    """Seconds every stage of a pipeline of two or more spends at least on
-    transfers: a connected graph's stage has an edge crossing its border,
-    sent forward and its gradient back, at the widest width on the fastest
-    link."""
-    graph, hw = self.graph, self.problem.hw
-    if len(graph.layers) < 2 or not self._connected():
-      return 0.0
-    widest = max(max(layer.widths) for layer in graph.layers)
-    if self.problem.widths is not None:
-      widest = min(widest, max(self.problem.widths))
-    least = min(b for _, _, b in self.edges)
-    if not least:
-      return 0.0
-    return 2 * (least / widest / max(hw.link_bandwidth, hw.network_bandwidth)
-                + min(hw.link_latency, hw.network_latency))
-
-  def _connected(self) -> bool:
-    n = len(self.graph.layers)
-    parent = list(range(n))
-
-    def root(i: int) -> int:
-      while parent[i] != i:
-        parent[i] = parent[parent[i]]
-        i = parent[i]
-      return i
-
-    for a, b, _ in self.edges:
-      parent[root(a)] = root(b)
-    return len({root(i) for i in range(n)}) == 1
-
-  def lower_bound(self, d: int, zero: int) -> float:
-    """Seconds per batch no placement with d replicas and this ZeRO stage
-    beats. With S stages on at most P devices the slowest stage takes at
-    least the layers' fastest times summed over S, their device-seconds over
-    P (as they fit in P devices' memory), and the slowest layer; the largest
-    stage holds at least 1/P of the parameters' device-bytes, which the sync
-    moves over the fastest link."""
-    o = self.problem
-    m, per_pipeline = o.microbatches // d, o.devices // d
-    layers = self.graph.layers
-    everything = (1 << len(layers)) - 1
-    # Each stage keeps a microbatch in flight at least, on P devices' memory.
-    work, longest = self.packed_work(everything, 1, d, zero, per_pipeline), self.longest(everything)
-    fastest = self.fastest(everything)
-    param_work = sum(min(t * c.params for t, c in layer.widths.items()) for layer in layers)
-    # A replica's stage and its copies span (d - 1) * P + 1 devices at least:
-    # more than a node, and the sync crosses nodes.
-    bandwidth = max(o.hw.link_bandwidth, o.hw.network_bandwidth)
-    if (d - 1) * per_pipeline + 1 > o.hw.devices_per_node:
-      bandwidth = o.hw.network_bandwidth
-    # The bandwidth term of `collectives.ring_seconds` for the step's sync
-    # (all-reduce, or reduce-scatter under ZeRO 2), latency left out: a bound.
-    ring = {0: 2.0, 1: 2.0, 2: 1.0, 3: 0.0}[zero] * (d - 1) / d
-    # ZeRO 2 reduce-scatters gradients every microbatch, ZeRO 3 also gathers
-    # parameters twice: device-seconds on top of the compute.
-    per_microbatch = {0: 0.0, 1: 0.0, 2: 1.0, 3: 3.0}[zero] * (d - 1) / d
-    if o.overlap:  # at least one piece of each stays exposed (`exposed`)
-      ring, per_microbatch = ring / len(layers), per_microbatch / len(layers)
-    floor = max((work + per_microbatch * param_work / bandwidth) / per_pipeline, longest)
-    # Two stages or more: each also sends and receives across its border.
-    cut = self.least_transfer
-    return ring * param_work / per_pipeline / bandwidth + min(
-        (m + s - 1) * (max(fastest / s, floor) + (cut if s > 1 else 0.0))
-        for s in range(1, min(len(layers), per_pipeline) + 1))
-
-  def packed_work(self, members: int, in_flight: int, d: int, zero: int, devices: int) -> float:
-    """Device-seconds per microbatch the layers need at least when every
-    stage holding them keeps `in_flight` microbatches or more and they share
-    `devices` devices' memory: each layer takes a (width, recompute) option
-    priced in device-seconds and device-bytes, and the fractional relaxation
-    of that multiple-choice knapsack is solved exactly (each layer starts at
-    its fastest option and trades time for bytes along its convex hull,
-    cheapest trades first). Infinite when even the smallest choices overflow."""
-    kinds = self.signature(members)[0]
-    key = (kinds, in_flight, d, zero)
-    pack = self._packs.get(key)
-    if pack is None:
-      work = size = 0.0
-      trades = []
-      for kind, count in kinds:
-        w, b, hull = self._hull(kind, in_flight, d, zero)
-        work, size = work + count * w, size + count * b
-        trades += [(rate, count * saved) for rate, saved in hull]
-      pack = self._packs[key] = (work, size, sorted(trades))
-    work, size, trades = pack
-    excess = size - devices * self.problem.memory
-    for rate, saved in trades:
-      if excess <= 0:
-        break
-      work += rate * min(saved, excess)
-      excess -= saved
-    return work if excess <= 0 else math.inf
-
-  def _hull(self, kind: int, in_flight: int, d: int, zero: int):
-    """(device-seconds, device-bytes) of a layer kind's fastest option and
-    the trades (extra seconds per byte saved, bytes saved) down its convex
-    hull, rates increasing."""
-    key = (kind, in_flight, d, zero)
-    if key not in self._hulls:
-      o = self.problem
-      layer = self.example[kind]
-      points = []
-      for t, c in layer.widths.items():
-        if o.widths is not None and t not in o.widths:
-          continue
-        fixed = self.state_bytes(c.params, d, zero)
-        for mode in o.recompute:
-          # What a layer keeps per microbatch in flight; the one layer a
-          # recomputing stage rebuilds at a time is left out (a bound).
-          held = kept(mode, c.activations, self.inputs[kind] / t, c.selective, c.dots or 0.0)
-          extra = rebuilt(mode, c.forward, c.selective_forward, c.dots_forward)
-          points.append((t * (self.least(c) + extra), t * (fixed + in_flight * held)))
-      if not points:
-        self._hulls[key] = (math.inf, math.inf, [])
-        return self._hulls[key]
-      w, b = min(points)
-      hull = []
-      while True:
-        lower = [((pw - w) / (b - pb), -pb, pw) for pw, pb in points if pb < b]
-        if not lower:
-          break
-        rate, neg_b, pw = min(lower)
-        hull.append((rate, b + neg_b))
-        w, b = pw, -neg_b
-      self._hulls[key] = (*min(points), hull)
-    return self._hulls[key]
-
-  def fastest(self, members: int) -> float:
-    """The layers' seconds per microbatch at their fastest widths, summed."""
-    if members not in self._fastest:
-      self._fastest[members] = sum(
-          min(self.least(c) for c in self.graph.layers[i].widths.values())
-          for i in _layer_indices(members))
-    return self._fastest[members]
-
-  def least(self, c) -> float:
-    """A layer's seconds per microbatch at the least: forward and backward,
-    less its tensor-parallel collectives where they may hide (a bound)."""
-    return c.forward + c.backward - (c.collectives if self.problem.overlap_tensor else 0.0)
-
-  def longest(self, members: int) -> float:
-    """The slowest layer's seconds per microbatch at its fastest width: no
-    stage holding it is faster."""
-    if members not in self._longest:
-      self._longest[members] = max(
-          (min(self.least(c) for c in self.graph.layers[i].widths.values())
-           for i in _layer_indices(members)), default=0.0)
-    return self._longest[members]
-
-  def widths(self, members: int) -> list[int]:
-    """Tensor-parallel widths every layer of the stage prices (and allowed)."""
-    kinds = self.signature(members)[0]
-    if kinds not in self._widths:
-      common = set.intersection(*(set(self.example[kind].widths) for kind, _ in kinds))
-      if self.problem.widths is not None:
-        common &= set(self.problem.widths)
-      self._widths[kinds] = sorted(common)
-    return self._widths[kinds]
-
-  def totals(self, members: int, t: int) -> _Totals:
-    """A stage's sums per microbatch per device at width t."""
-    sig = self.signature(members)
-    key = (sig, t)
-    if key not in self._totals:
-      kinds, b_in, b_out = sig
-      costs = [(n, self.example[kind].widths[t], self.inputs[kind] / t) for kind, n in kinds]
-      total = lambda f: sum(n * f(c) for n, c, _ in costs)  # noqa: E731
-      self._totals[key] = _Totals(
-          forward=total(lambda c: c.forward), backward=total(lambda c: c.backward),
-          params=total(lambda c: c.params), activations=total(lambda c: c.activations),
-          collectives=total(lambda c: c.collectives), flops=total(lambda c: c.flops),
-          largest_param=max(c.largest_param or c.params for _, c, _ in costs),
-          inputs=sum(n * x for n, _, x in costs),
-          largest_activations=max(c.activations for _, c, _ in costs),
-          selective=total(lambda c: c.selective),
-          largest_selective=max(c.selective for _, c, _ in costs),
-          selective_forward=total(lambda c: c.selective_forward),
-          dots=total(lambda c: c.dots or 0.0),
-          largest_dots_rebuilt=max(max(c.activations - (c.dots or 0.0), 0.0)
-                                   for _, c, _ in costs),
-          dots_forward=total(lambda c: c.dots_forward),
-          layers=sum(n for n, _, _ in costs), bytes_in=b_in / t, bytes_out=b_out / t)
-    return self._totals[key]
-
-  def signature(self, members: int) -> tuple:
-    """What a stage's costs depend on: how many layers of each kind it
-    holds, and the bytes per microbatch on edges into and out of it. Stages
-    of a repeated block that hold as many blocks share their costs."""
-    sig = self._signatures.get(members)
-    if sig is None:
-      counts: dict[int, int] = {}
-      into = out = 0.0
-      for i in _layer_indices(members):
-        counts[self.kind[i]] = counts.get(self.kind[i], 0) + 1
-        into += sum(b for s, b in self._ins[i] if not members >> s & 1)
-        out += sum(b for d, b in self._outs[i] if not members >> d & 1)
-      sig = self._signatures[members] = (tuple(sorted(counts.items())), into, out)
-    return sig
-
-  def state_bytes(self, params: float, d: int, zero: int) -> float:
-    """Bytes per device of parameters, their gradients and optimizer state,
-    each sharded over the d replicas from its ZeRO stage on."""
-    shard = lambda level: d if zero >= level else 1  # noqa: E731
-    o = self.problem
-    return params / shard(3) + o.gradients * params / shard(2) + o.optimizer * params / shard(1)
-
-  def memory_terms(self, members: int, t: int, mode: str, d: int,
-                   zero: int) -> tuple[float, float]:
-    """(base, per microbatch in flight): a stage's bytes per device are
-    base + in_flight * per microbatch. Base: parameters, gradients and
-    optimizer state (each sharded over data parallelism from its ZeRO stage
-    on) and what the backward rebuilds at a time: one layer's activations
-    under full recompute, one layer's attention scores under selective,
-    one layer's activations less its kept matmul outputs under dots.
-    Per microbatch: every activation (none), every layer's input (full),
-    all but the attention scores (selective), every layer's input and
-    weight-matmul outputs (dots)."""
-    key = (self.signature(members), t, mode, d, zero)
-    if key not in self._terms:
-      c = self.totals(members, t)
-      fixed = self.state_bytes(c.params, d, zero)
-      if zero >= 3:
-        # One parameter array gathered at a time: DeepSpeed's stage 3 gathers
-        # a submodule's parameters before it runs and frees them after, XLA's
-        # FSDP all-gathers each weight for the matmul that reads it.
-        fixed += c.largest_param * (1 - 1 / d)
-      transient = {"none": 0.0, "full": c.largest_activations,
-                   "selective": c.largest_selective, "dots": c.largest_dots_rebuilt}[mode]
-      self._terms[key] = (fixed + transient,
-                          kept(mode, c.activations, c.inputs, c.selective, c.dots))
-    return self._terms[key]
-
-  def memory(self, members: int, t: int, mode: str, in_flight: float, d: int,
-             zero: int) -> float:
-    """Bytes per device."""
-    base, per_flight = self.memory_terms(members, t, mode, d, zero)
-    return base + in_flight * per_flight
-
-  def choices(self, members: int, d: int, zero: int, per_pipeline: int) -> tuple[float, list]:
-    """A stage's choices: (the most microbatches any keeps in flight within
-    the memory limit, [(width, recompute, bytes, bytes per microbatch in
-    flight, timing)]), timing being (T, Y) where the stage's position changes
-    nothing (one link level) and else a memo of them by first device."""
-    key = (self.signature(members), d, zero)
-    if key not in self._choices:
-      limit, most, choices = self.problem.memory, -math.inf, []
-      for t in self.widths(members):
-        for mode in self.problem.recompute:
-          base, per_flight = self.memory_terms(members, t, mode, d, zero)
-          if base + per_flight > limit:  # not even one microbatch in flight fits
-            continue
-          most = max(most, (limit - base) / per_flight * (1 + 1e-9) if per_flight else math.inf)
-          timing = (self.times(members, t, mode, 0, d, per_pipeline, zero) if self.single_level
-                    else self.times_by_first(members, t, mode, d, zero))
-          choices.append((t, mode, base, per_flight, timing))
-      self._choices[key] = (most, choices)
-    return self._choices[key]
-
-  def times(self, members: int, t: int, mode: str, first: int, d: int,
-            per_pipeline: int, zero: int) -> tuple[float, float]:
-    """(T, Y): seconds per microbatch and data-parallel sync per batch of the
-    stage at device offset `first` of its pipeline replica."""
-    # Rank j of the width-t group syncs with rank j of every replica: d-device
-    # rings whose widest spans from replica 0's first device to the last's end.
-    spot = (first, t, d, per_pipeline)
-    levels = self._levels.get(spot)
-    if levels is None:
-      node = self.problem.hw.devices_per_node
-      prev, after = (first - 1) % per_pipeline, (first + t) % per_pipeline
-      levels = self._levels[spot] = (
-          first // node != ((d - 1) * per_pipeline + first + t - 1) // node,
-          first // node != prev // node,
-          (first + t - 1) // node != after // node)
-    key = (self.signature(members), t, mode, d, zero, levels)
-    if key not in self._times:
-      parts = self.time_parts(members, t, mode, first, d, per_pipeline, zero)
-      self._times[key] = (parts.compute + parts.transfers + parts.zero, parts.sync)
-    return self._times[key]
-
-  def times_by_first(self, members: int, t: int, mode: str, d: int, zero: int) -> dict:
-    """A memo of `times` by first device for one stage choice."""
-    return self._tables.setdefault((self.signature(members), t, mode, d, zero), {})
-
-  def time_parts(self, members, t, mode, first, d, per_pipeline, zero) -> _TimeParts:
-    """A stage's seconds: per microbatch compute, transfers and ZeRO
-    collectives, per batch the data-parallel sync."""
-    c = self.totals(members, t)
-    ring = self.ring
-    group = (d, first, (d - 1) * per_pipeline + first + t - 1)
-    # Activations in and out, forward, and their gradients back: each crosses
-    # once per direction of the pass, not overlapped with compute. Only an
-    # interleaved first or last stage sends around the end of the pipeline.
-    transfers = 2 * (ring.send(c.bytes_in, (first - 1) % per_pipeline, first)
-                     + ring.send(c.bytes_out, first + t - 1, (first + t) % per_pipeline))
-    rebuild = rebuilt(mode, c.forward, c.selective_forward, c.dots_forward)
-    compute = c.forward + c.backward + rebuild
-    tensor = c.collectives * (1.5 if mode == "full" else 1.0)  # full recompute redoes forward's
-    if self.problem.overlap_tensor and tensor:
-      # Each of a layer's 4 (2 forward, 2 backward) beside the matmul it
-      # feeds or follows, as Megatron-LM's --tp-comm-overlap runs them.
-      rest = compute - tensor
-      tensor = exposed(tensor, rest, 4 * c.layers)
-      compute = rest + tensor
-    # Gradients move in their own dtype (float32 under mixed precision, as
-    # Megatron-LM reduces bf16 models' gradients), parameters in theirs.
-    grads = c.params * self.problem.gradients
-    zero_time = 0.0
-    if zero >= 2:  # gradients reduce-scattered every microbatch
-      zero_time += ring.gather(grads, *group)
-    if zero >= 3:  # parameters gathered for forward, backward (and full recompute)
-      zero_time += (3 if mode == "full" else 2) * ring.gather(c.params, *group)
-    sync = {0: ring.reduce(grads, *group), 1: ring.reduce(grads, *group),
-            2: ring.gather(c.params, *group), 3: 0.0}[zero]
-    if not self.problem.overlap:
-      return _TimeParts(compute, transfers, zero_time, sync, zero_time, sync, tensor)
-    # Gathers run a layer ahead of the compute that reads them, reductions
-    # a layer behind the backward that makes them; the sync only beside the
-    # last microbatch's backward.
-    return _TimeParts(compute, transfers, exposed(zero_time, compute, c.layers),
-                      exposed(sync, c.backward + rebuild, c.layers), zero_time, sync, tensor)
-
-  def stage(self, members: int, t: int, mode: str, first: int, in_flight: float, d: int,
-            per_pipeline: int, zero: int) -> Stage:
-    """The stage at device offset `first`, with its breakdown."""
-    parts = self.time_parts(members, t, mode, first, d, per_pipeline, zero)
-    c = self.totals(members, t)
-    return Stage(
-        layers=tuple(self.graph.layers[i].name for i in _layer_indices(members)), width=t,
-        recompute=mode != "none", first_device=first, in_flight=in_flight,
-        time=parts.compute + parts.transfers + parts.zero, compute=parts.compute,
-        collectives=parts.tensor, transfers=parts.transfers, zero=parts.zero, sync=parts.sync,
-        memory=self.memory(members, t, mode, in_flight, d, zero), recompute_mode=mode,
-        sync_total=parts.sync_total, zero_total=parts.zero_total, flops=c.flops)
-
-  def downsets_inside(self, rest: int, downs: list[int]) -> list[int]:
-    """The downsets strictly inside `rest`."""
-    if rest not in self._inside:
-      self._inside[rest] = [h for h in downs if not h & ~rest and h != rest]
-    return self._inside[rest]
-
-
 def _completion_floor(before: int, t_max: float, longest: float, work: float, fastest: float,
                       spare: int, head: int, transfer: float) -> float:
   """A lower bound on (m + S - 1) * max T with `before` = m + (stages so far)
@@ -631,11 +75,7 @@ def _completion_floor(before: int, t_max: float, longest: float, work: float, fa
   return min((before + s) * max(t_max, max(floor, fastest / s) + transfer) for s in counts)
 
 
-def _layer_indices(mask: int) -> list[int]:
-  return [i for i in range(mask.bit_length()) if mask >> i & 1]
-
-
-def _best_at(graph: LayerGraph, costs: _StageCosts, downs: list[int], d: int, zero: int,
+def _best_at(graph: LayerGraph, costs: StageCosts, downs: list[int], d: int, zero: int,
                bound: float) -> Placement | None:
   """The best placement with data-parallel degree d and ZeRO stage `zero`
   taking less than `bound` seconds per batch, if any."""
@@ -768,7 +208,7 @@ def place_any(candidates: Sequence[tuple[LayerGraph, int]], *, devices: int,
                            f"got {value!r}.")
   best: tuple[Placement, int] | None = None
   for i, (graph, microbatches) in enumerate(candidates):
-    problem = _problem(devices, microbatches, hardware, options)
+    problem = stage_costs.problem(devices, microbatches, hardware, options)
     found = _search(graph, problem, data_parallel, bound if best is None else best[0].time)
     if found is not None:
       best = (found, i)
@@ -794,11 +234,11 @@ def place_any(candidates: Sequence[tuple[LayerGraph, int]], *, devices: int,
   return best
 
 
-def _search(graph: LayerGraph, problem: _Problem, data_parallel: int | None,
+def _search(graph: LayerGraph, problem: Problem, data_parallel: int | None,
             bound: float) -> Placement | None:
   """The fastest placement under `bound` seconds per batch, if any: the DP's
   (plain 1F1B) and, where the options allow it, an interleaved one's."""
-  costs = _StageCosts(graph, problem)
+  costs = StageCosts(graph, problem)
   v = problem.virtual_stages
   best = None if v not in (None, 1) else _search_plain(graph, costs, data_parallel, bound)
   if v != 1:
@@ -808,7 +248,7 @@ def _search(graph: LayerGraph, problem: _Problem, data_parallel: int | None,
   return best
 
 
-def _search_plain(graph: LayerGraph, costs: _StageCosts, data_parallel: int | None,
+def _search_plain(graph: LayerGraph, costs: StageCosts, data_parallel: int | None,
                   bound: float) -> Placement | None:
   """The DP's fastest plain-1F1B placement under `bound`, if any."""
   problem = costs.problem
@@ -845,7 +285,7 @@ def _search_plain(graph: LayerGraph, costs: _StageCosts, data_parallel: int | No
   return best
 
 
-def chunks(costs: _StageCosts, count: int) -> list[int] | None:
+def chunks(costs: StageCosts, count: int) -> list[int] | None:
   """The graph cut into `count` chunks (layer bitmasks, in order) holding
   equally many of its most frequent layer kind (the repeated block), or
   where they do not divide, one fewer in the chunks nearest the ends (which
@@ -894,7 +334,7 @@ def in_flight(stage: int, stages: int, virtual: int, microbatches: int) -> float
   return min(microbatches * virtual, held) / virtual
 
 
-def uniform(costs: _StageCosts, masks: list[int], *, data_parallel: int, stages: int,
+def uniform(costs: StageCosts, masks: list[int], *, data_parallel: int, stages: int,
             virtual: int, width: int, zero: int, fits: bool = True) -> Placement | None:
   """The placement running chunk c of `masks` (S * v of them, in order) on
   stage c mod S, each stage on `width` devices, replicated `data_parallel`
@@ -931,7 +371,7 @@ def uniform(costs: _StageCosts, masks: list[int], *, data_parallel: int, stages:
   return Placement(d, m, zero, built, per_pipeline * d, total, v)
 
 
-def _search_interleaved(costs: _StageCosts, data_parallel: int | None, bound: float,
+def _search_interleaved(costs: StageCosts, data_parallel: int | None, bound: float,
                         virtuals: Sequence[int]) -> Placement | None:
   """The fastest interleaved placement (equal chunks, equal widths) under
   `bound`, if any. Megatron-LM's rule: microbatches per replica a multiple of
@@ -970,7 +410,7 @@ def _search_interleaved(costs: _StageCosts, data_parallel: int | None, bound: fl
   return best
 
 
-def _unsharded(costs: _StageCosts, plan: Placement) -> Placement | None:
+def _unsharded(costs: StageCosts, plan: Placement) -> Placement | None:
   """`plan` under ZeRO 0 (the same times), if every stage still fits."""
   stages = []
   for s in plan.stages:
@@ -980,17 +420,6 @@ def _unsharded(costs: _StageCosts, plan: Placement) -> Placement | None:
       return None
     stages.append(dataclasses.replace(s, memory=memory))
   return dataclasses.replace(plan, zero=0, stages=tuple(stages))
-
-
-def _problem(devices, microbatches, hardware, options: PlacementOptions) -> _Problem:
-  for name, value in (("devices", devices), ("microbatches", microbatches)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise PlacementError(f"{name} must be a positive int, got {value!r}.")
-  hw = get_hardware(hardware)
-  return _Problem(devices, microbatches, memory_limit(options, hw), hw, options.optimizer_state,
-                  options.zero, recompute_modes("PlacementOptions", options.recompute),
-                  options.widths, options.stages, options.gradient_state, options.overlap,
-                  options.virtual_stages, options.overlap_tensor, options.recompute is not None)
 
 
 __all__ = ["MAX_DOWNSETS", "place", "place_any"]

@@ -25,12 +25,11 @@ import math
 
 import numpy as np
 
-from automap._src.cost import halo
+from automap._src.cost import halo, layouts, reshard
 from automap._src.cost.analysis import Analysis, canonical_copies
 from automap._src.cost.collectives import (
   ALL_GATHER,
   ALL_REDUCE,
-  ALL_TO_ALL,
   KINDS,
   PERMUTE,
   REDUCE_SCATTER,
@@ -135,13 +134,6 @@ class Cost:
 _CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 # Ops whose fusions read only the part of their first operand they return.
 _SLICING = frozenset({"slice", "dynamic_slice", "gather", "scan_slice"})
-# Ops XLA's partitioner chooses among several partitionings of by cost.
-_LOOKUPS = frozenset({"gather", "scatter-add", "scatter_add", "scatter-max", "scatter-min"})
-
-
-def _layout_code(row) -> int:
-  """A layout (per-axis tiled dim, -1 for none) as one int: 4 bits an axis."""
-  return sum((d + 1) << (4 * a) for a, d in enumerate(row))
 
 
 class CostModel:
@@ -271,7 +263,7 @@ class CostModel:
     if permutes is None:  # the dim gathered whole, then sliced
       whole = [UNSHARDED if a in axes else d for a, d in enumerate(want)]
       self.emit(comms, ALL_GATHER, sum(1 << a for a in axes), local * shards,
-                window.operand, _layout_code(whole))
+                window.operand, reshard.layout_code(whole))
       return local * shards
     moved = 0.0
     for p in permutes:
@@ -281,26 +273,9 @@ class CostModel:
       moved += nbytes
     return moved
 
-  def _moved_factor(self, state: State, o: int, a: int) -> int:
-    """The factor axis a tiles while op o computes, its result tiled over a
-    by a factor the op keeps whole (`Rule.moved`): XLA moves the dim's tiles
-    to the first other dim whose size their product with its own divides
-    (`GetFirstTargetDimToMoveShardingTiles`), else gathers it."""
-    g, sizes = self.graph, self.mesh.axis_sizes
-    rule, v = g.rules[o], g.results[o][0]
-    factors = rule.results[0]
-    d = int(state[v, a])
-    tiles = [math.prod(n for b, n in enumerate(sizes) if state[v, b] == e)
-             for e in range(len(factors))]
-    for t, f in enumerate(factors):
-      if (t != d and f >= 0 and f not in rule.moved
-          and g.shapes[v][t] % (tiles[d] * tiles[t]) == 0):
-        return f
-    return UNSHARDED
-
   # -- one op --------------------------------------------------------------
 
-  def _tiles(self, state: State, v: int) -> int:
+  def tiles(self, state: State, v: int) -> int:
     """Devices value v is tiled over (1 for a literal)."""
     if v < 0:
       return 1
@@ -315,310 +290,17 @@ class CostModel:
     return float(self.graph.nbytes[v]) / div
 
   def layout(self, state: State, o: int) -> tuple[list[int], list[bool], list]:
-    """How op o computes under `state`.
-
-    Returns, per mesh axis, the factor it tiles (or UNSHARDED) and whether the
-    op's partial result is scattered over it; and per operand (None for a
-    literal) the dim each axis must tile on entry.
-    """
-    g, sizes = self.graph, self.mesh.axis_sizes
-    rule = g.rules[o]
-    operands, results = g.operands[o], g.results[o]
-    num_axes = len(sizes)
-    factor_of_axis = [UNSHARDED] * num_axes
-    scatter = [False] * num_axes
-    factor_tiles = [1] * len(rule.sizes)
-    windowed = {w.factor for w in rule.windows}
-    slicing = bool(windowed) and g.prims[o] in ("slice", "split") and (
-        self._tiles(state, operands[0]) > max(self._tiles(state, v) for v in results))
-    first_result = len(rule.operands)
-    for a in range(num_axes):
-      res_f = UNSHARDED
-      for r, v in enumerate(results):
-        d = state[v, a] if v >= 0 else -1
-        if d >= 0 and rule.results[r][d] >= 0:
-          res_f = self._factor_on(state, o, first_result + r, v, a)
-          if res_f >= 0:
-            break
-      op_fs = []
-      for p, v in enumerate(operands):
-        if v >= 0 and rule.operands[p] is not None:
-          d = state[v, a]
-          if d >= 0 and rule.operands[p][d] >= 0:
-            f = self._factor_on(state, o, p, v, a)
-            if f >= 0:
-              op_fs.append(f)
-      reductions = [f for f in op_fs if rule.reduction[f]]
-      if res_f in rule.moved:
-        res_f = self._moved_factor(state, o, a)
-      f = UNSHARDED
-      if g.prims[o] in rules.REDUCTIONS:
-        # XLA reduces each device's tile as the operand holds it, combines
-        # the partial sums over the reduced dims' axes, then reshards the
-        # (smaller) result to its own layout: it never reshards the operand
-        # to the result's (`SpmdPartitioningVisitor::HandleReduce`).
-        res_f, reductions = UNSHARDED, []
-        if op_fs:
-          f = op_fs[0]
-          scatter[a] = bool(rule.reduction[f]) and g.prims[o] not in rules.ARG_REDUCTIONS and any(
-              v >= 0 and state[v, a] >= 0 for v in results)
-      elif g.prims[o] == "scan_stack":
-        # The loop stacks each step's result in the layout the body made
-        # it in; the stacked result is resharded after the loop.
-        res_f = op_fs[0] if op_fs else UNSHARDED
-      if res_f >= 0:
-        f = res_f
-        if res_f not in op_fs and reductions:
-          f, scatter[a] = reductions[0], True
-      elif reductions:
-        f = max(set(reductions), key=reductions.count)
-      elif slicing and windowed.intersection(op_fs):
-        # A slice of an operand with more tiles than its result is made in
-        # the operand's layout, then resharded (XLA's HandleSlice).
-        f = min(windowed.intersection(op_fs))
-      if f >= 0 and rule.sizes[f] % (factor_tiles[f] * sizes[a]) == 0:
-        factor_of_axis[a] = f
-        factor_tiles[f] *= sizes[a]
-      else:
-        scatter[a] = False
-    # Scattering a partial sum over axis a into a result dim already tiled by
-    # a more minor axis b would need the tiles reordered; the partitioner
-    # computes that dim without b instead (b's operands are gathered).
-    # A reduction keeps b and all-reduces over a instead, then reshards.
-    for a in range(num_axes):
-      if not scatter[a]:
-        continue
-      for r, v in enumerate(results):
-        d = state[v, a] if v >= 0 else -1
-        if d < 0:
-          continue
-        for b in range(a + 1, num_axes):
-          if g.prims[o] in rules.REDUCTIONS and factor_of_axis[b] == rule.results[r][d]:
-            scatter[a] = False
-          elif state[v, b] == d and factor_of_axis[b] == rule.results[r][d]:
-            factor_of_axis[b] = UNSHARDED
-    for member, e, minor in rule.minor:
-      # A compound dim's minor factor is tiled only under a whole major
-      # factor, by axes after the major's (mesh order); else not at all.
-      major = rule.member_dims(member)[e]
-      on_major = [a for a in range(num_axes) if factor_of_axis[a] == major]
-      on_minor = [a for a in range(num_axes) if factor_of_axis[a] == minor]
-      if on_minor and (math.prod(sizes[a] for a in on_major) != rule.sizes[major]
-                       or max(on_major) > min(on_minor)):
-        for a in on_minor:
-          factor_of_axis[a] = UNSHARDED
-          scatter[a] = False
-    wants = []
-    if g.prims[o] in _LOOKUPS:
-      factor_of_axis, scatter = self._cheapest_lookup(state, o, factor_of_axis, scatter)
-    for p, v in enumerate(operands):
-      dims = rule.operands[p]
-      if v < 0 or dims is None:
-        wants.append(None)
-        continue
-      wants.append([rule.dim_of(p, f) if f >= 0 else UNSHARDED for f in factor_of_axis])
-    return factor_of_axis, scatter, wants
-
-  def _factor_on(self, state: State, o: int, member: int, v: int, a: int) -> int:
-    """The factor axis a tiles on value v, member `member` of op o: its
-    dim's major factor, or on a compound dim (`Rule.minor`) the one the
-    axes before a leave it."""
-    rule = self.graph.rules[o]
-    d = int(state[v, a])
-    if not rule.minor:
-      return rule.member_dims(member)[d]
-    sizes = self.mesh.axis_sizes
-    return rule.factor_on(member, d, [sizes[b] for b in range(a) if state[v, b] == d], sizes[a])
-
-  def _cheapest_lookup(self, state: State, o: int, factor_of_axis: list,
-                       scatter: list) -> tuple[list, list]:
-    """A gather or scatter whose members offer an axis two factors (a table
-    tiled on the rows it is read from, its indices on the batch) can be
-    partitioned either way; XLA dry-runs each way and takes the one of least
-    (memory, communication) (`GatherPartitionMethodsOrderedByCost` and its
-    scatter twin, by `EvaluatePartitionCost`)."""
-    g, sizes = self.graph, self.mesh.axis_sizes
-    rule = g.rules[o]
-    offered: dict[int, list[int]] = {}  # factor -> the axes members offer it on
-    for a in range(len(sizes)):
-      for p, v in enumerate(g.operands[o]):
-        d = int(state[v, a]) if v >= 0 and rule.operands[p] is not None else -1
-        if d >= 0 and rule.operands[p][d] >= 0 and rule.operands[p][d] != factor_of_axis[a]:
-          offered.setdefault(rule.operands[p][d], []).append(a)
-    choice = (factor_of_axis, scatter)
-    best = self._lookup_cost(state, o, factor_of_axis)
-    for f, axes in sorted(offered.items()):  # one method: every axis it can have
-      other = [f if a in axes else g_ for a, g_ in enumerate(factor_of_axis)]
-      if rule.sizes[f] % math.prod(sizes[a] for a, h in enumerate(other) if h == f):
-        continue
-      cost = self._lookup_cost(state, o, other)
-      if cost < best:
-        best, choice = cost, (other, [s and a not in axes for a, s in enumerate(scatter)])
-    return list(choice[0]), list(choice[1])
-
-  def _lookup_cost(self, state: State, o: int, factor_of_axis: list) -> tuple[float, float]:
-    """XLA's estimate of one partitioning of op o: the most bytes one of the
-    instructions it emits makes per device (the partitioned op's result, a
-    collective's), then the bytes its collectives make. Operands XLA makes
-    anew in any layout (a broadcast zero) cost nothing."""
-    g, sizes = self.graph, self.mesh.axis_sizes
-    rule = g.rules[o]
-    peak = moved = 0.0
-    for p, v in enumerate(g.operands[o]):
-      dims = rule.operands[p]
-      if v < 0 or dims is None or self.free[v]:
-        continue
-      want = [dims.index(f) if f >= 0 and f in dims else UNSHARDED for f in factor_of_axis]
-      comms: list = []
-      self.transition(comms, state[v], want, self.local_bytes(state, v), p)
-      for _, _, nbytes, *_ in comms:
-        moved += nbytes
-        peak = max(peak, nbytes)
-    for r, v in enumerate(g.results[o]):
-      if v < 0:
-        continue
-      dims = rule.results[r]
-      kept = [a for a, f in enumerate(factor_of_axis) if f >= 0 and f in dims]
-      local = float(g.nbytes[v]) / math.prod(sizes[a] for a in kept)
-      peak = max(peak, local)
-      if any(f >= 0 and rule.reduction[f] for f in factor_of_axis):
-        moved += local
-    return peak, moved
+    """How op o computes under `state` (`layouts.derive`): per mesh axis the
+    factor it tiles and whether its partial result is scattered over it,
+    and per operand the dim each axis must tile on entry."""
+    return layouts.derive(self, state, o)
 
   def transition(self, comms: list, have, want, local: float, value: int,
                  shape: tuple[int, ...] | None = None,
                  fused: tuple[bool, bool] = (False, False)) -> float:
-    """Collectives that move an array from layout `have` to `want` (per-axis
-    tiled dims); returns its bytes per device after. Given the array's
-    `shape`, each collective also carries the HBM bytes of the copies the
-    compiler lays its buffers out with (`relayout_bytes`), `fused` saying
-    whether the array's producer and its readers are loop fusions that
-    take the first and last copies in.
-
-    As XLA reshards: where every device's target tile lies within some
-    device's current tile (each dim's tile count only refined), it slices
-    and, unless the tile is its own, collective-permutes the slice. Else axes
-    leaving the array are all-gathered (dim by dim), axes moving between dims
-    exchanged all-to-all (unless another axis arrives on their target dim:
-    then the whole array is gathered), axes arriving sliced for free; a dim
-    whose axes are swapped for others is first permuted, then gathered only
-    as far as the coarser target. Tiles of one dim nest major to minor in
-    mesh order, so keeping a minor axis while dropping a major one, or adding
-    a major axis under a kept minor one, reorders tiles: a collective-permute
-    first.
-    """
-    sizes = self.mesh.axis_sizes
-    # An axis of one device tiles nothing: which dim it names is moot.
-    have = [UNSHARDED if n == 1 else int(h) for h, n in zip(have, sizes)]
-    want = [UNSHARDED if n == 1 else int(w) for w, n in zip(want, sizes)]
-    a2a_mask = permute_mask = moved = 0
-    gathers: dict[int, int] = {}  # dim -> the axes leaving it
-    arrivals: dict[int, int] = {}  # dim -> the axes arriving on it
-    # Tiles per dim: before, after, and of the axes tiling the array both.
-    have_tiles: dict[int, int] = {}
-    want_tiles: dict[int, int] = {}
-    kept_tiles: dict[int, int] = {}
-    after = local
-    for a in range(len(sizes)):
-      h, w = have[a], want[a]
-      if h >= 0:
-        have_tiles[h] = have_tiles.get(h, 1) * sizes[a]
-      if w >= 0:
-        want_tiles[w] = want_tiles.get(w, 1) * sizes[a]
-      if h >= 0 and w >= 0:
-        kept_tiles[h] = kept_tiles.get(h, 1) * sizes[a]
-      if h == w:
-        continue
-      moved |= 1 << a
-      if h >= 0 and w < 0:
-        gathers[h] = gathers.get(h, 0) | 1 << a
-        after *= sizes[a]
-      elif h >= 0:
-        a2a_mask |= 1 << a
-      else:
-        arrivals[w] = arrivals.get(w, 0) | 1 << a
-        after /= sizes[a]
-    for d in have_tiles:
-      on_h = [a for a in range(len(sizes)) if have[a] == d]
-      kept = [a for a in on_h if want[a] == d]
-      on_w = [a for a in range(len(sizes)) if want[a] == d]
-      if kept != on_h[:len(kept)] or on_w[:len(kept)] != kept:
-        for a in on_h + on_w:
-          permute_mask |= 1 << a
-    if not (gathers or a2a_mask or permute_mask):
-      return after  # slices of what each device holds
-    # Per collective: its entry in comms, whether its operand and result are
-    # relaid, and their bytes.
-    steps: list[tuple[int, bool, bool, float, float]] = []
-    target = _layout_code(want)
-    if all(want_tiles.get(d, 1) % t == 0 for d, t in have_tiles.items()):
-      self.emit(comms, PERMUTE, moved | permute_mask, after, value, target)
-      return after
-    leaving = {have[a] for a in range(len(sizes)) if a2a_mask >> a & 1}
-    incoming = {want[a] for a in range(len(sizes)) if moved >> a & 1}
-    if any(d in leaving and d not in incoming for d in gathers):
-      # A dim losing one axis to another dim and another to a gather, with
-      # none coming in: XLA's partitioner finds no collective for it and
-      # rematerialises the whole array, then slices.
-      whole = local * math.prod(have_tiles.values())
-      self.emit(comms, ALL_GATHER, moved, whole, value, target)
-      return after
-    if any(a2a_mask >> a & 1 and want[a] in arrivals for a in range(len(sizes))):
-      # An axis moving to a dim that another axis arrives on too: no
-      # all-to-all makes those tiles; XLA gathers the whole array, then slices.
-      whole = local * math.prod(have_tiles.values())
-      sharded = sum(1 << a for a in range(len(sizes)) if have[a] >= 0)
-      self.emit(comms, ALL_GATHER, sharded, whole, value, target)
-      return after
-    # If the target's tiles lie within those of the axes that stay, one
-    # permute moves them into place before gathering.
-    permuted = True
-    if (a2a_mask or permute_mask or any(d in arrivals for d in gathers)) and all(
-        want_tiles.get(d, 1) % t == 0 for d, t in kept_tiles.items()):
-      self.emit(comms, PERMUTE, moved | permute_mask, local, value, target)
-      a2a_mask = 0
-    elif permute_mask:
-      self.emit(comms, PERMUTE, permute_mask, local, value, target)
-    else:
-      permuted = False
-    # An all-gather concatenates along one dim: XLA gathers dims one at a
-    # time, the last first, each result the input of the next. Unpermuted,
-    # each step's result is a layout of its own, which every reader that
-    # passes through it shares (XLA caches reshards per value and layout).
-    gathered = local
-    step = list(have)
-    for d in sorted(gathers, reverse=True):
-      grow = self.group_size[gathers[d]]
-      if d in arrivals:  # gathered only to the target's tiles
-        grow /= self.group_size[arrivals[d]]
-      if grow > 1:
-        gathered *= grow
-        for a in range(len(sizes)):
-          if gathers[d] >> a & 1:
-            step[a] = UNSHARDED
-        key = target if permuted else _layout_code(step)
-        at = len(comms)
-        self.emit(comms, ALL_GATHER, gathers[d], gathered, value, key)
-        if len(comms) > at:  # relaid unless every dim before d is one element here
-          copied = self.compiler.major_collective_dims and shape is not None and any(
-              shape[e] > math.prod(sizes[a] for a in range(len(sizes)) if step[a] == e)
-              for e in range(d))
-          steps.append((at, copied, copied, gathered / grow, gathered))
-    # Then one all-to-all per (source dim, target dim) of the axes moving.
-    pairs: dict[tuple[int, int], int] = {}
-    for a in range(len(sizes)):
-      if a2a_mask >> a & 1:
-        pair = (have[a], want[a])
-        pairs[pair] = pairs.get(pair, 0) | 1 << a
-    for mask in pairs.values():
-      at = len(comms)
-      self.emit(comms, ALL_TO_ALL, mask, gathered, value, target)
-      if len(comms) > at:
-        split = self.compiler.tuple_all_to_all and shape is not None
-        steps.append((at, split, split, gathered, gathered))
-    for (i, *_), relaid in zip(steps, relayout_bytes([s[1:] for s in steps], *fused)):
-      comms[i] = comms[i][:6] + (relaid,)
-    return after
+    """The collectives that reshard a value from `have` to `want`, appended
+    to `comms`; the bytes per device after (`reshard.transition`)."""
+    return reshard.transition(self, comms, have, want, local, value, shape, fused)
 
   def op_cost(self, state: State, o: int) -> OpCost:
     """Cost of op o under `state`."""
@@ -867,28 +549,6 @@ class CostModel:
     """[V] bytes per device of every value."""
     tiles = np.where(state >= 0, self.sizes[None, :], 1).prod(axis=1)
     return self.graph.nbytes / tiles
-
-
-def relayout_bytes(steps: list[tuple[bool, bool, float, float]], fused_before: bool,
-                   fused_after: bool) -> list[float]:
-  """HBM bytes per device of the fusions a compiler adds around each of one
-  reshard's collectives (per collective: whether its operand is relaid,
-  whether its result is, their bytes) to lay their buffers out as the
-  collectives need (`Compiler.major_collective_dims`,
-  `Compiler.tuple_all_to_all`). Each fusion reads the array and writes it
-  anew: before the first collective unless the array's producer is a loop
-  fusion that takes it in, between two collectives once (charged to the
-  first), after the last unless its readers are loop fusions that take it
-  in."""
-  out = []
-  for i, (before, after, operand, result) in enumerate(steps):
-    total = 0.0
-    if before and not (fused_before if i == 0 else steps[i - 1][1]):
-      total += 2 * operand
-    if after and (i < len(steps) - 1 or not fused_after):
-      total += 2 * result
-    out.append(total)
-  return out
 
 
 def _pair_axes(axes: list[int], sizes, pairs) -> int:

@@ -35,7 +35,7 @@ import numpy as np
 from jax.extend import core as jex
 
 from automap._src.ir import constraints as constraints_lib
-from automap._src.ir import rules
+from automap._src.ir import factor_rule, rules, slices
 from automap._src.ir.constraints import Constraint
 from automap._src.ir.trace import Traced
 
@@ -365,7 +365,7 @@ class Graph:
   operands: tuple[tuple[int, ...], ...]  # [O]
   operand_shapes: tuple[tuple[tuple[int, ...], ...], ...]  # [O]
   results: tuple[tuple[int, ...], ...]  # [O]
-  rules: tuple[rules.Rule, ...]  # [O]
+  rules: tuple[factor_rule.Rule, ...]  # [O]
   flops: np.ndarray  # [O] float64, one run
   trips: np.ndarray  # [O] int64, runs per call (scan bodies: trip counts)
   regions: np.ndarray  # [O] int32, the cond branch or while body it is in (0: none)
@@ -404,10 +404,10 @@ class _Builder:
     self.trips: list[int] = []
     self.regions: list[int] = []
     self.unknown: dict[str, int] = {}
-    # pad results -> (padding config, operand shape), for `_reads_padding_only`.
+    # pad results -> (padding config, operand shape), for `slices.reads_padding_only`.
     self.pads: dict[int, tuple] = {}
     # concatenate results -> (dimension, operands, operand shapes), for
-    # `within_one_operand`.
+    # `slices.within_one_operand`.
     self.concats: dict[int, tuple] = {}
     self.constraints: list[Constraint] = []
     self.region = lambda: 0  # the walk's current region, for ties
@@ -454,7 +454,7 @@ class _Builder:
         and ins[0] in self.concats):
       # A slice within one operand of a concatenate reads that operand (as
       # XLA simplifies it, and as apply rewrites it).
-      found = within_one_operand(*self.concats[ins[0]], params)
+      found = slices.within_one_operand(*self.concats[ins[0]], params)
       if found is not None:
         operand, in_shapes[0], params = found
         ins = [operand, *ins[1:]]
@@ -462,7 +462,7 @@ class _Builder:
     # (its extended dtype) never tiled.
     bits = name == "random_bits" and jax.config.jax_threefry_partitionable
     if (name in DELIBERATELY_REPLICATED or exotic) and not bits:
-      rule = rules.replicated_rule(in_shapes, out_shapes)
+      rule = factor_rule.replicated_rule(in_shapes, out_shapes)
     else:
       if not rules.has_rule(name):
         self.unknown[name] = self.unknown.get(name, 0) + 1
@@ -472,7 +472,7 @@ class _Builder:
     if name == "concatenate" and not step.sealed:
       self.concats[step.out_ids[0]] = (params["dimension"], list(ins), list(in_shapes))
     if name == "slice" and not isinstance(ins[0], Literal) and ins[0] in self.pads:
-      if _reads_padding_only(*self.pads[ins[0]], params):
+      if slices.reads_padding_only(*self.pads[ins[0]], params):
         # XLA folds it into a constant: the slice reads no array.
         ins = [Literal(in_shapes[0], None), *ins[1:]]
     self._record(name, ins, in_shapes, step.out_ids, rule, eqn_flops(eqn), step.scope,
@@ -480,7 +480,7 @@ class _Builder:
     return list(step.out_ids)
 
   def _record(self, name: str, ins: list, in_shapes: list, out_ids: tuple,
-              rule: rules.Rule, flops: float, scope: str, trips: int, region: int) -> None:
+              rule: factor_rule.Rule, flops: float, scope: str, trips: int, region: int) -> None:
     """Appends one op to the tables."""
     self.prims.append(name)
     self.operands.append(tuple(-1 if isinstance(x, Literal) else x for x in ins))
@@ -515,7 +515,7 @@ class _Builder:
       out = tuple(int(d) for d in aval.shape)
       in_shapes = [x.shape if isinstance(x, Literal) else self.shapes[x] for x in operands]
       self._record(name, operands, in_shapes, (vid,),
-                   rules.scan_tie_rule(name, in_shapes, out), 0.0, scope, trips,
+                   factor_rule.scan_tie_rule(name, in_shapes, out), 0.0, scope, trips,
                    self.region())
     return list(out_ids)
 
@@ -534,45 +534,6 @@ def _is_numpy(dtype) -> bool:
     return True
   except TypeError:
     return False
-
-
-def within_one_operand(dimension: int, operands: list, shapes: list, params):
-  """(operand, its shape, the slice's params on it) when a slice of a
-  concatenate's result selects elements of one operand only, else None."""
-  strides = params["strides"] or (1,) * len(shapes[0])
-  start = params["start_indices"][dimension]
-  last = _last_selected(start, params["limit_indices"][dimension], strides[dimension])
-  if last is None:
-    return None
-  offset = 0
-  for operand, shape in zip(operands, shapes):
-    if offset <= start and last < offset + shape[dimension]:
-      shift = [offset if d == dimension else 0 for d in range(len(shape))]
-      moved = dict(params,
-                   start_indices=tuple(i - s for i, s in zip(params["start_indices"], shift)),
-                   limit_indices=tuple(i - s for i, s in zip(params["limit_indices"], shift)))
-      return operand, shape, moved
-    offset += shape[dimension]
-  return None
-
-
-def _reads_padding_only(config, shape, params) -> bool:
-  """Whether a slice of a pad's result selects only padding along some dim
-  (no interior padding there), so that it is a constant."""
-  strides = params["strides"] or (1,) * len(shape)
-  for (lo, _, interior), n, start, limit, step in zip(
-      config, shape, params["start_indices"], params["limit_indices"], strides):
-    last = _last_selected(start, limit, step)
-    if interior or last is None:
-      continue
-    if last < lo or start >= lo + n:
-      return True
-  return False
-
-
-def _last_selected(start: int, limit: int, stride: int) -> int | None:
-  """The last index a strided slice [start, limit) selects; None if none."""
-  return None if start >= limit else start + (limit - 1 - start) // stride * stride
 
 
 def build(traced: Traced) -> Graph:

@@ -22,152 +22,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-UNSHARDABLE = -1
-
-Shape = tuple[int, ...]
-
-
-class Window(NamedTuple):
-  """A result dim read from an operand dim through a window of one element
-  (a slice, a split's piece, an edge pad): the two dims share `factor`, and
-  tiled, XLA brings each device the elements its result tile needs from
-  its neighbours (`cost/halo.py`). `low`/`high`: edge padding of the
-  operand dim (negative: cropped); a slice [start, limit) has low = -start,
-  high = limit - size."""
-
-  factor: int
-  operand: int  # operand position
-  dim: int  # operand dim
-  result: int  # result index
-  low: int
-  high: int
-  stride: int = 1
-
-
-class Rule(NamedTuple):
-  """Factor rule of one operation.
-
-  operands: per operand (literals included), per dimension, a factor id or
-    `UNSHARDABLE`; None where an operand has no dims to speak of.
-  results: the same for every result.
-  sizes: per factor, the largest tile count it admits (its extent).
-  reduction: per factor, whether it indexes no result (partial results).
-  replicated: the operation has no rule; everything it touches is whole.
-  windows: factors a result dim reads through a window (`Window`).
-  moved: factors of dims that must be whole while the op computes: tiled,
-    XLA moves their tiles to another dim of the result instead of gathering
-    them (`HandleElementwiseWithDimsToReplicate`: a concatenate's dim).
-    Propagation passes through them as through any factor.
-  minor: the second factor of a compound dim, as (member, dim, factor):
-    member counts operands first, then results; the dim's entry in
-    `operands`/`results` is its major factor.
-  """
-
-  operands: tuple[tuple[int, ...] | None, ...]
-  results: tuple[tuple[int, ...], ...]
-  sizes: tuple[int, ...]
-  reduction: tuple[bool, ...]
-  replicated: bool = False
-  windows: tuple[Window, ...] = ()
-  moved: tuple[int, ...] = ()
-  minor: tuple[tuple[int, int, int], ...] = ()
-
-  def member_dims(self, member: int) -> tuple[int, ...] | None:
-    """Member `member`'s major factor per dim (operands first)."""
-    n = len(self.operands)
-    return self.operands[member] if member < n else self.results[member - n]
-
-  def factor_on(self, member: int, d: int, before: Sequence[int], tiles: int) -> int:
-    """The factor an axis of `tiles` devices tiles on dim d of `member`, the
-    axes before it on that dim (mesh order) of `before` devices each: on a
-    compound dim, the major factor while the axes divide it, then the
-    minor one once it is whole (UNSHARDABLE for an axis straddling
-    them, or any after one); on another dim its factor, whose extent the
-    caller checks."""
-    f = self.member_dims(member)[d]
-    minor = [g for m, e, g in self.minor if m == member and e == d]
-    if f < 0 or not minor:
-      return f
-    major = inner = 1
-    for n in (*before, tiles):
-      if inner == 1 and self.sizes[f] % (major * n) == 0:
-        major *= n
-        owner = f
-      elif major == self.sizes[f]:
-        inner *= n
-        owner = minor[0]
-      else:
-        return UNSHARDABLE
-    return owner if self.sizes[owner] % (inner if owner != f else major) == 0 else UNSHARDABLE
-
-  def dim_of(self, member: int, f: int) -> int:
-    """The dim of `member` that factor f indexes (major or minor), or -1."""
-    dims = self.member_dims(member)
-    if dims is not None and f in dims:
-      return dims.index(f)
-    for m, e, g in self.minor:
-      if m == member and g == f:
-        return e
-    return -1
-
-
-class _Builder:
-  """Accumulates factors; `new(size)` returns a fresh factor id."""
-
-  def __init__(self):
-    self.sizes: list[int] = []
-
-  def new(self, size: int) -> int:
-    if size <= 1:
-      return UNSHARDABLE  # A unit dimension has nothing to tile.
-    self.sizes.append(int(size))
-    return len(self.sizes) - 1
-
-  def rule(self, operands, results, windows=(), moved=(), minor=()) -> Rule:
-    operands = tuple(None if o is None else tuple(o) for o in operands)
-    results = tuple(tuple(r) for r in results)
-    in_result = {f for r in results for f in r if f != UNSHARDABLE}
-    in_result |= {f for m, _, f in minor if m >= len(operands)}
-    reduction = tuple(f not in in_result for f in range(len(self.sizes)))
-    return Rule(operands, results, tuple(self.sizes), reduction,
-                windows=tuple(w for w in windows if w.factor >= 0), moved=tuple(moved),
-                minor=tuple(minor))
-
-
-def replicated_rule(in_shapes: Sequence[Shape | None],
-                    out_shapes: Sequence[Shape]) -> Rule:
-  """Every dimension whole: the safe rule for anything we cannot reason about."""
-  return Rule(
-      tuple(None if s is None else (UNSHARDABLE,) * len(s) for s in in_shapes),
-      tuple((UNSHARDABLE,) * len(s) for s in out_shapes), (), (), True)
-
-
-def scan_tie_rule(name: str, ins: Sequence[Shape], out: Shape) -> Rule:
-  """How control flow's operands and results relate to its bodies':
-  "scan_slice" takes one [T, ...] operand to its per-step slice,
-  "scan_stack" one per-step result to the stacked [T, ...] one; any other
-  tie ("scan_carry", "while_carry": initial and body carry to the final
-  one; "cond_result": each branch's value to the cond's) gives all its
-  members of the result's shape one layout (a cond's index, a loop's
-  condition ride along whole). The step dim T stays whole: every device
-  runs every step."""
-  b = _Builder()
-  factors = [b.new(n) for n in (out[1:] if name == "scan_stack" else out)]
-  if name == "scan_slice":
-    return b.rule([[UNSHARDABLE, *factors]], [factors])
-  if name == "scan_stack":
-    return b.rule([factors], [[UNSHARDABLE, *factors]])
-  # A cond's index or a loop's condition rides along whole.
-  return b.rule([factors if len(s) == len(out) else [UNSHARDABLE] * len(s) for s in ins],
-                [factors])
+from automap._src.ir.factor_rule import (
+  UNSHARDABLE,
+  Builder,
+  Rule,
+  Shape,
+  Window,
+  replicated_rule,
+)
 
 
 def _elementwise(ins, outs, params) -> Rule:
-  b = _Builder()
+  b = Builder()
   shape = outs[0]
   factors = [b.new(n) for n in shape]
   operands = []
@@ -187,7 +57,7 @@ def _elementwise(ins, outs, params) -> Rule:
 
 
 def _broadcast_in_dim(ins, outs, params) -> Rule:
-  b = _Builder()
+  b = Builder()
   out = outs[0]
   factors = [b.new(n) for n in out]
   operand = []
@@ -231,7 +101,7 @@ def _reshape(ins, outs, params) -> Rule:
   if params.get("dimensions") is not None:
     return replicated_rule(ins, outs)
   a, o = ins[0], outs[0]
-  b = _Builder()
+  b = Builder()
   operand = [UNSHARDABLE] * len(a)
   result = [UNSHARDABLE] * len(o)
   minor = []
@@ -259,7 +129,7 @@ def _reshape(ins, outs, params) -> Rule:
 
 
 def _squeeze(ins, outs, params) -> Rule:
-  b = _Builder()
+  b = Builder()
   dims = set(d % len(ins[0]) for d in params["dimensions"])
   operand, result = [], []
   for i, n in enumerate(ins[0]):
@@ -273,7 +143,7 @@ def _squeeze(ins, outs, params) -> Rule:
 
 
 def _transpose(ins, outs, params) -> Rule:
-  b = _Builder()
+  b = Builder()
   operand = [b.new(n) for n in ins[0]]
   return b.rule([operand], [[operand[p] for p in params["permutation"]]])
 
@@ -281,7 +151,7 @@ def _transpose(ins, outs, params) -> Rule:
 def _dot_general(ins, outs, params) -> Rule:
   (lc, rc), (lb, rb) = params["dimension_numbers"]
   lhs, rhs = ins
-  b = _Builder()
+  b = Builder()
   lf = [UNSHARDABLE] * len(lhs)
   rf = [UNSHARDABLE] * len(rhs)
   result = []
@@ -307,7 +177,7 @@ def _conv(ins, outs, params) -> Rule:
   spatial dims stay whole (tiling them needs halo exchanges)."""
   dn = params["dimension_numbers"]
   lhs, rhs = ins
-  b = _Builder()
+  b = Builder()
   lf = [UNSHARDABLE] * len(lhs)
   rf = [UNSHARDABLE] * len(rhs)
   result = [UNSHARDABLE] * len(outs[0])
@@ -322,7 +192,7 @@ def _conv(ins, outs, params) -> Rule:
 def _reduce(ins, outs, params) -> Rule:
   """reduce_sum/max/.../argmax: reduced dims are reduction factors (an
   argmax's partial winners are combined by gathering them)."""
-  b = _Builder()
+  b = Builder()
   axes = set(params["axes"])
   operand, result = [], []
   for i, n in enumerate(ins[0]):
@@ -337,7 +207,7 @@ def _along_axis(key: str):
   """Ops that need one whole axis (cumulative ops, sort, split...)."""
 
   def rule(ins, outs, params) -> Rule:
-    b = _Builder()
+    b = Builder()
     rank = len(outs[0]) if outs[0] else len(ins[0])
     axis = params[key] % rank if rank else 0
     factors = [UNSHARDABLE if i == axis else b.new(n)
@@ -353,7 +223,7 @@ def _along_axis(key: str):
 def _split(ins, outs, params) -> Rule:
   """Pieces of one axis: each reads its range of the operand's through a
   window; the axis tiles by a factor every piece divides."""
-  b = _Builder()
+  b = Builder()
   a = ins[0]
   axis = params["axis"] % len(a)
   pieces = [o[axis] for o in outs]
@@ -368,7 +238,7 @@ def _split(ins, outs, params) -> Rule:
 def _slice(ins, outs, params) -> Rule:
   """A static slice: an untouched dim tiles as it is; a sliced one shares a
   factor with its range of the operand, read through a window."""
-  b = _Builder()
+  b = Builder()
   a, o = ins[0], outs[0]
   strides = params.get("strides") or (1,) * len(a)
   factors, windows = [], []
@@ -392,7 +262,7 @@ def _bitcast_convert_type(ins, outs, params) -> Rule:
 
 def _same_where_equal(ins, outs, params) -> Rule:
   """dynamic_slice / dynamic_update_slice / rev: a dim tiles where it is untouched."""
-  b = _Builder()
+  b = Builder()
   a, o = ins[0], outs[0]
   touched = set(params.get("dimensions", ()))
   factors = [b.new(n) if n == o[i] and i not in touched else UNSHARDABLE
@@ -409,7 +279,7 @@ def _same_where_equal(ins, outs, params) -> Rule:
 def _pad(ins, outs, params) -> Rule:
   """Edge padding reads the operand through a window; interior padding
   (dilation) keeps its dim whole."""
-  b = _Builder()
+  b = Builder()
   factors, windows = [], []
   for i, (n, (lo, hi, interior), m) in enumerate(zip(ins[0], params["padding_config"],
                                                       outs[0])):
@@ -426,7 +296,7 @@ def _pad(ins, outs, params) -> Rule:
 def _concatenate(ins, outs, params) -> Rule:
   """Operands tile alike; the concatenated dim by a factor every operand
   divides, which the op moves aside while it computes (`Rule.moved`)."""
-  b = _Builder()
+  b = Builder()
   d = params["dimension"]
   factors = [b.new(math.gcd(n, *(s[d] for s in ins))) if i == d else b.new(n)
              for i, n in enumerate(outs[0])]
@@ -435,7 +305,7 @@ def _concatenate(ins, outs, params) -> Rule:
 
 
 def _iota(ins, outs, params) -> Rule:
-  b = _Builder()
+  b = Builder()
   return b.rule([], [[b.new(n) for n in outs[0]]])
 
 
@@ -443,12 +313,12 @@ def _random_bits(ins, outs, params) -> Rule:
   """Counter-based bits (`jax_threefry_partitionable`, on by default): each
   element hashes its own index under its key, so any tile computes its own
   elements alone, and a key array's dims lead the result's."""
-  b = _Builder()
+  b = Builder()
   factors = [b.new(n) for n in outs[0]]
   return b.rule([factors[:len(ins[0])]], [factors])
 
 
-def _whole_windows(b: _Builder, operand, of: list, window_factors: list, window_dims,
+def _whole_windows(b: Builder, operand, of: list, window_factors: list, window_dims,
                    skipped, indexed, window_size, clipped: bool) -> None:
   """Gives each operand dim a whole window spans one factor with its dim in
   the window array (a gather's result, a scatter's updates): a pass-through
@@ -467,7 +337,7 @@ def _clipped(params) -> bool:
   return "FILL" not in str(params.get("mode", "")).upper()
 
 
-def _trivially_sliced(b: _Builder, operand, of: list, indexed, skipped, batching,
+def _trivially_sliced(b: Builder, operand, of: list, indexed, skipped, batching,
                       window_size) -> None:
   """Gives each operand dim an index selects in with a window of one element
   a factor of its own (XLA's `PartitionGatherTrivialSlicedOperandDimensions`
@@ -501,7 +371,7 @@ def _gather(ins, outs, params) -> Rule:
   dn = params["dimension_numbers"]
   operand, indices = ins
   out = outs[0]
-  b = _Builder()
+  b = Builder()
   of = [UNSHARDABLE] * len(operand)
   inf = [UNSHARDABLE] * len(indices)
   result = [UNSHARDABLE] * len(out)
@@ -542,7 +412,7 @@ def _scatter_replace(ins, outs, params) -> Rule:
 def _scatter(ins, outs, params, combinable: bool) -> Rule:
   dn = params["dimension_numbers"]
   operand, indices, updates = ins
-  b = _Builder()
+  b = Builder()
   of = [UNSHARDABLE] * len(operand)
   inf = [UNSHARDABLE] * len(indices)
   uf = [UNSHARDABLE] * len(updates)

@@ -35,7 +35,7 @@ from jax.extend import core as jex
 from jax.sharding import AbstractMesh, AxisType
 
 from automap._src.ir import constraints as constraints_lib
-from automap._src.ir import names as names_lib
+from automap._src.ir import leaf_names as names_lib
 from automap._src.ir.errors import ArgumentError
 
 # Leaves traced as `jax.jit` traces them; every other leaf is static.

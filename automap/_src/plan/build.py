@@ -10,6 +10,7 @@ from __future__ import annotations
 from jax.sharding import PartitionSpec
 
 from automap._src.cost.model import KINDS
+from automap._src.cost.program import Program
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import graph as graph_lib
 from automap._src.ir.naming import layer_of
@@ -17,7 +18,6 @@ from automap._src.plan import report
 from automap._src.plan.plan import Plan, Yardstick
 from automap._src.search import tactics
 from automap._src.search.driver import Found
-from automap._src.search.program import Program
 from automap._src.search.request import MemoryLimitError
 from automap._src.sharding.mesh import MeshError
 from automap._src.sharding.state import State, spec_from_row, spec_of

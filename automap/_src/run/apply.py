@@ -25,7 +25,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from automap._src.ir import constraints as constraints_lib
-from automap._src.ir import graph as graph_lib
+from automap._src.ir import slices
 from automap._src.ir import trace as trace_lib
 from automap._src.ir.graph import Step, Walk
 from automap._src.ir.trace import Traced
@@ -57,14 +57,14 @@ def interpreter(traced: Traced, constraints: Mapping[int, PartitionSpec],
   # Concatenations made so far: id of the result -> (the result, kept so its
   # id stays its own; dimension, operands, their shapes), so a slice within
   # one operand reads that operand, as the graph records it
-  # (`graph.within_one_operand`).
+  # (`slices.within_one_operand`).
   concats: dict[int, tuple] = {}
 
   def visit(step: Step, ins: list) -> list:
     eqn = step.eqn
     bind_params = eqn.params
     if eqn.primitive.name == "slice" and id(ins[0]) in concats:
-      found = graph_lib.within_one_operand(*concats[id(ins[0])][1:], eqn.params)
+      found = slices.within_one_operand(*concats[id(ins[0])][1:], eqn.params)
       if found is not None:
         ins = [found[0], *ins[1:]]
         bind_params = found[2]

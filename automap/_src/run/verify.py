@@ -19,6 +19,7 @@ from jax.experimental import multihost_utils
 
 from automap._src.cost.compiler import PLATFORMS, XLA_TPU, compiler_for
 from automap._src.cost.model import KINDS, Cost
+from automap._src.cost.program import Program
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace as trace_lib
 from automap._src.plan import build
@@ -32,7 +33,6 @@ from automap._src.run.compiled import (
   compiled_traffic,
   summarize,
 )
-from automap._src.search.program import Program
 from automap._src.sharding.mesh import MeshError, MeshSpec
 
 

@@ -19,10 +19,10 @@ import itertools
 
 import numpy as np
 
+from automap._src.cost.program import Program
 from automap._src.ir import graph as graph_lib
 from automap._src.ir.groups import Group, colours, find_groups, structural_groups
 from automap._src.search import tactics
-from automap._src.search.program import Program
 from automap._src.sharding.state import State, concat
 
 # At most this many groups of large intermediates become candidates.

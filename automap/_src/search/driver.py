@@ -2,7 +2,6 @@
 
 `run` checks the memory limit and runs the requested backend: MCTS followed
 by refinement of its best plans, or the ILP warm-started from MCTS.
-`build_program` traces a function into the program a search reads.
 """
 
 from __future__ import annotations
@@ -14,29 +13,15 @@ import warnings
 
 from rich import progress as progress_lib
 
-from automap._src.cost.hardware import get_hardware
+from automap._src.cost.program import Program
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import constraints as constraints_lib
-from automap._src.ir import trace as trace_lib
 from automap._src.search import front as front_lib
 from automap._src.search import ilp, mcts, refine
 from automap._src.search.actions import ActionSpace
-from automap._src.search.program import Program
-from automap._src.search.request import Hints, MemoryLimitError, SearchOptions, SearchWarning
-from automap._src.sharding import kernels
-from automap._src.sharding.mesh import MeshSpec
+from automap._src.search.request import MemoryLimitError, SearchOptions, SearchWarning
+from automap._src.sharding import propagation_kernels as kernels
 from automap._src.sharding.state import State
-
-
-def build_program(fn, args, mesh, hardware, hints: Hints | None = None,
-                  constraints: str = constraints_lib.KEEP, names=None) -> Program:
-  """The program a search reads: `fn(*args)` traced on `mesh` and `hardware`,
-  with `hints`' pinned layouts and its own constraints used as `constraints`
-  says."""
-  spec = MeshSpec.of(mesh)  # Checked before the trace uses it.
-  traced = trace_lib.trace(fn, args, mesh, names=names)
-  return Program.build(traced, spec, get_hardware(hardware),
-                       (hints or Hints()).fixed, constraints=constraints)
 
 
 @dataclasses.dataclass
@@ -239,5 +224,5 @@ def mesh_shapes(devices: int) -> list[tuple[int, ...]]:
   return sorted(out, key=len)
 
 
-__all__ = ["Found", "build_program", "check_memory_limit", "mesh_shapes", "run", "run_ilp",
+__all__ = ["Found", "check_memory_limit", "mesh_shapes", "run", "run_ilp",
            "run_mcts"]

@@ -1,42 +1,26 @@
 """Exact search: Alpa's intra-operator ILP, priced by the same cost model.
 
-Every op picks one *strategy*: which factor of its rule each mesh axis tiles
-and, where an axis tiles a reduction factor, whether the partial result is
-all-reduced or reduce-scattered into one of its dims. A strategy fixes the
-layouts the op wants its operands in and the layout it makes its results in;
-every argument picks a layout of its own. The objective is the step time:
+Every op picks one *strategy* (which factor of its rule each mesh axis
+tiles; where an axis tiles a reduction factor, whether the partial result
+is all-reduced or reduce-scattered into one of its dims), every argument a
+layout. The objective is the step time: per op its compute and result
+collectives, priced by `CostModel` on a state in which its members sit in
+the strategy's layouts (late collectives pay their latency once per kind
+and axes, as XLA combines them); per value and layout its readers want,
+one reshard (`CostModel.transition`); overlapped where XLA overlaps
+(`_Formulation._overlap`). An op may take only the strategy `CostModel`
+derives from its operands' stored layouts, so the objective is the plan's
+step time as `Tracker` prices it, except at gathers and scatters, whose
+route XLA picks by the layouts their operands arrive in (`layouts.derive`).
 
-  - per op, its compute and result collectives under the strategy, priced
-    by `CostModel` on a state in which the op's members sit exactly in those
-    layouts (late collectives, such as gradient reductions, pay their
-    latency once per kind and axes, as XLA combines them);
-  - per value and per layout its readers want it in, one reshard from the
-    layout it is made in (XLA makes one copy per value and layout, shared by
-    every reader), priced by `CostModel.transition`.
-
-An op may take only the strategy `CostModel` derives from the layouts its
-operands are made in (a reduction is split only where an operand is stored
-split), so the objective is the plan's step time as `Tracker` prices it;
-except at gathers and scatters, whose route XLA picks by the layouts their
-operands arrive in (`CostModel._cheapest_lookup`), which the solver takes
-to be those it wants: there `Tracker`'s price of the solution may differ
-(the plan is the solution, priced by `Tracker`).
-
-With a memory limit, the bytes alive at a program point (resident arguments
-and results, plus the temporaries live there) are bounded at the points
-where the plan peaks; the points are added lazily: solve, measure the
-solution's peak with `Tracker`, add the point where it exceeds the limit,
-solve again.
-
-Ops with identical neighbourhoods (Weisfeiler-Lehman colours) share a
-strategy and values in identical positions share their reshard terms, so
-repeated layers cost the solver one layer. A training step's carried state
-(a result under an argument's path, shape and dtype) comes back in the
-layout it came in: the next step reads it as it is. The solution becomes a
-state like any other, and `plan.build.make_plan` prices it with `Tracker`: the
-figures a plan reports never come from the solver's model.
-
-Solved with OR-Tools CP-SAT; costs are integers in picoseconds and bytes.
+A memory limit bounds the bytes alive at the program points where the
+solution peaks, added lazily (solve, measure with `Tracker`, bound the
+peak, solve again). Ops with equal Weisfeiler-Lehman colours share a
+strategy, values in like positions their reshard terms; carried state
+comes back in the layout it came in. The solution is a state like any
+other: `plan.build.make_plan` prices it with `Tracker`, never with the
+solver's model. Solved with OR-Tools CP-SAT; costs in integer picoseconds
+and bytes.
 """
 
 from __future__ import annotations
@@ -49,10 +33,10 @@ from collections.abc import Callable
 import numpy as np
 from ortools.sat.python import cp_model
 
+from automap._src.cost.program import Program
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import rules
 from automap._src.ir.groups import colours
-from automap._src.search.program import Program
 from automap._src.search.strategies import Layout, StrategyPricer, layouts, op_classes
 from automap._src.sharding.state import UNSHARDED, State, empty_state
 

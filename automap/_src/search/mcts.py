@@ -31,9 +31,9 @@ from typing import Protocol
 
 import numpy as np
 
+from automap._src.cost.program import Program
 from automap._src.cost.tracker import Tracker
 from automap._src.search.actions import Action, ActionSpace
-from automap._src.search.program import Program
 from automap._src.sharding.state import State
 
 Score = tuple[float, float]  # (bytes over the memory limit, step seconds)

@@ -24,9 +24,9 @@ import time
 
 import numpy as np
 
+from automap._src.cost.program import Program
 from automap._src.cost.tracker import Tracker
 from automap._src.search.mcts import Score, better, score_of
-from automap._src.search.program import Program
 from automap._src.sharding.state import UNSHARDED, State
 
 # A region left whole at once has at most this many values per class member.

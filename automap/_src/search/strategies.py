@@ -17,7 +17,7 @@ import numpy as np
 
 from automap._src.cost.memo import OpCost
 from automap._src.cost.model import CostModel
-from automap._src.search.program import Program
+from automap._src.cost.program import Program
 from automap._src.sharding.state import UNSHARDED
 
 Layout = tuple[int, ...]  # per mesh axis, the dim it tiles or UNSHARDED

@@ -150,6 +150,33 @@ class Tactics:
 YARDSTICKS = ("data parallel", "Megatron + data parallel")
 
 
+# The hand-written strategies the benchmarks and yardsticks compare with.
+EXPERTS = ("data parallel", "Megatron", "Megatron+DP", "FSDP")
+
+
+def expert_states(program, space) -> dict:
+  """The expert strategies by name (`EXPERTS`) on `program`, from the
+  tactics of its action space `space`: data parallelism over every axis,
+  Megatron on the last, Megatron with data parallelism over the others,
+  and FSDP (every argument split over every axis)."""
+  tactics, real = space.experts, space.real_axes
+  out = {}
+  for name in EXPERTS:
+    state = program.initial_state()
+    if name == "data parallel":
+      tactics.data_parallel(state, real)
+    elif name == "Megatron":
+      tactics.megatron(state, real[-1])
+    elif name == "Megatron+DP":
+      tactics.data_parallel(state, real[:-1])
+      tactics.megatron(state, real[-1])
+    else:
+      for a in real:
+        tactics.fsdp(state, a)
+    out[name] = state
+  return out
+
+
 def yardsticks(program) -> dict:
   """The states of the expert strategies on this program and mesh: data
   parallelism over every axis, and Megatron tensor parallelism over the

@@ -17,9 +17,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from automap._src.ir import rules
+from automap._src.ir import factor_rule, rules
 from automap._src.ir.graph import Graph
-from automap._src.sharding import kernels
+from automap._src.sharding import propagation_kernels as kernels
 from automap._src.sharding.mesh import MeshSpec
 from automap._src.sharding.state import UNSHARDED, State, concat, tile_count
 
@@ -79,7 +79,7 @@ _FORWARD_ONLY = frozenset({"dynamic_slice", "dynamic_update_slice", "scan_slice"
                            "scan_stack"})
 
 
-def _rounds(prim: str, rule: rules.Rule, shapes: list, results: int, factors: int,
+def _rounds(prim: str, rule: factor_rule.Rule, shapes: list, results: int, factors: int,
             width: int, shared: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """How an op propagates in each round of Shardy's op-priority propagation
   (`op_priority_propagation.cc`): pass-through ops, first only those whose

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from automap._src.cost.program import Program
 from automap._src.search import mcts
 from automap._src.search.actions import ActionSpace
-from automap._src.search.program import Program
 
 TOLERANCE = 0.01  # a plan within this of a target has reached it
 

@@ -22,7 +22,7 @@ from flax import traverse_util
 
 from automap._src.search.actions import Action, ActionSpace
 from automap._src.search.policy import features as features_lib
-from automap._src.search.policy.model import Batch, PolicyNet, pad
+from automap._src.search.policy.network import Batch, PolicyNet, pad
 from automap._src.sharding.state import State
 
 DEFAULT_WEIGHTS = os.path.join(os.path.dirname(__file__), "weights.npz")

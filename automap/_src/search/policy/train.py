@@ -31,13 +31,13 @@ import numpy as np
 import optax
 
 from automap._src.cost.hardware import get_hardware
+from automap._src.cost.program import Program
 from automap._src.ir import trace
 from automap._src.search import mcts
 from automap._src.search.actions import ActionSpace
 from automap._src.search.policy import compare, learned, synthetic
 from automap._src.search.policy.features import Featurizer
-from automap._src.search.policy.model import Batch, PolicyNet, pad
-from automap._src.search.program import Program
+from automap._src.search.policy.network import Batch, PolicyNet, pad
 from automap._src.sharding.mesh import MeshSpec
 
 AXES = ("data", "model", "seq")

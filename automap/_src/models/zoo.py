@@ -1,18 +1,48 @@
-"""The programs the benchmarks plan: train steps of several model families.
+"""The program zoo: train steps of several model families, shared by the
+tests and the benchmarks.
 
-Each builder returns `(step, args)` with `args` as `jax.ShapeDtypeStruct`s
-(parameters from `jax.eval_shape` of the initialiser), so nothing is
-materialised and any size can be planned.
+`mlp`, `gpt`, `encoder_decoder`, `vit`, `moe` and `graph_network` return
+`(step, args)` with `args` as `jax.ShapeDtypeStruct`s (parameters from
+`jax.eval_shape` of the initialiser), so nothing is materialised and any
+size can be planned; `materialize` makes concrete arguments for them.
+`gpt_step` (concrete, `SMALL` by default) and `loss_and_grads` are the
+tests' GPT: small enough to compile in seconds.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from automap._src.models import graph_net
-from automap._src.models.gpt import GPTConfig, make_train_step
+from automap._src.models.gpt import GPT, GPTConfig, make_train_step
+
+SMALL = GPTConfig(vocab=128, seq=16, hidden=128, heads=4, layers=2)
+
+
+@functools.cache
+def gpt_step(config: GPTConfig = SMALL, batch: int = 8):
+  """A concrete GPT train step `(step, (params, opt_state, batch))`."""
+  return make_train_step(config, batch=batch)
+
+
+def loss_and_grads(step_args, config: GPTConfig = SMALL):
+  """A (loss, grads) function of the same model, for gradient numerics."""
+  model = GPT(config)
+
+  def fn(params, batch):
+    def loss(p):
+      logits = model.apply({"params": p}, batch["inputs"])
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits, batch["targets"]).mean()
+    return jax.value_and_grad(loss)(params)
+
+  params, _, batch = step_args
+  return fn, (params, batch)
+
 
 
 def _adam_step(loss, params, *data):

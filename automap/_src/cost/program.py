@@ -1,7 +1,8 @@
 """Program: one traced signature with its graph, mesh, cost model and pins.
 
 Built once per (function, argument signature, mesh, hardware) and shared by
-search, evaluation and plan making (`plan/build.py`). Pins come from
+search, evaluation and plan making (`plan/build.py`); immutable (a program
+without its stated layout is `without_layout()`). Pins come from
 `Hints.fixed` and, in mode "keep", from the program's own layout
 constraints (`ir/constraints.py`): a constrained value has the constraint's
 layout, as XLA gives it, with dimensions the constraint leaves
@@ -33,7 +34,7 @@ from automap._src.sharding.propagation import Propagator
 from automap._src.sharding.state import State, empty_state, set_spec, spec_of
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Program:
   """A traced signature on a mesh and hardware: its graph, cost model, and
   the layouts the user pinned (`Hints.fixed`, and the program's constraints
@@ -100,6 +101,10 @@ class Program:
     for v, spec in zip(g.inputs, self.layout.specs if self.layout is not None else ()):
       if spec is not None:
         _pin(g, self.mesh, state, v, spec, False, f"your layout of argument {g.names[v]!r}")
+
+  def without_layout(self) -> Program:
+    """This program with no stated layout of its arguments."""
+    return dataclasses.replace(self, layout=None)
 
   def user_layout(self) -> State:
     """The program as written: the pins, the program's constraints and the

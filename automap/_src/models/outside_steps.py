@@ -5,7 +5,8 @@ batch) -> (params, opt_state, loss)` as that library's users write it, and
 concrete arguments of a `Size`: `BENCH` (2 layers, width 256, sequence
 64, batch 32: enough work that layouts differ) or `TINY` for tests. The model code is the
 library's: HuggingFace Flax BERT, GPT-2, BART, Gemma and ViT; equinox, haiku,
-keras 3, flax linen and nnx layers. Needs the `outside` extra.
+keras 3, flax linen and nnx layers. Needs the `outside` extra; keras runs
+on JAX (`KERAS_BACKEND`, set before keras is first imported).
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ import dataclasses
 import os
 from collections.abc import Callable
 
-os.environ.setdefault("KERAS_BACKEND", "jax")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,6 +315,7 @@ def _keras_train(model, loss, batch, name, family) -> Step:
 
 
 def keras_transformer(z: Size = BENCH) -> Step:
+  os.environ.setdefault("KERAS_BACKEND", "jax")
   import keras
 
   keras.utils.set_random_seed(0)
@@ -334,6 +334,7 @@ def keras_transformer(z: Size = BENCH) -> Step:
 
 
 def keras_mlp(z: Size = BENCH) -> Step:
+  os.environ.setdefault("KERAS_BACKEND", "jax")
   import keras
 
   keras.utils.set_random_seed(0)

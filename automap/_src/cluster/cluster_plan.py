@@ -16,7 +16,7 @@ from collections.abc import Callable
 from automap._src.cluster import configured
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster.configured import ClusterConfig
-from automap._src.cluster.model import JsonFile, Placement, PlacementError
+from automap._src.cluster.layer_graph import JsonFile, Placement, PlacementError
 from automap._src.cluster.options import ClusterOptions, memory_limit
 from automap._src.cluster.placement import place_any
 from automap._src.cost.hardware import Hardware, get_hardware
@@ -149,13 +149,21 @@ def plan_cluster(loss_fn: Callable, params, *batch, devices: int, global_batch: 
                  **keywords) -> ClusterPlan:
   """Plans training `loss_fn(params, *batch) -> scalar` on `devices` devices.
 
-  The example `batch` may be any size (its leading dimension); costs are
-  scaled to each microbatch size. Leaves may be `jax.ShapeDtypeStruct`s.
-  global_batch: samples per optimizer step over the whole cluster.
-  options: an automap.cluster.ClusterOptions: memory_limit, optimizer, zero,
-    recompute, widths, microbatches, budget, seed (see its docstring). Each
-    field may be given as a keyword instead (`plan_cluster(..., zero=0)`),
-    but not both ways.
+  Args:
+    loss_fn: the loss of one microbatch.
+    params, *batch: its arguments; the example batch may be any size (its
+      leading dimension: costs are scaled to each microbatch size), and
+      leaves may be `jax.ShapeDtypeStruct`s.
+    devices: devices in the cluster.
+    global_batch: samples per optimizer step over the whole cluster.
+    hardware: a catalogue name or a `Hardware`.
+    options: an `automap.cluster.ClusterOptions` (memory_limit, optimizer,
+      zero, recompute, widths, microbatches, budget, seed...); each field may
+      be given as a keyword instead (`plan_cluster(..., zero=0)`), not both.
+
+  Returns:
+    A `ClusterPlan`: stages, per-stage width and recompute, schedule, data
+    parallelism, ZeRO, microbatch size, predicted time and throughput.
   """
   options = with_keywords(ClusterOptions, options, keywords, "plan_cluster")
   t0 = time.perf_counter()
@@ -201,13 +209,24 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
 
   The step is profiled at `config.tensor` devices (the sharding search picks
   the intra-stage sharding, as for `plan_cluster`) and microbatches of
-  `config.microbatch` samples, then run as `config` states (see
-  `configured.price`). The result carries the breakdown, memory per device
-  (`fits`), achieved FLOP/s and MFU; `plan_cluster` on the same step gives
-  the planner's plan to set beside it (`explain(against=...)`).
-  options: memory_limit, optimizer, mixed_precision, overlap, budget, seed,
-    fused_attention as in ClusterOptions (the split's fields come from
-    `config`).
+  `config.microbatch` samples, then run as `config` states
+  (`configured.price`); `plan_cluster` on the same step gives the planner's
+  plan to set beside it (`explain(against=...)`).
+
+  Args:
+    loss_fn, params, *batch: as for `plan_cluster`.
+    config: the split (`ClusterConfig`: tensor, pipeline, data, microbatch,
+      recompute, schedule, virtual stages, ZeRO).
+    global_batch: samples per optimizer step.
+    hardware: a catalogue name or a `Hardware`.
+    devices: devices in the cluster (default: what `config` uses).
+    options: memory_limit, optimizer, mixed_precision, overlap, budget,
+      seed, fused_attention as in `ClusterOptions` (the split's fields come
+      from `config`); each also a keyword.
+
+  Returns:
+    A `ClusterPlan` with the breakdown, memory per device (`fits`),
+    achieved FLOP/s and MFU.
   """
   configured.refuse_stated(keywords, "price_cluster")
   options = with_keywords(ClusterOptions, options, keywords, "price_cluster")

@@ -1,0 +1,160 @@
+"""The planning sequence: a traced step -> `Program` -> search -> `Plan`.
+
+Every caller that turns a step into a plan goes through here: the public
+API (`search`, `partition`, the `devices=` mesh choice), evaluation of a
+stated layout, cluster planning's per-width plans, policy training and the
+benchmarks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+
+from automap._src.cost.hardware import Hardware, get_hardware
+from automap._src.cost.program import Program
+from automap._src.ir import constraints as constraints_lib
+from automap._src.ir import trace as trace_lib
+from automap._src.plan import build
+from automap._src.plan import cache as cache_lib
+from automap._src.plan.plan import Plan
+from automap._src.search import driver
+from automap._src.search.request import Budget, Hints, SearchOptions
+from automap._src.sharding import annotations
+from automap._src.sharding.annotations import Layout, LayoutWarning
+from automap._src.sharding.mesh import MeshError, MeshSpec
+
+# Axis names of the meshes `plan_on_devices` tries.
+AXIS_NAMES = ("x", "y", "z")
+
+
+def build_program(fn: Callable, args: tuple, mesh, hardware: str | Hardware,
+                  hints: Hints | None = None, constraints: str = constraints_lib.KEEP,
+                  names=None) -> Program:
+  """The program a search reads: `fn(*args)` traced on `mesh`.
+
+  Args:
+    fn, args: the step and its arguments (arrays or ShapeDtypeStructs).
+    mesh: a `jax.sharding.Mesh`, an `AbstractMesh` or a `MeshSpec`.
+    hardware: a catalogue name or a `Hardware`.
+    hints: pinned layouts (`Hints.fixed`) the search keeps.
+    constraints: what to do with the program's own constraints.
+    names: argument leaf names where their paths do not say (`search`).
+
+  Returns:
+    The `Program`: its graph, cost model and pins.
+  """
+  spec = MeshSpec.of(mesh)  # Checked before the trace uses it.
+  traced = trace_lib.trace(fn, args, mesh, names=names)
+  return Program.build(traced, spec, get_hardware(hardware), (hints or Hints()).fixed,
+                       constraints=constraints)
+
+
+def read_layout(traced: trace_lib.Traced, args: tuple, mesh: MeshSpec, layout, rules,
+                request: SearchOptions) -> Layout | None:
+  """The layout `args` state on `mesh` (`sharding/annotations.py`), None if
+  none or `layout=False`. One that cannot be read is an error where it was
+  asked for (`layout=` given, or `start="your layout"`), else a
+  LayoutWarning: it is then neither priced nor a start."""
+  if layout is False:
+    return None
+  try:
+    return annotations.read(traced.dynamic_args(args), traced.in_paths, mesh, layout, rules)
+  except MeshError as e:
+    _unread(e, layout is not None or request.start == "your layout")
+    return None
+
+
+def _unread(error: MeshError, asked: bool) -> None:
+  """An unreadable layout: the error where it was asked for, else a warning."""
+  if asked:
+    raise error
+  warnings.warn(LayoutWarning(
+      f"the arguments' own layout is not priced beside the plan: {error} "
+      "(layout=False stops automap reading it)"), stacklevel=5)
+
+
+def program_for(traced: trace_lib.Traced, mesh: MeshSpec, hardware: Hardware,
+                request: SearchOptions, layout: Layout | None = None,
+                explicit: bool = False) -> Program:
+  """The program a search reads, with the arguments' stated `layout` where
+  it fits the mesh; where it does not, an error if the user gave it
+  (`explicit`) or asked to start from it, else a LayoutWarning and none."""
+  program = Program.build(traced, mesh, hardware, request.hints.fixed,
+                          constraints=request.constraints, layout=layout)
+  try:
+    program.check_layout()
+  except MeshError as e:
+    _unread(e, explicit or request.start == "your layout")
+    return program.without_layout()
+  return program
+
+
+def plan(traced: trace_lib.Traced, mesh: MeshSpec, hardware: Hardware,
+         request: SearchOptions, store: cache_lib.PlanCache | None = None,
+         layout: Layout | None = None, explicit: bool = False) -> Plan:
+  """The plan of `traced` on `mesh`.
+
+  Args:
+    traced: the traced step.
+    mesh, hardware: where it runs.
+    request: how to search (`SearchOptions`).
+    store: a plan cache: its plan for this search if it holds one (tied to
+      the program's argument and result structure), else a fresh search,
+      stored there.
+    layout, explicit: the layout the arguments state, and whether the user
+      gave it (`program_for`).
+
+  Returns:
+    The `Plan`.
+  """
+  if store is not None:
+    k = cache_lib.key(traced.fingerprint(), mesh, hardware, request,
+                      traced.in_paths + traced.out_paths,
+                      "" if layout is None or not layout.stated else layout.digest())
+    cached = store.load(k, traced.fingerprint(), mesh)
+    if cached is not None:
+      return dataclasses.replace(cached, stats=dict(cached.stats, cached=True),
+                                 in_tree=traced.in_tree, out_tree=traced.out_tree)
+  request = request.resolved(hardware)
+  program = program_for(traced, mesh, hardware, request, layout, explicit)
+  found = build.plan_of(program, driver.run(program, request), request.memory_limit)
+  if store is not None:
+    store.store(k, found)
+  return found
+
+
+def plan_on_devices(traced: trace_lib.Traced, args: tuple, devices: int,
+                    hardware: Hardware, request: SearchOptions, layout=None,
+                    layout_rules=None) -> Plan:
+  """The best plan over every 1-3 axis mesh of `devices` devices (axes
+  `AXIS_NAMES`), the budget shared between the shapes; a stated `layout`
+  is priced on the shapes whose axes it names."""
+  request = request.resolved(hardware)
+  shapes = driver.mesh_shapes(int(devices))
+  b = request.budget
+  share = dataclasses.replace(request, budget=Budget(
+      max(1, b.episodes // len(shapes)), b.seconds / len(shapes), b.progress))
+  best = None
+  for shape in shapes:
+    on = MeshSpec(AXIS_NAMES[:len(shape)], shape)
+    try:
+      stated = None if layout is False else annotations.read(
+          traced.dynamic_args(args), traced.in_paths, on, layout, layout_rules)
+    except MeshError:
+      stated = None
+    program = Program.build(traced, on, hardware, request.hints.fixed,
+                            constraints=request.constraints, layout=stated)
+    try:
+      program.check_layout()
+    except MeshError:
+      program = program.without_layout()
+    found = driver.run(program, share)
+    if best is None or found.score < best[1].score:
+      best = (program, found)
+  return build.plan_of(*best, request.memory_limit)
+
+
+__all__ = ["AXIS_NAMES", "build_program", "plan", "plan_on_devices", "program_for",
+           "read_layout"]

@@ -1,0 +1,95 @@
+"""The layout of the package: data flows down the pipeline, never back."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import automap
+
+ROOT = pathlib.Path(automap.__file__).resolve().parent
+# The packages under automap/_src/, in pipeline order: a module imports only
+# from its own package or those before it.
+ORDER = ("models", "ir", "sharding", "cost", "search", "plan", "run", "cluster", "cli")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  out = {}
+  for path in ROOT.rglob("*.py"):
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return out
+
+
+def _imports(modules: dict[str, pathlib.Path]) -> dict[str, set[tuple[str, str]]]:
+  """module -> {(imported module, imported name)} within automap."""
+  out = {}
+  for name, path in modules.items():
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("automap"):
+        for alias in node.names:
+          sub = f"{node.module}.{alias.name}"
+          found.add((sub, "") if sub in modules else (node.module, alias.name))
+    out[name] = found
+  return out
+
+
+def _package(module: str) -> str | None:
+  parts = module.split(".")
+  return parts[2] if len(parts) > 2 and parts[1] == "_src" and parts[2] in ORDER else None
+
+
+def test_no_import_runs_back_up_the_pipeline():
+  modules = _modules()
+  back = [(a, b) for a, found in _imports(modules).items() for b, _ in found
+          if _package(a) and _package(b) and ORDER.index(_package(b)) > ORDER.index(_package(a))]
+  assert not back
+
+
+def test_the_import_graph_has_no_cycles():
+  modules = _modules()
+  edges = {a: {b for b, _ in found if b in modules and b != a}
+           for a, found in _imports(modules).items()}
+  state: dict[str, int] = {}
+
+  def cycle_from(m: str, path: list[str]) -> list[str] | None:
+    state[m] = 1
+    for n in sorted(edges[m]):
+      if state.get(n) == 1:
+        return path + [m, n]
+      if n not in state and (found := cycle_from(n, path + [m])):
+        return found
+    state[m] = 2
+    return None
+
+  for m in sorted(modules):
+    if m not in state:
+      assert cycle_from(m, []) is None
+
+
+def _private(name: str) -> bool:
+  return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+  """Neither `from m import _x` nor `m._x` on a module of automap."""
+  modules = _modules()
+  reached = [(a, b, n) for a, found in _imports(modules).items() for b, n in found if _private(n)]
+  for name, path in modules.items():
+    tree = ast.parse(path.read_text())
+    aliases = {alias.asname or alias.name for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) and node.module and
+               node.module.startswith("automap") for alias in node.names
+               if f"{node.module}.{alias.name}" in modules}
+    reached += [(name, node.value.id, node.attr) for node in ast.walk(tree)
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in aliases and _private(node.attr)]
+  assert not reached
+
+
+def test_modules_stay_short():
+  """One concept a module: none over 600 lines."""
+  long = {name: n for name, path in _modules().items()
+          if (n := len(path.read_text().splitlines())) > 600}
+  assert not long
