@@ -1,6 +1,6 @@
 """Plan quality: automap (MCTS and ILP) against the hand-written experts.
 
-For train steps of several model families (`programs.py`) on five 8-device
+For train steps of several model families (`automap/_src/models/zoo.py`) on five 8-device
 meshes and two hardware specs: predicted step time of data parallelism,
 Megatron (tensor parallel on the last mesh axis of size > 1), Megatron + data
 parallelism on the other axes, FSDP (batch and every parameter and moment

@@ -11,6 +11,8 @@ The whole set, at benchmark size, is `benchmarks/outside.py`.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -20,6 +22,7 @@ from helpers import mesh, saved_dot_outputs
 import automap
 from automap._src.cluster import layers as layers_lib
 
+os.environ.setdefault("KERAS_BACKEND", "jax")  # before keras is first imported
 pytest.importorskip("equinox")
 pytest.importorskip("haiku")
 pytest.importorskip("keras")

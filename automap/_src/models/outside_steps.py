@@ -70,13 +70,17 @@ def _train(loss: Callable, params, batch, name, library, family, names=None) -> 
 
 # HuggingFace Flax ----------------------------------------------------------
 
-def hf_bert(z: Size = BENCH) -> Step:
+def _bert(z: Size):
   from transformers import BertConfig, FlaxBertForMaskedLM
 
-  model = FlaxBertForMaskedLM(BertConfig(
+  return FlaxBertForMaskedLM(BertConfig(
       vocab_size=z.vocab, hidden_size=z.width, num_hidden_layers=z.layers,
       num_attention_heads=z.heads, intermediate_size=z.ff, max_position_embeddings=z.seq),
       seed=0)
+
+
+def hf_bert(z: Size = BENCH) -> Step:
+  model = _bert(z)
 
   def loss(params, batch):
     logits = model(batch["inputs"], params=params, train=False).logits
@@ -88,12 +92,7 @@ def hf_bert(z: Size = BENCH) -> Step:
 
 def hf_bert_dropout(z: Size = BENCH) -> Step:
   """`run_mlm_flax`'s step: dropout on, its key part of the batch."""
-  from transformers import BertConfig, FlaxBertForMaskedLM
-
-  model = FlaxBertForMaskedLM(BertConfig(
-      vocab_size=z.vocab, hidden_size=z.width, num_hidden_layers=z.layers,
-      num_attention_heads=z.heads, intermediate_size=z.ff, max_position_embeddings=z.seq),
-      seed=0)
+  model = _bert(z)
 
   def loss(params, batch):
     logits = model(batch["inputs"], params=params, train=True,
