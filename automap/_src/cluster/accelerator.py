@@ -2,35 +2,9 @@
 
 The hardware half of PHAZE (Wang et al., ICML 2024): an accelerator is a few
 counts and sizes (cores with one systolic array each, vector units, on-chip
-buffer, HBM); an operator's latency follows from the rules below. A layer's
-operators are scheduled over the cores in `scheduling.py`. Units: seconds,
-bytes, Hz, mm^2.
-
-Latency of an op on `cores` of the accelerator's `tensor_units` cores. The op
-owns that share (`cores / tensor_units`) of the vector lanes, the buffer and
-the HBM bandwidth, so single-core ops running side by side never oversubscribe
-the chip.
-
-  - Tensor op, `batch` x [M, K] @ [K, N]: the output is cut into array x array
-    tiles, ceil(M / array) * ceil(N / array) * batch of them; a tile streams its
-    K rows through the array, plus 2 * array cycles to fill and drain it; the
-    cores share the tiles, ceil(tiles / cores) each.
-  - Vector op: elements / lanes cycles (one 16-bit op per lane per cycle).
-  - Memory: the op's HBM traffic over its share of the bandwidth. A vector op
-    streams, so its traffic is its bytes. A tensor op moves its bytes once when
-    one instance fits in its share of the buffer, or when its smaller input
-    fits in half of it (held resident while the rest streams through the other
-    half). Otherwise it is blocked output-stationary, with a t x t block each of
-    A, B and C on chip (t = floor(sqrt(buffer / (3 * itemsize)))): A is read
-    ceil(N / t) times, B ceil(M / t) times, C written once.
-  - latency = max(compute, memory) + DISPATCH_CYCLES, plus SYNC_CYCLES when the
-    op spans more than one core.
-
-Hence at a given core count more vector units, bandwidth or buffer never slow
-an op; more tensor units never slow an op spread over two or more of them (at
-a fixed core count a core is a smaller share of the chip, by design); a larger
-array never slows an op whose M and N are multiples of it and that gives each
-core at least one of its tiles; and spreading never slows the compute part.
+buffer, HBM); an operator's latency follows from the rules of
+`latency_breakdown`, and a layer's operators are scheduled over the cores in
+`scheduling.py`. Units: seconds, bytes, Hz, mm^2.
 """
 
 from __future__ import annotations
@@ -246,7 +220,34 @@ def hbm_traffic(op: Op, buffer: float) -> float:
 
 
 def latency_breakdown(op: Op, acc: Accelerator, cores: int) -> Latency:
-  """`op`'s latency on `cores` of `acc`'s cores, in parts (module docstring)."""
+  """`op`'s latency on `cores` of `acc`'s cores, in parts.
+
+  Latency of an op on `cores` of the accelerator's `tensor_units` cores. The op
+  owns that share (`cores / tensor_units`) of the vector lanes, the buffer and
+  the HBM bandwidth, so single-core ops running side by side never oversubscribe
+  the chip.
+
+    - Tensor op, `batch` x [M, K] @ [K, N]: the output is cut into array x array
+      tiles, ceil(M / array) * ceil(N / array) * batch of them; a tile streams its
+      K rows through the array, plus 2 * array cycles to fill and drain it; the
+      cores share the tiles, ceil(tiles / cores) each.
+    - Vector op: elements / lanes cycles (one 16-bit op per lane per cycle).
+    - Memory: the op's HBM traffic over its share of the bandwidth. A vector op
+      streams, so its traffic is its bytes. A tensor op moves its bytes once when
+      one instance fits in its share of the buffer, or when its smaller input
+      fits in half of it (held resident while the rest streams through the other
+      half). Otherwise it is blocked output-stationary, with a t x t block each of
+      A, B and C on chip (t = floor(sqrt(buffer / (3 * itemsize)))): A is read
+      ceil(N / t) times, B ceil(M / t) times, C written once.
+    - latency = max(compute, memory) + DISPATCH_CYCLES, plus SYNC_CYCLES when the
+      op spans more than one core.
+
+  Hence at a given core count more vector units, bandwidth or buffer never slow
+  an op; more tensor units never slow an op spread over two or more of them (at
+  a fixed core count a core is a smaller share of the chip, by design); a larger
+  array never slows an op whose M and N are multiples of it and that gives each
+  core at least one of its tiles; and spreading never slows the compute part.
+  """
   if not isinstance(op, Op):
     raise AcceleratorError(f"op must be an automap Op, got {type(op).__name__}.")
   if not is_int(cores) or not 1 <= cores <= acc.tensor_units:

@@ -10,24 +10,6 @@ the passes of the (microbatch size, width) pairs its plan uses are
 scheduled and it places again, until the plan it picks is priced by
 schedules alone; no plan then beats it, and most passes never reach the
 solver.
-
-The architecture space is a grid of powers of two within the area budget.
-Every point is first priced optimistically (each layer pass at the larger of
-its critical path and its work spread over all cores, both at each op's best
-latency). Bounds come in two strengths: a ratio (no pass on the point can
-beat its baseline schedule by more than 1/rho, so neither can the training
-step), and a placement with every pass at its bound for the points whose
-ratio stays promising. A point whose every pass bound is at least another
-placed point's, in no more memory, takes that point's placed bound without
-placing (a placement only slows as its layers do), and points that read the
-same op latencies (vector units and width with one product) are priced once.
-Best-first on these bounds, points are list-scheduled (greedy, a floor on
-what CP-SAT finds) and placed until no bound beats the best by more than
-`gap`: within the area visited that best is that close to the best any list
-schedule reaches, without pricing most points. The few best are then
-scheduled by CP-SAT, which only shortens their schedules. Area is visited in
-buckets from the budget down, and a bucket that improves nothing ends the
-search (PHAZE's stopping rule: more area stopped helping, so less will not).
 """
 
 from __future__ import annotations
@@ -226,6 +208,24 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
   memory come from the architecture). Several workloads share one
   architecture: the score is the geometric mean of their throughputs
   relative to the baseline's.
+
+  The architecture space is a grid of powers of two within the area budget.
+  Every point is first priced optimistically (each layer pass at the larger of
+  its critical path and its work spread over all cores, both at each op's best
+  latency). Bounds come in two strengths: a ratio (no pass on the point can
+  beat its baseline schedule by more than 1/rho, so neither can the training
+  step), and a placement with every pass at its bound for the points whose
+  ratio stays promising. A point whose every pass bound is at least another
+  placed point's, in no more memory, takes that point's placed bound without
+  placing (a placement only slows as its layers do), and points that read the
+  same op latencies (vector units and width with one product) are priced once.
+  Best-first on these bounds, points are list-scheduled (greedy, a floor on
+  what CP-SAT finds) and placed until no bound beats the best by more than
+  `gap`: within the area visited that best is that close to the best any list
+  schedule reaches, without pricing most points. The few best are then
+  scheduled by CP-SAT, which only shortens their schedules. Area is visited in
+  buckets from the budget down, and a bucket that improves nothing ends the
+  search (PHAZE's stopping rule: more area stopped helping, so less will not).
 
   options: an automap.cluster.CoSearchOptions: baseline, space, widths,
     microbatches, optimizer, zero, schedule_seconds, bucket, gap, finalists,
