@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import mesh, mlp
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import automap
@@ -243,3 +244,34 @@ def test_an_axis_of_one_device_in_a_spec_moves_nothing():
   report = automap.verify(plan, lambda x: jnp.abs(x).T, x, mesh=m)
   assert report.max_abs_error == 0.0
   assert report.comm_error < 0.05, report.table()
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_checkpoint_name_is_an_identity_as_compiled(remat):
+  """`checkpoint_name` (primitive `name`), the tag remat policies read, is
+  the value itself: priced with the tag as without it, and as XLA compiles
+  it (no warning, no extra gathers), under a remat policy that saves it too."""
+  from jax.ad_checkpoint import checkpoint_name
+
+  from automap._src.run.compiled import collectives
+
+  m = mesh((4, 2))
+  w1, w2, x = jnp.ones((256, 1024)) / 256, jnp.ones((1024, 256)) / 1024, jnp.ones((64, 256))
+  specs = (P(None, "model"), P("model", None), P("data", None))
+
+  def loss(tag):
+    def f(w1, w2, x):
+      h = jax.nn.relu(x @ w1)
+      return jnp.mean((((checkpoint_name(h, "h") if tag else h)) @ w2) ** 2)
+    if remat:
+      f = jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names("h"))
+    return jax.grad(f, argnums=(0, 1))
+
+  tagged = automap.evaluate(loss(True), w1, w2, x, mesh=m, in_shardings=specs, hardware="cpu")
+  plain = automap.evaluate(loss(False), w1, w2, x, mesh=m, in_shardings=specs, hardware="cpu")
+  assert tagged.comm_bytes == plain.comm_bytes
+  assert tagged.peak_memory == plain.peak_memory
+  shardings = tuple(NamedSharding(m, s) for s in specs)
+  compiled = jax.jit(loss(True), in_shardings=shardings).lower(w1, w2, x).compile()
+  found = sum(c.nbytes for c in collectives(compiled.as_text(), m))
+  assert tagged.total_comm_bytes == found

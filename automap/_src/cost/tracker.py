@@ -25,7 +25,7 @@ from automap._src.sharding.state import State
 
 # Ops that change only an array's type or labels, not its elements' order in
 # a way XLA needs a copy for.
-_RELABELS = frozenset({"reshape", "transpose", "convert_element_type", "copy",
+_RELABELS = frozenset({"reshape", "transpose", "convert_element_type", "copy", "name",
                        "squeeze", "expand_dims"})
 
 # Most classes of result buffers `Tracker.peak` matches temporaries to.

@@ -460,7 +460,7 @@ log1p logistic lt max min mul ne neg nextafter not or polygamma population_count
 pow real reduce_precision rem round rsqrt shift_left shift_right_arithmetic
 shift_right_logical sign sin sinh sqrt square stop_gradient sub tan tanh
 xor bessel_i0e bessel_i1e regularized_incomplete_beta igammac
-random_gamma_grad zeta optimization_barrier
+random_gamma_grad zeta optimization_barrier name
 """.split())
 
 _RULES: dict[str, Callable[[Any, Any, dict], Rule]] = {

@@ -50,7 +50,7 @@ def state_arguments(traced: Traced) -> np.ndarray:
 
 
 # Ops that read a weight whole, each of its dims one of theirs.
-_VIEWS = frozenset({"convert_element_type", "copy", "scan_slice", "transpose"})
+_VIEWS = frozenset({"convert_element_type", "copy", "name", "scan_slice", "transpose"})
 
 
 def _weight(graph: Graph, v: int, carried: set[int]) -> tuple[int, list[int]]:
