@@ -90,3 +90,26 @@ def test_dots_policy_keeps_what_jax_saves_of_huggingface_gpt2():
                                  search=layers_lib.sharding_search(None))
   assert len(saved) == 9
   assert sum(layer.widths[1].dots for layer in profile.at(2).layers) == sum(saved)
+
+
+def test_equinox_runtime_checks_and_markers_are_priced_as_what_they_compute():
+  """equinox's runtime checks (`unvmap_any`, `unvmap_max`: a reduction of
+  every element) and its value markers (`nonbatchable`) have rules: no
+  UnknownPrimitiveWarning (an error here), bytes as XLA compiles them."""
+  import equinox.internal as eqxi
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  def f(w, x):
+    h = eqxi.nonbatchable(jnp.tanh(x @ w))
+    out = jnp.sum(h @ w.T) * eqxi.unvmap_max(h)
+    return jnp.where(eqxi.unvmap_any(h > 0.5), out, 0.0)
+
+  w, x = jnp.ones((64, 128)) / 64, jnp.ones((32, 64))
+  specs = (P(None, "model"), P("data", None))
+  cost = automap.evaluate(f, w, x, mesh=M, in_shardings=specs, hardware="cpu")
+  shardings = tuple(NamedSharding(M, s) for s in specs)
+  compiled = jax.jit(f, in_shardings=shardings).lower(w, x).compile()
+  assert cost.total_comm_bytes == sum(c.nbytes for c in collectives(compiled.as_text(), M))
+  plan = automap.partition(f, mesh=M, hardware="cpu", layout=specs)
+  assert float(plan(w, x)) == pytest.approx(float(f(w, x)), rel=1e-5)

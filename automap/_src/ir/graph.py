@@ -63,6 +63,14 @@ DELIBERATELY_REPLICATED = frozenset({
     "io_callback", "debug_print", "device_put", "shard_map", "custom_call", "platform_index"})
 
 
+# Other libraries' primitives that compute what a JAX primitive does, priced
+# and propagated as it: equinox's runtime checks reduce over every element
+# (`unvmap_*`, outside vmap), and its markers are the value itself.
+ALIASES = {"unvmap_any": "reduce_or", "unvmap_all": "reduce_and", "unvmap_max": "reduce_max",
+           "nonbatchable": "copy", "nondifferentiable_backward": "copy",
+           "nontraceable": "copy"}
+
+
 class UnknownPrimitiveWarning(UserWarning):
   """A primitive without a sharding rule: its arrays are kept whole."""
 
@@ -317,7 +325,7 @@ def body_flops(jaxpr) -> float:
 
 
 def eqn_flops(eqn) -> float:
-  name, params = eqn.primitive.name, eqn.params
+  name, params = ALIASES.get(eqn.primitive.name, eqn.primitive.name), eqn.params
   if name == "scan":
     return params["length"] * body_flops(params["jaxpr"])
   if name == "while":
@@ -438,7 +446,7 @@ class _Builder:
 
   def visit(self, step: Step, ins: list) -> list:
     eqn = step.eqn
-    name = eqn.primitive.name
+    name = ALIASES.get(eqn.primitive.name, eqn.primitive.name)
     op = len(self.prims)
     in_shapes = [x.shape if isinstance(x, Literal) else self.shapes[x]
                  for x in ins]
@@ -450,6 +458,8 @@ class _Builder:
                      if not isinstance(x, Literal)) or not all(
                          _is_numpy(v.aval.dtype) for v in eqn.outvars)
     params = eqn.params
+    if eqn.primitive.name.startswith("unvmap_"):
+      params = {"axes": tuple(range(len(in_shapes[0])))}
     if (name == "slice" and not step.sealed and not isinstance(ins[0], Literal)
         and ins[0] in self.concats):
       # A slice within one operand of a concatenate reads that operand (as
