@@ -10,6 +10,8 @@ from automap._src.cost.hardware import CATALOGUE as HARDWARE
 from automap._src.cost.hardware import Hardware as Hardware
 from automap._src.cost.hardware import HardwareError as HardwareError
 from automap._src.cost.model import Cost as Cost
+from automap._src.ir.declared import RuleError as RuleError
+from automap._src.ir.declared import declare as declare_rule
 from automap._src.ir.errors import ArgumentError as ArgumentError
 from automap._src.ir.graph import UnknownPrimitiveWarning as UnknownPrimitiveWarning
 from automap._src.ir.groups import GroupError as GroupError
@@ -65,9 +67,11 @@ __all__ = (
     "PlanCacheWarning",
     "PlanError",
     "Report",
+    "RuleError",
     "SearchOptions",
     "SearchWarning",
     "UnknownPrimitiveWarning",
+    "declare_rule",
     "evaluate",
     "partition",
     "search",

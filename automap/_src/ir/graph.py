@@ -25,6 +25,7 @@ Shape letters: V values, O ops.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -412,6 +413,7 @@ class _Builder:
     self.trips: list[int] = []
     self.regions: list[int] = []
     self.unknown: dict[str, int] = {}
+    self.kept_whole: set[int] = set()  # values of ops without a rule
     # pad results -> (padding config, operand shape), for `slices.reads_padding_only`.
     self.pads: dict[int, tuple] = {}
     # concatenate results -> (dimension, operands, operand shapes), for
@@ -476,6 +478,7 @@ class _Builder:
     else:
       if not rules.has_rule(name):
         self.unknown[name] = self.unknown.get(name, 0) + 1
+        self.kept_whole.update(x for x in (*ins, *step.out_ids) if not isinstance(x, Literal))
       rule = rules.rule_for(name, in_shapes, out_shapes, params)
     if name == "pad" and not isinstance(ins[0], Literal):
       self.pads[step.out_ids[0]] = (params["padding_config"], in_shapes[0])
@@ -558,9 +561,13 @@ def build(traced: Traced) -> Graph:
   outs = walk.closed(traced.jaxpr, list(arg_ids))
   if b.unknown:
     listed = ", ".join(f"{k} (x{n})" for k, n in sorted(b.unknown.items()))
+    whole = sum(math.prod(b.shapes[v]) * itemsize(b.dtypes[v]) for v in b.kept_whole)
     warnings.warn(
-        f"automap has no sharding rule for: {listed}. Their operands and "
-        "results are kept whole (replicated); numerics are unaffected.",
+        f"automap has no sharding rule for: {listed}. Their operands and results, "
+        f"{len(b.kept_whole)} values of {whole / 2**20:,.2f} MiB in all, are kept whole on "
+        "every device (numerics are unaffected): each is held and computed whole, and "
+        "gathered where its neighbours are split. Declare what the primitive computes with "
+        "automap.declare_rule(primitive, 'elementwise' | 'identity' | 'ij,jk->ik').",
         UnknownPrimitiveWarning, stacklevel=3)
   num_values = len(b.shapes)
   uses: list[list[tuple[int, int]]] = [[] for _ in range(num_values)]

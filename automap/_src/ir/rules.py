@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from automap._src.ir import declared
 from automap._src.ir.factor_rule import (
   UNSHARDABLE,
   Builder,
@@ -500,12 +501,16 @@ _RULES: dict[str, Callable[[Any, Any, dict], Rule]] = {
 
 
 def has_rule(primitive: str) -> bool:
-  return primitive in _RULES or primitive in ELEMENTWISE
+  return primitive in _RULES or primitive in ELEMENTWISE or declared.declared(primitive)
 
 
 def rule_for(primitive: str, in_shapes: Sequence[Shape | None],
              out_shapes: Sequence[Shape], params: dict) -> Rule:
-  """The factor rule of one equation; `replicated_rule` if we have none."""
+  """The factor rule of one equation; `replicated_rule` if we have none. A
+  rule the user declared (`declared.declare`) wins, and a RuleError names
+  an equation it does not fit."""
+  if declared.declared(primitive):
+    return declared.rule_of(primitive, list(in_shapes), list(out_shapes))
   fn = _RULES.get(primitive)
   if fn is None and primitive in ELEMENTWISE:
     fn = _elementwise
