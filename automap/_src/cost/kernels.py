@@ -278,32 +278,36 @@ def after_seconds(ops, entries, comm_start, comm_end, comm_kind, comm_mask, comm
 
 
 @numba.njit(cache=True, nogil=True)
+def _before(keys, items, i, j):
+  """Whether heap entry i orders before j: the earlier key, then the lower op."""
+  return keys[i] < keys[j] or (keys[i] == keys[j] and items[i] < items[j])
+
+
+@numba.njit(cache=True, nogil=True)
+def _swap(keys, items, i, j):
+  keys[i], keys[j] = keys[j], keys[i]
+  items[i], items[j] = items[j], items[i]
+
+
+@numba.njit(cache=True, nogil=True)
 def _sift_down(keys, items, n, i):
   while True:
     child = 2 * i + 1
     if child >= n:
       return
-    if child + 1 < n and (keys[child + 1] < keys[child] or (
-        keys[child + 1] == keys[child] and items[child + 1] < items[child])):
+    if child + 1 < n and _before(keys, items, child + 1, child):
       child += 1
-    if keys[child] < keys[i] or (keys[child] == keys[i] and items[child] < items[i]):
-      keys[i], keys[child] = keys[child], keys[i]
-      items[i], items[child] = items[child], items[i]
-      i = child
-    else:
+    if not _before(keys, items, child, i):
       return
+    _swap(keys, items, i, child)
+    i = child
 
 
 @numba.njit(cache=True, nogil=True)
 def _sift_up(keys, items, i):
-  while i > 0:
-    parent = (i - 1) // 2
-    if keys[i] < keys[parent] or (keys[i] == keys[parent] and items[i] < items[parent]):
-      keys[i], keys[parent] = keys[parent], keys[i]
-      items[i], items[parent] = items[parent], items[i]
-      i = parent
-    else:
-      return
+  while i > 0 and _before(keys, items, i, (i - 1) // 2):
+    _swap(keys, items, i, (i - 1) // 2)
+    i = (i - 1) // 2
 
 
 @numba.njit(cache=True, nogil=True)
