@@ -172,7 +172,8 @@ class _Formulation:
     self.terms = [(x, k) for x, k in terms if k]
     self.compute = [(x, k) for x, k in compute if k]
     self.hidden = [(x, k) for x, k in hidden if k]
-    self.time = self._overlap(sum(x * k for x, k in self.terms))
+    self.objective = self._overlap()
+    self.time = sum(x * k for x, k in self.objective)
     # Ties (equal step times) go to the plan holding fewer bytes of
     # arguments and results per device: 1 ps per KiB, far below any step.
     held = self.memory(None)
@@ -181,8 +182,8 @@ class _Formulation:
     self.points: list[int] = []
     self.variables = len(m.Proto().variables)
 
-  def _overlap(self, serial):
-    """The step time to minimise, from the `serial` sum of every term.
+  def _overlap(self) -> list[tuple[cp_model.IntVar, int]]:
+    """The step time to minimise, as (variable, picoseconds) terms.
 
     Where collectives run in place, the serial sum. Where XLA runs them
     asynchronously, a linear model of the schedule in `cost.overlap`:
@@ -199,16 +200,12 @@ class _Formulation:
     its warm start when that is faster (checked against the schedule in
     `tests/search/test_ilp.py`)."""
     if not self.program.model.compiler.async_collectives or not self.hidden:
-      return serial
-    hidden = sum(x * k for x, k in self.hidden)
-    compute = sum(x * k for x, k in self.compute)
-    bound = sum(k for _, k in self.hidden)
-    self.exposed = self.model.NewIntVar(0, bound, "exposed")
-    self.model.Add(self.exposed >= hidden - compute)
-    total = lambda h, terms: sum(k * h[x.Index()] for x, k in terms)  # noqa: E731
-    self.derived.append((self.exposed, lambda h: max(
-        0, total(h, self.hidden) - total(h, self.compute))))
-    return serial - hidden + self.exposed
+      return self.terms
+    exposed = self.model.NewIntVar(0, sum(k for _, k in self.hidden), "exposed")
+    self.model.Add(exposed >= _linear_of(self.hidden) - _linear_of(self.compute))
+    self.derived.append((exposed, lambda h: max(
+        0, _value_of(self.hidden, h) - _value_of(self.compute, h))))
+    return self.terms + [(x, -k) for x, k in self.hidden] + [(exposed, 1)]
 
   def _any(self, xs: list, name: str) -> cp_model.IntVar:
     """A literal implied by each of `xs` (true when one is; the objective
@@ -495,12 +492,18 @@ class _Formulation:
 
 
 def linear_seconds(form: _Formulation, h: dict[int, int]) -> float:
-  """The step time of `form._overlap`'s model, for variable values `h`."""
-  total = lambda terms: sum(k * h[x.Index()] for x, k in terms)  # noqa: E731
-  serial = total(form.terms)
-  if form.program.model.compiler.async_collectives and form.hidden:
-    serial += max(0, total(form.hidden) - total(form.compute)) - total(form.hidden)
-  return serial / PICOSECONDS
+  """The step time of `form._overlap`'s model, for variable values `h`
+  (derived variables included, `_Formulation._derive`)."""
+  return _value_of(form.objective, h) / PICOSECONDS
+
+
+def _linear_of(terms: list) -> cp_model.LinearExpr:
+  return sum(x * k for x, k in terms)
+
+
+def _value_of(terms: list, h: dict[int, int]) -> int:
+  """The value of (variable, coefficient) terms for variable values `h`."""
+  return sum(k * h[x.Index()] for x, k in terms)
 
 
 def _linear(coef: dict):
