@@ -30,36 +30,6 @@ from automap._src.cost import kernels
 from automap._src.cost.analysis import Dependencies, dependencies
 
 
-def op_seconds_split(model, state) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Per op, (compute, communication before it, after it) seconds as the
-  Tracker counts them: a resharded copy paid by its first reader, combined
-  reductions' latency once (on the last op of the combination)."""
-  g = model.graph
-  compute = np.zeros(g.num_ops)
-  before, after = np.zeros(g.num_ops), np.zeros(g.num_ops)
-  copies: set[tuple] = set()
-  combined: dict[tuple[int, int], int] = {}  # (kind, mask) -> last op combined
-  for o in range(g.num_ops):
-    c = model.op_cost(state, o)
-    compute[o] = c.time
-    for kind, mask, nbytes, secs, position, target, relaid in c.comms:
-      if position >= 0:  # one resharded copy serves every reader: the first pays
-        key = model.copy_key(o, position, kind, mask, target, nbytes)
-        if key in copies:
-          continue
-        copies.add(key)
-        before[o] += secs
-        compute[o] += model.relayout_time(relaid) * int(g.trips[o])
-        continue
-      if model.combined(o, kind):
-        secs -= model.latency[kind, mask]
-        combined[(kind, mask)] = o
-      after[o] += secs
-  for (kind, mask), o in combined.items():
-    after[o] += model.latency[kind, mask]
-  return compute, before, after
-
-
 def schedule(deps: Dependencies, compute: np.ndarray, before: np.ndarray,
              after: np.ndarray, num_values: int) -> float:
   """Seconds the two-stream list schedule of the module docstring takes
@@ -69,7 +39,7 @@ def schedule(deps: Dependencies, compute: np.ndarray, before: np.ndarray,
   whose operands arrived first (program order on ties), so compute that
   does not need a collective's result runs while the collective is in
   flight (`kernels.list_schedule`).
-  compute, before, after: [O] seconds per op (`op_seconds_split`).
+  compute, before, after: [O] seconds per op (`Tracker.op_seconds_split`).
   """
   return float(kernels.list_schedule(deps.operands, deps.results, deps.succ_ptr,
                                      deps.succ_idx, deps.preds, compute, before, after,
@@ -95,12 +65,4 @@ def exposed(deps: Dependencies, compute: np.ndarray, before: np.ndarray,
   return float(min(total, max(0.0, span - compute.sum())))
 
 
-def exposed_communication(model, state) -> float:
-  """Seconds of the step's communication that compute does not hide when
-  collectives run asynchronously: the schedule's makespan less compute
-  (never more than all of it, never less than none)."""
-  compute, before, after = op_seconds_split(model, state)
-  return exposed(model.analysis.dependencies, compute, before, after, model.graph.num_values)
-
-
-__all__ = ["exposed", "exposed_communication", "makespan", "op_seconds_split", "schedule"]
+__all__ = ["exposed", "makespan", "schedule"]

@@ -396,9 +396,10 @@ class Tracker:
 
   def op_seconds_split(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per op, (compute, communication before it, after it) seconds as this
-    tracker counts them (`overlap.op_seconds_split`): a resharded copy and
-    the layout copies around it paid by its first reader in program order,
-    a combination of late collectives' latency once, on its last op."""
+    tracker counts them, the inputs of `overlap.schedule`: a resharded copy
+    and the layout copies around it paid by the reader that priced it (in
+    a fresh tracker, the first in program order), a combination of late
+    collectives' latency once, on its last op."""
     model, memo, a = self.model, self.model.memo, self.model.analysis
     compute = memo.time[self.op_ids].astype(np.float64)
     before, after = np.zeros(len(compute)), np.zeros(len(compute))

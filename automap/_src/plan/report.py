@@ -13,7 +13,6 @@ import dataclasses
 
 import numpy as np
 
-from automap._src.cost import overlap
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import graph as graph_lib
 from automap._src.ir.naming import layer_of
@@ -48,7 +47,11 @@ def op_seconds(model, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """Per op, (compute, communication) seconds as the Tracker counts them: a
   resharded copy paid by its first reader, combined reductions' latency once
   (on the last op of the combination)."""
-  compute, before, after = overlap.op_seconds_split(model, state)
+  return _summed(Tracker(model, state))
+
+
+def _summed(tracker: Tracker) -> tuple[np.ndarray, np.ndarray]:
+  compute, before, after = tracker.op_seconds_split()
   return compute, before + after
 
 
@@ -62,7 +65,7 @@ def layers(program, tracker: Tracker) -> tuple[LayerRow, ...]:
   comm = dict.fromkeys(names, 0.0)
   resident = dict.fromkeys(names, 0.0)
   temporary = dict.fromkeys(names, 0.0)
-  seconds = op_seconds(model, tracker.state)
+  seconds = _summed(tracker)
   for o in np.flatnonzero(~model.dead):
     compute[of_op[o]] += float(seconds[0][o])
     comm[of_op[o]] += float(seconds[1][o])
