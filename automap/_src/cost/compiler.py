@@ -63,6 +63,12 @@ class Compiler:
     pipelines), the slices and the concatenation fused into a loop-fused
     producer or reader where there is one. XLA:TPU's pipeline is not
     public; it is taken to run both collectives in place.
+  breadth_first: whether the entry computation is scheduled breadth-first,
+    each op as soon as its operands are made (XLA:CPU's default
+    `BFScheduler`, `CpuCompiler::CreateHloSchedule`), so a resharded copy
+    is made right after what it copies: every FSDP weight's gather at the
+    program's start. XLA:TPU and XLA:GPU schedule to hide latency under a
+    memory limit and are taken to make a copy where it is first read.
   """
 
   name: str
@@ -76,6 +82,7 @@ class Compiler:
   expensive: frozenset[str] = frozenset()
   major_collective_dims: bool = False
   tuple_all_to_all: bool = False
+  breadth_first: bool = False
 
 
 # jax primitives `InstructionFusion::IsExpensive` deems expensive (those the
@@ -97,7 +104,8 @@ XLA_GPU = Compiler("xla:gpu", reduce_scatter=True, reduce_in_f32=False,
                    major_collective_dims=True, tuple_all_to_all=True)
 XLA_CPU = Compiler("xla:cpu", reduce_scatter=False, reduce_in_f32=True,
                    fuses_shared_producers=False, combines=frozenset({ALL_REDUCE}),
-                   expensive=_EXPENSIVE, major_collective_dims=True, tuple_all_to_all=True)
+                   expensive=_EXPENSIVE, major_collective_dims=True, tuple_all_to_all=True,
+                   breadth_first=True)
 
 # Platform names as jax reports them (`Device.platform`), and the GPU
 # vendors' names for the one XLA:GPU backend.

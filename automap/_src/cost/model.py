@@ -208,10 +208,13 @@ class CostModel:
                nbytes: float) -> tuple:
     """Which resharded copy op o reads at operand `position`: XLA makes one
     per value and layout for all its readers in one computation (each cond
-    branch and while body its own), and each loop its own of what it scans."""
+    branch and while body its own), each loop its own of what it scans, and
+    a recomputation behind an optimization barrier its own: remat gathers
+    FSDP's weights again for the backward."""
     g = self.graph
     loop = o if g.prims[o] == "scan_slice" else -1
-    return (g.operands[o][position], kind, mask, target, nbytes, loop, int(g.regions[o]))
+    return (g.operands[o][position], kind, mask, target, nbytes, loop, int(g.regions[o]),
+            int(g.barriers[o]))
 
   def comm_time(self, kind: int, mask: int, nbytes: float) -> float:
     """Seconds of a collective of `kind` over the axes in `mask`, `nbytes`

@@ -27,8 +27,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from automap._src.ir import constraints as constraints_lib
 from automap._src.ir import slices
 from automap._src.ir import trace as trace_lib
-from automap._src.ir.graph import Step, Walk
 from automap._src.ir.trace import Traced
+from automap._src.ir.walk import Step, Walk
 
 
 def auto_mesh(mesh: Mesh) -> Mesh:
