@@ -140,3 +140,23 @@ def test_keras_variables_are_named_by_their_paths():
     assert "2/0/nu/mlp/down/bias" in paths
     text = step_p.plan.explain()
     assert "0/mlp/up/kernel" in text and "0/0 " not in text
+
+
+@pytest.mark.heavy
+def test_penzai_parameters_are_named_by_their_labels():
+  """penzai's pytree paths leave its labels out (`0/7/value/data_array`);
+  automap names each parameter, and the moments that mirror it, by label."""
+  pytest.importorskip("penzai")
+  from automap._src.models import outside_steps
+
+  step = outside_steps.penzai_transformer(outside_steps.TINY)
+  step_p = automap.partition(step.fn, mesh=mesh((4, 2)), hardware="cpu", budget=BUDGET,
+                             cache=False)
+  out = step_p(*step.args)
+  # AdamW moves every weight by about its learning rate (1e-3): a wrong
+  # layout errs by that much, rounding by far less.
+  assert compare_numerics(jax.jit(step.fn)(*step.args), out)[1] < 1e-3
+  paths = step_p.plan.in_paths
+  query = "transformer/block_0/attention/query.weights/value/data_array"
+  assert f"0/{query}" in paths and f"1/0/mu/{query}" in paths
+  assert not any(p.startswith("0/0/") for p in paths)

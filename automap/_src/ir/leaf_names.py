@@ -110,10 +110,28 @@ def _mirrors(tree, paths: Sequence[str], containers, taken: set[int]) -> dict[in
   return out
 
 
+def _labelled(x) -> bool:
+  """A pytree node its library names itself: penzai's parameter and state
+  values carry their `label` beside their `value`."""
+  return isinstance(getattr(x, "label", None), str) and hasattr(x, "value")
+
+
+def library_names(args):
+  """`names=` as the arguments' own libraries name their leaves (penzai's
+  labels, which its pytree paths leave out: `0/7/value/data_array` is
+  `transformer/block_0/attention/query.weights`), or None where none do."""
+  if not any(_labelled(x) for x in jax.tree.leaves(args, is_leaf=_labelled)):
+    return None
+  return jax.tree.map(lambda x: x.label if _labelled(x) else None, args, is_leaf=_labelled)
+
+
 def apply(names, args, in_paths: tuple[str, ...], in_avals, outs, out_paths: tuple[str, ...],
           out_avals) -> tuple[tuple[str, ...], tuple[str, ...]]:
   """(argument paths, result paths) with `names` applied. `args` and `outs`
-  are the dynamic trees whose flat leaves `in_paths` / `out_paths` name."""
+  are the dynamic trees whose flat leaves `in_paths` / `out_paths` name;
+  None names leaves as their libraries do (`library_names`)."""
+  if names is None:
+    names = library_names(args)
   if names is None:
     return in_paths, out_paths
   entries: list[tuple[str, str, str]] = []

@@ -349,18 +349,25 @@ def keras_mlp(z: Size = BENCH) -> Step:
 
 # flax linen and nnx (the library's layers) ----------------------------------
 
-def linen_encoder(z: Size = BENCH) -> Step:
+def _linen_encoder(z: Size, remat: bool) -> Step:
   import flax.linen as nn
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.LayerNorm()(x)
+      x = x + nn.MultiHeadDotProductAttention(z.heads)(h, h)
+      h = nn.LayerNorm()(x)
+      return x + nn.Dense(z.width)(nn.gelu(nn.Dense(z.ff)(h)))
+
+  layer = nn.remat(Block) if remat else Block
 
   class Encoder(nn.Module):
     @nn.compact
     def __call__(self, tokens):
       x = nn.Embed(z.vocab, z.width)(tokens)
       for _ in range(z.layers):
-        h = nn.LayerNorm()(x)
-        x = x + nn.MultiHeadDotProductAttention(z.heads)(h, h)
-        h = nn.LayerNorm()(x)
-        x = x + nn.Dense(z.width)(nn.gelu(nn.Dense(z.ff)(h)))
+        x = layer()(x)
       return nn.Dense(16)(nn.LayerNorm()(x).mean(axis=1))
 
   model = Encoder()
@@ -370,7 +377,18 @@ def linen_encoder(z: Size = BENCH) -> Step:
   def loss(params, batch):
     return _xent(model.apply({"params": params}, batch["x"]), batch["y"])
 
-  return _train(loss, params, batch, "linen-encoder", "flax.linen", "encoder")
+  name = "linen-encoder-remat" if remat else "linen-encoder"
+  return _train(loss, params, batch, name, "flax.linen", "encoder")
+
+
+def linen_encoder(z: Size = BENCH) -> Step:
+  return _linen_encoder(z, remat=False)
+
+
+def linen_encoder_remat(z: Size = BENCH) -> Step:
+  """The encoder with each block rematerialised (`nn.remat`): its forward
+  recomputed in the backward, FSDP's gathers made again."""
+  return _linen_encoder(z, remat=True)
 
 
 def nnx_decoder(z: Size = BENCH) -> Step:
@@ -409,5 +427,34 @@ def nnx_decoder(z: Size = BENCH) -> Step:
                 "decoder")
 
 
+# penzai (named axes) ---------------------------------------------------------
+
+def penzai_transformer(z: Size = BENCH) -> Step:
+  """penzai's own llama-like transformer, its arrays named by axis. Split
+  as penzai's `StatefulTrainer` splits it: `pz.unbind_params` into a
+  stateless model and its parameters, frozen into `ParameterValue`s."""
+  from penzai import pz
+  from penzai.models.transformer.variants import llamalike_common
+
+  model = llamalike_common.build_llamalike_transformer(
+      llamalike_common.LlamalikeTransformerConfig(
+          num_kv_heads=z.heads, query_head_multiplier=1, embedding_dim=z.width,
+          projection_dim=z.width // z.heads, mlp_hidden_dim=z.ff,
+          num_decoder_blocks=z.layers, vocab_size=z.vocab, mlp_variant="swiglu",
+          tie_embedder_and_logits=False, parameter_dtype=jnp.float32,
+          activation_dtype=jnp.float32),
+      init_base_rng=jax.random.key(0))
+  stateless, params = pz.unbind_params(model)
+
+  def loss(params, batch):
+    logits = pz.bind_variables(stateless, params)(
+        pz.nx.wrap(batch[:, :-1]).tag("batch", "seq"))
+    return _xent(logits.unwrap("batch", "seq", "vocabulary"), batch[:, 1:])
+
+  return _train(loss, pz.freeze_params(params), _tokens(z, 1, 1),
+                "penzai-transformer", "penzai", "decoder")
+
+
 BUILDERS = (hf_bert, hf_bert_dropout, hf_gpt2, hf_bart, hf_gemma, hf_vit, eqx_transformer, eqx_mlp,
-            hk_transformer, hk_mlp, keras_transformer, keras_mlp, linen_encoder, nnx_decoder)
+            hk_transformer, hk_mlp, keras_transformer, keras_mlp, linen_encoder,
+            linen_encoder_remat, nnx_decoder, penzai_transformer)
