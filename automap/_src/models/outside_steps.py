@@ -5,7 +5,8 @@ batch) -> (params, opt_state, loss)` as that library's users write it, and
 concrete arguments of a `Size`: `BENCH` (2 layers, width 256, sequence
 64, batch 32: enough work that layouts differ) or `TINY` for tests. The model code is the
 library's: HuggingFace Flax BERT, GPT-2, BART, Gemma and ViT; equinox, haiku,
-keras 3, flax linen and nnx layers. Needs the `outside` extra; keras runs
+keras 3, flax linen (an LSTM among them) and nnx layers; penzai's named-axis
+transformer. Needs the `outside` extra; keras runs
 on JAX (`KERAS_BACKEND`, set before keras is first imported).
 """
 
@@ -391,6 +392,34 @@ def linen_encoder_remat(z: Size = BENCH) -> Step:
   return _linen_encoder(z, remat=True)
 
 
+def linen_lstm(z: Size = BENCH) -> Step:
+  """A recurrent language model of flax's own LSTM layers: `nn.RNN` scans
+  an `OptimizedLSTMCell` over the sequence, a residual block per layer."""
+  import flax.linen as nn
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return x + nn.RNN(nn.OptimizedLSTMCell(z.width))(nn.LayerNorm()(x))
+
+  class LM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+      x = nn.Embed(z.vocab, z.width)(tokens)
+      for _ in range(z.layers):
+        x = Block()(x)
+      return nn.Dense(z.vocab)(nn.LayerNorm()(x))
+
+  model = LM()
+  tokens = _tokens(z, 1, 1)
+  params = model.init(jax.random.key(0), tokens[:, :-1])["params"]
+
+  def loss(params, batch):
+    return _xent(model.apply({"params": params}, batch[:, :-1]), batch[:, 1:])
+
+  return _train(loss, params, tokens, "linen-lstm", "flax.linen", "recurrent")
+
+
 def nnx_decoder(z: Size = BENCH) -> Step:
   from flax import nnx
 
@@ -457,4 +486,4 @@ def penzai_transformer(z: Size = BENCH) -> Step:
 
 BUILDERS = (hf_bert, hf_bert_dropout, hf_gpt2, hf_bart, hf_gemma, hf_vit, eqx_transformer, eqx_mlp,
             hk_transformer, hk_mlp, keras_transformer, keras_mlp, linen_encoder,
-            linen_encoder_remat, nnx_decoder, penzai_transformer)
+            linen_encoder_remat, linen_lstm, nnx_decoder, penzai_transformer)

@@ -21,6 +21,9 @@ _GROUPS_IOTA = re.compile(
 _GROUPS_MESH = re.compile(
     r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((?:\[([0-9,]+)\]"
     r"(?:T\(([0-9,]+)\))?|([0-9,]+))\))?\s*\{([^}]*)\}")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s.*\{\s*$")
+_WHILE_BODY = re.compile(r"\swhile\(.*body=%?([^\s,]+)")
+_KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"([0-9]+)"')
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
                 "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
@@ -34,12 +37,15 @@ class Collective:
   kind: all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute.
   nbytes: bytes of its result on one device.
   axes: mesh axes its replica groups span.
+  trips: times it runs per call: the known trip counts of the while loops
+    around it multiplied (1 outside loops, or where XLA does not know one).
   """
 
   kind: str
   nbytes: int
   axes: tuple[str, ...]
   line: str
+  trips: int = 1
 
 
 def _shape_bytes(text: str) -> int:
@@ -100,10 +106,41 @@ def _axes_of_groups(groups: list[list[int]], mesh) -> tuple[str, ...]:
   return tuple(n for n, v in zip(mesh.axis_names, varying) if v)
 
 
+def _loop_trips(lines: list[str]) -> dict[str, int]:
+  """{computation: times it runs per call} for while bodies: their known
+  trip counts (`known_trip_count`), nested loops multiplied."""
+  parent: dict[str, tuple[str, int]] = {}
+  current = ""
+  for line in lines:
+    header = _HEADER.match(line)
+    if header and not line.startswith(" "):
+      current = header.group(1)
+      continue
+    body = _WHILE_BODY.search(line)
+    if body:
+      n = _KNOWN_TRIPS.search(line)
+      parent[body.group(1)] = (current, int(n.group(1)) if n else 1)
+
+  def trips(name: str, depth: int = 0) -> int:
+    if name not in parent or depth > len(parent):
+      return 1
+    caller, n = parent[name]
+    return n * trips(caller, depth + 1)
+  return {name: trips(name) for name in parent}
+
+
 def collectives(hlo_text: str, mesh) -> list[Collective]:
-  """Every collective in compiled HLO text, with its mesh axes."""
+  """Every collective in compiled HLO text, with its mesh axes and how many
+  times it runs per call (`Collective.trips`)."""
   found = []
-  for line in hlo_text.splitlines():
+  lines = hlo_text.splitlines()
+  loops = _loop_trips(lines)
+  current = ""
+  for line in lines:
+    header = _HEADER.match(line)
+    if header and not line.startswith(" "):
+      current = header.group(1)
+      continue
     m = _COLLECTIVE.search(line)
     if not m or "=" not in line[:m.start()]:
       continue
@@ -113,7 +150,8 @@ def collectives(hlo_text: str, mesh) -> list[Collective]:
       arrays = _ARRAY.findall(shape)
       shape = "{}[{}]".format(*arrays[1]) if len(arrays) > 1 else shape
     found.append(Collective(m.group("kind"), _shape_bytes(shape),
-                            _axes_of_groups(_groups(line), mesh), line.strip()))
+                            _axes_of_groups(_groups(line), mesh), line.strip(),
+                            loops.get(current, 1)))
   return found
 
 

@@ -3,8 +3,9 @@ and XLA's own accounting of it, beside automap's prices.
 
 `compile_layout` jits a step with only its argument shardings (XLA
 propagates the rest); `referee` reads its time (XLA's FLOPs and bytes at
-the hardware's peaks, a ring per compiled collective) and peak memory;
-`expert_specs` lays out the hand-written experts from automap's tactics.
+the hardware's peaks, a ring per compiled collective each time it runs)
+and peak memory; `expert_specs` lays out the hand-written experts from
+automap's tactics.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ EXPERT_NAMES = {"data parallel": "data parallel", "Megatron+DP": "Megatron + DP"
 def referee(compiled, mesh, hw) -> dict:
   """The compiled program's own accounting: seconds of compute (XLA's
   FLOPs at the float32 peak plus its bytes accessed at HBM bandwidth), of
-  communication (a ring per compiled collective over its group) and the
+  communication (a ring per compiled collective over its group, each time
+  it runs: a loop's every trip) and the
   compiled peak bytes per device."""
   costs = compiled_costs(compiled)
   flops, accessed = float(costs.get("flops", 0.0)), float(costs.get("bytes accessed", 0.0))
@@ -40,8 +42,8 @@ def referee(compiled, mesh, hw) -> dict:
   for c in collectives(compiled.as_text(), mesh):
     n = int(np.prod([sizes[a] for a in c.axes])) if c.axes else 1
     if n > 1:
-      comm += ring_seconds(KINDS.index(c.kind), c.nbytes, n, hw.link_bandwidth,
-                           hw.link_latency)
+      comm += c.trips * ring_seconds(KINDS.index(c.kind), c.nbytes, n, hw.link_bandwidth,
+                                     hw.link_latency)
   compute = flops / hw.fp32_flops + accessed / hw.hbm_bandwidth
   return {"time": compute + comm, "compute": compute, "comm": comm,
           "peak": compiled_memory(compiled)[0], "bytes": accessed}
