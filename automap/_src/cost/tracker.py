@@ -120,7 +120,7 @@ class Tracker:
         key = self.model.copy_key(o, position, kind, mask, target, nbytes)
         readers = self.reshards.get(key)
         if readers:
-          self._add_live(self._copy_span(key, readers), -nbytes)
+          self._add_live(self.copy_span(key, readers), -nbytes)
         if sign > 0:
           readers = readers or []
           readers.append(o)
@@ -130,7 +130,7 @@ class Tracker:
           if not readers:
             del self.reshards[key]
         if readers:
-          self._add_live(self._copy_span(key, readers), nbytes)
+          self._add_live(self.copy_span(key, readers), nbytes)
         if sign > 0 and len(readers) == 1:
           # The copy costs what its first reader priced it at (readers inside
           # a loop price it per step); the same amount is refunded with it.
@@ -150,7 +150,7 @@ class Tracker:
         self._track_combined(o, kind, mask, nbytes, c.footprint[0] if c.footprint else 0.0, sign)
       self.seconds[kind, mask] += sign * seconds
 
-  def _copy_span(self, key: tuple, readers: list[int]) -> list[int]:
+  def copy_span(self, key: tuple, readers: list[int]) -> list[int]:
     """The ops a resharded copy (`CostModel.copy_key`) is live across: its
     readers'; on a breadth-first schedule (`Compiler.breadth_first`) from
     where the value it copies is made, where the copy is read only in the
@@ -316,7 +316,7 @@ class Tracker:
     trips, regions = self.model.graph.trips, self.model.graph.regions
     held += [(min(span), max(span), key[4]) for key, readers in self.reshards.items()
              if not regions[readers].any() and (trips[readers] == 1).all()
-             for span in (self._copy_span(key, readers),)]
+             for span in (self.copy_span(key, readers),)]
     first, last, nbytes = (np.array(x).reshape(-1) for x in zip(*held)) if held else (
         np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
     return (np.concatenate([a.start[values], first.astype(np.int64)]),

@@ -38,7 +38,7 @@ from automap._src.ir import constraints as constraints_lib
 from automap._src.ir import factor_rule, rules, slices
 from automap._src.ir.constraints import Constraint
 from automap._src.ir.trace import Traced
-from automap._src.ir.walk import INLINE, SEALED, Step, Walk, sub_jaxpr
+from automap._src.ir.walk import INLINE, SEALED, TRACED, Step, Walk, sub_jaxpr
 
 ARG, CONST, INTERMEDIATE = 0, 1, 2
 
@@ -59,10 +59,11 @@ DELIBERATELY_REPLICATED = frozenset({
 
 # Other libraries' primitives that compute what a JAX primitive does, priced
 # and propagated as it: equinox's runtime checks reduce over every element
-# (`unvmap_*`, outside vmap), and its markers are the value itself.
+# (`unvmap_*`, outside vmap), its markers are the value itself, and its
+# loops' `select_if_vmap` selects between two values (their first, unbatched).
 ALIASES = {"unvmap_any": "reduce_or", "unvmap_all": "reduce_and", "unvmap_max": "reduce_max",
            "nonbatchable": "copy", "nondifferentiable_backward": "copy",
-           "nontraceable": "copy"}
+           "nontraceable": "copy", "select_if_vmap": "select_n"}
 
 
 class UnknownPrimitiveWarning(UserWarning):
@@ -100,7 +101,7 @@ def eqn_flops(eqn) -> float:
     return body_flops(params["body_jaxpr"]) + body_flops(params["cond_jaxpr"])
   if name == "cond":
     return max(body_flops(b) for b in params["branches"])
-  sub = sub_jaxpr(eqn) if name in INLINE or name in SEALED else None
+  sub = sub_jaxpr(eqn) if name in INLINE or name in SEALED or name in TRACED else None
   if sub is not None:
     return body_flops(sub)
   ins = [tuple(getattr(a.aval, "shape", ())) for a in eqn.invars]

@@ -254,6 +254,40 @@ def _slice(ins, outs, params) -> Rule:
   return b.rule([factors], [factors], windows)
 
 
+def _stack(ins, outs, params) -> Rule:
+  """Operands of one shape stacked along a new dim (`lax.stack`, lowered to
+  a concatenation of each broadcast to a unit dim): the new dim whole, the
+  others shared."""
+  b = Builder()
+  factors = [b.new(n) for n in ins[0]]
+  made = list(factors)
+  made.insert(params["axis"] % len(outs[0]), UNSHARDABLE)
+  return b.rule([factors if s is not None else None for s in ins], [made])
+
+
+def _matrices(core: int):
+  """Linear algebra on the trailing `core` dims of its first operand (a
+  batch of matrices: lu, cholesky, qr, eigh, svd, triangular_solve):
+  the leading dims are a batch every operand and result shares, each
+  matrix (and its pivots, permutation, eigenvalues) kept whole, as XLA
+  partitions them (`HandleCustomCall`/`HandleTriangularSolve`: batch dims
+  only)."""
+
+  def rule(ins, outs, params) -> Rule:
+    b = Builder()
+    batch = tuple(ins[0][:max(len(ins[0]) - core, 0)])
+    shapes = [s for s in (*ins, *outs) if s is not None]
+    if any(tuple(s[:len(batch)]) != batch or len(s) < len(batch) for s in shapes):
+      return replicated_rule(ins, outs)
+    factors = [b.new(n) for n in batch]
+
+    def dims(s):
+      return None if s is None else factors + [UNSHARDABLE] * (len(s) - len(batch))
+    return b.rule([dims(s) for s in ins], [dims(s) for s in outs])
+
+  return rule
+
+
 def _bitcast_convert_type(ins, outs, params) -> Rule:
   """Same-width bitcasts are elementwise; width changes add or drop a dim."""
   if len(ins[0]) != len(outs[0]):
@@ -497,6 +531,11 @@ _RULES: dict[str, Callable[[Any, Any, dict], Rule]] = {
     "bitcast_convert_type": _bitcast_convert_type,
     "select_n": _select_n,
     "clamp": _elementwise,
+    **{prim: _matrices(2) for prim in ("lu", "cholesky", "qr", "householder_product", "eigh",
+                                       "eig", "svd", "triangular_solve", "tridiagonal_solve",
+                                       "schur", "hessenberg")},
+    "lu_pivots_to_permutation": _matrices(1),
+    "stack": _stack,
 }
 
 

@@ -39,9 +39,34 @@ class Step(NamedTuple):
   barrier: int = 0  # the recomputation behind an optimization barrier it is in (0: none)
 
 
+# Primitives defined by a Python implementation in ordinary primitives:
+# walked as the jaxpr of that implementation, a sealed call (equinox's
+# `vprim`, a primitive vmapped: lineax's linear_solve in optimistix).
+TRACED = frozenset({"vprim"})
+
+
 def sub_jaxpr(eqn):
-  key = INLINE.get(eqn.primitive.name) or SEALED.get(eqn.primitive.name)
+  """The jaxpr a call equation runs (None for a primitive of its own)."""
+  name = eqn.primitive.name
+  if name in TRACED:
+    return _traced_impl(eqn)
+  key = INLINE.get(name) or SEALED.get(name)
   return eqn.params.get(key) if key else None
+
+
+def _traced_impl(eqn):
+  """The closed jaxpr of the primitive's implementation on its operands'
+  types; None where it does not trace to other primitives."""
+  avals = [v.aval for v in eqn.invars]
+  try:
+    closed = jax.make_jaxpr(lambda *xs: eqn.primitive.impl(*xs, **eqn.params))(*avals)
+  except Exception:  # noqa: BLE001 - an implementation that does not trace stays a primitive
+    return None
+  results = len(eqn.outvars) if eqn.primitive.multiple_results else 1
+  if len(closed.jaxpr.outvars) != results or any(
+      e.primitive is eqn.primitive for e in closed.jaxpr.eqns):
+    return None
+  return closed
 
 
 def _behind_barrier(eqn) -> bool:
@@ -139,7 +164,7 @@ class Walk:
           self.barriers += 1
           self.barrier = self.barriers
         try:
-          outs = self.closed(sub, ins, inner_scope, sealed or name in SEALED)
+          outs = self.closed(sub, ins, inner_scope, sealed or name not in INLINE)
         finally:
           self.barrier = outer
         if name not in INLINE and not sealed:

@@ -6,7 +6,7 @@ concrete arguments of a `Size`: `BENCH` (2 layers, width 256, sequence
 64, batch 32: enough work that layouts differ) or `TINY` for tests. The model code is the
 library's: HuggingFace Flax BERT, GPT-2, BART, Gemma and ViT; equinox, haiku,
 keras 3, flax linen (an LSTM among them) and nnx layers; penzai's named-axis
-transformer. Needs the `outside` extra; keras runs
+transformer; diffrax's neural ODE. Needs the `outside` extra; keras runs
 on JAX (`KERAS_BACKEND`, set before keras is first imported).
 """
 
@@ -250,6 +250,49 @@ def eqx_mlp(z: Size = BENCH) -> Step:
   return _eqx_train(model, loss, batch, "eqx-mlp", "mlp")
 
 
+def diffrax_node(z: Size = BENCH) -> Step:
+  """diffrax's Neural ODE: an MLP vector field integrated by Tsit5 in 8
+  fixed steps, differentiated through its checkpointed while loop
+  (`RecursiveCheckpointAdjoint`, custom derivatives and equinox's loop
+  primitives)."""
+  import diffrax
+  import equinox as eqx
+
+  dim = z.width // 4
+
+  class Func(eqx.Module):
+    mlp: eqx.nn.MLP
+
+    def __init__(self, key):
+      self.mlp = eqx.nn.MLP(dim, dim, z.width, 2, activation=jax.nn.softplus,
+                            final_activation=jax.nn.tanh, key=key)
+
+    def __call__(self, t, y, args):
+      return self.mlp(y)
+
+  class NeuralODE(eqx.Module):
+    func: Func
+
+    def __init__(self, key):
+      self.func = Func(key)
+
+    def __call__(self, y0):  # one initial state: (dim,)
+      sol = diffrax.diffeqsolve(
+          diffrax.ODETerm(self.func), diffrax.Tsit5(), t0=0.0, t1=1.0, dt0=1 / 8, y0=y0,
+          stepsize_controller=diffrax.ConstantStepSize(), max_steps=8,
+          saveat=diffrax.SaveAt(t1=True))
+      return sol.ys[-1]
+
+  rng = np.random.default_rng(5)
+  batch = {"y0": jnp.asarray(rng.standard_normal((z.batch * 4, dim)), jnp.float32),
+           "y1": jnp.asarray(rng.standard_normal((z.batch * 4, dim)), jnp.float32)}
+
+  def loss(model, batch):
+    return jnp.mean((jax.vmap(model)(batch["y0"]) - batch["y1"]) ** 2)
+
+  return _eqx_train(NeuralODE(jax.random.key(0)), loss, batch, "diffrax-node", "ode")
+
+
 # haiku ----------------------------------------------------------------------
 
 def hk_transformer(z: Size = BENCH) -> Step:
@@ -485,5 +528,5 @@ def penzai_transformer(z: Size = BENCH) -> Step:
 
 
 BUILDERS = (hf_bert, hf_bert_dropout, hf_gpt2, hf_bart, hf_gemma, hf_vit, eqx_transformer, eqx_mlp,
-            hk_transformer, hk_mlp, keras_transformer, keras_mlp, linen_encoder,
+            diffrax_node, hk_transformer, hk_mlp, keras_transformer, keras_mlp, linen_encoder,
             linen_encoder_remat, linen_lstm, nnx_decoder, penzai_transformer)

@@ -94,7 +94,8 @@ def layers(program, tracker: Tracker) -> tuple[LayerRow, ...]:
     for v in alive:
       temporary[owner(int(v))] += float(tracker.footprint[v])
     for key, readers in tracker.reshards.items():
-      if min(readers) <= peak <= max(readers):
+      span = tracker.copy_span(key, readers)
+      if min(span) <= peak <= max(span):
         temporary[of_op[min(readers)]] += key[4]
     for group in tracker.pending.values():
       last = max(group, default=-1)
