@@ -197,10 +197,12 @@ def verify(plan: Plan, fn: Callable, args: tuple, mesh=None,
                                 complex)) for x in jax.tree.leaves(dynamic))
   if check_numerics and concrete:
     with jax.set_mesh(apply_lib.auto_mesh(mesh)):  # The program's constraints resolve.
-      expected = jax.jit(traced.dynamic_fn())(*dynamic)
+      # Finished before the next starts: a step's host callbacks (equinox's
+      # checks) wait for the interpreter, which tracing would hold.
+      expected = jax.block_until_ready(jax.jit(traced.dynamic_fn())(*dynamic))
       placed = jax.device_put(
           dynamic, apply_lib.plan_shardings(mesh, plan.in_specs, traced.in_tree))
-      actual = jitted(*placed)
+      actual = compiled(*placed)  # The program compiled above, not traced again.
     if not all(x.is_fully_addressable for x in jax.tree.leaves(actual)):
       # The mesh spans processes: every process compares the whole result.
       actual = multihost_utils.process_allgather(actual, tiled=True)
