@@ -186,9 +186,8 @@ def test_callbacks_rng_and_custom_calls_next_to_sharded_values_keep_numerics():
           jax.random.normal(jax.random.key(1), (32, 16)), jax.random.key(2))
   expected = jax.jit(f)(*args)
   hints = automap.Hints(fixed={"0": P("data"), "1": P(None, "model")})
-  with pytest.warns(automap.UnknownPrimitiveWarning, match="cholesky"):
-    g = automap.partition(f, mesh=mesh((4, 2)), hints=hints, hardware="cpu")
-    actual = g(*args)
+  g = automap.partition(f, mesh=mesh((4, 2)), hints=hints, hardware="cpu")
+  actual = g(*args)  # cholesky has a rule: its matrix whole, as XLA keeps it
   assert g.plan.in_specs[:2] == (P("data"), P(None, "model"))
   np.testing.assert_allclose(actual, expected, rtol=1e-5)
   assert len(seen) == 2 and seen[1] == pytest.approx(seen[0], rel=1e-4)

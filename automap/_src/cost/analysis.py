@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from automap._src.cost import aliasing
 from automap._src.ir import graph as graph_lib
 from automap._src.ir import rules
 from automap._src.ir.graph import Graph
@@ -58,7 +59,7 @@ def materialized(graph: Graph, fuses_shared: bool = True,
     p = graph.producer[v]
     if p < 0 or not graph.uses[v]:
       continue
-    if graph.prims[p] in _FUSIBLE:
+    if graph.prims[p] in _FUSIBLE or aliasing.is_outer_product(graph, p):
       out[v] = not all(graph.prims[o] in _ABSORBING for o, _ in graph.uses[v])
     elif graph.prims[p] in _FUSED_ONCE:
       out[v] = len(graph.uses[v]) > 1 or graph.prims[graph.uses[v][0][0]] not in _FUSIBLE
@@ -424,6 +425,7 @@ class Analysis:
                        for o in range(graph.num_ops)], bool)
     hostable = temporary & ~np.append(looped, False)[graph.producer]
     end = fused_liveness(graph, stored, end, dead, resident)
+    aliasing.share_loop_buffers(graph, start, end, temporary, hostable, dead)
     free = remade_values(graph)
     copies, readers = fusion_copies(graph, stored, dead)
     dot_readers = contraction_readers(graph, dead)

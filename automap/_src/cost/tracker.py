@@ -152,16 +152,20 @@ class Tracker:
 
   def copy_span(self, key: tuple, readers: list[int]) -> list[int]:
     """The ops a resharded copy (`CostModel.copy_key`) is live across: its
-    readers'; on a breadth-first schedule (`Compiler.breadth_first`) from
-    where the value it copies is made, where the copy is read only in the
-    entry computation (a loop, branch or recomputation makes its own
-    inside)."""
+    readers'; on a breadth-first schedule (`Compiler.breadth_first`) an
+    argument gathered whole and read in the entry computation (not inside
+    a loop or branch) from the program's start, where the schedule makes
+    it: every FSDP weight's gather, the recomputation's too (XLA expands
+    remat's barriers before it schedules). Other copies are taken to be
+    made by their first reader, as compiled programs of Megatron layouts
+    show."""
     model = self.model
-    value, loop, region = key[0], key[5], key[6]
+    value, loop, region, nbytes = key[0], key[5], key[6], key[4]
     if (not model.compiler.breadth_first or loop >= 0 or region
+        or not model.analysis.is_input[value] or nbytes < model.graph.nbytes[value]
         or (model.graph.trips[readers] > 1).any()):
       return readers
-    return [*readers, int(model.analysis.start[value])]
+    return [*readers, 0]
 
   def _track_combined(self, o: int, kind: int, mask: int, nbytes: float, out: float,
                       sign: int) -> None:

@@ -72,6 +72,38 @@ def _weight(graph: Graph, v: int, carried: set[int]) -> tuple[int, list[int]]:
   return v, dims
 
 
+# Ops that take one dim of an array apart into static pieces (a fused
+# weight's gates, q|k|v stacked along a dim of its own); a lookup by data
+# (a label's logit) is not one.
+_PIECES = frozenset({"slice", "split", "squeeze"})
+# Ops a value passes through on its way to what takes it apart.
+_THROUGH = _VIEWS | frozenset({"reshape", "add", "mul", "sub", "tanh", "logistic"})
+
+
+def _taken_apart(graph: Graph, v: int, dim: int, depth: int = 8) -> bool:
+  """Whether the program takes dim `dim` of value v apart: slices, splits
+  or indexes it into pieces (a stack of distinct tensors, such as a fused
+  weight's gates), following it through views and elementwise ops."""
+  if depth == 0:
+    return False
+  for o, pos in graph.uses[v]:
+    prim, rule = graph.prims[o], graph.rules[o]
+    factors = rule.operands[pos] if pos < len(rule.operands) else None
+    if factors is None or dim >= len(factors):
+      continue
+    f = factors[dim]
+    if prim in _PIECES:
+      made = graph.results[o][0] if graph.results[o] else -1
+      kept = f >= 0 and made >= 0 and f in rule.results[0]
+      if not kept or graph.shapes[made][list(rule.results[0]).index(f)] < graph.shapes[v][dim]:
+        return True
+    elif prim in _THROUGH and f >= 0:
+      for made, dims in zip(graph.results[o], rule.results):
+        if made >= 0 and f in dims and _taken_apart(graph, made, list(dims).index(f), depth - 1):
+          return True
+  return False
+
+
 class Tactics:
   """The tactics of one program, with what they act on found once."""
 
@@ -92,9 +124,13 @@ class Tactics:
         w, dims = _weight(graph, graph.operands[o][i], seen)
         if w < 0:
           continue
-        other, out = set(rule.operands[1 - i] or ()), set(rule.results[0])
+        other, out = list(rule.operands[1 - i] or ()), list(rule.results[0])
+        made = graph.results[o][0]
+        # Output dims, not those the program takes apart (Megatron splits a
+        # fused weight's hidden units, never its stack of gates).
         columns = [dims[d] for d, f in enumerate(rule.operands[i])
-                   if f >= 0 and f in out and f not in other and dims[d] >= 0]
+                   if f >= 0 and f in out and f not in other and dims[d] >= 0
+                   and not _taken_apart(graph, made, out.index(f))]
         if columns:
           self.weights.append((w, columns))
 

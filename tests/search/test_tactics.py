@@ -1,0 +1,41 @@
+"""The expert tactics lay a model out as its practitioners would."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import compile_as_written
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import automap
+from automap._src.cost.hardware import get_hardware
+from automap._src.plan import planner
+from automap._src.search import tactics
+from automap._src.search.actions import ActionSpace
+from automap._src.sharding.state import spec_of
+
+MESH = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def gated_step(p, x):
+  """A gated unit whose two gates share one fused weight [in, gate, hidden],
+  taken apart by index (Griffin's and GLU layers' way)."""
+  def loss(p):
+    g = jnp.einsum("bd,dgh->bgh", x, p["gate"])
+    return jnp.mean((jax.nn.sigmoid(g[:, 0]) * jnp.tanh(g[:, 1]) @ p["out"]) ** 2)
+  return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p))
+
+
+def test_megatron_splits_a_fused_weights_hidden_units_not_its_gates():
+  p = {"gate": jnp.ones((64, 2, 128)) / 64, "out": jnp.ones((128, 64)) / 128}
+  x = jnp.ones((32, 64))
+  program = planner.build_program(gated_step, (p, x), MESH, get_hardware("tpu-v4"))
+  g = program.graph
+  state = tactics.expert_states(program, ActionSpace(program))["Megatron+DP"]
+  specs = {g.names[v]: spec_of(state, program.mesh, v, g.rank(v)) for v in g.inputs}
+  # Column-parallel over the hidden units, row-parallel after: one reduction.
+  assert specs["0/gate"] == P(None, None, "model") and specs["0/out"] == P("model")
+  layout = ({"gate": specs["0/gate"], "out": specs["0/out"]}, specs["1"])
+  cost = automap.evaluate(gated_step, p, x, mesh=MESH, in_shardings=layout, hardware="cpu")
+  compiled, _, _ = compile_as_written(gated_step, (p, x), MESH, layout)
+  assert cost.comm_bytes == pytest.approx(compiled, rel=0.05)
