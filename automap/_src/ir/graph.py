@@ -38,7 +38,7 @@ from automap._src.ir import constraints as constraints_lib
 from automap._src.ir import factor_rule, rules, slices
 from automap._src.ir.constraints import Constraint
 from automap._src.ir.trace import Traced
-from automap._src.ir.walk import INLINE, SEALED, TRACED, Step, Walk, sub_jaxpr
+from automap._src.ir.walk import Step, Walk, sub_jaxpr
 
 ARG, CONST, INTERMEDIATE = 0, 1, 2
 
@@ -101,7 +101,7 @@ def eqn_flops(eqn) -> float:
     return body_flops(params["body_jaxpr"]) + body_flops(params["cond_jaxpr"])
   if name == "cond":
     return max(body_flops(b) for b in params["branches"])
-  sub = sub_jaxpr(eqn) if name in INLINE or name in SEALED or name in TRACED else None
+  sub = sub_jaxpr(eqn)
   if sub is not None:
     return body_flops(sub)
   ins = [tuple(getattr(a.aval, "shape", ())) for a in eqn.invars]

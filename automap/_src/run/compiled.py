@@ -106,16 +106,22 @@ def _axes_of_groups(groups: list[list[int]], mesh) -> tuple[str, ...]:
   return tuple(n for n, v in zip(mesh.axis_names, varying) if v)
 
 
-def _loop_trips(lines: list[str]) -> dict[str, int]:
-  """{computation: times it runs per call} for while bodies: their known
-  trip counts (`known_trip_count`), nested loops multiplied."""
-  parent: dict[str, tuple[str, int]] = {}
+def _instructions(lines: list[str]):
+  """(computation, line) of every instruction line of HLO text."""
   current = ""
   for line in lines:
     header = _HEADER.match(line)
     if header and not line.startswith(" "):
       current = header.group(1)
-      continue
+    else:
+      yield current, line
+
+
+def _loop_trips(lines: list[str]) -> dict[str, int]:
+  """{computation: times it runs per call} for while bodies: their known
+  trip counts (`known_trip_count`), nested loops multiplied."""
+  parent: dict[str, tuple[str, int]] = {}
+  for current, line in _instructions(lines):
     body = _WHILE_BODY.search(line)
     if body:
       n = _KNOWN_TRIPS.search(line)
@@ -135,12 +141,7 @@ def collectives(hlo_text: str, mesh) -> list[Collective]:
   found = []
   lines = hlo_text.splitlines()
   loops = _loop_trips(lines)
-  current = ""
-  for line in lines:
-    header = _HEADER.match(line)
-    if header and not line.startswith(" "):
-      current = header.group(1)
-      continue
+  for current, line in _instructions(lines):
     m = _COLLECTIVE.search(line)
     if not m or "=" not in line[:m.start()]:
       continue
