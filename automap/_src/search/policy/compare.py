@@ -2,20 +2,22 @@
 uniform priors on the same program, seeds and budget.
 
 A search is summarised by its trail: the episode, wall second and step
-time of every new best plan. The targets are the best expert's plan (given
-by the caller) and the best plan any of the compared searches found, each
-within 1%.
+time of every new best plan. `Run` measures one seed against a target fixed
+in advance (a best-known plan): the episodes and wall seconds until the
+search's best plan is within 1% of it (censored at a cap), and the plan it
+ends with after a fixed number of episodes and refinement.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from automap._src.cost.program import Program
-from automap._src.search import mcts
+from automap._src.search import mcts, refine
 from automap._src.search.actions import ActionSpace
 
 TOLERANCE = 0.01  # a plan within this of a target has reached it
@@ -76,3 +78,73 @@ def compare(program: Program, space: ActionSpace, policy: mcts.Policy,
 def best_found(trails: dict[str, list[np.ndarray]]) -> float:
   """The best step seconds any of the trails reached."""
   return min(t[-1, 2] for ts in trails.values() for t in ts)
+
+
+def within(score: mcts.Score, target: mcts.Score) -> bool:
+  """Whether a plan of `score` has reached `target` (a plan within the
+  memory limit): it fits too, and is at most TOLERANCE slower."""
+  return score[0] <= target[0] and score[1] <= target[1] * (1 + TOLERANCE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One seed's search measured against a target.
+
+  episodes, seconds: until its best plan reached the target (inf: not
+    within the cap); seconds are the search's wall clock since it was
+    made, priors and their features included.
+  final: the score after `final_episodes` episodes and refinement of the
+    plans seen by then.
+  """
+
+  episodes: float
+  seconds: float
+  final: mcts.Score
+
+  def to_json(self) -> list:
+    return [self.episodes if np.isfinite(self.episodes) else None,
+            self.seconds if np.isfinite(self.seconds) else None, list(self.final)]
+
+  @classmethod
+  def from_json(cls, d: list) -> Run:
+    inf = float("inf")
+    return cls(inf if d[0] is None else d[0], inf if d[1] is None else d[1],
+               (float(d[2][0]), float(d[2][1])))
+
+
+# Refinement of a final plan tries at most this many moves per episode run.
+_REFINE_TRIES = 10
+
+
+def run(program: Program, space: ActionSpace, policy: mcts.Policy | None, seed: int,
+        target: mcts.Score, memory_limit: float | None, *, cap: int = 1000,
+        final_episodes: int = 200,
+        settings: mcts.MCTSSettings | None = None) -> Run:
+  """Searches until the target is reached and `final_episodes` have run,
+  or `cap` episodes have."""
+  search = mcts.Search(program, space, memory_limit, seed, policy=policy,
+                       settings=settings or mcts.MCTSSettings())
+  hit = (float("inf"), float("inf"))
+  if within(search.best.score, target):
+    hit = (0.0, time.perf_counter() - search.t0)
+  final = None
+  while search.episodes < max(cap, final_episodes):
+    if search.episodes == final_episodes:
+      final = _refined(program, space, search, memory_limit, final_episodes)
+      if np.isfinite(hit[0]):
+        break
+    if search.episodes >= cap:
+      break
+    search.episode()
+    if not np.isfinite(hit[0]) and within(search.best.score, target):
+      hit = (float(search.episodes), time.perf_counter() - search.t0)
+  if final is None:
+    final = _refined(program, space, search, memory_limit, final_episodes)
+  return Run(hit[0], hit[1], final)
+
+
+def _refined(program, space, search: mcts.Search, memory_limit, episodes: int) -> mcts.Score:
+  seen = [(n.state, n.score) for n in search.table.values()]
+  _, score, _ = refine.refine_best(program, space.colour, seen, memory_limit, float("inf"),
+                                   _REFINE_TRIES * episodes)
+  return score
