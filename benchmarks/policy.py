@@ -1,10 +1,11 @@
 """What a prior is worth to the search, on programs no policy trained on.
 
 Rows: train steps of held-out families (a T5-style encoder-decoder, a ViT,
-a mixture-of-experts layer, and a GPT deeper and wider than any trained) on
-meshes (4, 2), (2, 4) and (2, 2, 2); each (program, mesh) under two of the
-four settings {tpu-v4, h100} x {no memory limit, a limit at half of data
-parallelism's peak}, alternating, so every setting appears on every program.
+a mixture-of-experts layer, a jraph GraphNetwork, and a GPT deeper and
+wider than any trained) on meshes (4, 2), (2, 4) and (2, 2, 2); each
+(program, mesh) under two of the four settings {tpu-v4, h100} x {no memory
+limit, a limit at half of data parallelism's peak}, alternating, so every
+setting appears on every program (the MoE layer, cheap, under all four).
 
 Two phases, each resumable and split into parts (`--part i/n` runs every
 n-th row); every row keeps its results in `benchmarks/policy_rows/<row>.json`
@@ -20,8 +21,14 @@ and its two best plans' states in `<row>.npz`:
           episodes to come within 1% of the best searched plan.
   run     the same seeds with the one-step lookahead prior, the oracle
           prior (the best searched plan's actions first) and the shipped
-          learned policy.
-  report  the table and the summary (RESULTS.md).
+          learned policy (`--methods`; "uniform" reruns uniform priors,
+          which must reach the target in the same episodes, to time them
+          beside the others).
+  primitive
+          the paper's own setting: tilings only, no tactics; episodes to
+          the best expert's plan that fits, uniform priors against the
+          shipped policy (`--primitive-seeds` seeds).
+  report  the tables and the summary (RESULTS.md).
 
 Per seed: episodes and wall seconds until the search's best plan is within
 1% of the best searched plan (and fits the limit), censored at `--cap`
@@ -30,6 +37,7 @@ best-known plan.
 
   python benchmarks/policy.py fix [--part 1/2] [--rows REGEX]
   python benchmarks/policy.py run [--part 1/2] [--rows REGEX] [--weights FILE]
+  python benchmarks/policy.py primitive [--part 1/2] [--rows REGEX]
   python benchmarks/policy.py report
 """
 
@@ -64,21 +72,29 @@ PROGRAMS = {
     "t5": ("T5 2+2L w512", zoo.encoder_decoder),
     "vit": ("ViT 4L w384", zoo.vit),
     "moe": ("MoE 8x2048", zoo.moe),
+    "graphnet": ("GraphNetwork 4k nodes", zoo.graph_network),
     "gpt8": ("GPT 8L h768", lambda: zoo.gpt(8, 768)),
 }
 MESHES = ((4, 2), (2, 4), (2, 2, 2))
 AXES = {2: ("data", "model"), 3: ("data", "fsdp", "model")}
 # Two of the four settings per (program, mesh), alternating with the mesh.
 SETTINGS = ((("tpu-v4", "none"), ("h100", "half")), (("h100", "none"), ("tpu-v4", "half")))
+# Programs cheap enough to take all four settings on every mesh.
+EVERY_SETTING = ("moe",)
 HARD = 30  # uniform's median episodes to the best searched plan, at least
 METHODS = ("uniform", "lookahead", "oracle", "policy")
+# The lookahead prices every action of a node it expands (a tracker update
+# each, and the peak under a limit): it guides the root and its children,
+# uniform priors the rest.
+LOOKAHEAD_DEPTH = 1
 
 
 def rows() -> list[dict]:
   out = []
   for key in PROGRAMS:
     for i, shape in enumerate(MESHES):
-      for hw, limit in SETTINGS[i % 2]:
+      settings = SETTINGS[0] + SETTINGS[1] if key in EVERY_SETTING else SETTINGS[i % 2]
+      for hw, limit in settings:
         mesh = "x".join(map(str, shape))
         out.append({"id": f"{key}-{mesh}-{hw}-{limit}", "program": key, "mesh": list(shape),
                     "hardware": hw, "limit": limit})
@@ -175,18 +191,25 @@ def fix(row: dict, opts) -> dict:
   return data
 
 
-def policies(name: str, program: Program, data: dict, space: ActionSpace, opts):
-  """(policy, settings) of a method."""
+def policies(name: str, program: Program, data: dict, opts):
+  """(a maker of the method's policy for a seed, its MCTS settings). Each
+  seed gets a fresh learned policy (its featurizer and prior cache built
+  inside the search's clock); the lookahead's cache is shared by a row's
+  seeds (pricing every action of a node is what it costs: its seconds are
+  reported, not compared)."""
+  if name == "uniform":
+    return (lambda: None), mcts.MCTSSettings()
   if name == "lookahead":
-    return baselines.LookaheadPolicy(program, data["memory_limit"]), mcts.MCTSSettings()
+    shared = baselines.LookaheadPolicy(program, data["memory_limit"])
+    return (lambda: shared), mcts.MCTSSettings(policy_depth=LOOKAHEAD_DEPTH)
   if name == "oracle":
     path = [decode(a) for a in data["best"]["path"]]
-    settings = mcts.MCTSSettings()
-    return (baselines.OraclePolicy(path),
-            mcts.MCTSSettings(policy_depth=settings.max_depth))
+    return (lambda: baselines.OraclePolicy(path)), mcts.MCTSSettings()
   with warnings.catch_warnings():
     warnings.simplefilter("error", learned.PolicyWarning)
-    return learned.load(opts.weights), mcts.MCTSSettings()
+    shipped = learned.load(opts.weights)
+  return (lambda: learned.LearnedPolicy(shipped.params, shipped.width, shipped.rounds,
+                                        shipped.temperature)), mcts.MCTSSettings()
 
 
 def run_row(row: dict, data: dict, opts) -> dict:
@@ -203,49 +226,97 @@ def run_row(row: dict, data: dict, opts) -> dict:
                          f"at {priced[1]:.6g} s, {data['best'][key][1]:.6g} s when it was "
                          "fixed; run `fix` again on this clock.")
   target = tuple(data["best"]["search"])
-  for name in METHODS[1:]:
-    if name in data["runs"] and not opts.redo:
+  for name in opts.methods.split(","):
+    if (("uniform_timed" if name == "uniform" else name) in data["runs"]
+        and not opts.redo):
       continue
     t0 = time.perf_counter()
-    policy, settings = policies(name, program, data, space, opts)
-    data["runs"][name] = [compare.run(program, space, policy, s, target, limit, cap=opts.cap,
-                                      settings=settings).to_json()
-                          for s in range(opts.seeds)]
+    make, settings = policies(name, program, data, opts)
+    runs = [compare.run(program, space, make(), s, target, limit, cap=opts.cap,
+                        settings=settings).to_json() for s in range(opts.seeds)]
+    if name == "uniform":  # timed again beside the others; its episodes are fixed
+      fixed = data["runs"]["uniform"][:len(runs)]
+      if [r[0] for r in runs] != [r[0] for r in fixed]:
+        raise SystemExit(f"{row['id']}: uniform priors reached the target in other "
+                         "episodes than when the row was fixed: the search is not "
+                         "reproducible here.")
+      name = "uniform_timed"
+    data["runs"][name] = runs
+    if name == "lookahead":
+      data.setdefault("settings", {})["lookahead_depth"] = LOOKAHEAD_DEPTH
     data["seconds"][name] = time.perf_counter() - t0
     save(data)
   return data
 
 
+def primitive(row: dict, data: dict, opts) -> dict:
+  """The paper's setting: tilings only, no tactics. Episodes until the
+  search's best plan is within 1% of the best expert's that fits (data
+  parallelism, Megatron, Megatron + DP, FSDP), uniform priors against the
+  shipped policy, censored at `--cap`."""
+  if "primitive" in data and not opts.redo:
+    return data
+  program, space = build(row)
+  limit = data["memory_limit"]
+  experts = [mcts.score_of(Tracker(program.model, s), limit)
+             for s in expert_states(program, space).values()]
+  fits = [s for s in experts if s[0] <= 0]
+  out = {"expert": None if not fits else list(min(fits))}
+  if fits:
+    tiles = ActionSpace(program, with_tactics=False)
+    target = min(fits)
+    for name in ("uniform", "policy"):
+      make, settings = policies(name, program, data, opts)
+      out[name] = [compare.run(program, tiles, make(), s, target, limit, cap=opts.cap,
+                               final_episodes=None, settings=settings).to_json()
+                   for s in range(opts.primitive_seeds)]
+  data["primitive"] = out
+  return data
+
+
 def _median(runs: list[compare.Run], cap: int, what: str) -> float:
-  """Median over seeds; a censored run counts as `cap` episodes (so a
-  ratio against it is a bound) and as inf seconds."""
-  xs = [getattr(r, what) for r in runs]
+  """Median over seeds; a censored run counts as `cap` episodes and as the
+  seconds its episodes to the cap took (so a ratio against it is a bound;
+  inf where those were not timed)."""
   if what == "episodes":
-    xs = [min(x, cap) for x in xs]
-  return float(np.median(xs))
+    return float(np.median([min(r.episodes, cap) for r in runs]))
+  xs = [r.seconds_bound for r in runs]
+  return float(np.median([x if np.isfinite(x) else np.inf for x in xs]))
 
 
 def report(opts) -> None:
-  table, hard_ratios = [], {m: [] for m in METHODS[1:]}
-  easy_extra = {m: [] for m in METHODS[1:]}
-  worse = {m: 0 for m in METHODS[1:]}
-  fewer = {m: 0 for m in METHODS[1:]}
-  seconds = {m: [] for m in METHODS[1:]}
-  done = 0
+  """The per-row table, then per prior against uniform (over the rows it
+  ran on): on hard rows, the geometric mean of uniform's median episodes
+  over its, with a bootstrap 95% lower bound (seeds resampled per row),
+  and of the wall seconds; on every row, whether its median final plan is
+  over 0.5% worse than uniform's or fewer seeds reach the target; on easy
+  rows, the extra median episodes."""
+  others = METHODS[1:]
+  hard_ratios = {m: [] for m in others}
+  easy_extra = {m: [] for m in others}
+  worse = {m: 0 for m in others}
+  fewer = {m: 0 for m in others}
+  seconds = {m: [] for m in others}
+  done, hard_rows, no_fit = 0, 0, []
   print("| row | best searched ms | best-known ms (from) | hard "
         "| episodes to best searched, median: uniform "
         "| lookahead | oracle | policy | seconds: uniform | lookahead | oracle | policy "
         "| reached (of seeds): u / l / o / p | final / best-known: u / l / o / p |")
   print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-  fmt = lambda x: "-" if not np.isfinite(x) else f"{x:.0f}"  # noqa: E731
+  cell = lambda x, f: "-" if x is None or not np.isfinite(x) else format(x, f)  # noqa: E731
   for row in rows():
     data = load(row["id"])
-    if data is None or data["runs"].get("uniform") is None:
+    if data is None:
       continue
-    runs = {m: [compare.Run.from_json(r) for r in data["runs"][m]]
+    if data["runs"].get("uniform") is None:
+      no_fit.append(row["id"])
+      continue
+    fixed = [compare.Run.from_json(r) for r in data["runs"]["uniform"]]
+    runs = {m: [compare.Run.from_json(r) for r in data["runs"][m]][:opts.seeds]
             for m in METHODS if data["runs"].get(m) is not None}
-    if len(runs) < len(METHODS):
-      continue
+    timed = data["runs"].get("uniform_timed")
+    if timed:  # uniform's seconds as timed beside the others
+      runs["uniform"] = [compare.Run.from_json(r) for r in timed][:opts.seeds]
     done += 1
     best, overall = data["best"]["search"][1], data["best"]["overall"][1]
     med = {m: _median(rs, opts.cap, "episodes") for m, rs in runs.items()}
@@ -253,42 +324,73 @@ def report(opts) -> None:
     reached = {m: sum(np.isfinite(r.episodes) for r in rs) for m, rs in runs.items()}
     final = {m: float(np.median([r.final[1] if r.final[0] <= 0 else np.inf for r in rs]))
              for m, rs in runs.items()}
-    hard = med["uniform"] >= HARD
-    for m in METHODS[1:]:
+    hard = _median(fixed, opts.cap, "episodes") >= HARD  # on every seed fixed
+    hard_rows += hard
+    for m in others:
+      if m not in runs:
+        continue
       if hard:
         hard_ratios[m].append((runs["uniform"], runs[m]))
-        seconds[m].append((sec["uniform"], sec[m]))
+        if timed or m != "policy":
+          seconds[m].append((sec["uniform"], sec[m]))
       else:
         easy_extra[m].append(med[m] - med["uniform"])
       worse[m] += final[m] > final["uniform"] * 1.005
       fewer[m] += reached[m] < reached["uniform"]
-    table.append(row["id"])
     print(f"| {row['id']} | {best * 1e3:.3f} | {overall * 1e3:.3f} ({data['best']['source']}) | "
-          f"{'yes' if hard else 'no'} | " + " | ".join(fmt(med[m]) for m in METHODS)
-          + " | " + " | ".join(f"{sec[m]:.2f}" if np.isfinite(sec[m]) else "-" for m in METHODS)
-          + " | " + " / ".join(str(reached[m]) for m in METHODS)
-          + " | " + " / ".join(f"{final[m] / overall:.3f}" for m in METHODS) + " |")
+          f"{'yes' if hard else 'no'} | "
+          + " | ".join(cell(med.get(m), ".0f") for m in METHODS) + " | "
+          + " | ".join(cell(sec.get(m), ".2f") for m in METHODS) + " | "
+          + " / ".join(str(reached[m]) if m in runs else "-" for m in METHODS) + " | "
+          + " / ".join(cell(final[m] / overall if m in final else None, ".3f")
+                       for m in METHODS) + " |")
   print()
-  print(f"- rows measured: {done} of {len(rows())}; hard (uniform's median >= {HARD} "
-        f"episodes): {len(hard_ratios['policy'])}")
+  print(f"- rows measured: {done} of {len(rows())} ({hard_rows} hard: uniform's median >= "
+        f"{HARD} episodes over every fixed seed); no plan fits the limit: "
+        f"{', '.join(no_fit) or 'none'}")
   rng = np.random.default_rng(0)
-  for m in METHODS[1:]:
+  for m in others:
     pairs = hard_ratios[m]
     if not pairs:
       continue
     point = _geomean_ratio(pairs, opts.cap)
     boot = [_geomean_ratio([(_resample(u, rng), _resample(p, rng)) for u, p in pairs], opts.cap)
             for _ in range(1000)]
-    s = np.array(seconds[m])
-    wall = (float(np.exp(np.mean(np.log(s[:, 0] / s[:, 1]))))
-            if np.isfinite(s).all() else float("nan"))
-    print(f"- {m} on hard rows: uniform / {m} episodes to the best searched plan, "
-          f"geometric mean "
-          f"{point:.2f}x (bootstrap 95% lower bound {np.quantile(boot, 0.025):.2f}x); "
-          f"wall seconds {wall:.2f}x; final plan > 0.5% worse than uniform's on "
-          f"{worse[m]} rows, fewer seeds reaching on {fewer[m]}; easy rows: "
+    s = np.array(seconds[m]).reshape(-1, 2)
+    ok = np.isfinite(s).all(axis=1) & (s > 0).all(axis=1)
+    wall = float(np.exp(np.mean(np.log(s[ok, 0] / s[ok, 1])))) if ok.any() else float("nan")
+    print(f"- {m}, {len(pairs)} hard rows: uniform / {m} episodes to the best searched plan, "
+          f"geometric mean {point:.2f}x (bootstrap 95% lower bound "
+          f"{np.quantile(boot, 0.025):.2f}x); wall seconds {wall:.2f}x over {int(ok.sum())} "
+          f"rows; final plan > 0.5% worse than uniform's on {worse[m]} rows, fewer seeds "
+          f"reaching on {fewer[m]}; easy rows: "
           f"{np.mean(easy_extra[m]) if easy_extra[m] else 0:+.1f} episodes on average "
           f"(max {max(easy_extra[m], default=0):+.0f})")
+
+
+def report_primitive(opts) -> None:
+  print()
+  print("Tilings only (no tactics): episodes to the best expert's plan, medians over seeds")
+  print()
+  print("| row | best expert ms | uniform | policy | reached: uniform / policy |")
+  print("|---|---|---|---|---|")
+  ratios = []
+  for row in rows():
+    data = load(row["id"])
+    p = None if data is None else data.get("primitive")
+    if not p or p.get("expert") is None or "policy" not in p:
+      continue
+    runs = {m: [compare.Run.from_json(r) for r in p[m]] for m in ("uniform", "policy")}
+    med = {m: _median(rs, opts.cap, "episodes") for m, rs in runs.items()}
+    reached = {m: sum(np.isfinite(r.episodes) for r in rs) for m, rs in runs.items()}
+    ratios.append(1.0 if med["uniform"] == med["policy"]
+                  else max(med["uniform"], 1) / max(med["policy"], 1))
+    print(f"| {row['id']} | {p['expert'][1] * 1e3:.3f} | {med['uniform']:.0f} "
+          f"| {med['policy']:.0f} | {reached['uniform']} / {reached['policy']} |")
+  if ratios:
+    print()
+    print(f"- uniform / policy episodes to the best expert's plan: median "
+          f"{np.median(ratios):.2f}x over {len(ratios)} rows (censored at {opts.cap})")
 
 
 def _resample(runs: list, rng) -> list:
@@ -309,19 +411,23 @@ def _geomean_ratio(pairs, cap: int) -> float:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("phase", choices=("fix", "run", "report"))
+  parser.add_argument("phase", choices=("fix", "run", "primitive", "report"))
   parser.add_argument("--part", default="1/1", help="i/n: every n-th row from the i-th")
   parser.add_argument("--rows", default=".*", help="a regex the row ids must match")
   parser.add_argument("--seeds", type=int, default=20)
   parser.add_argument("--cap", type=int, default=1000)
+  parser.add_argument("--primitive-seeds", type=int, default=10)
   parser.add_argument("--long-seeds", type=int, default=5)
   parser.add_argument("--long-episodes", type=int, default=2000)
   parser.add_argument("--ilp-seconds", type=float, default=30.0)
   parser.add_argument("--weights", default=None, help="a weights file (default: the shipped)")
   parser.add_argument("--redo", action="store_true", help="recompute rows already stored")
+  parser.add_argument("--methods", default=",".join(METHODS[1:]),
+                      help="the priors `run` measures, comma-separated")
   opts = parser.parse_args()
   if opts.phase == "report":
     report(opts)
+    report_primitive(opts)
     return
   i, n = (int(x) for x in opts.part.split("/"))
   todo = [r for r in rows() if re.search(opts.rows, r["id"])][i - 1::n]
@@ -336,6 +442,10 @@ def main() -> None:
     elif data is None:
       print(f"{row['id']}: no best-known plan; run `fix` first", flush=True)
       continue
+    elif data["runs"].get("uniform") is None:
+      continue  # no plan fits its memory limit
+    elif opts.phase == "primitive":
+      data = primitive(row, data, opts)
     else:
       data = run_row(row, data, opts)
     save(data)

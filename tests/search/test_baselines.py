@@ -91,9 +91,8 @@ def test_an_oracle_search_follows_its_path_to_the_plan(space):
   for action in path:
     space.apply(state, action)
   target = mcts.score_of(Tracker(program.model, state), None)
-  settings = mcts.MCTSSettings(policy_depth=mcts.MCTSSettings().max_depth)
   run = compare.run(program, space, baselines.OraclePolicy(path), 0, target, None, cap=100,
-                    final_episodes=20, settings=settings)
+                    final_episodes=20)
   assert run.episodes <= 2 * len(path)
   uniform = compare.run(program, space, None, 0, target, None, cap=100, final_episodes=20)
   assert run.episodes <= uniform.episodes
@@ -104,7 +103,7 @@ def test_runs_are_censored_and_end_on_a_refined_plan(space):
   root = mcts.score_of(Tracker(program.model, program.initial_state()), None)
   unreachable = (0.0, root[1] * 1e-6)
   run = compare.run(program, space, None, 0, unreachable, None, cap=30, final_episodes=20)
-  assert run.episodes == np.inf and run.seconds == np.inf
+  assert run.episodes == np.inf and run.seconds == np.inf and run.capped > 0
   searched = mcts.Search(program, space, None, 0).run(20, float("inf")).score
   assert run.final[1] <= searched[1] and run.final[0] == 0
   assert compare.Run.from_json(run.to_json()) == run
@@ -112,3 +111,16 @@ def test_runs_are_censored_and_end_on_a_refined_plan(space):
   assert compare.run(program, space, None, 0, root, None, cap=30, final_episodes=5).episodes == 0
   assert compare.within((0.0, 1.009), (0.0, 1.0)) and not compare.within((0.0, 1.02), (0.0, 1.0))
   assert not compare.within((1.0, 0.5), (0.0, 1.0))
+
+
+def test_a_tilings_only_space_has_no_tactics_and_runs_end_at_the_target(space):
+  program = space.program
+  tiles = ActionSpace(program, with_tactics=False)
+  state = program.initial_state()
+  legal = tiles.legal(state)
+  assert legal and not tiles.tactics and all(not isinstance(a, Tactic) for a in legal)
+  assert [a for a in space.legal(state) if not isinstance(a, Tactic)] == legal
+  dp = expert_states(program, space)["data parallel"]
+  target = mcts.score_of(Tracker(program.model, dp), None)
+  run = compare.run(program, tiles, None, 0, target, None, cap=300, final_episodes=None)
+  assert np.isfinite(run.episodes) and compare.within(run.final, target)

@@ -48,7 +48,9 @@ Action = Tile | Tactic
 class ActionSpace:
   """The actions of one program and the groups they act on."""
 
-  def __init__(self, program: Program, patterns: tuple[str, ...] = ()):
+  def __init__(self, program: Program, patterns: tuple[str, ...] = (),
+               with_tactics: bool = True):
+    """`with_tactics=False`: tilings only, no expert strategies as actions."""
     self.program = program
     g = program.graph
     self.prop = program.propagator()
@@ -74,10 +76,11 @@ class ActionSpace:
     # Every non-empty set of axes, the widest first.
     combos = [axes for k in range(len(self.real_axes), 0, -1)
               for axes in itertools.combinations(self.real_axes, k)]
-    self.tactics += [Tactic("data-parallel", axes) for axes in combos]
-    self.tactics += [Tactic("megatron", (a,)) for a in self.real_axes]
-    self.tactics += [Tactic("fsdp", axes) for axes in combos]
-    self.tactics += [Tactic("sequence", (a,)) for a in self.real_axes]
+    if with_tactics:
+      self.tactics += [Tactic("data-parallel", axes) for axes in combos]
+      self.tactics += [Tactic("megatron", (a,)) for a in self.real_axes]
+      self.tactics += [Tactic("fsdp", axes) for axes in combos]
+      self.tactics += [Tactic("sequence", (a,)) for a in self.real_axes]
     order = sorted(range(len(self.groups)), key=lambda i: -self.group_bytes(self.groups[i]))
     self.tiles = [Tile(i, d, a) for i in order
                   for d in range(g.rank(self.groups[i].members[0]))

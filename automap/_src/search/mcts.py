@@ -74,9 +74,9 @@ class MCTSSettings:
   max_depth: int = 12
   widen: float = 2.0  # actions admitted = widen * sqrt(visits + 1)
   # Nodes at most this deep (actions from the root) take the policy's
-  # priors; deeper ones, many and alike, uniform ones: a learned policy
-  # costs a forward pass per expansion.
-  policy_depth: int = 2
+  # priors, deeper ones uniform ones (None: every node takes them); for
+  # priors that cost more per expansion than the search they save.
+  policy_depth: int | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -150,7 +150,8 @@ class Search:
 
   def _expand(self, node: Node) -> None:
     actions = self.space.legal(node.state)
-    policy = self.policy if len(node.path) <= self.settings.policy_depth else _UNIFORM
+    depth = self.settings.policy_depth
+    policy = self.policy if depth is None or len(node.path) <= depth else _UNIFORM
     priors = np.asarray(policy.priors(self.space, node.state, actions), float)
     if priors.shape != (len(actions) + 1,) or (priors < 0).any():
       raise ValueError(

@@ -1,9 +1,8 @@
 """What a policy does to the search: episodes to a target plan, against
 uniform priors on the same program, seeds and budget.
 
-A search is summarised by its trail: the episode, wall second and step
-time of every new best plan. `Run` measures one seed against a target fixed
-in advance (a best-known plan): the episodes and wall seconds until the
+`Run` measures one seed's search against a target fixed in advance (a
+best-known plan): the episodes and wall seconds until the
 search's best plan is within 1% of it (censored at a cap), and the plan it
 ends with after a fixed number of episodes and refinement.
 """
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -21,63 +19,6 @@ from automap._src.search import mcts, refine
 from automap._src.search.actions import ActionSpace
 
 TOLERANCE = 0.01  # a plan within this of a target has reached it
-
-
-def trail(program: Program, space: ActionSpace, policy: mcts.Policy | None, seed: int,
-          episodes: int) -> np.ndarray:
-  """[improvements + 1, 3]: (episode, seconds, step seconds) of the root
-  and of each new best plan of one search."""
-  search = mcts.Search(program, space, None, seed, policy=policy)
-  out = [(0.0, 0.0, search.best.score[1])]
-
-  def watch(s: mcts.Search) -> None:
-    if s.best.score[1] < out[-1][2]:
-      out.append((s.episodes, time.perf_counter() - s.t0, s.best.score[1]))
-
-  search.run(episodes, float("inf"), watch)
-  return np.array(out)
-
-
-def reach(path: np.ndarray, target: float) -> tuple[float, float]:
-  """(episodes, seconds) until a trail's best plan is within TOLERANCE of
-  `target` step seconds; (inf, inf) when never."""
-  hit = np.flatnonzero(path[:, 2] <= target * (1 + TOLERANCE))
-  return (np.inf, np.inf) if not len(hit) else (path[hit[0], 0], path[hit[0], 1])
-
-
-def medians(trails: Sequence[np.ndarray], target: float) -> tuple[float, float]:
-  """(episodes, seconds) to `target`, medians over the seeds' trails."""
-  reached = np.array([reach(t, target) for t in trails])
-  return float(np.median(reached[:, 0])), float(np.median(reached[:, 1]))
-
-
-def final(trails: Sequence[np.ndarray]) -> float:
-  """The final plan's step seconds, the median over the seeds' trails."""
-  return float(np.median([t[-1, 2] for t in trails]))
-
-
-def worse(trails: dict[str, list[np.ndarray]]) -> bool:
-  """Whether the policy's final plan (the median over seeds) is slower than
-  uniform's beyond float noise."""
-  return mcts.better((0.0, final(trails["uniform"])), (0.0, final(trails["policy"])))
-
-
-def speedup(uniform: float, policy: float) -> float:
-  """Episodes uniform / policy: 1 when both take the same (neither
-  reaches, or both start there), 0 when only uniform reaches."""
-  return 1.0 if uniform == policy else uniform / policy
-
-
-def compare(program: Program, space: ActionSpace, policy: mcts.Policy,
-            seeds: Sequence[int], episodes: int) -> dict[str, list[np.ndarray]]:
-  """Trails of uniform priors and of `policy`, one per seed."""
-  return {label: [trail(program, space, p, s, episodes) for s in seeds]
-          for label, p in (("uniform", None), ("policy", policy))}
-
-
-def best_found(trails: dict[str, list[np.ndarray]]) -> float:
-  """The best step seconds any of the trails reached."""
-  return min(t[-1, 2] for ts in trails.values() for t in ts)
 
 
 def within(score: mcts.Score, target: mcts.Score) -> bool:
@@ -95,21 +36,31 @@ class Run:
     made, priors and their features included.
   final: the score after `final_episodes` episodes and refinement of the
     plans seen by then.
+  capped: wall seconds of the episodes up to the cap, for a run that did
+    not reach the target (a lower bound on its seconds to it); nan else.
   """
 
   episodes: float
   seconds: float
   final: mcts.Score
+  capped: float = float("nan")
+
+  @property
+  def seconds_bound(self) -> float:
+    """Seconds to the target, or at least `capped` where censored."""
+    return self.seconds if np.isfinite(self.seconds) else self.capped
 
   def to_json(self) -> list:
     return [self.episodes if np.isfinite(self.episodes) else None,
-            self.seconds if np.isfinite(self.seconds) else None, list(self.final)]
+            self.seconds if np.isfinite(self.seconds) else None, list(self.final),
+            None if np.isnan(self.capped) else self.capped]
 
   @classmethod
   def from_json(cls, d: list) -> Run:
     inf = float("inf")
+    capped = float("nan") if len(d) < 4 or d[3] is None else d[3]
     return cls(inf if d[0] is None else d[0], inf if d[1] is None else d[1],
-               (float(d[2][0]), float(d[2][1])))
+               (float(d[2][0]), float(d[2][1])), capped)
 
 
 # Refinement of a final plan tries at most this many moves per episode run.
@@ -118,29 +69,41 @@ _REFINE_TRIES = 10
 
 def run(program: Program, space: ActionSpace, policy: mcts.Policy | None, seed: int,
         target: mcts.Score, memory_limit: float | None, *, cap: int = 1000,
-        final_episodes: int = 200,
+        final_episodes: int | None = 200,
         settings: mcts.MCTSSettings | None = None) -> Run:
   """Searches until the target is reached and `final_episodes` have run,
-  or `cap` episodes have."""
+  or `cap` episodes have. `final_episodes=None`: no final plan (its score
+  is the search's best)."""
   search = mcts.Search(program, space, memory_limit, seed, policy=policy,
                        settings=settings or mcts.MCTSSettings())
   hit = (float("inf"), float("inf"))
   if within(search.best.score, target):
     hit = (0.0, time.perf_counter() - search.t0)
-  final = None
+  final, capped, refining = None, float("nan"), 0.0
+  if final_episodes is None:
+    while search.episodes < cap and not np.isfinite(hit[0]):
+      search.episode()
+      if within(search.best.score, target):
+        hit = (float(search.episodes), time.perf_counter() - search.t0)
+    capped = float("nan") if np.isfinite(hit[0]) else time.perf_counter() - search.t0
+    return Run(hit[0], hit[1], search.best.score, capped)
   while search.episodes < max(cap, final_episodes):
     if search.episodes == final_episodes:
+      start = time.perf_counter()
       final = _refined(program, space, search, memory_limit, final_episodes)
+      refining = time.perf_counter() - start  # not the search's own seconds
       if np.isfinite(hit[0]):
         break
     if search.episodes >= cap:
       break
     search.episode()
     if not np.isfinite(hit[0]) and within(search.best.score, target):
-      hit = (float(search.episodes), time.perf_counter() - search.t0)
+      hit = (float(search.episodes), time.perf_counter() - search.t0 - refining)
+  if not np.isfinite(hit[0]):
+    capped = time.perf_counter() - search.t0 - refining
   if final is None:
     final = _refined(program, space, search, memory_limit, final_episodes)
-  return Run(hit[0], hit[1], final)
+  return Run(hit[0], hit[1], final, capped)
 
 
 def _refined(program, space, search: mcts.Search, memory_limit, episodes: int) -> mcts.Score:

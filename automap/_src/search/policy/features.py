@@ -1,10 +1,18 @@
 """Graph features of a sharding state, for the learned policy.
 
-Nodes are the program's values (arrays), edges its ops' dataflow (each
-operand to each result, and back, so messages run both ways); the actions
-of the search are encoded beside the graph, each pointing at the group of
-nodes it tiles. What does not depend on the sharding state is computed once
-per program (`Featurizer`); a state adds its layouts and memory.
+The program is read at the grain the search acts on: one node per
+Weisfeiler-Lehman class of values (`groups.colours`: the same role in every
+repeated layer), so a 24-layer model is hardly bigger than a 2-layer one.
+Edges are the ops' dataflow between classes (each operand to each result,
+and back, so messages run both ways), merged when alike. A node carries
+what its members are (bytes, rank, dtype, role, dims, the op that makes
+them), how the state lays them out (the share tiled per mesh axis and dim),
+and where time goes: the share of the step its members' producing ops
+spend computing and communicating, from the cost model's tracker. The
+actions are encoded beside the graph, each pointing at the group it tiles,
+with what it would touch: the group's share of compute and communication
+and how much of it is tiled already. Nothing encodes the action space's
+order: a prior learns what to try, not where the list puts it.
 
 Any change to what is computed here must bump SCHEMA: weights trained on
 one schema are meaningless on another.
@@ -17,12 +25,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from automap._src.cost.tracker import Tracker
 from automap._src.ir import graph as graph_lib
 from automap._src.ir import rules
 from automap._src.search.actions import Action, ActionSpace, Tactic, Tile
 from automap._src.sharding.state import State
 
-SCHEMA = "automap-policy-features/1"
+SCHEMA = "automap-policy-features/2"
 
 MAX_AXES = 3  # mesh axes described; more are folded into the last slot
 MAX_DIMS = 4  # dims described per value; more are folded into the last
@@ -40,11 +49,17 @@ _INDEXING = {"gather", "scatter", "scatter-add", "scatter_add", "dynamic_slice",
 _CONTROL = {"scan", "cond", "while", "scan_slice", "scan_carry", "pjit", "closed_call",
             "custom_jvp_call", "custom_vjp_call", "remat", "checkpoint"}
 
-NODE_FEATURES = 2 + (MAX_DIMS + 1) + 4 + 4 + MAX_AXES * (MAX_DIMS + 1) + MAX_DIMS + len(
-    _CATEGORIES) + 1
-EDGE_FEATURES = 4 + len(_CATEGORIES) + 2
-GLOBAL_FEATURES = MAX_AXES + 9
-ACTION_FEATURES = 3 + (MAX_DIMS + 1) + MAX_AXES + 1 + len(TACTICS) + 3
+# Node columns: static (bytes, members, rank, dtype, role, dims, producer,
+# grouped), then per state (local bytes, layout, compute and comm shares).
+_STATIC = 2 + (MAX_DIMS + 1) + 4 + 4 + MAX_DIMS + len(_CATEGORIES) + 1
+_LAYOUT_COLS = MAX_AXES * (MAX_DIMS + 1)
+NODE_FEATURES = _STATIC + 1 + _LAYOUT_COLS + 2
+EDGE_FEATURES = 4 + len(_CATEGORIES) + 3
+GLOBAL_FEATURES = MAX_AXES + 12
+# kind (tile, tactic, stop), dim, axes, axis size, tactic, group bytes and
+# members, and per state: the group's compute and comm shares, its share
+# tiled over the action's axis and along the action's dim.
+ACTION_FEATURES = 3 + (MAX_DIMS + 1) + MAX_AXES + 1 + len(TACTICS) + 2 + 4
 
 
 def category(prim: str) -> int:
@@ -73,10 +88,12 @@ def _dtype_class(dtype) -> int:
 
 
 class Features(NamedTuple):
-  """One state as arrays (unpadded). Shapes: nodes [N, NODE_FEATURES],
-  edges [E, EDGE_FEATURES], senders/receivers [E], globals [GLOBAL_FEATURES],
-  members (node, group) pairs [M, 2], actions [K, ACTION_FEATURES] in the
-  action space's order (then "stop") with action_group [K] (-1: none)."""
+  """One state as arrays (unpadded). Shapes: nodes [N, NODE_FEATURES] (one
+  per class of values), edges [E, EDGE_FEATURES], senders/receivers [E],
+  globals [GLOBAL_FEATURES], members [M, 3] (node, group, weight: the
+  share of the group's members in that class), actions [K + 1,
+  ACTION_FEATURES] (the legal actions, then "stop") with action_group
+  [K + 1] (-1: none)."""
 
   nodes: np.ndarray
   edges: np.ndarray
@@ -89,8 +106,16 @@ class Features(NamedTuple):
   action_group: np.ndarray
 
 
+def _class_mean(cls: np.ndarray, count: np.ndarray, x: np.ndarray) -> np.ndarray:
+  out = np.zeros((len(count),) + x.shape[1:])
+  np.add.at(out, cls, x)
+  return out / count.reshape((-1,) + (1,) * (x.ndim - 1))
+
+
 class Featurizer:
-  """The state-independent features of one program and its action space."""
+  """The state-independent features of one program and its action space,
+  and a tracker that follows the states asked about (one incremental
+  update each)."""
 
   def __init__(self, space: ActionSpace):
     self.space = space
@@ -98,14 +123,16 @@ class Featurizer:
     g = program.graph
     self.graph = g
     n = g.num_values
-    static = np.zeros((n, NODE_FEATURES), np.float32)
+    _, self.cls, self.count = np.unique(space.colour, return_inverse=True, return_counts=True)
+    self.cls = self.cls.astype(np.int64)
+    per_value = np.zeros((n, _STATIC))
     col = 0
-    static[:, col] = np.log2(g.nbytes.astype(np.float64) + 1) / 32
-    col += 2  # the second: local bytes, per state
+    per_value[:, col] = np.log2(g.nbytes.astype(np.float64) + 1) / 32
+    col += 2  # the second: the class's member count
     ranks = np.array([min(len(s), MAX_DIMS) for s in g.shapes])
-    static[np.arange(n), col + ranks] = 1
+    per_value[np.arange(n), col + ranks] = 1
     col += MAX_DIMS + 1
-    static[np.arange(n), col + np.array([_dtype_class(d) for d in g.dtypes])] = 1
+    per_value[np.arange(n), col + np.array([_dtype_class(d) for d in g.dtypes])] = 1
     col += 4
     carried = set(space.experts.carried)
     outputs = {v for v in g.outputs if v >= 0}
@@ -114,49 +141,31 @@ class Featurizer:
         role = 2
       else:
         role = 1 if v in carried else (0 if g.kind[v] == graph_lib.ARG else 2)
-      static[v, col + role] = 1
+      per_value[v, col + role] = 1
       if v in outputs:
-        static[v, col + 3] = 1
+        per_value[v, col + 3] = 1
     col += 4
-    self.layout_col = col
-    col += MAX_AXES * (MAX_DIMS + 1)
     for v, s in enumerate(g.shapes):
       for d, size in enumerate(s[:MAX_DIMS]):
-        static[v, col + d] = math.log2(size + 1) / 16
+        per_value[v, col + d] = math.log2(size + 1) / 16
     col += MAX_DIMS
     producer_cat = np.array([0 if p < 0 else category(g.prims[p]) for p in g.producer])
-    static[np.arange(n), col + producer_cat] = 1
+    per_value[np.arange(n), col + producer_cat] = 1
     col += len(_CATEGORIES)
     grouped = [v for grp in space.groups for v in grp.members]
-    static[grouped, col] = 1
+    per_value[grouped, col] = 1
     col += 1
-    assert col == NODE_FEATURES
-    self.static = static
-    # Edges: operand -> result and back.
-    send, recv, feats = [], [], []
-    for o, prim in enumerate(g.prims):
-      cat = category(prim)
-      flops = math.log2(float(g.flops[o]) + 1) / 48
-      for p, v in enumerate(g.operands[o]):
-        if v < 0:
-          continue
-        for r in g.results[o]:
-          if r < 0:
-            continue
-          for forward in (1.0, 0.0):
-            f = np.zeros(EDGE_FEATURES, np.float32)
-            f[min(p, 3)] = 1
-            f[4 + cat] = 1
-            f[4 + len(_CATEGORIES)] = flops
-            f[5 + len(_CATEGORIES)] = forward
-            feats.append(f)
-            send.append(v if forward else r)
-            recv.append(r if forward else v)
-    self.edges = (np.stack(feats) if feats else np.zeros((0, EDGE_FEATURES), np.float32))
-    self.senders = np.array(send, np.int32)
-    self.receivers = np.array(recv, np.int32)
-    self.members = np.array([(v, i) for i, grp in enumerate(space.groups)
-                             for v in grp.members], np.int32).reshape(-1, 2)
+    assert col == _STATIC
+    static = _class_mean(self.cls, self.count, per_value)
+    static[:, 1] = np.log2(self.count) / 16
+    self.static = static.astype(np.float32)
+    self._edges(g)
+    # (class, group, share of the group's members in the class)
+    rows = []
+    for i, grp in enumerate(space.groups):
+      c, k = np.unique(self.cls[list(grp.members)], return_counts=True)
+      rows += [(int(a), i, b / len(grp.members)) for a, b in zip(c, k)]
+    self.members = np.array(rows, np.float32).reshape(-1, 3)
     mesh, hw = program.mesh, program.hardware
     glob = np.zeros(GLOBAL_FEATURES, np.float32)
     for a, size in enumerate(mesh.axis_sizes):
@@ -170,16 +179,71 @@ class Featurizer:
     data_bytes = sum(float(g.nbytes[v]) for v in data)
     temp_bytes = float(g.nbytes[g.kind == graph_lib.INTERMEDIATE].sum())
     for i, x in enumerate((state_bytes, data_bytes, temp_bytes)):
-      glob[MAX_AXES + 5 + i] = math.log2(x + 1) / 40
-    glob[MAX_AXES + 8] = math.log2(float((g.flops * g.trips).sum()) + 1) / 50
+      glob[MAX_AXES + 3 + i] = math.log2(x + 1) / 40
+    glob[MAX_AXES + 6] = math.log2(float((g.flops * g.trips).sum()) + 1) / 50
     self.glob = glob
     self.group_feats = [(math.log2(space.group_bytes(grp) + 1) / 40,
                          math.log2(len(grp.members)) / 8) for grp in space.groups]
+    self.group_members = [np.asarray(grp.members, np.int64) for grp in space.groups]
     self.capacity = hw.hbm_capacity
-    self.resident = program.model.resident
     self.axis_size = [math.log2(s) / 4 for s in mesh.axis_sizes]
+    # The value each op's seconds are charged to: its first result.
+    self.charged_to = np.array([next((r for r in res if r >= 0), -1) for res in g.results],
+                               np.int64)
+    self.state = program.initial_state()
+    self.tracker = Tracker(program.model, self.state)
+    self.root_time = self.tracker.step_time
 
-  def action_row(self, action: Action | None) -> tuple[np.ndarray, int]:
+  def _edges(self, g) -> None:
+    """Operand -> result and back, between classes, alike ones merged
+    (count and FLOPs summed)."""
+    merged: dict[tuple, list[float]] = {}
+    for o, prim in enumerate(g.prims):
+      cat = category(prim)
+      for p, v in enumerate(g.operands[o]):
+        if v < 0:
+          continue
+        for r in g.results[o]:
+          if r < 0:
+            continue
+          for forward in (1, 0):
+            s, t = (self.cls[v], self.cls[r]) if forward else (self.cls[r], self.cls[v])
+            acc = merged.setdefault((int(s), int(t), min(p, 3), cat, forward), [0.0, 0.0])
+            acc[0] += 1
+            acc[1] += float(g.flops[o] * g.trips[o])
+    feats = np.zeros((len(merged), EDGE_FEATURES), np.float32)
+    send = np.zeros(len(merged), np.int32)
+    recv = np.zeros(len(merged), np.int32)
+    for i, ((s, t, p, cat, forward), (count, flops)) in enumerate(merged.items()):
+      send[i], recv[i] = s, t
+      feats[i, p] = 1
+      feats[i, 4 + cat] = 1
+      feats[i, 4 + len(_CATEGORIES)] = math.log2(flops + 1) / 48
+      feats[i, 5 + len(_CATEGORIES)] = forward
+      feats[i, 6 + len(_CATEGORIES)] = math.log2(count) / 16
+    self.edges, self.senders, self.receivers = feats, send, recv
+
+  def _move_to(self, target: State) -> None:
+    diff = np.flatnonzero((self.state != target).any(axis=1))
+    if len(diff):
+      self.state[diff] = target[diff]
+      self.tracker.update(diff)
+
+  def shares(self, state: State) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """Per value, the share of the serial step its producing op spends
+    computing and communicating ([V] each), and the step's compute and
+    communication shares, under `state`."""
+    self._move_to(state)
+    compute, before, after = self.tracker.op_seconds_split()
+    total = max(float(compute.sum() + before.sum() + after.sum()), 1e-30)
+    n = self.graph.num_values
+    on = self.charged_to >= 0
+    c = np.bincount(self.charged_to[on], compute[on], minlength=n) / total
+    m = np.bincount(self.charged_to[on], (before + after)[on], minlength=n) / total
+    return c, m, float(compute.sum()) / total, float((before + after).sum()) / total
+
+  def action_row(self, action: Action | None, state: State, compute: np.ndarray,
+                 comm: np.ndarray) -> tuple[np.ndarray, int]:
     f = np.zeros(ACTION_FEATURES, np.float32)
     base = 3 + MAX_DIMS + 1
     if action is None:  # stop
@@ -190,7 +254,13 @@ class Featurizer:
       f[3 + min(action.dim, MAX_DIMS)] = 1
       f[base + min(action.axis, MAX_AXES - 1)] = 1
       f[base + MAX_AXES] = self.axis_size[action.axis]
-      f[-2:] = self.group_feats[action.group]
+      at = base + MAX_AXES + 1 + len(TACTICS)
+      f[at:at + 2] = self.group_feats[action.group]
+      members = self.group_members[action.group]
+      f[at + 2] = min(float(compute[members].sum()), 1.0)
+      f[at + 3] = min(float(comm[members].sum()), 1.0)
+      f[at + 4] = float((state[members, action.axis] >= 0).mean())
+      f[at + 5] = float((state[members] == action.dim).any(axis=1).mean())
       return f, action.group
     assert isinstance(action, Tactic)
     f[1] = 1
@@ -202,24 +272,32 @@ class Featurizer:
 
   def __call__(self, state: State, actions: list[Action]) -> Features:
     g = self.graph
-    nodes = self.static.copy()
+    compute, comm, compute_share, comm_share = self.shares(state)
+    per_value = np.zeros((g.num_values, NODE_FEATURES - _STATIC))
     tiles = np.where(state >= 0, np.asarray(self.space.program.mesh.axis_sizes)[None], 1)
-    local = g.nbytes / tiles.prod(axis=1)
-    nodes[:, 1] = np.log2(local + 1) / 32
+    per_value[:, 0] = np.log2(g.nbytes / tiles.prod(axis=1) + 1) / 32
     for a in range(state.shape[1]):
-      slot = self.layout_col + min(a, MAX_AXES - 1) * (MAX_DIMS + 1)
+      slot = 1 + min(a, MAX_AXES - 1) * (MAX_DIMS + 1)
       d = state[:, a].astype(np.int64)
       on = d >= 0
-      nodes[np.flatnonzero(on), slot + 1 + np.minimum(d[on], MAX_DIMS - 1)] = 1
+      per_value[np.flatnonzero(on), slot + 1 + np.minimum(d[on], MAX_DIMS - 1)] = 1
       if a < MAX_AXES:  # folded axes mark only what they tile
-        nodes[np.flatnonzero(~on), slot] = 1
+        per_value[np.flatnonzero(~on), slot] = 1
+    per_value[:, -2] = compute
+    per_value[:, -1] = comm
+    mean = _class_mean(self.cls, self.count, per_value)
+    # The classes' shares of the step are sums, not means.
+    mean[:, -2:] = _class_mean(self.cls, np.ones_like(self.count), per_value[:, -2:])
+    nodes = np.concatenate([self.static, mean.astype(np.float32)], axis=1)
     glob = self.glob.copy()
-    # Memory pressure: what arguments and results alone hold of a device.
-    glob[MAX_AXES + 3] = min(float(local[self.resident].sum()) / self.capacity, 4.0)
-    glob[MAX_AXES + 4] = float((state >= 0).any(axis=1)[self.resident].mean())
-    rows = [self.action_row(a) for a in actions] + [self.action_row(None)]
-    for i, (row, _) in enumerate(rows):  # the space's own order, the default
-      row[-3] = i / len(rows)
+    t = self.tracker
+    glob[MAX_AXES + 7] = min(t.peak_memory / self.capacity, 4.0)
+    glob[MAX_AXES + 8] = compute_share
+    glob[MAX_AXES + 9] = comm_share
+    glob[MAX_AXES + 10] = math.log(max(t.step_time, 1e-30) / self.root_time)
+    glob[MAX_AXES + 11] = float((state >= 0).any(axis=1).mean())
+    rows = [self.action_row(a, state, compute, comm) for a in actions]
+    rows.append(self.action_row(None, state, compute, comm))
     return Features(nodes, self.edges, self.senders, self.receivers, glob, self.members,
                     len(self.space.groups), np.stack([r for r, _ in rows]),
                     np.array([i for _, i in rows], np.int32))

@@ -1,18 +1,21 @@
 """The learned policy: trained weights, their file, and the search's priors.
 
 Weights live in one `.npz`: every parameter under its flattened path, and
-`__schema__`, `__width__`, `__rounds__`. The package ships one
+`__schema__`, `__width__`, `__rounds__`, `__temperature__`. The package ships one
 (`weights.npz`, loaded by default); a missing, unreadable or mismatched file
 falls back to uniform priors with a `PolicyWarning`, never an error.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
+import io
 import os
 import warnings
 import weakref
+import zipfile
 from collections.abc import Sequence
 
 import jax
@@ -32,17 +35,29 @@ DEFAULT_WEIGHTS = os.path.join(os.path.dirname(__file__), "weights.npz")
 MAX_VALUES = 50_000
 
 # Share of the priors kept uniform: every action stays reachable.
-_FLOOR = 0.25
+EPSILON = 0.1
+
+# States whose priors a policy keeps per program (least recently used out).
+CACHE = 4096
 
 
 class PolicyWarning(UserWarning):
   """The learned policy is unavailable; the search runs with uniform priors."""
 
 
-def save(path: str, params, width: int, rounds: int) -> None:
+def save(path: str, params, width: int, rounds: int, temperature: float = 1.0) -> None:
+  """Writes the weights; the same inputs give the same bytes."""
   flat = {"/".join(k): np.asarray(v) for k, v in traverse_util.flatten_dict(params).items()}
-  np.savez_compressed(path, __schema__=np.array(features_lib.SCHEMA),
-                      __width__=np.array(width), __rounds__=np.array(rounds), **flat)
+  arrays = dict(__schema__=np.array(features_lib.SCHEMA), __width__=np.array(width),
+                __rounds__=np.array(rounds), __temperature__=np.array(temperature), **flat)
+  # Plain zip entries with fixed timestamps: reproducible byte for byte.
+  with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+    for name in sorted(arrays):
+      info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+      info.compress_type = zipfile.ZIP_DEFLATED
+      buf = io.BytesIO()
+      np.lib.format.write_array(buf, np.asarray(arrays[name]), allow_pickle=False)
+      z.writestr(info, buf.getvalue())
 
 
 def load(path: str | None = None) -> LearnedPolicy | None:
@@ -71,9 +86,10 @@ def load(path: str | None = None) -> LearnedPolicy | None:
     return None
   try:
     width, rounds = int(arrays.pop("__width__")), int(arrays.pop("__rounds__"))
+    temperature = float(arrays.pop("__temperature__"))
     params = traverse_util.unflatten_dict({tuple(k.split("/")): jnp.asarray(v)
                                            for k, v in arrays.items()})
-    policy = LearnedPolicy(params, width, rounds)
+    policy = LearnedPolicy(params, width, rounds, temperature)
     policy.check()
   except Exception as e:
     warnings.warn(PolicyWarning(
@@ -122,16 +138,19 @@ def network(width: int, rounds: int):
 
 
 class LearnedPolicy:
-  """`mcts.Policy` from trained weights: priors from the network's ranking
-  of the actions (interleaved with the space's order, floored by a uniform
-  share), states valued by the cost model (exact and cheap; the network's
-  value head serves training and diagnostics)."""
+  """`mcts.Policy` from trained weights: priors softmax(logits / T) over the
+  legal actions, mixed with `EPSILON` uniform ("stop" keeps its uniform
+  share); states valued by
+  the cost model (exact and cheap). A state's priors are computed once per
+  program (`CACHE` states kept), however many searches meet it."""
 
-  def __init__(self, params, width: int, rounds: int):
+  def __init__(self, params, width: int, rounds: int, temperature: float = 1.0):
     self.params, self.width, self.rounds = params, width, rounds
-    # One featurizer per action space (built once per program searched),
-    # dropped with the space.
-    self._featurizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    self.temperature = temperature
+    self.forwards = 0  # forward passes run
+    # One featurizer and prior cache per action space (built once per
+    # program searched), dropped with the space.
+    self._spaces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
   def check(self) -> None:
     """Raises if the parameters do not fit the network."""
@@ -140,41 +159,49 @@ class LearnedPolicy:
     got = jax.tree.map(jnp.shape, self.params)
     if want != got:
       raise ValueError("parameter shapes differ from the network's")
+    if not self.temperature > 0:
+      raise ValueError(f"temperature must be positive, got {self.temperature}")
 
-  def forward(self, batch: Batch) -> tuple[np.ndarray, float]:
-    logits, value = network(self.width, self.rounds)(self.params, batch)
-    return np.asarray(logits), float(value)
+  def forward(self, batch: Batch) -> np.ndarray:
+    self.forwards += 1
+    return np.asarray(network(self.width, self.rounds)(self.params, batch))
+
+  def _of(self, space: ActionSpace) -> tuple[features_lib.Featurizer, collections.OrderedDict]:
+    entry = self._spaces.get(space)
+    if entry is None:
+      entry = self._spaces[space] = (features_lib.Featurizer(space), collections.OrderedDict())
+    return entry
 
   def featurizer(self, space: ActionSpace) -> features_lib.Featurizer:
-    featurizer = self._featurizers.get(space)
-    if featurizer is None:
-      featurizer = self._featurizers[space] = features_lib.Featurizer(space)
-    return featurizer
+    return self._of(space)[0]
+
+  def logits(self, space: ActionSpace, state: State, actions: Sequence[Action]) -> np.ndarray:
+    """[len(actions) + 1] the network's logits (the last: "stop")."""
+    f = self.featurizer(space)(state, list(actions))
+    return self.forward(pad(f))[:len(actions) + 1]
 
   def priors(self, space: ActionSpace, state: State,
              actions: Sequence[Action]) -> np.ndarray:
-    uniform = np.full(len(actions) + 1, 1.0 / (len(actions) + 1))
-    if space.program.graph.num_values > MAX_VALUES:
-      return uniform
-    f = self.featurizer(space)(state, list(actions))
-    logits, _ = self.forward(pad(f))
     k = len(actions)
-    # The network's ranking interleaved with the space's own (tactics, then
-    # the largest groups): widening admits the network's first choice,
-    # then the space's, and so on, so no action waits more than twice as
-    # long as it would with uniform priors.
-    ranked = np.argsort(-logits[:k], kind="stable")
-    rank = np.full(k, -1)
-    place = 0
-    for i in range(k):
-      for a in (ranked[i], i):
-        if rank[a] < 0:
-          rank[a], place = place, place + 1
-    p = 1.0 / (1.0 + rank)
-    # Stopping gets a uniform share: a search that stops learns nothing,
-    # and the best plan seen is kept whatever it explores.
-    p = np.append(p / p.sum() * (1 - uniform[-1]), uniform[-1])
-    return (1 - _FLOOR) * p + _FLOOR * uniform
+    if space.program.graph.num_values > MAX_VALUES:
+      return np.full(k + 1, 1.0 / (k + 1))
+    _, cache = self._of(space)
+    key = state.tobytes()
+    hit = cache.get(key)
+    if hit is not None and len(hit) == k + 1:
+      cache.move_to_end(key)
+      return hit
+    # "stop" keeps a uniform share: a search that stops learns nothing, and
+    # the best plan seen is kept whatever it explores.
+    stop = 1.0 / (k + 1)
+    z = self.logits(space, state, actions)[:k] / self.temperature
+    p = np.exp(z - z.max())
+    p = (1 - stop) * ((1 - EPSILON) * p / p.sum() + EPSILON / max(k, 1))
+    p = np.append(p, stop)
+    cache[key] = p
+    if len(cache) > CACHE:
+      cache.popitem(last=False)
+    return p
 
   def value(self, space: ActionSpace, state: State) -> None:
     return None
@@ -188,7 +215,7 @@ def _example_batch() -> Batch:
       edges=np.zeros((0, F.EDGE_FEATURES), np.float32),
       senders=np.zeros(0, np.int32), receivers=np.zeros(0, np.int32),
       globals=np.zeros(F.GLOBAL_FEATURES, np.float32),
-      members=np.zeros((0, 2), np.int32), num_groups=0,
+      members=np.zeros((0, 3), np.float32), num_groups=0,
       actions=np.zeros((1, F.ACTION_FEATURES), np.float32),
       action_group=np.full(1, -1, np.int32))
   return pad(f)

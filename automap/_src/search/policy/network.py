@@ -1,14 +1,14 @@
-"""The policy network: a jraph GraphNetwork over the program's values that
-scores the search's legal actions and values the state.
+"""The policy network: a jraph GraphNetwork over the program's classes of
+values that scores the search's legal actions.
 
 Nodes, edges and globals are encoded to `width`, updated for `rounds`
 rounds of message passing (edges from their endpoints, nodes from what they
 receive and send, the global from every node and edge; residual, layer
-normalised), then each action is scored from its own features, the mean
-embedding of the group it tiles and the global embedding, as a correction
-to a prior that decays with the action's place in the space's order. Inputs are padded
-to power-of-two buckets (`pad`), so one compiled function serves every
-program of a bucket.
+normalised), then each action (and "stop") gets a logit from its own
+features, the embedding of the group it tiles (its classes' embeddings
+weighted by their share of its members) and the global embedding. Inputs
+are padded to buckets (`pad`: powers of four), so one compiled function
+serves every program of a bucket.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ NEG = -1e9  # logit of a padded action
 
 class Batch(NamedTuple):
   """Padded network inputs. graph: one real graph and one padding graph;
-  members [M, 2] (node, group) with member_mask [M]; group_mask [G];
+  members [M, 3] (node, group, weight) with member_mask [M]; group_mask [G];
   actions [K, A], action_group [K] (-1: none), action_mask [K]."""
 
   graph: jraph.GraphsTuple
@@ -41,7 +41,12 @@ class Batch(NamedTuple):
 
 
 def _bucket(n: int, least: int) -> int:
-  return max(least, 1 << max(n - 1, 0).bit_length())
+  """The least power of four times `least` that holds n: few shapes, so few
+  compiles, at most 4x the work."""
+  size = least
+  while size < n:
+    size *= 4
+  return size
 
 
 def pad(f: Features) -> Batch:
@@ -54,7 +59,7 @@ def pad(f: Features) -> Batch:
       globals=f.globals[None])
   graph = jraph.pad_with_graphs(graph, _bucket(n + 1, 256), _bucket(e, 1024), 2)
   m = len(f.members)
-  members = np.zeros((_bucket(m, 64), 2), np.int32)
+  members = np.zeros((_bucket(m, 64), 3), np.float32)
   members[:m] = f.members
   member_mask = np.arange(len(members)) < m
   group_mask = np.arange(_bucket(f.num_groups + 1, 64)) < f.num_groups
@@ -82,9 +87,8 @@ class PolicyNet(nn.Module):
   rounds: int = 3
 
   @nn.compact
-  def __call__(self, b: Batch) -> tuple[jax.Array, jax.Array]:
-    """Returns (logits [K], value []): action logits (padding at NEG) and
-    the predicted log speed-up still reachable from this state."""
+  def __call__(self, b: Batch) -> jax.Array:
+    """Returns the logits [K] of the actions and "stop" (padding at NEG)."""
     w = self.width
     g = b.graph
     nodes = _MLP(w, w, name="encode_nodes")(g.nodes)
@@ -105,21 +109,15 @@ class PolicyNet(nn.Module):
       nodes = nn.LayerNorm(name=f"norm_nodes_{r}")(nodes + out.nodes)
       edges = nn.LayerNorm(name=f"norm_edges_{r}")(edges + out.edges)
       globals_ = nn.LayerNorm(name=f"norm_globals_{r}")(globals_ + out.globals)
-    # Mean embedding of each group's members.
+    # Each group: its classes' embeddings, weighted by their share of it.
     groups = b.group_mask.shape[0]
-    weight = b.member_mask.astype(nodes.dtype)[:, None]
-    total = jax.ops.segment_sum(nodes[b.members[:, 0]] * weight, b.members[:, 1], groups)
-    count = jax.ops.segment_sum(weight, b.members[:, 1], groups)
-    group_emb = total / jnp.maximum(count, 1.0)
+    node, group = b.members[:, 0].astype(jnp.int32), b.members[:, 1].astype(jnp.int32)
+    weight = (b.members[:, 2] * b.member_mask)[:, None]
+    group_emb = jax.ops.segment_sum(nodes[node] * weight, group, groups)
     has = (b.action_group >= 0)[:, None]
     action_groups = jnp.where(has, group_emb[jnp.maximum(b.action_group, 0)], 0.0)
     top = globals_[0]
     h = jnp.concatenate([b.actions, action_groups,
                          jnp.broadcast_to(top, (b.actions.shape[0], w))], -1)
-    # A residual on the action space's own order (tactics, then the largest
-    # groups): an untrained network ranks actions as the space does.
-    order = -jnp.log1p(jnp.arange(b.actions.shape[0], dtype=h.dtype))
-    logits = order + _MLP(w, 1, name="score")(h)[:, 0]
-    logits = jnp.where(b.action_mask, logits, NEG)
-    value = _MLP(w, 1, name="value")(top)[0]
-    return logits, value
+    logits = _MLP(w, 1, name="score")(h)[:, 0]
+    return jnp.where(b.action_mask, logits, NEG)

@@ -1,6 +1,12 @@
-"""Random training programs for the policy: train steps of MLPs,
-transformers, convolutional nets and message-passing GNNs with varied
-widths and depths, on varied meshes and hardware.
+"""Random training programs for the policy: train steps of MLPs, GPT-style
+transformers, convolutional nets, recurrent nets (scanned GRU cells) and
+MLP-mixers, with varied widths and depths, on 8 devices as 1-3 axis meshes,
+on varied hardware, with or without a memory limit (a share of data
+parallelism's peak).
+
+Whole families are held out for the policy benchmark (`HELD_OUT`): no
+sample is an encoder-decoder, a ViT, a mixture of experts or a graph
+network (`message_passing` stays for tests, outside the corpus).
 
 All are abstract (`jax.ShapeDtypeStruct` arguments): tracing is enough.
 """
@@ -21,7 +27,12 @@ from automap._src.models.gpt import make_train_step as gpt_train_step
 MESHES = ((8, 1), (4, 2), (2, 4), (1, 8), (2, 2, 2))
 HARDWARE = ("tpu-v4", "tpu-v5e", "h100", "a100", "cpu")
 
-Sample = tuple[str, Callable, tuple, tuple[int, ...], str]  # name, fn, args, mesh, hw
+# name, fn, args, mesh, hardware, memory limit (a share of data
+# parallelism's peak; None: no limit)
+Sample = tuple[str, Callable, tuple, tuple[int, ...], str, float | None]
+
+# Families the benchmark's rows come from; never sampled here.
+HELD_OUT = ("encoder-decoder", "vit", "mixture-of-experts", "graph-network")
 
 
 def _adam_step(loss: Callable, params, *data) -> tuple[Callable, tuple]:
@@ -40,9 +51,9 @@ def _sds(*shape, dtype=jnp.float32):
 
 
 def mlp(rng: np.random.Generator):
-  depth = int(rng.integers(1, 5))
-  widths = [int(rng.choice([128, 256, 512, 1024])) for _ in range(depth + 1)]
-  batch = int(rng.choice([32, 64, 128, 256]))
+  depth = int(rng.integers(1, 6))
+  widths = [int(rng.choice([128, 256, 512, 1024, 2048])) for _ in range(depth + 1)]
+  batch = int(rng.choice([32, 64, 128, 256, 1024]))
   params = [{"w": _sds(a, b), "b": _sds(b)} for a, b in zip(widths, widths[1:])]
 
   def loss(params, x, y):
@@ -56,10 +67,11 @@ def mlp(rng: np.random.Generator):
 
 
 def transformer(rng: np.random.Generator):
-  hidden = int(rng.choice([64, 128, 256]))
-  config = GPTConfig(vocab=int(rng.choice([128, 256, 512])), seq=int(rng.choice([16, 32, 64])),
+  hidden = int(rng.choice([64, 128, 256, 512]))
+  config = GPTConfig(vocab=int(rng.choice([128, 256, 512, 2048])),
+                     seq=int(rng.choice([16, 32, 64, 128])),
                      hidden=hidden, heads=int(rng.choice([2, 4, 8])),
-                     layers=int(rng.integers(1, 4)))
+                     layers=int(rng.integers(1, 5)))
   fn, args = gpt_train_step(config, batch=int(rng.choice([8, 16, 32])), abstract=True)
   return f"gpt {config.layers}L h{hidden}", fn, args
 
@@ -108,12 +120,62 @@ def message_passing(rng: np.random.Generator):
       loss, params, _sds(nodes, width), index, index, _sds(nodes, width))
 
 
-FAMILIES = (mlp, transformer, convnet, message_passing)
+def recurrent(rng: np.random.Generator):
+  """A GRU language model: embedding, `lax.scan` over time, a head."""
+  width, vocab = int(rng.choice([64, 128, 256, 512])), int(rng.choice([128, 512, 2048]))
+  seq, batch = int(rng.choice([8, 16, 32])), int(rng.choice([16, 32, 64, 128]))
+  params = {"embed": _sds(vocab, width), "wx": _sds(width, 3 * width),
+            "wh": _sds(width, 3 * width), "head": _sds(width, vocab)}
+
+  def loss(params, tokens, labels):
+    x = params["embed"][tokens]  # [B, T, W]
+
+    def cell(h, x_t):
+      zx, zh = x_t @ params["wx"], h @ params["wh"]
+      z, r, n = jnp.split(zx, 3, -1)
+      hz, hr, hn = jnp.split(zh, 3, -1)
+      z, r = jax.nn.sigmoid(z + hz), jax.nn.sigmoid(r + hr)
+      h = (1 - z) * jnp.tanh(n + r * hn) + z * h
+      return h, h
+
+    _, hs = jax.lax.scan(cell, jnp.zeros((batch, width)), x.swapaxes(0, 1))
+    logits = hs.swapaxes(0, 1) @ params["head"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  tokens = _sds(batch, seq, dtype=jnp.int32)
+  return f"gru w{width}", *_adam_step(loss, params, tokens, tokens)
+
+
+def mixer(rng: np.random.Generator):
+  """An MLP-mixer on patch tokens: token-mixing and channel-mixing MLPs."""
+  tokens, width = int(rng.choice([16, 64, 256])), int(rng.choice([64, 128, 256, 512]))
+  depth, batch = int(rng.integers(1, 5)), int(rng.choice([16, 32, 64]))
+  params = [{"t1": _sds(tokens, 2 * tokens), "t2": _sds(2 * tokens, tokens),
+             "c1": _sds(width, 4 * width), "c2": _sds(4 * width, width),
+             "scale": _sds(width)} for _ in range(depth)]
+
+  def loss(params, x, y):
+    for p in params:
+      scale = p["scale"][None, None]
+      h = x * scale
+      x = x + jnp.einsum("bsw,st->btw", jax.nn.gelu(jnp.einsum("btw,ts->bsw", h, p["t1"])),
+                         p["t2"])
+      x = x + jax.nn.gelu((x * scale) @ p["c1"]) @ p["c2"]
+    return jnp.mean((x.mean(1) - y) ** 2)
+
+  return f"mixer {depth}L", *_adam_step(loss, params, _sds(batch, tokens, width),
+                                        _sds(batch, width))
+
+
+FAMILIES = (mlp, transformer, convnet, recurrent, mixer)
 
 
 def sample(rng: np.random.Generator) -> Sample:
-  """One random program on a random 8-device mesh and hardware."""
+  """One random program on a random 8-device mesh and hardware; half
+  under a memory limit of 30-90% of data parallelism's peak."""
   family = FAMILIES[int(rng.integers(len(FAMILIES)))]
   name, fn, args = family(rng)
   mesh = MESHES[int(rng.integers(len(MESHES)))]
-  return name, fn, args, mesh, HARDWARE[int(rng.integers(len(HARDWARE)))]
+  hw = HARDWARE[int(rng.integers(len(HARDWARE)))]
+  limit = float(rng.uniform(0.3, 0.9)) if rng.random() < 0.5 else None
+  return name, fn, args, mesh, hw, limit
