@@ -13,6 +13,8 @@ from automap._src.cluster.configured import ClusterConfig as ClusterConfig
 from automap._src.cluster.configured import price as price_placement
 from automap._src.cluster.cosearch import AcceleratorPlan as AcceleratorPlan
 from automap._src.cluster.cosearch import search_accelerator as search_accelerator
+from automap._src.cluster.executor import PipelineState as PipelineState
+from automap._src.cluster.executor import PipelineStep as PipelineStep
 from automap._src.cluster.layer_graph import Layer as Layer
 from automap._src.cluster.layer_graph import LayerCost as LayerCost
 from automap._src.cluster.layer_graph import LayerGraph as LayerGraph
@@ -26,6 +28,8 @@ from automap._src.cluster.passes import Workload as Workload
 from automap._src.cluster.pipeline import PipelineError as PipelineError
 from automap._src.cluster.pipeline import pipelined as pipelined
 from automap._src.cluster.pipeline import pipelined_loss as pipelined_loss
+from automap._src.cluster.pipeline_schedule import Timetable as Timetable
+from automap._src.cluster.pipeline_schedule import timetable as timetable
 from automap._src.cluster.placement import place as place
 
 __all__ = (
@@ -41,11 +45,14 @@ __all__ = (
     "LayerCost",
     "LayerGraph",
     "PipelineError",
+    "PipelineState",
+    "PipelineStep",
     "Placement",
     "PlacementError",
     "PlacementOptions",
     "Stage",
     "TPU_V4_LIKE",
+    "Timetable",
     "Workload",
     "pipelined",
     "pipelined_loss",
@@ -54,4 +61,5 @@ __all__ = (
     "price_cluster",
     "price_placement",
     "search_accelerator",
+    "timetable",
 )

@@ -16,8 +16,10 @@ from collections.abc import Callable
 from automap._src.cluster import configured
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster.configured import ClusterConfig
+from automap._src.cluster.executor import PipelineStep
 from automap._src.cluster.layer_graph import JsonFile, Placement, PlacementError
 from automap._src.cluster.options import ClusterOptions, memory_limit
+from automap._src.cluster.pipeline_schedule import timetable
 from automap._src.cluster.placement import place_any
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.plan.explain import format_bytes
@@ -98,6 +100,40 @@ class ClusterPlan(JsonFile):
                peak_flops=float(data.get("peak_flops", 0.0)),
                memory_limit=float(data.get("memory_limit") or math.inf))
 
+  def schedule(self) -> tuple[str, int, int, int]:
+    """(schedule, stages, microbatches per replica, chunks per stage): the
+    pipeline order priced and run (`pipeline_schedule.timetable` of it)."""
+    p = self.placement
+    kind = "1f1b" if p.virtual_stages == 1 else "interleaved"
+    return kind, len(p.stages), p.microbatches, p.virtual_stages
+
+  def train_step(self, loss_fn: Callable, optimizer, params, *batch, devices=None,
+                 schedule: str | None = None) -> PipelineStep:
+    """The plan as a training step: `step(state, *batch) -> (state, loss)`
+    runs one global batch through the plan's stages, schedule, recompute
+    modes and ZeRO stage, then updates the parameters once.
+
+    Args:
+      loss_fn: `loss_fn(params, *batch) -> scalar`, the mean loss of a batch
+        (the one the plan was made for).
+      optimizer: an `optax.GradientTransformation` updating each parameter
+        from its own gradient and state.
+      params, *batch: example arguments (arrays or `jax.ShapeDtypeStruct`s):
+        the parameters, and batch leaves with `global_batch` rows.
+      devices: the devices to run on (default `jax.devices()`); the plan's
+        replica r, stage s uses those at r * (devices per pipeline) + the
+        stage's first device onwards.
+      schedule: "gpipe" to run every forward before any backward; default
+        the plan's (1F1B, or interleaved 1F1B).
+
+    Returns:
+      A `PipelineStep`: `init(params)` places the parameters and initialises
+      the optimizer, `step(state, *batch)` runs a batch, `params(state)`
+      returns the parameters, `explain()` the schedule run.
+    """
+    return PipelineStep(self, loss_fn, optimizer, params, batch, devices=devices,
+                        schedule=schedule)
+
   def explain(self, against: ClusterPlan | None = None) -> str:
     """The plan, stage by stage; `against`: another plan of the same step
     (the planner's beside a stated split) summarised after it."""
@@ -131,6 +167,13 @@ class ClusterPlan(JsonFile):
           f"  {i:<6}{names:<34}{s.width:>4}  {s.recompute_mode:<10}"
           f"{s.in_flight:>9.3g}{_format_seconds(s.time):>17}{_format_seconds(s.sync):>12}"
           f"{format_bytes(s.memory):>14}")
+    table = timetable(*self.schedule())
+    lines += ["", f"  schedule ({table.slots} slots; one per chunk's forward or backward of one "
+              "microbatch, F3 / B3: microbatch 3; .k: the stage's k-th chunk):"]
+    if table.slots <= 64:
+      lines += ["  " + line for line in table.render().splitlines()]
+    else:
+      lines.append(f"  ({table.slots} slots: `timetable(*plan.schedule()).render()` prints them)")
     if against is not None:
       q = against.placement
       lines += ["", f"  against: {q.data_parallel} data-parallel x {len(q.stages)} stage(s), "

@@ -21,6 +21,7 @@ import bisect
 import dataclasses
 import itertools
 import math
+import re
 from collections.abc import Sequence
 
 from automap._src.cluster import stage_costs
@@ -295,13 +296,21 @@ def chunks(costs: StageCosts, count: int) -> list[int] | None:
   chunks or some edge skips a chunk, which a pipeline of chunks cannot
   carry."""
   order = costs.graph.order()
-  templates: dict[tuple, int] = {}  # layers priced alike, whatever enters them
-  kind = [templates.setdefault(tuple(sorted(layer.widths.items())), len(templates))
-          for layer in costs.graph.layers]
+  # Layers of one name but for their index ("block_3", "enc_1") and with
+  # equal parameters at every width are one kind, whatever their times and
+  # activations (the clock with overlap, and the model's own ops joining the
+  # layer before them, price equal blocks apart).
+  templates: dict[tuple, int] = {}
+  kind = [templates.setdefault((re.sub(r"_?\d*(#\d+)?$", "", layer.name), tuple(sorted(
+      (t, f"{c.params:.6g}") for t, c in layer.widths.items()))), len(templates))
+      for layer in costs.graph.layers]
   counts: dict[int, int] = {}
   for i in order:
     counts[kind[i]] = counts.get(kind[i], 0) + 1
-  block = max(counts, key=lambda k: (counts[k], -k))
+  # The most frequent kind; of as frequent ones, the largest (a decoder's
+  # blocks over an encoder's, either over a tied embedding's two uses).
+  size = {k: min(layer.widths.items())[1].params for k, layer in zip(kind, costs.graph.layers)}
+  block = max(counts, key=lambda k: (counts[k], size[k], -k))
   if counts[block] < count:
     return None
   base, extra = divmod(counts[block], count)
@@ -327,9 +336,15 @@ def in_flight(stage: int, stages: int, virtual: int, microbatches: int) -> float
   """Microbatches whose activations stage `stage` (0-based) holds at its
   peak under 1F1B, as a share of the stage's layers: min(S - i, m) plainly;
   interleaved, Megatron-LM's warm-up of (S - i - 1) * 2 + (v - 1) * S
-  chunk-microbatches plus the one in its backward, each 1/v of the stage."""
+  chunk-microbatches plus the one in its backward, each 1/v of the stage;
+  every forward first where there are as many microbatches as stages
+  (Megatron-LM's `forward_backward_pipelining_with_interleaving`: all
+  warm-up when num_microbatches == pipeline_parallel_size). The orders are
+  `pipeline_schedule.orders`."""
   if virtual == 1:
     return float(min(stages - stage, microbatches))
+  if microbatches == stages:
+    return float(microbatches)
   held = (stages - stage - 1) * 2 + (virtual - 1) * stages + 1
   return min(microbatches * virtual, held) / virtual
 

@@ -1,0 +1,294 @@
+"""A traced loss cut into pipeline chunks at a cluster plan's layer boundaries.
+
+`loss_fn(params, *batch)` is traced once, at one replica's microbatch, and
+its equations flattened in program order: plain calls (`jit`) are inlined,
+everything else (custom derivatives, `checkpoint`, loops) stays one
+equation. Each equation carries the layers of the primitives in it, named
+exactly as the planner names them (`layers.LayerCut`: the first name-scope
+component, unscoped operations joining the layer before them, a label met
+again later numbered "#2"). A plan's stages list their layers; walking the
+layers in program order, a new chunk starts wherever the stage changes, so a
+plan with v chunks per stage has S * v chunks, chunk c on stage c mod S.
+
+A chunk is a function of the parameters and batch leaves it reads and of the
+values earlier chunks made that it reads; it returns what later chunks read
+(and the loss, for the last). Values flow only forward in program order, so
+any cut between layers is a valid pipeline. An equation holding layers of two
+chunks (a `scan` over the blocks, a `checkpoint` around two of them) cannot
+be cut and is an error naming both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jex
+
+from automap._src.cluster.layer_graph import Placement, PlacementError
+from automap._src.ir.naming import layer_of
+from automap._src.ir.walk import INLINE
+
+_UNSCOPED = "(top level)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  """One flattened equation: `ins` value ids per Var operand (literals stay in
+  the equation), `outs` per result (-1: dropped)."""
+
+  eqn: Any  # jex.JaxprEqn
+  ins: tuple[int, ...]
+  outs: tuple[int, ...]
+  scope: str
+
+  def run(self, *values):
+    """The equation applied to its Var operands' values."""
+    eqn = self.eqn
+    variables = [v for v in eqn.invars if isinstance(v, jex.Var)]
+    results = [v for v in eqn.outvars if not isinstance(v, jex.DropVar)]
+    info = jex.DebugInfo("pipeline chunk", self.scope or "top level",
+                         tuple(f"x{k}" for k in range(len(variables))),
+                         tuple(f"y{k}" for k in range(len(results))))
+    jaxpr = jex.Jaxpr((), variables, results, [eqn], eqn.effects, info)
+    return jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, ()))(*values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+  """Model chunk `index`, run on pipeline stage `stage`.
+
+  params, batch: indices of the flat parameter and batch leaves it reads.
+  receives: ids of values earlier chunks made that it reads.
+  sends: ids of values it makes that later chunks read; the last chunk sends
+    the loss alone.
+  """
+
+  index: int
+  stage: int
+  layers: tuple[str, ...]
+  ops: tuple[int, ...]
+  params: tuple[int, ...]
+  batch: tuple[int, ...]
+  receives: tuple[int, ...]
+  sends: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+  """A loss program cut into chunks; `run(c, ...)` evaluates chunk c."""
+
+  ops: tuple[Op, ...]
+  consts: dict[int, Any]
+  param_ids: tuple[int, ...]  # per flat parameter leaf, its value id
+  batch_ids: tuple[int, ...]  # per flat batch leaf
+  loss_id: int
+  layers: tuple[str, ...]  # in program order
+  chunks: tuple[Chunk, ...]
+
+  @property
+  def stages(self) -> int:
+    return 1 + max(c.stage for c in self.chunks)
+
+  def run(self, index: int, params: Sequence, batch: Sequence, received: Sequence,
+          tag: Callable[[int, Any], Any] = lambda i, x: x) -> list:
+    """Chunk `index` on its parameter leaves, batch leaves and received
+    values (in the order `Chunk` lists them): the values it sends.
+    `tag(value id, value)` sees every value the chunk makes (selective
+    recompute names some)."""
+    c = self.chunks[index]
+    env = dict(self.consts)
+    env.update(zip((self.param_ids[i] for i in c.params), params))
+    env.update(zip((self.batch_ids[i] for i in c.batch), batch))
+    env.update(zip(c.receives, received))
+    for o in c.ops:
+      op = self.ops[o]
+      outs = op.run(*(env[i] for i in op.ins))
+      for i, x in zip((i for i in op.outs if i >= 0), outs):
+        env[i] = tag(i, x)
+    return [env[i] for i in c.sends]
+
+  def attention_scores(self) -> frozenset[int]:
+    """Ids of the values downstream of a contraction of two activations
+    (attention's q.k) up to the next such contraction, the first's result
+    included: what selective recompute drops (the rule of
+    `layers.attention_scores`, on these equations)."""
+    derived, after = set(self.batch_ids), set()
+    for op in self.ops:
+      if not any(i in derived for i in op.ins):
+        continue
+      outs = [i for i in op.outs if i >= 0]
+      derived.update(outs)
+      if op.eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+        if (len(op.ins) == 2 and all(i in derived for i in op.ins)
+            and not any(i in after for i in op.ins)):
+          after.update(outs)
+      elif any(i in after for i in op.ins):
+        after.update(outs)
+    return frozenset(after)
+
+
+def trace(loss_fn: Callable, params, batch: Sequence) -> tuple[list[Op], dict, tuple, tuple, int]:
+  """(ops, consts, param ids, batch ids, loss id) of `loss_fn(params, *batch)`."""
+  closed = jax.make_jaxpr(loss_fn)(params, *batch)
+  if len(closed.out_avals) != 1 or closed.out_avals[0].shape != ():
+    raise PlacementError(
+        f"loss_fn: must return one scalar loss to pipeline, got {closed.out_avals}; return "
+        "the loss alone (auxiliary outputs are not carried between stages).")
+  ops: list[Op] = []
+  consts: dict[int, Any] = {}
+  counter = [0]
+
+  def new() -> int:
+    counter[0] += 1
+    return counter[0] - 1
+
+  n_params = len(jax.tree.leaves(params))
+  inputs = [new() for _ in closed.jaxpr.invars]
+  (loss_id,) = _flatten(closed, inputs, "", ops, consts, new)
+  if loss_id in inputs or loss_id in consts:
+    raise PlacementError("loss_fn: returns an argument or a constant, not a computed loss.")
+  return ops, consts, tuple(inputs[:n_params]), tuple(inputs[n_params:]), loss_id
+
+
+def _flatten(closed, inputs: list[int], scope: str, ops: list, consts: dict, new) -> list[int]:
+  jaxpr = closed.jaxpr if isinstance(closed, jex.ClosedJaxpr) else closed
+  env: dict = {}
+  for var, value in zip(jaxpr.constvars, closed.consts if isinstance(
+      closed, jex.ClosedJaxpr) else ()):
+    env[var] = new()
+    consts[env[var]] = value
+  env.update(zip(jaxpr.invars, inputs))
+
+  def read(atom) -> int:
+    if isinstance(atom, jex.Literal):
+      i = new()
+      consts[i] = atom.val
+      return i
+    return env[atom]
+
+  for eqn in jaxpr.eqns:
+    inner = _join(scope, str(eqn.source_info.name_stack))
+    key = INLINE.get(eqn.primitive.name)
+    if key is not None:
+      outs = _flatten(eqn.params[key], [read(a) for a in eqn.invars], inner, ops, consts, new)
+    else:
+      outs = [-1 if isinstance(v, jex.DropVar) else new() for v in eqn.outvars]
+      ops.append(Op(eqn, tuple(env[v] for v in eqn.invars if isinstance(v, jex.Var)),
+                    tuple(outs), inner))
+    for var, x in zip(eqn.outvars, outs):
+      if not isinstance(var, jex.DropVar):
+        env[var] = x
+  return [read(a) for a in jaxpr.outvars]
+
+
+def _join(scope: str, inner: str) -> str:
+  return f"{scope}/{inner}" if scope and inner else scope or inner
+
+
+def _primitive_labels(eqn, scope: str) -> list[str]:
+  """The layer label of each primitive in the equation, nested ones opened."""
+  subs = list(jex.jaxprs_in_params(eqn.params))
+  if not subs or eqn.primitive.name in ("pure_callback", "io_callback"):
+    return [layer_of(scope)]
+  labels = []
+  for sub in subs:
+    for inner in sub.eqns:
+      labels += _primitive_labels(inner, _join(scope, str(inner.source_info.name_stack)))
+  return labels or [layer_of(scope)]
+
+
+def layer_names(ops: Sequence[Op]) -> tuple[list[str], list[set[str]]]:
+  """(layers in program order, per op the layers of its primitives), named
+  as `layers.LayerCut` names them."""
+  per_op = [_primitive_labels(op.eqn, op.scope) for op in ops]
+  flat = [label for labels in per_op for label in labels]
+  first = next((label for label in flat if label != _UNSCOPED), _UNSCOPED)
+  names: list[str] = []
+  seen: dict[str, int] = defaultdict(int)
+  previous, last = None, first
+  of_op: list[set[str]] = []
+  for labels in per_op:
+    mine = set()
+    for label in labels:
+      label = last if label == _UNSCOPED else label
+      last = label
+      if label != previous:
+        previous = label
+        seen[label] += 1
+        names.append(label if seen[label] == 1 else f"{label}#{seen[label]}")
+      mine.add(names[-1])
+    of_op.append(mine)
+  return names, of_op
+
+
+def cut(loss_fn: Callable, params, batch: Sequence, placement: Placement) -> Cut:
+  """`loss_fn(params, *batch)` (batch at one replica's microbatch) cut into
+  the chunks of `placement`'s stages."""
+  ops, consts, param_ids, batch_ids, loss_id = trace(loss_fn, params, batch)
+  names, of_op = layer_names(ops)
+  stage_of: dict[str, int] = {}
+  for s, stage in enumerate(placement.stages):
+    for name in stage.layers:
+      stage_of[name] = s
+  missing = [n for n in names if n not in stage_of]
+  unknown = [n for n in stage_of if n not in names]
+  if missing or unknown:
+    raise PlacementError(
+        f"plan: its stages name layers {unknown[:4] or 'all of'} that the traced loss_fn "
+        f"does not have, and the loss_fn has layers {missing[:4] or 'none'} no stage holds "
+        f"(the loss_fn's layers: {names[:8]}{' ...' if len(names) > 8 else ''}); plan it "
+        "for this loss_fn and these argument shapes.")
+  chunk_of: dict[str, int] = {}
+  chunk_stage: list[int] = []
+  for name in names:
+    if not chunk_stage or chunk_stage[-1] != stage_of[name]:
+      chunk_stage.append(stage_of[name])
+    chunk_of[name] = len(chunk_stage) - 1
+  S, v = len(placement.stages), placement.virtual_stages
+  if chunk_stage != [c % S for c in range(S * v)]:
+    raise PlacementError(
+        f"plan: walking the loss_fn's layers in program order visits stages {chunk_stage}; a "
+        f"plan of {S} stages with {v} chunk(s) each must visit {[c % S for c in range(S * v)]}."
+        " Each stage's layers must be consecutive runs, in stage order.")
+  op_chunk = []
+  for op, mine in zip(ops, of_op):
+    chunks = sorted({chunk_of[n] for n in mine})
+    if len(chunks) > 1:
+      layers = sorted(mine, key=names.index)
+      raise PlacementError(
+          f"plan: cuts inside one `{op.eqn.primitive.name}` equation (at "
+          f"{op.scope or 'the top level'!r}) holding layers {layers}: a pipeline can only cut "
+          "between equations. Put these layers in one stage, or call them apart (no "
+          "jax.checkpoint, custom derivative, nn.scan or lax.scan around several layers).")
+    op_chunk.append(chunks[0])
+  made = {i: c for o, c in zip(ops, op_chunk) for i in o.outs if i >= 0}
+  if made.get(loss_id) != len(chunk_stage) - 1:
+    raise PlacementError(
+        f"plan: the loss is computed in chunk {made.get(loss_id)} of {len(chunk_stage)}; the "
+        "last stage's last layers must compute it.")
+  reads: dict[int, set[int]] = defaultdict(set)  # value id -> chunks reading it
+  for o, c in zip(ops, op_chunk):
+    for i in o.ins:
+      reads[i].add(c)
+  param_of = {v: k for k, v in enumerate(param_ids)}
+  batch_of = {v: k for k, v in enumerate(batch_ids)}
+  chunks = []
+  for c, stage in enumerate(chunk_stage):
+    mine = [o for o, k in enumerate(op_chunk) if k == c]
+    read = sorted({i for o in mine for i in ops[o].ins})
+    sends = sorted(i for i, k in made.items() if k == c and any(r > c for r in reads[i]))
+    if c == len(chunk_stage) - 1:
+      sends = [loss_id]
+    chunks.append(Chunk(
+        c, stage, tuple(n for n in names if chunk_of[n] == c), tuple(mine),
+        tuple(param_of[i] for i in read if i in param_of),
+        tuple(batch_of[i] for i in read if i in batch_of),
+        tuple(i for i in read if i in made and made[i] != c), tuple(sends)))
+  return Cut(tuple(ops), consts, param_ids, batch_ids, loss_id, tuple(names), tuple(chunks))
+
+
+__all__ = ["Chunk", "Cut", "Op", "cut", "layer_names", "trace"]

@@ -1,0 +1,179 @@
+"""Pipeline schedules: which stage runs which microbatch's forward or backward, when.
+
+A schedule is an order per stage (what the stage runs, one piece of work after
+another) and the slots a list schedule gives it: every piece of work takes one
+slot, and starts in the first slot after its stage is free and its inputs are
+made (a chunk's forward after the previous chunk's forward of that
+microbatch, its backward after the next chunk's backward and its own
+forward). The cluster model prices exactly these orders: a stage's peak of
+microbatches in flight (`placement.in_flight`) is the most forwards it has run
+whose backward it has not, and the bubble (S - 1) / v of a stage's time per
+microbatch is the idle slots of this timetable on equal stages.
+
+Orders (S stages, M microbatches, v chunks per stage; model chunk c = k * S + s
+runs on stage s as its k-th chunk):
+- "gpipe": every forward, then every backward.
+- "1f1b" (PipeDream-Flush): stage s runs min(S - s - 1, M) forwards, then
+  alternates one forward and one backward, then the remaining backwards.
+- "interleaved" (Narayanan et al. 2021, Megatron-LM's order): forwards go
+  through S microbatches of chunk 0, then the same S of chunk 1, ..., before
+  the next S microbatches; backwards likewise from the last chunk; stage s warms
+  up with (S - s - 1) * 2 + (v - 1) * S forwards (all of them when M == S).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from automap._src.cluster.layer_graph import PlacementError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Work:
+  """One piece of a stage's work: `phase` ("forward" or "backward") of model
+  chunk `chunk` (0 .. S * v - 1) on `microbatch`, in timetable slot `slot`."""
+
+  slot: int
+  stage: int
+  chunk: int
+  microbatch: int
+  phase: str
+
+  @property
+  def label(self) -> str:
+    """"F3" / "B3" (microbatch 3), with the chunk where a stage has several: "F3.1"."""
+    return f"{self.phase[0].upper()}{self.microbatch}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Timetable:
+  """A pipeline schedule: per stage its work in order, each with its slot."""
+
+  schedule: str
+  stages: int
+  microbatches: int
+  virtual: int
+  work: tuple[tuple[Work, ...], ...]  # per stage, in the order it runs
+
+  @property
+  def slots(self) -> int:
+    """Slots from the first piece of work to the last."""
+    return 1 + max(w.slot for stage in self.work for w in stage)
+
+  def in_order(self) -> list[Work]:
+    """Every piece of work by slot, then stage: an order to issue them in
+    that respects every dependency."""
+    return sorted(w for stage in self.work for w in stage)
+
+  def in_flight(self, stage: int) -> float:
+    """The most chunk-microbatches stage `stage` holds between a forward and
+    its backward, in stage shares (a chunk is 1 / v of the stage)."""
+    held = most = 0
+    for w in self.work[stage]:
+      held += 1 if w.phase == "forward" else -1
+      most = max(most, held)
+    return most / self.virtual
+
+  def idle(self, stage: int) -> int:
+    """Slots stage `stage` waits between its first and last piece of work,
+    plus before its first: its share of the bubble, in slots."""
+    return self.slots - len(self.work[stage])
+
+  def render(self) -> str:
+    """One line per stage, one column per slot: "F3" a forward of microbatch 3,
+    "B3" its backward, "." idle; interleaved chunks carry ".k" (the stage's
+    k-th chunk)."""
+    width = 3 + (2 if self.virtual > 1 else 0)
+    lines = []
+    for s, stage in enumerate(self.work):
+      cells = ["."] * self.slots
+      for w in stage:
+        k = w.chunk // self.stages
+        cells[w.slot] = w.label + (f".{k}" if self.virtual > 1 else "")
+      lines.append(f"stage {s}: " + " ".join(c.ljust(width) for c in cells).rstrip())
+    return "\n".join(lines)
+
+
+def orders(schedule: str, stages: int, microbatches: int,
+           virtual: int = 1) -> list[list[tuple[str, int, int]]]:
+  """Per stage, its (phase, chunk, microbatch) in the order it runs them."""
+  S, M, v = stages, microbatches, virtual
+  if schedule not in SCHEDULES:
+    raise PlacementError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
+  for name, value in (("stages", S), ("microbatches", M), ("virtual", v)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise PlacementError(f"{name} must be a positive int, got {value!r}.")
+  if schedule != "interleaved" and v != 1:
+    raise PlacementError(f"schedule {schedule!r} runs one chunk per stage, got virtual={v}.")
+  if schedule == "interleaved" and M % S:
+    raise PlacementError(
+        f"the interleaved schedule needs microbatches ({M}) to be a multiple of stages ({S}).")
+  result = []
+  for s in range(S):
+    if schedule == "gpipe":
+      result.append([("forward", s, m) for m in range(M)] + [("backward", s, m) for m in range(M)])
+      continue
+    total = M * v
+
+    def at(k: int, phase: str, s: int = s) -> tuple[str, int, int]:
+      group = k % (S * v)
+      local = group // S if phase == "forward" else v - 1 - group // S
+      return phase, local * S + s, (k // (S * v)) * S + k % S
+
+    if v == 1:
+      warm = min(S - s - 1, M)
+    else:
+      warm = total if M == S else min((S - s - 1) * 2 + (v - 1) * S, total)
+    order = [at(k, "forward") for k in range(warm)]
+    f, b = warm, 0
+    while f < total:
+      order += [at(f, "forward"), at(b, "backward")]
+      f, b = f + 1, b + 1
+    order += [at(k, "backward") for k in range(b, total)]
+    result.append(order)
+  return result
+
+
+def timetable(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Timetable:
+  """The schedule's orders list-scheduled into slots (see the module doc)."""
+  per_stage = orders(schedule, stages, microbatches, virtual)
+  chunks = stages * virtual
+  done: dict[tuple[str, int, int], int] = {}  # (phase, chunk, microbatch) -> slot it ran in
+  free = [0] * stages
+  nxt = [0] * stages
+  placed: list[list[Work]] = [[] for _ in range(stages)]
+  remaining = sum(len(o) for o in per_stage)
+  while remaining:
+    progressed = False
+    for s in range(stages):
+      if nxt[s] == len(per_stage[s]):
+        continue
+      phase, c, m = per_stage[s][nxt[s]]
+      needs = _needs(phase, c, m, chunks)
+      if any(n not in done for n in needs):
+        continue
+      slot = max([free[s]] + [done[n] + 1 for n in needs])
+      done[(phase, c, m)] = slot
+      placed[s].append(Work(slot, s, c, m, phase))
+      free[s], nxt[s] = slot + 1, nxt[s] + 1
+      remaining -= 1
+      progressed = True
+    if not progressed:
+      raise PlacementError(f"schedule {schedule!r} deadlocks with {stages} stages, "
+                           f"{microbatches} microbatches, {virtual} chunks per stage.")
+  return Timetable(schedule, stages, microbatches, virtual, tuple(map(tuple, placed)))
+
+
+def _needs(phase: str, chunk: int, microbatch: int, chunks: int) -> Sequence[tuple]:
+  if phase == "forward":
+    return [("forward", chunk - 1, microbatch)] if chunk else []
+  needs = [("forward", chunk, microbatch)]
+  if chunk < chunks - 1:
+    needs.append(("backward", chunk + 1, microbatch))
+  return needs
+
+
+__all__ = ["SCHEDULES", "Timetable", "Work", "orders", "timetable"]

@@ -1,0 +1,132 @@
+"""Where a running cluster plan puts things: stage meshes, parameter layouts,
+and the optimizers a per-stage update keeps exact.
+
+Replica r's stage s runs on the devices at r * (devices per pipeline) + the
+stage's first device onwards, as the cluster model lays them out; a stage's
+mesh is (data, tensor). A parameter takes the plan's searched layout at the
+stage's width, the one-axis mesh's axis renamed "tensor".
+"""
+
+from __future__ import annotations
+
+import ast
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh
+
+from automap._src.cluster.layer_graph import PlacementError
+
+DATA, TENSOR = "data", "tensor"
+
+
+def meshes(plan, devices) -> list[Mesh]:
+  """Per stage, its (data, tensor) mesh: replica r's stage s on the devices
+  at r * (devices per pipeline) + the stage's first device onwards."""
+  p = plan.placement
+  devices = list(jax.devices() if devices is None else devices)
+  if isinstance(devices[0] if devices else None, Mesh) or isinstance(devices, Mesh):
+    raise PlacementError("devices: expected a sequence of jax devices, got a Mesh.")
+  if len(devices) < p.devices:
+    raise PlacementError(
+        f"devices: the plan uses {p.devices} devices ({p.data_parallel} data-parallel x "
+        f"{len(p.stages)} stage(s) of widths {[s.width for s in p.stages]}); got "
+        f"{len(devices)}. Plan for the devices there are, or pass enough.")
+  per_pipeline = sum(s.width for s in p.stages)
+  meshes = []
+  for stage in p.stages:
+    grid = [[devices[r * per_pipeline + stage.first_device + k] for k in range(stage.width)]
+            for r in range(p.data_parallel)]
+    meshes.append(Mesh(np.array(grid), (DATA, TENSOR), axis_types=(AxisType.Auto,) * 2))
+  return meshes
+
+
+def tensor_spec(text: str | None, aval, width: int, path: str) -> tuple:
+  """The plan's tensor-parallel layout of a parameter (its searched spec over
+  a one-axis mesh of `width`), the axis renamed "tensor"; whole where the plan
+  has none."""
+  entries: list = [None] * len(aval.shape)
+  if text is None or width == 1:
+    return tuple(entries)
+  spec = ast.literal_eval(text)
+  if len(spec) > len(aval.shape):
+    raise PlacementError(
+        f"plan: parameter {path!r} has layout {text} of rank {len(spec)}, but the parameter "
+        f"is {aval.dtype}{list(aval.shape)}; plan it for these parameters.")
+  for k, e in enumerate(spec):
+    if e is None:
+      continue
+    if aval.shape[k] % width:
+      raise PlacementError(
+          f"plan: parameter {path!r} dim {k} of size {aval.shape[k]} does not split over "
+          f"{width} tensor-parallel devices; plan it for these parameters.")
+    entries[k] = TENSOR
+  return tuple(entries)
+
+
+def check_elementwise(optimizer: optax.GradientTransformation, params) -> None:
+  """Refuses an optimizer whose update of one parameter reads another's
+  gradient or state (a global norm): per-stage updates would be wrong."""
+  if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+    raise PlacementError(
+        f"optimizer: expected an optax.GradientTransformation, got {type(optimizer).__name__}.")
+  leaves, treedef = jax.tree.flatten(params)
+  state = jax.eval_shape(optimizer.init, params)
+  state_leaves = jax.tree.leaves(state)
+  # State leaves in subtrees shaped like the parameters belong to one parameter.
+  owner_of_state = [None] * len(state_leaves)
+  for start in param_like_subtrees(state, treedef):
+    for k in range(len(leaves)):
+      owner_of_state[start + k] = k
+  closed = jax.make_jaxpr(lambda g, st, p: optimizer.update(g, st, p))(params, state, params)
+  n = len(leaves)
+  tags: dict = {}
+  invars = closed.jaxpr.invars
+  for k, var in enumerate(invars):
+    if k < n:
+      tags[var] = {k}
+    elif k < n + len(state_leaves):
+      o = owner_of_state[k - n]
+      tags[var] = set() if o is None else {o}
+    else:
+      tags[var] = {k - n - len(state_leaves)}
+  for eqn in closed.jaxpr.eqns:
+    deps = set()
+    for a in eqn.invars:
+      if not hasattr(a, "val"):
+        deps |= tags.get(a, set())
+    for out in eqn.outvars:
+      tags[out] = deps
+  outs = closed.jaxpr.outvars
+  for k, var in enumerate(outs[:n]):
+    found = set() if hasattr(var, "val") else tags.get(var, set())
+    if found - {k}:
+      raise PlacementError(
+          "optimizer: its update of one parameter reads other parameters' gradients or "
+          "state (e.g. optax.clip_by_global_norm); a pipeline updates each stage's "
+          "parameters apart, so this would be wrong. Use an optimizer that updates each "
+          "parameter from its own gradient and state (sgd, adam, adamw, lion, "
+          "clip per parameter).")
+
+
+def param_like_subtrees(state, treedef) -> list[int]:
+  """Flat offsets of the subtrees of `state` with the parameters' structure."""
+  starts: list[int] = []
+
+  def walk(node, offset: int) -> int:
+    if jax.tree.structure(node) == treedef:
+      starts.append(offset)
+      return offset + treedef.num_leaves
+    children = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)[0]
+    if len(children) == 1 and children[0] is node:
+      return offset + len(jax.tree.leaves(node))
+    for child in children:
+      offset = walk(child, offset)
+    return offset
+
+  walk(state, 0)
+  return starts
+
+
+__all__ = ["DATA", "TENSOR", "check_elementwise", "meshes", "param_like_subtrees", "tensor_spec"]

@@ -1,0 +1,233 @@
+"""A cluster plan run as a training step: numerics against the unpipelined
+step, the schedule run against the one priced, and bad plans refused."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import automap
+from automap import cluster
+from automap._src.cluster import placement as placement_lib
+from automap._src.models import gpt
+
+GPT = gpt.GPTConfig(vocab=64, seq=8, hidden=32, heads=2, layers=4)  # tied embeddings
+BATCH = 16
+BUDGET = automap.Budget(episodes=8)
+# eps well above rounding noise: attention's key bias has an exactly zero
+# gradient, which Adam would turn into steps of either sign.
+TX = optax.adam(1e-2, eps=1e-3)
+
+
+def gpt_loss():
+  model = gpt.GPT(GPT)
+  _, (params, _, batch) = gpt.make_train_step(GPT, BATCH)
+
+  def loss(params, batch):
+    logits = model.apply({"params": params}, batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+  return loss, params, (batch,)
+
+
+class _DecoderBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, memory):
+    attn = nn.MultiHeadDotProductAttention(num_heads=2)
+    return x + attn(nn.RMSNorm()(x), memory)
+
+
+class _EncoderDecoder(nn.Module):
+  """A T5-style model: every decoder block attends to the encoder's output."""
+
+  width: int = 32
+
+  @nn.compact
+  def __call__(self, src, tgt):
+    embed = nn.Embed(64, self.width, name="embed")
+    enc = embed(src)
+    for i in range(2):
+      enc = enc + nn.Dense(self.width, name=f"enc_{i}")(nn.tanh(enc))
+    dec = embed(tgt)
+    for i in range(2):
+      dec = _DecoderBlock(name=f"dec_{i}")(dec, enc)
+    return nn.Dense(64, name="head")(dec)
+
+
+def encoder_decoder_loss():
+  model = _EncoderDecoder()
+  src = jax.random.randint(jax.random.key(1), (BATCH, 6), 0, 64)
+  tgt = jax.random.randint(jax.random.key(2), (BATCH, 6), 0, 64)
+  params = model.init(jax.random.key(0), src, tgt)
+
+  def loss(params, src, tgt):
+    logits = model.apply(params, src, tgt)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tgt).mean()
+
+  return loss, params, (src, tgt)
+
+
+def reference(loss, params, batch, steps):
+  """Losses and parameters of the unpipelined jitted step."""
+
+  @jax.jit
+  def step(params, opt, batch):
+    value, grads = jax.value_and_grad(loss)(params, *batch)
+    updates, opt = TX.update(grads, opt, params)
+    return optax.apply_updates(params, updates), opt, value
+
+  opt, losses = TX.init(params), []
+  for _ in range(steps):
+    params, opt, value = step(params, opt, batch)
+    losses.append(float(value))
+  return losses, params
+
+
+def run_plan(model, steps=3, run=None, **config):
+  loss, params, batch = model()
+  plan = cluster.price_cluster(loss, params, *batch, config=cluster.ClusterConfig(**config),
+                               global_batch=BATCH, hardware="cpu", budget=BUDGET)
+  step = plan.train_step(loss, TX, params, *batch, schedule=run)
+  state, losses = step.init(params), []
+  for _ in range(steps):
+    state, value = step(state, *batch)
+    losses.append(float(value))
+  want_losses, want = reference(loss, params, batch, steps)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  for got, ref in zip(jax.tree.leaves(step.params(state)), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=1e-4)
+  return plan, step
+
+
+def test_tied_gpt_over_stages_tensor_and_data_matches_the_jitted_step():
+  plan, step = run_plan(gpt_loss, tensor=2, pipeline=2, data=2, microbatch=2, zero=1)
+  # The tied embedding lives on both stages; its gradient is summed on the first.
+  (embedding,) = [i for i, s in step.owner.items() if i in step.stage_params[1] and s == 0]
+  assert step.param_avals[embedding].shape == (GPT.vocab, GPT.hidden)
+  # What ran is the order priced, slot for slot.
+  assert step.executed == step.timetable.in_order()
+  assert step.timetable.schedule == "1f1b" and plan.schedule() == ("1f1b", 2, 4, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [
+    dict(tensor=1, pipeline=4, data=2, microbatch=2),
+    dict(tensor=1, pipeline=2, data=2, microbatch=2, schedule="interleaved", virtual_stages=2),
+    dict(tensor=2, pipeline=2, data=2, microbatch=2, zero=2),
+    dict(tensor=2, pipeline=2, data=2, microbatch=2, zero=3),
+    dict(tensor=2, pipeline=2, data=2, microbatch=2, recompute="full"),
+    dict(tensor=2, pipeline=2, data=2, microbatch=2, recompute="dots"),
+    dict(tensor=2, pipeline=2, data=2, microbatch=2, recompute="selective"),
+], ids=["4x2", "interleaved", "zero2", "zero3", "full", "dots", "selective"])
+def test_gpt_plans_match_the_jitted_step(config):
+  plan, step = run_plan(gpt_loss, **config)
+  assert [s.recompute_mode for s in plan.placement.stages] == [config.get(
+      "recompute", "none")] * config["pipeline"]
+  assert step.executed == step.timetable.in_order()
+
+
+@pytest.mark.slow
+def test_encoder_decoder_with_gpipe_matches_the_jitted_step():
+  plan, step = run_plan(encoder_decoder_loss, run="gpipe", pipeline=2, data=2,
+                        microbatch=2, zero=3)
+  # The encoder's output crosses to the decoder layer on the other stage.
+  layers = [s.layers for s in plan.placement.stages]
+  assert layers == [("embed", "enc_0", "enc_1", "embed#2", "dec_0"), ("dec_1", "head")]
+  (chunk, last) = step.cut.chunks
+  assert len(last.receives) == 2  # the encoder's output and dec_0's
+  assert step.timetable.render().splitlines()[0].startswith("stage 0: F0  F1  F2  F3")
+
+
+@pytest.mark.parametrize("schedule,stages,microbatches,virtual", [
+    ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1), ("interleaved", 2, 4, 2),
+    ("interleaved", 4, 8, 2), ("interleaved", 2, 2, 2), ("interleaved", 4, 4, 3)])
+def test_the_timetable_is_the_schedule_the_cluster_model_prices(schedule, stages,
+                                                               microbatches, virtual):
+  table = cluster.timetable(schedule, stages, microbatches, virtual)
+  # Equal stages, a slot per chunk's forward or backward: the priced time
+  # (M + (S - 1) / v) * (time per microbatch) is 2 M v + 2 (S - 1) slots.
+  assert table.slots == 2 * microbatches * virtual + 2 * (stages - 1)
+  for s in range(stages):
+    assert table.in_flight(s) == placement_lib.in_flight(s, stages, virtual, microbatches)
+  # Every dependency is met: a forward after the previous chunk's, a backward
+  # after its own forward and the next chunk's backward.
+  slot = {(w.phase, w.chunk, w.microbatch): w.slot for w in table.in_order()}
+  for (phase, c, m), t in slot.items():
+    if phase == "forward" and c:
+      assert slot[("forward", c - 1, m)] < t
+    if phase == "backward":
+      assert slot[("forward", c, m)] < t
+      if c < stages * virtual - 1:
+        assert slot[("backward", c + 1, m)] < t
+
+
+def test_gpipe_holds_every_microbatch_and_1f1b_fewer():
+  gpipe, one = cluster.timetable("gpipe", 4, 8), cluster.timetable("1f1b", 4, 8)
+  assert [gpipe.in_flight(s) for s in range(4)] == [8] * 4
+  assert [one.in_flight(s) for s in range(4)] == [4, 3, 2, 1]
+  assert gpipe.slots == one.slots
+
+
+def _dense_stack(params, x, y):
+  for i, (w, b) in enumerate(params):
+    with jax.named_scope(f"dense_{i}"):
+      x = jnp.tanh(x @ w + b[None])
+  return jnp.mean((x - y) ** 2)
+
+
+def _hand_plan(stages_layers) -> cluster.ClusterPlan:
+  """A plan stated by hand: the stages given, two data-parallel replicas,
+  microbatches of 2 samples, nothing priced."""
+  stages = tuple(cluster.Stage(tuple(layers), 1, False, s, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+                               0.0) for s, layers in enumerate(stages_layers))
+  S = len(stages)
+  placement = cluster.Placement(2, BATCH // 4, 0, stages, 2 * S, 0.0)
+  return cluster.ClusterPlan(placement, 2, BATCH, 2 * S, "cpu", {})
+
+
+def test_a_cut_inside_one_equation_is_refused_with_both_layers():
+  params = [(jnp.full((8, 8), 0.1), jnp.zeros(8)) for _ in range(3)]
+  x = jnp.ones((BATCH, 8))
+
+  def loss(params, x, y):  # dense_1 and dense_2 inside one checkpoint
+    with jax.named_scope("dense_0"):
+      h = jnp.tanh(x @ params[0][0] + params[0][1][None])
+
+    def tail(p, h):
+      for i, (w, b) in enumerate(p, start=1):
+        with jax.named_scope(f"dense_{i}"):
+          h = jnp.tanh(h @ w + b[None])
+      return h
+
+    return jnp.mean((jax.checkpoint(tail)(params[1:], h) - y) ** 2)
+
+  plan = _hand_plan([("dense_0", "dense_1"), ("dense_2",)])
+  with pytest.raises(cluster.PlacementError, match=r"inside one `remat2`.*dense_1.*dense_2"):
+    plan.train_step(loss, TX, params, x, x)
+
+
+def test_bad_plans_devices_optimizers_and_batches_are_refused():
+  params = [(jnp.full((8, 8), 0.1), jnp.zeros(8)) for _ in range(2)]
+  x = jnp.ones((BATCH, 8))
+  plan = _hand_plan([("dense_0",), ("dense_1",)])
+  step = plan.train_step(_dense_stack, TX, params, x, x)
+  state, value = step(step.init(params), x, x)
+  assert np.isfinite(float(value))
+  with pytest.raises(cluster.PlacementError, match="devices: the plan uses 4 devices"):
+    plan.train_step(_dense_stack, TX, params, x, x, devices=jax.devices()[:2])
+  with pytest.raises(cluster.PlacementError, match="clip_by_global_norm"):
+    plan.train_step(_dense_stack, optax.chain(optax.clip_by_global_norm(1.0), TX), params, x, x)
+  with pytest.raises(cluster.PlacementError, match="leading batch dim"):
+    plan.train_step(_dense_stack, TX, params, x[:8], x[:8])
+  with pytest.raises(cluster.PlacementError, match="structure, shapes and dtypes"):
+    step(state, x[:8], x[:8])
+  other = [(jnp.zeros((8, 8)), jnp.zeros(8)) for _ in range(3)]
+  with pytest.raises(cluster.PlacementError, match=r"no stage holds.*dense_2"):
+    plan.train_step(_dense_stack, TX, other, x, x)
+  swapped = _hand_plan([("dense_1",), ("dense_0",)])
+  with pytest.raises(cluster.PlacementError, match="visits stages"):
+    swapped.train_step(_dense_stack, TX, params, x, x)
