@@ -51,11 +51,17 @@ def check_memory_limit(program: Program, memory_limit: float | None) -> None:
         "or use more devices.")
 
 
-def policy_for(request: SearchOptions) -> mcts.Policy | None:
-  """The priors `request.policy` names: None for uniform ones, else the
-  learned policy (flax and jraph are imported only then)."""
+def policy_for(request: SearchOptions, program: Program) -> mcts.Policy | None:
+  """The priors `request.policy` names: None for uniform ones, the
+  cost model's one-step lookahead, else the learned policy (flax and jraph
+  are imported only then)."""
   if request.policy == "uniform":
     return None
+  if request.policy == "lookahead":
+    from automap._src.search.policy.baselines import LookaheadPolicy
+
+    limit = request.resolved(program.hardware).memory_limit
+    return LookaheadPolicy(program, None if limit is None else float(limit))
   from automap._src.search.policy import learned
 
   return learned.cached(None if request.policy == "learned" else request.policy)
@@ -66,7 +72,7 @@ def run(program: Program, request: SearchOptions, policy: mcts.Policy | None = N
   guides MCTS (default: the one `request.policy` names, `policy_for`)."""
   request = request.resolved(program.hardware)
   check_memory_limit(program, request.memory_limit)
-  policy = policy if policy is not None else policy_for(request)
+  policy = policy if policy is not None else policy_for(request, program)
   space = ActionSpace(program, request.hints.groups)
   try:
     if request.search == "ilp":
@@ -99,7 +105,8 @@ def run_mcts(program: Program, space: ActionSpace, request: SearchOptions,
   t0 = time.perf_counter()
   request = request.resolved(program.hardware)
   budget = request.budget
-  run = mcts.Search(program, space, request.memory_limit, request.seed, policy=policy)
+  run = mcts.Search(program, space, request.memory_limit, request.seed, policy=policy,
+                    settings=mcts.MCTSSettings(policy_depth=getattr(policy, "depth", None)))
   show = budget.progress if budget.progress is not None else sys.stderr.isatty()
   searching = seconds * (1 - _REFINE_SHARE)
   if not show:
@@ -113,7 +120,8 @@ def run_mcts(program: Program, space: ActionSpace, request: SearchOptions,
       result = run.run(budget.episodes, searching, lambda s: bar.update(
           task, completed=s.episodes,
           best=f"best {s.best.score[1] * 1e3:.3f} ms, {s.best.score[0]:,.0f} B over"))
-  stats = {"strategy": "mcts", "policy": "uniform" if policy is None else "learned",
+  stats = {"strategy": "mcts", "policy": "uniform" if policy is None else getattr(
+               policy, "name", "learned"),
            "episodes": result.episodes,
            "episode_of_best": result.episode_of_best,
            "evaluations": result.evaluations, "states": result.nodes,

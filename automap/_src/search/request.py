@@ -98,8 +98,10 @@ class SearchOptions:
   seed: the search's random seed (same inputs and seed, same plan).
   search: the backend, "mcts" (tree search over layer-group tilings and
     tactics, then refinement) or "ilp" (the exact per-op integer program).
-  policy: MCTS's priors, "uniform", "learned" (the shipped network) or the
-    path of a weights file (stored as an absolute path).
+  policy: MCTS's priors, "uniform", "lookahead" (each action's change in
+    the priced step time and memory excess, at the root and its children),
+    "learned" (the shipped network) or the path of a weights file (stored
+    as an absolute path).
   constraints: what to do with the program's own layout constraints
     (`with_sharding_constraint`, flax logical constraints): "keep" them as
     decisions the plan must respect, as `jax.jit` compiles them (default);
@@ -157,9 +159,10 @@ class SearchOptions:
     policy = os.fspath(self.policy) if isinstance(self.policy, os.PathLike) else self.policy
     if not isinstance(policy, str) or not policy:
       raise TypeError(
-          f"policy must be 'uniform' (no learned priors), 'learned' (the "
-          f"shipped weights) or the path of a weights file, got {policy!r}.")
-    if policy not in ("learned", "uniform"):
+          f"policy must be 'uniform' (no learned priors), 'lookahead' (the cost "
+          f"model's one step ahead), 'learned' (the shipped weights) or the path of a "
+          f"weights file, got {policy!r}.")
+    if policy not in ("learned", "uniform", "lookahead"):
       policy = os.path.abspath(policy)
     for name, value in (("hints", hints), ("budget", budget), ("seed", int(seed)),
                         ("policy", policy)):
@@ -173,8 +176,8 @@ class SearchOptions:
 
   def policy_id(self) -> str:
     """What the policy's priors depend on: none, or its weights' digest."""
-    if self.policy == "uniform":
-      return "uniform"
+    if self.policy in ("uniform", "lookahead"):
+      return self.policy
     from automap._src.search.policy import learned
 
     return learned.digest(None if self.policy == "learned" else self.policy)

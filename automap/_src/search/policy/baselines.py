@@ -48,6 +48,11 @@ class LookaheadPolicy:
   with `EPSILON` uniform. States are valued by the cost model.
   """
 
+  name = "lookahead"
+  # Priced at the root and its children: deeper, pricing every action costs
+  # more than the episodes it saves (benchmarks/policy.py measures depth 1).
+  depth = 1
+
   def __init__(self, program: Program, memory_limit: float | None = None):
     self.program, self.memory_limit = program, memory_limit
     self.state = program.initial_state()
