@@ -141,6 +141,7 @@ class PipelineStep:
     self._bwd: dict[tuple[int, bool], Callable] = {}
     self._residuals: dict[int, tuple] = {}
     self._updates: dict[int, Callable] = {}
+    self._zeros: dict[int, Callable] = {}
     self.executed: list[pipeline_schedule.Work] = []
 
   # Layouts.
@@ -369,15 +370,24 @@ class PipelineStep:
       return jax.lax.psum_scatter(g, DATA, scatter_dimension=k, tiled=True)
     return jax.lax.psum(g, DATA)
 
-  def _acc_zeros(self, s: int, i: int) -> jax.Array:
-    aval = self.param_avals[i]
-    mesh = self.meshes[s]
-    if self._accumulated_local(s, i):
-      shape, spec = (self.d, *aval.shape), P(DATA, *self.tp[s][i])
-    else:
-      shape, spec = aval.shape, self._spec(s, i, sharded=True)
-    return jax.jit(lambda: jnp.zeros(shape, aval.dtype),
-                   out_shardings=NamedSharding(mesh, spec))()
+  def _acc_zeros(self, s: int) -> dict[int, jax.Array]:
+    """Stage s's gradient accumulators, zero: per replica ([d, ...]) or,
+    reduce-scattered every microbatch, in their ZeRO shards."""
+    if s not in self._zeros:
+      ids = self.stage_params[s]
+      shapes, layouts = [], []
+      for i in ids:
+        aval = self.param_avals[i]
+        if self._accumulated_local(s, i):
+          shape, spec = (self.d, *aval.shape), P(DATA, *self.tp[s][i])
+        else:
+          shape, spec = aval.shape, self._spec(s, i, sharded=True)
+        shapes.append(jax.ShapeDtypeStruct(shape, aval.dtype))
+        layouts.append(NamedSharding(self.meshes[s], spec))
+      make = jax.jit(lambda: [jnp.zeros(a.shape, a.dtype) for a in shapes],
+                     out_shardings=layouts)
+      self._zeros[s] = lambda: dict(zip(ids, make()))
+    return self._zeros[s]()
 
   def _send_avals(self, c: int):
     return self._avals_of(self.cut.chunks[c].sends)
@@ -429,7 +439,7 @@ class PipelineStep:
     readers: dict[tuple[int, int], int] = {}  # forwards yet to read it
     cotangents: dict[tuple[int, int], list] = defaultdict(list)
     stash: dict[tuple[int, int], tuple] = {}
-    acc = [{i: self._acc_zeros(s, i) for i in self.stage_params[s]} for s in range(self.S)]
+    acc = [self._acc_zeros(s) for s in range(self.S)]
     reduced: list[dict[int, jax.Array]] = [{} for _ in range(self.S)]
     losses = []
     self.executed = []
