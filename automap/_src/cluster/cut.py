@@ -75,6 +75,7 @@ class Chunk:
   batch: tuple[int, ...]
   receives: tuple[int, ...]
   sends: tuple[int, ...]
+  segments: tuple[tuple[int, ...], ...] = ()  # its ops per layer, in order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,22 +95,49 @@ class Cut:
     return 1 + max(c.stage for c in self.chunks)
 
   def run(self, index: int, params: Sequence, batch: Sequence, received: Sequence,
-          tag: Callable[[int, Any], Any] = lambda i, x: x) -> list:
+          tag: Callable[[int, Any], Any] = lambda i, x: x,
+          wrap: Callable[[Callable], Callable] | None = None) -> list:
     """Chunk `index` on its parameter leaves, batch leaves and received
     values (in the order `Chunk` lists them): the values it sends.
     `tag(value id, value)` sees every value the chunk makes (selective
-    recompute names some)."""
+    recompute names some). With `wrap` (e.g. `jax.checkpoint`), each layer
+    runs as `wrap(layer)(its inputs)`: recompute rebuilds one layer at a
+    time, keeping each layer's inputs, as Megatron-LM recomputes."""
     c = self.chunks[index]
     env = dict(self.consts)
     env.update(zip((self.param_ids[i] for i in c.params), params))
     env.update(zip((self.batch_ids[i] for i in c.batch), batch))
     env.update(zip(c.receives, received))
-    for o in c.ops:
+    if wrap is None:
+      self._eval(c.ops, env, tag)
+      return [env[i] for i in c.sends]
+    later = set(c.sends)
+    needed_after: list[set[int]] = []
+    for segment in reversed(c.segments):
+      needed_after.append(set(later))
+      later |= {i for o in segment for i in self.ops[o].ins}
+    for segment, after in zip(c.segments, reversed(needed_after)):
+      made = [i for o in segment for i in self.ops[o].outs if i >= 0]
+      inside = set(made)
+      needs = sorted({i for o in segment for i in self.ops[o].ins
+                      if i not in inside and i not in self.consts})
+      keeps = [i for i in made if i in after]
+
+      def layer(*xs, segment=segment, needs=needs, keeps=keeps):
+        local = dict(self.consts)
+        local.update(zip(needs, xs))
+        self._eval(segment, local, tag)
+        return [local[i] for i in keeps]
+
+      env.update(zip(keeps, wrap(layer)(*(env[i] for i in needs))))
+    return [env[i] for i in c.sends]
+
+  def _eval(self, ops: Sequence[int], env: dict, tag: Callable) -> None:
+    for o in ops:
       op = self.ops[o]
       outs = op.run(*(env[i] for i in op.ins))
       for i, x in zip((i for i in op.outs if i >= 0), outs):
         env[i] = tag(i, x)
-    return [env[i] for i in c.sends]
 
   def attention_scores(self) -> frozenset[int]:
     """Ids of the values downstream of a contraction of two activations
@@ -283,11 +311,15 @@ def cut(loss_fn: Callable, params, batch: Sequence, placement: Placement) -> Cut
     sends = sorted(i for i, k in made.items() if k == c and any(r > c for r in reads[i]))
     if c == len(chunk_stage) - 1:
       sends = [loss_id]
+    segments: dict[str, list[int]] = {}
+    for o in mine:  # an equation spanning layers runs with the first
+      segments.setdefault(min(of_op[o], key=names.index), []).append(o)
     chunks.append(Chunk(
         c, stage, tuple(n for n in names if chunk_of[n] == c), tuple(mine),
         tuple(param_of[i] for i in read if i in param_of),
         tuple(batch_of[i] for i in read if i in batch_of),
-        tuple(i for i in read if i in made and made[i] != c), tuple(sends)))
+        tuple(i for i in read if i in made and made[i] != c), tuple(sends),
+        tuple(tuple(ops) for ops in segments.values())))
   return Cut(tuple(ops), consts, param_ids, batch_ids, loss_id, tuple(names), tuple(chunks))
 
 

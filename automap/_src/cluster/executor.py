@@ -42,6 +42,8 @@ Single controller only: one process drives every device.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from automap._src.cluster import cut as cut_lib
@@ -60,7 +62,6 @@ from automap._src.cluster.layer_graph import PlacementError
 from automap._src.ir.trace import path_str
 
 DATA = stage_layouts.DATA
-_GATHERED = "automap.zero3_gathered"  # ZeRO-3's gathered parameters: never saved
 _ATTENTION = "automap.attention_scores"  # what selective recompute drops
 
 
@@ -142,6 +143,8 @@ class PipelineStep:
     self._residuals: dict[int, tuple] = {}
     self._updates: dict[int, Callable] = {}
     self._zeros: dict[int, Callable] = {}
+    # ("forward", c) / ("backward", c, final) / ("update", s) -> (program, argument types)
+    self.programs: dict[tuple, tuple[Callable, Any]] = {}
     self.executed: list[pipeline_schedule.Work] = []
 
   # Layouts.
@@ -183,8 +186,21 @@ class PipelineStep:
     opt = []
     for s in range(self.S):
       owned = [jax.device_put(leaves[i], self.grad_sharding(s, i)) for i in self.owned[s]]
-      opt.append(_onto(self.meshes[s], jax.jit(self.optimizer.init)(owned)))
+      opt.append(jax.jit(self.optimizer.init, out_shardings=self._state_layouts(s, owned))(
+          owned))
     return PipelineState(placed, opt)
+
+  def _state_layouts(self, s: int, owned: list):
+    """The optimizer state's layouts: a moment laid out as its parameter's
+    gradient (sharded from ZeRO 1 on), anything else (a step count)
+    replicated on the stage."""
+    state = jax.eval_shape(self.optimizer.init, owned)
+    layouts = [NamedSharding(self.meshes[s], P())] * len(jax.tree.leaves(state))
+    treedef = jax.tree.structure(owned)
+    for start in stage_layouts.param_like_subtrees(state, treedef):
+      for k, i in enumerate(self.owned[s]):
+        layouts[start + k] = self.grad_sharding(s, i)
+    return jax.tree.unflatten(jax.tree.structure(state), layouts)
 
   def params(self, state: PipelineState):
     """The parameters as the user's pytree (each leaf from the stage owning it)."""
@@ -219,8 +235,9 @@ class PipelineStep:
             }[mode]
     if self.zero < 3:
       return base
-    gathered = jax.checkpoint_policies.save_anything_except_these_names(_GATHERED)
-    return lambda prim, *args, **params: (gathered(prim, *args, **params)
+    # ZeRO 3's gathered parameters are never saved, whatever the mode: the
+    # backward gathers them again.
+    return lambda prim, *args, **params: (prim.name != "all_gather"
                                           and base(prim, *args, **params))
 
   def _local(self, c: int):
@@ -236,16 +253,21 @@ class PipelineStep:
         return checkpoint_name(x, _ATTENTION)
       return x
 
+    policy = self._policy(s)
+    # Recompute layer by layer (each layer's inputs kept, one layer rebuilt at
+    # a time); under ZeRO 3 around the whole chunk, whose parameter gathers
+    # must stay inside what is rebuilt.
+    per_layer = policy is not None and self.zero < 3
+    wrap = functools.partial(jax.checkpoint, policy=policy) if per_layer else None
+
     def make(batch):
       def f(params, received):
         if self.zero >= 3:
-          params = [p if k is None else checkpoint_name(
-              jax.lax.all_gather(p, DATA, axis=k, tiled=True), _GATHERED)
-              for p, k in zip(params, zdims)]
-        return self.cut.run(c, params, batch, received, tag)
+          params = [p if k is None else jax.lax.all_gather(p, DATA, axis=k, tiled=True)
+                    for p, k in zip(params, zdims)]
+        return self.cut.run(c, params, batch, received, tag, wrap=wrap)
 
-      policy = self._policy(s)
-      return f if policy is None else jax.checkpoint(f, policy=policy)
+      return f if policy is None or per_layer else jax.checkpoint(f, policy=policy)
 
     return make
 
@@ -389,6 +411,20 @@ class PipelineStep:
       self._zeros[s] = lambda: dict(zip(ids, make()))
     return self._zeros[s]()
 
+  def _arrival(self, s: int, shape: tuple) -> NamedSharding:
+    """How a value from another stage ([d, ...]) lands on stage s: each
+    tensor-parallel device receives a 1/t slice (its last dim that divides),
+    and the programs gather it (Megatron-LM's scatter/gather of activations
+    between stages), so a link carries 1/t of it, as the plan prices."""
+    mesh = self.meshes[s]
+    t = mesh.shape[stage_layouts.TENSOR]
+    spec: list = [DATA] + [None] * (len(shape) - 1)
+    for k in range(len(shape) - 1, 0, -1):
+      if t > 1 and shape[k] % t == 0:
+        spec[k] = stage_layouts.TENSOR
+        break
+    return NamedSharding(mesh, P(*spec))
+
   def _send_avals(self, c: int):
     return self._avals_of(self.cut.chunks[c].sends)
 
@@ -410,8 +446,12 @@ class PipelineStep:
     state), each kept in its layout (updated ZeRO shards all-gathered)."""
     if s not in self._updates:
       tx = self.optimizer
+      shards = [self.grad_sharding(s, i) for i in self.owned[s]]
 
       def update(params, grads, opt_state):
+        # Each replica updates its ZeRO shard (slicing a whole parameter moves
+        # nothing); only the updated shards are gathered, by out_shardings.
+        params = [jax.lax.with_sharding_constraint(p, z) for p, z in zip(params, shards)]
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
@@ -423,6 +463,15 @@ class PipelineStep:
   # Running.
 
   def __call__(self, state: PipelineState, *batch) -> tuple[PipelineState, jax.Array]:
+    return self.run(state, *batch)
+
+  def run(self, state: PipelineState, *batch, timed: bool = False,
+          observe: Callable | None = None) -> tuple[PipelineState, jax.Array]:
+    """`step(state, *batch)`; with `timed`, each program is waited for and
+    its seconds kept in `self.seconds` (per piece of work, in order): what
+    each stage is busy with, for measuring the bubble (serialises the
+    stages). `observe(work, bytes)` is called after each piece of work with
+    the bytes per device it received from other stages (`run_check`)."""
     leaves, treedef = jax.tree.flatten(tuple(batch))
     if treedef != self.batch_treedef or any(
         (jnp.shape(a), jnp.result_type(a)) != (w.shape, w.dtype)
@@ -442,8 +491,9 @@ class PipelineStep:
     acc = [self._acc_zeros(s) for s in range(self.S)]
     reduced: list[dict[int, jax.Array]] = [{} for _ in range(self.S)]
     losses = []
-    self.executed = []
+    self.executed, self.seconds = [], []
     for work in self.timetable.in_order():
+      began = time.perf_counter()
       c, m = work.chunk, work.microbatch
       chunk = chunks[c]
       s = chunk.stage
@@ -452,12 +502,14 @@ class PipelineStep:
       params = [state.params[s][i] for i in chunk.params]
       if work.phase == "forward":
         batch_in = [jax.device_put(micro[m][i], data) for i in chunk.batch]
-        received = [jax.device_put(values[(m, i)], data) for i in chunk.receives]
+        arriving = [values[(m, i)] for i in chunk.receives]
+        received = [jax.device_put(x, self._arrival(s, x.shape)) for x in arriving]
         for i in chunk.receives:
           readers[(m, i)] -= 1
           if not readers[(m, i)]:
             del values[(m, i)]
-        sends, rest = self.forward(c)(params, batch_in, received)
+        sends, rest = made = self._call(("forward", c), self.forward(c),
+                                        params, batch_in, received)
         for i, x in zip(chunk.sends, sends):
           values[(m, i)] = x
           readers[(m, i)] = self.readers[i]
@@ -466,13 +518,16 @@ class PipelineStep:
         stash[(c, m)] = (batch_in, received, rest)
       else:
         batch_in, received, rest = stash.pop((c, m))
-        cots = [] if c == len(chunks) - 1 else [
-            _sum_on(cotangents.pop((m, i), []), data, aval)
-            for i, aval in zip(chunk.sends, self._send_avals(c))]
+        parts = [] if c == len(chunks) - 1 else [cotangents.pop((m, i), [])
+                                                 for i in chunk.sends]
+        arriving = [x for p in parts for x in p]
+        cots = [_sum_on(p, self._arrival(s, (self.d, *aval.shape)), aval)
+                for p, aval in zip(parts, self._send_avals(c))]
         final = work == self.last_work[s]
         ids = self.stage_params[s] if final else list(chunk.params)
-        grads, back = self.backward(c, final)(params, batch_in, received, rest, cots,
-                                              [acc[s][i] for i in ids])
+        grads, back = made = self._call(("backward", c, final), self.backward(c, final),
+                                        params, batch_in, received, rest, cots,
+                                        [acc[s][i] for i in ids])
         if final:
           reduced[s] = dict(zip(ids, grads))
         else:
@@ -481,6 +536,12 @@ class PipelineStep:
         for i, g in zip(inexact, back):
           cotangents[(m, i)].append(g)
       self.executed.append(work)
+      if timed:
+        jax.block_until_ready(made)
+        self.seconds.append(time.perf_counter() - began)
+      if observe is not None:
+        observe(work, sum(_device_bytes(x, self._arrival(s, x.shape)) for x in arriving
+                          if x.sharding.mesh != mesh))
     state = self._apply(state, reduced)
     loss = sum(jnp.mean(x) for x in losses) / M
     return state, loss
@@ -497,8 +558,9 @@ class PipelineStep:
           reduced[o][i] = reduced[o][i] + jax.device_put(g, reduced[o][i].sharding)
     for s in range(self.S):
       owned = self.owned[s]
-      new, opt[s] = self._update(s, opt[s])([params[s][i] for i in owned],
-                                    [reduced[s][i] for i in owned], opt[s])
+      new, opt[s] = self._call(("update", s), self._update(s, opt[s]),
+                               [params[s][i] for i in owned],
+                               [reduced[s][i] for i in owned], opt[s])
       params[s].update(zip(owned, new))
     for s in range(self.S):
       for i in self.stage_params[s]:
@@ -506,6 +568,23 @@ class PipelineStep:
         if o != s:
           params[s][i] = jax.device_put(params[o][i], self.param_sharding(s, i))
     return PipelineState(params, opt, state.step + 1)
+
+  def _call(self, key: tuple, program: Callable, *args):
+    """`program(*args)`, its arguments' types kept (by `key`) to compile it
+    again for inspection (`run_check`)."""
+    if key not in self.programs:
+      self.programs[key] = (program, jax.tree.map(
+          lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), args))
+    return program(*args)
+
+  def check(self, state: PipelineState, *batch):
+    """Runs one batch and sets what each stage did beside its plan's price:
+    `(list of run_check.StageCheck, new state)` (compiled collectives over
+    the tensor and data axes, bytes received from other stages, peak
+    memory; measured and predicted)."""
+    from automap._src.cluster import run_check
+
+    return run_check.check(self, state, *batch)
 
   def explain(self) -> str:
     """The schedule run: per stage, which microbatch's forward or backward in
@@ -523,11 +602,9 @@ def _vary(x):
   return x
 
 
-def _onto(mesh: Mesh, tree):
-  """Leaves not on `mesh` (an optimizer's step count) replicated onto it."""
-  here = NamedSharding(mesh, P())
-  return jax.tree.map(lambda a: a if getattr(a.sharding, "mesh", None) == mesh
-                      else jax.device_put(a, here), tree)
+def _device_bytes(x: jax.Array, sharding: NamedSharding) -> float:
+  """Bytes of `x` on each device holding it, laid out by `sharding`."""
+  return float(np.prod(sharding.shard_shape(x.shape))) * x.dtype.itemsize
 
 
 def _copy(x):

@@ -57,6 +57,9 @@ class LayerCost:
   largest_param: bytes of the layer's largest parameter array on the
     device: what ZeRO stage 3 gathers at a time (0: not known, the whole
     layer's `params`).
+  comm_bytes: bytes of the results of its tensor-parallel collectives, per
+    device, forward + backward (what a compiled program's collectives
+    return; 0: not known).
   """
 
   forward: float
@@ -70,6 +73,7 @@ class LayerCost:
   dots: float | None = None
   dots_forward: float = 0.0
   largest_param: float = 0.0
+  comm_bytes: float = 0.0
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -226,6 +230,10 @@ class Stage:
   sync_total: float = -1.0    # the whole sync, exposed or overlapped (-1: `sync`)
   zero_total: float = -1.0    # the whole ZeRO collectives per microbatch (-1: `zero`)
   flops: float = 0.0          # model FLOPs per microbatch per device
+  param_bytes: float = 0.0    # its parameters' bytes per device
+  comm_bytes: float = 0.0     # tensor-parallel collectives' result bytes per microbatch
+  bytes_in: float = 0.0       # per microbatch per device, on edges from other stages
+  bytes_out: float = 0.0      # per microbatch per device, on edges to other stages
 
   def __post_init__(self):
     if not self.recompute_mode:

@@ -73,6 +73,7 @@ class Profile:
         widths[t] = dataclasses.replace(
             c, forward=c.forward * s, backward=c.backward * s, activations=c.activations * s,
             collectives=c.collectives * s, flops=c.flops * s, selective=c.selective * s,
+            comm_bytes=c.comm_bytes * s,
             selective_forward=c.selective_forward * s,
             dots=None if c.dots is None else c.dots * s, dots_forward=c.dots_forward * s)
       layers.append(Layer(layer.name, widths))
@@ -320,6 +321,8 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
       seconds = np.where(fused, op_flops / rate, seconds)
     fw, bw = cut.split(seconds)
     coll = sum(cut.split(comm))
+    comm_bytes = sum(cut.split(np.array([sum(x[2] for x in model.op_cost(state, o).comms)
+                                         for o in range(g.num_ops)])))
     flops = sum(cut.split(model_flops))
     dropped = np.zeros(len(names))
     rebuild = np.bincount(segment[rebuilt], seconds[rebuilt], len(names))
@@ -352,7 +355,8 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
         edges[(src, r)] += float(g.nbytes[v])
     layers = tuple(Layer(n, {t: LayerCost(*(float(x) for x in (
         fw[i], bw[i], param_bytes[i], acts[i], coll[i], flops[i], dropped[i],
-        min(rebuild[i], fw[i]), dots[i], min(dots_forward[i], fw[i]), largest[i])))})
+        min(rebuild[i], fw[i]), dots[i], min(dots_forward[i], fw[i]), largest[i],
+        comm_bytes[i])))})
                    for i, n in enumerate(names))
     graphs[t] = LayerGraph(layers, tuple((names[a], names[b], nbytes)
                                          for (a, b), nbytes in sorted(edges.items())))

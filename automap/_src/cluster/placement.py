@@ -286,6 +286,13 @@ def _search_plain(graph: LayerGraph, costs: StageCosts, data_parallel: int | Non
   return best
 
 
+def _stem(name: str) -> str:
+  """A layer's name without its index, repeat or reuse suffixes:
+  "block_3", "block_1*12" (a `LayerGraph.repeat` copy), "enc_0#2" -> "block",
+  "block", "enc"."""
+  return re.sub(r"_?\d+$", "", re.sub(r"(\*\d+)?(#\d+)?$", "", name))
+
+
 def chunks(costs: StageCosts, count: int) -> list[int] | None:
   """The graph cut into `count` chunks (layer bitmasks, in order) holding
   equally many of its most frequent layer kind (the repeated block), or
@@ -296,21 +303,27 @@ def chunks(costs: StageCosts, count: int) -> list[int] | None:
   chunks or some edge skips a chunk, which a pipeline of chunks cannot
   carry."""
   order = costs.graph.order()
-  # Layers of one name but for their index ("block_3", "enc_1") and with
-  # equal parameters at every width are one kind, whatever their times and
-  # activations (the clock with overlap, and the model's own ops joining the
-  # layer before them, price equal blocks apart).
-  templates: dict[tuple, int] = {}
-  kind = [templates.setdefault((re.sub(r"_?\d*(#\d+)?$", "", layer.name), tuple(sorted(
-      (t, f"{c.params:.6g}") for t, c in layer.widths.items()))), len(templates))
-      for layer in costs.graph.layers]
-  counts: dict[int, int] = {}
-  for i in order:
-    counts[kind[i]] = counts.get(kind[i], 0) + 1
-  # The most frequent kind; of as frequent ones, the largest (a decoder's
-  # blocks over an encoder's, either over a tied embedding's two uses).
-  size = {k: min(layer.widths.items())[1].params for k, layer in zip(kind, costs.graph.layers)}
-  block = max(counts, key=lambda k: (counts[k], size[k], -k))
+  # The repeated block: the most frequent kind of layers priced alike; where
+  # no kind fills the chunks (a clock with overlap prices equal blocks apart
+  # by what runs beside them), layers of one name but for their index
+  # ("block_3", "enc_1") with equal parameters at every width.
+  block = kind = None
+  for key in (lambda layer: tuple(sorted(layer.widths.items())),
+              lambda layer: (_stem(layer.name), tuple(sorted(
+                  (t, f"{c.params:.6g}") for t, c in layer.widths.items())))):
+    templates: dict[tuple, int] = {}
+    kind = [templates.setdefault(key(layer), len(templates)) for layer in costs.graph.layers]
+    counts: dict[int, int] = {}
+    for i in order:  # a module used again ("embed#2", a tied head) is no block
+      if "#" not in costs.graph.layers[i].name:
+        counts[kind[i]] = counts.get(kind[i], 0) + 1
+    # Of as frequent kinds, the largest (a decoder's blocks over an
+    # encoder's, either over a tied embedding's two uses).
+    size = {k: min(layer.widths.items())[1].params
+            for k, layer in zip(kind, costs.graph.layers)}
+    block = max(counts, key=lambda k: (counts[k], size[k], -k))
+    if counts[block] >= count:
+      break
   if counts[block] < count:
     return None
   base, extra = divmod(counts[block], count)
@@ -320,7 +333,7 @@ def chunks(costs: StageCosts, count: int) -> list[int] | None:
   seen, chunk = 0, 0
   chunk_of = [0] * len(order)
   for i in order:
-    if kind[i] == block:
+    if kind[i] == block and "#" not in costs.graph.layers[i].name:
       chunk = bisect.bisect_right(ends, seen)
       seen += 1
     chunk_of[i] = chunk

@@ -56,6 +56,7 @@ class Totals(NamedTuple):
   activations: float
   collectives: float
   flops: float
+  comm_bytes: float
   largest_param: float        # the largest parameter array of any layer
   inputs: float               # every layer's input, summed (full recompute keeps them)
   largest_activations: float  # the largest layer's (full recompute rebuilds one at a time)
@@ -370,6 +371,7 @@ class StageCosts:
           forward=total(lambda c: c.forward), backward=total(lambda c: c.backward),
           params=total(lambda c: c.params), activations=total(lambda c: c.activations),
           collectives=total(lambda c: c.collectives), flops=total(lambda c: c.flops),
+          comm_bytes=total(lambda c: c.comm_bytes),
           largest_param=max(c.largest_param or c.params for _, c, _ in costs),
           inputs=sum(n * x for n, _, x in costs),
           largest_activations=max(c.activations for _, c, _ in costs),
@@ -508,7 +510,11 @@ class StageCosts:
     zero_time = 0.0
     if zero >= 2:  # gradients reduce-scattered every microbatch
       zero_time += ring.gather(grads, *group)
-    if zero >= 3:  # parameters gathered for forward, backward (and full recompute)
+    if zero >= 3:
+      # Parameters gathered for the forward, the backward and a full
+      # recompute's forward apart (DeepSpeed's stage 3 frees them after each
+      # use; Narayanan et al.'s ZeRO-3 runs are priced so). XLA, rebuilding
+      # in the backward's program, gathers once for both (`run_check`).
       zero_time += (3 if mode == "full" else 2) * ring.gather(c.params, *group)
     sync = {0: ring.reduce(grads, *group), 1: ring.reduce(grads, *group),
             2: ring.gather(c.params, *group), 3: 0.0}[zero]
@@ -531,7 +537,9 @@ class StageCosts:
         time=parts.compute + parts.transfers + parts.zero, compute=parts.compute,
         collectives=parts.tensor, transfers=parts.transfers, zero=parts.zero, sync=parts.sync,
         memory=self.memory(members, t, mode, in_flight, d, zero), recompute_mode=mode,
-        sync_total=parts.sync_total, zero_total=parts.zero_total, flops=c.flops)
+        sync_total=parts.sync_total, zero_total=parts.zero_total, flops=c.flops,
+        param_bytes=c.params, comm_bytes=c.comm_bytes, bytes_in=c.bytes_in,
+        bytes_out=c.bytes_out)
 
   def downsets_inside(self, rest: int, downs: list[int]) -> list[int]:
     """The downsets strictly inside `rest`."""

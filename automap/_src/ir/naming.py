@@ -18,10 +18,9 @@ def layer_of(scope: str, depth: int = 1) -> str:
   if scope == "(top level)":  # already a layer name
     return scope
   parts = [p for p in (_TRANSFORMS.sub("", s) for s in scope.split("/")) if p]
-  # Drop a leading model-class name (GPT, Model...) that every op shares: the
-  # root module's own ops (a residual add, a position embedding) are then
-  # unscoped and join the layer before them.
-  if parts and parts[0].lstrip("_")[:1].isupper():
+  # Drop a leading model-class name (GPT, Model, _Private...) that every op
+  # shares.
+  if len(parts) > 1 and parts[0].lstrip("_")[:1].isupper():
     parts = parts[1:]
   return "/".join(parts[:depth]) or "(top level)"
 

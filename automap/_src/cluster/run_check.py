@@ -1,0 +1,129 @@
+"""A running cluster plan against its price: per stage, what its compiled
+programs communicate, what crosses between stages, and the memory it holds.
+
+Bytes are per device and per global batch, in the convention of compiled
+collectives (each collective's result: an all-reduce's whole array, a
+reduce-scatter's shard, an all-gather's gathered array), so the compiled
+programs and the plan are read alike:
+- tensor: the collectives over the stage's tensor axis, every forward and
+  backward program times the microbatches it runs; predicted, the plan's
+  `Stage.comm_bytes` per microbatch (the cost model's collectives of the
+  stage's layers under the searched plan) times the microbatches.
+- data: over the data axis (the data-parallel sync, ZeRO's gathers and
+  reduce-scatters, the optimizer step's gather of updated shards); predicted
+  from the stage's parameter bytes P as the cluster model counts them: ZeRO 0
+  all-reduces the gradients once (P), 1 reduce-scatters them (P / d) and
+  gathers the updated shards (P), 2 reduce-scatters every microbatch, 3 also
+  gathers the parameters for each forward and backward (and, priced as
+  DeepSpeed runs it, again for a full recompute, where XLA's rebuilt forward
+  shares the backward's gather) instead of gathering after the update.
+- received: bytes a device of the stage receives from other stages
+  (activations forward, their cotangents backward); predicted, the plan's
+  `Stage.bytes_in + bytes_out` per microbatch.
+- memory: the most bytes live on a device of the stage at any point of the
+  schedule (parameters, optimizer state, gradients, the stashes the
+  schedule keeps, values in flight), plus the largest temporary of its
+  programs (`memory_analysis`); predicted, `Stage.memory`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import jax
+import numpy as np
+
+from automap._src.cluster.stage_layouts import DATA, TENSOR
+from automap._src.run import compiled as compiled_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCheck:
+  """One stage: (measured, predicted) bytes per device per global batch."""
+
+  stage: int
+  tensor: tuple[float, float]
+  data: tuple[float, float]
+  received: tuple[float, float]
+  memory: tuple[float, float]
+
+  def ratios(self) -> dict[str, float]:
+    """measured / predicted per quantity (nan where both are 0)."""
+    out = {}
+    for name in ("tensor", "data", "received", "memory"):
+      got, want = getattr(self, name)
+      out[name] = got / want if want else (1.0 if not got else float("inf"))
+    return out
+
+
+def check(step, state, *batch) -> tuple[list[StageCheck], object]:
+  """Runs one global batch, watching memory, and reads every program's
+  compiled collectives; returns the per-stage checks and the new state."""
+  peaks = [0.0] * step.S
+  received = [0.0] * step.S
+  meshes = step.meshes
+
+  def observe(work, moved):
+    s = work.stage
+    received[s] += moved
+    for t in range(step.S):
+      peaks[t] = max(peaks[t], _resident(meshes[t]))
+
+  state, _ = step.run(state, *batch, observe=observe)
+  calls = Counter()
+  for work in step.executed:
+    final = work.phase == "backward" and work == step.last_work[work.stage]
+    key = ("forward", work.chunk) if work.phase == "forward" else ("backward", work.chunk, final)
+    calls[key] += 1
+  for s in range(step.S):
+    calls[("update", s)] = 1
+  tensor, data, temp = [0.0] * step.S, [0.0] * step.S, [0.0] * step.S
+  for key, (program, args) in step.programs.items():
+    s = key[1] if key[0] == "update" else step.cut.chunks[key[1]].stage
+    compiled = program.lower(*args).compile()
+    stats = compiled.memory_analysis()
+    if stats is not None:
+      temp[s] = max(temp[s], float(stats.temp_size_in_bytes))
+    for c in compiled_lib.collectives(compiled.as_text(), meshes[s]):
+      nbytes = c.nbytes * c.trips * calls[key]
+      if c.axes == (TENSOR,):
+        tensor[s] += nbytes
+      elif c.axes == (DATA,):
+        data[s] += nbytes
+  checks = []
+  M, d, zero = step.M, step.d, step.zero
+  for s, stage in enumerate(step.plan.placement.stages):
+    P = stage.param_bytes
+    if d == 1:
+      want_data = 0.0
+    elif zero == 0:
+      want_data = P
+    elif zero == 1:
+      want_data = P / d + P
+    elif zero == 2:
+      want_data = M * P / d + P
+    else:
+      want_data = M * (P / d + (3 if stage.recompute_mode == "full" else 2) * P)
+    checks.append(StageCheck(
+        s, (tensor[s], M * stage.comm_bytes), (data[s], want_data),
+        (received[s], M * (stage.bytes_in + stage.bytes_out)),
+        (peaks[s] + temp[s], stage.memory)))
+  return checks, state
+
+
+def _resident(mesh) -> float:
+  """The most bytes any one device of `mesh` holds in arrays laid out on it."""
+  per_device = np.zeros(mesh.devices.size)
+  index = {dev: k for k, dev in enumerate(mesh.devices.flat)}
+  for a in jax.live_arrays():
+    sharding = a.sharding
+    if getattr(sharding, "mesh", None) != mesh:
+      continue
+    shard = int(np.prod(sharding.shard_shape(a.shape))) * a.dtype.itemsize
+    for dev in sharding.device_set:
+      per_device[index[dev]] += shard
+  return float(per_device.max())
+
+
+__all__ = ["StageCheck", "check"]
