@@ -47,6 +47,8 @@ SECTIONS = {
     "measured": ("Published training runs: predicted against measured throughput",
                  ["--fit", "--planner"], ["--only", "narayanan21-t1"]),
     "cluster": ("Cluster planning against fixed Megatron-style splits", [], ["--quick"]),
+    "pipeline_run": ("Cluster plans run: measured on 8 CPU devices against the plan's price",
+                     [], ["--steps", "2", "--rows", "p4d2"]),
     "accelerator": ("Accelerator co-search against a TPUv4-like baseline",
                     ["--plot", "benchmarks/accelerator.png"],
                     ["--quick", "--plot", "benchmarks/accelerator.png"]),

@@ -235,7 +235,7 @@ def test_bad_plans_devices_optimizers_and_batches_are_refused():
   with pytest.raises(cluster.PlacementError, match=r"no stage holds.*dense_2"):
     plan.train_step(_dense_stack, TX, other, x, x)
   swapped = _hand_plan([("dense_1",), ("dense_0",)])
-  with pytest.raises(cluster.PlacementError, match="visits stages"):
+  with pytest.raises(cluster.PlacementError, match="may only read what earlier stages"):
     swapped.train_step(_dense_stack, TX, params, x, x)
 
 
@@ -267,3 +267,31 @@ def test_each_stage_moves_the_bytes_its_plan_priced(config):
     # Memory: what the stage holds at its peak plus its programs' largest
     # temporary; XLA's backward working set is beyond the plan's count.
     assert 0.9 <= ratios["memory"] <= 1.4, check
+
+
+def test_a_stage_holds_layers_apart_in_the_program_when_values_flow_forward():
+  params = [(jnp.full((8, 8), 0.1 * (i + 1)), jnp.zeros(8)) for i in range(4)]
+  x = jnp.linspace(-1, 1, BATCH * 8).reshape(BATCH, 8)
+
+  def loss(params, x, y):  # "side" reads only the input: stage 0 runs it, after "second"
+    def dense(i, h, extra=0.0):
+      with jax.named_scope(f"dense_{i}"):
+        return jnp.tanh((h + extra) @ params[i][0] + params[i][1][None])
+
+    with jax.named_scope("side"):
+      side = x * 2.0
+    first = dense(0, x)
+    second = dense(1, first)
+    with jax.named_scope("late"):
+      late = side @ params[2][0]
+    with jax.named_scope("dense_3"):
+      out = dense(3, second, late)
+      return jnp.mean((out - y) ** 2)
+
+  plan = _hand_plan([("side", "dense_0", "late"), ("dense_1", "dense_3")])
+  step = plan.train_step(loss, TX, params, x, x)
+  assert [c.layers for c in step.cut.chunks] == [("side", "dense_0", "late"),
+                                                  ("dense_1", "dense_3")]
+  state, value = step(step.init(params), x, x)
+  want, _ = reference(loss, params, (x, x), 1)
+  np.testing.assert_allclose(float(value), want[0], rtol=1e-6)

@@ -6,16 +6,18 @@ everything else (custom derivatives, `checkpoint`, loops) stays one
 equation. Each equation carries the layers of the primitives in it, named
 exactly as the planner names them (`layers.LayerCut`: the first name-scope
 component, unscoped operations joining the layer before them, a label met
-again later numbered "#2"). A plan's stages list their layers; walking the
-layers in program order, a new chunk starts wherever the stage changes, so a
-plan with v chunks per stage has S * v chunks, chunk c on stage c mod S.
+again later numbered "#2"). A plan's stages list their layers. With one chunk
+per stage, a stage's layers are its chunk wherever they lie in the program
+(a tied embedding's second use, placed early); with v chunks per stage,
+walking the layers in program order a new chunk starts wherever the stage
+changes, S * v chunks in all, chunk c on stage c mod S.
 
 A chunk is a function of the parameters and batch leaves it reads and of the
 values earlier chunks made that it reads; it returns what later chunks read
-(and the loss, for the last). Values flow only forward in program order, so
-any cut between layers is a valid pipeline. An equation holding layers of two
-chunks (a `scan` over the blocks, a `checkpoint` around two of them) cannot
-be cut and is an error naming both.
+(and the loss, for the last). A chunk reading what a later one makes is an
+error naming both stages; so is an equation holding layers of two chunks (a
+`scan` over the blocks, a `checkpoint` around two of them), which cannot be
+cut.
 """
 
 from __future__ import annotations
@@ -272,11 +274,13 @@ def cut(loss_fn: Callable, params, batch: Sequence, placement: Placement) -> Cut
         "for this loss_fn and these argument shapes.")
   chunk_of: dict[str, int] = {}
   chunk_stage: list[int] = []
-  for name in names:
+  S, v = len(placement.stages), placement.virtual_stages
+  if v == 1:  # a stage is one chunk, its layers wherever they are in the program
+    chunk_of, chunk_stage = dict(stage_of), list(range(S))
+  for name in names if v > 1 else ():
     if not chunk_stage or chunk_stage[-1] != stage_of[name]:
       chunk_stage.append(stage_of[name])
     chunk_of[name] = len(chunk_stage) - 1
-  S, v = len(placement.stages), placement.virtual_stages
   if chunk_stage != [c % S for c in range(S * v)]:
     raise PlacementError(
         f"plan: walking the loss_fn's layers in program order visits stages {chunk_stage}; a "
@@ -294,6 +298,13 @@ def cut(loss_fn: Callable, params, batch: Sequence, placement: Placement) -> Cut
           "jax.checkpoint, custom derivative, nn.scan or lax.scan around several layers).")
     op_chunk.append(chunks[0])
   made = {i: c for o, c in zip(ops, op_chunk) for i in o.outs if i >= 0}
+  for op, c in zip(ops, op_chunk):
+    late = [made[i] for i in op.ins if made.get(i, -1) > c]
+    if late:
+      raise PlacementError(
+          f"plan: stage {chunk_stage[c]} reads (at {op.scope or 'the top level'!r}) a value "
+          f"stage {chunk_stage[late[0]]} makes later in the pipeline; a stage may only read "
+          "what earlier stages or itself make. Place the layers so that values flow forward.")
   if made.get(loss_id) != len(chunk_stage) - 1:
     raise PlacementError(
         f"plan: the loss is computed in chunk {made.get(loss_id)} of {len(chunk_stage)}; the "

@@ -181,7 +181,7 @@ class PipelineStep:
     leaves = self._param_leaves(params)
     # Copies: the step donates its parameters, never the caller's arrays (a
     # replicated `device_put` may share the caller's buffer).
-    placed = [{i: jax.device_put(_copy(leaves[i]), self.param_sharding(s, i))
+    placed = [{i: jax.device_put(stage_layouts.copy(leaves[i]), self.param_sharding(s, i))
                for i in self.stage_params[s]} for s in range(self.S)]
     opt = []
     for s in range(self.S):
@@ -281,6 +281,11 @@ class PipelineStep:
     """The part of a layout a `shard_map` manual over "data" states."""
     return P(*[DATA if e == DATA else None for e in spec])
 
+  # The programs run the traced equations as they are, which carry no
+  # varying-axes types, so their `shard_map`s check none (check_vma=False): a
+  # replicated parameter's cotangent inside a replica is that replica's,
+  # reduced only where the step says so.
+
   def forward(self, c: int) -> Callable:
     """Chunk c's forward: (params, batch, received) -> (sends, residuals);
     received and sent values carry a leading replica dim, [d, ...]."""
@@ -290,7 +295,7 @@ class PipelineStep:
     make = self._local(c)
 
     def local(params, batch, received):
-      params = [_vary(p) for p in params]
+      params = [p for p in params]
       received = [r[0] for r in received]
       outs, vjp = jax.vjp(make(batch), params, received)
       leaves, tree = jax.tree.flatten(vjp)
@@ -299,8 +304,8 @@ class PipelineStep:
           ("b", k, x) for k, x in enumerate(batch)]
       where = [next(((kind, k) for kind, k, x in inputs if x is leaf), None) for leaf in leaves]
       self._residuals[c] = (tree, where)
-      rest = [_vary(x)[None] for x, w in zip(leaves, where) if w is None]
-      return [_vary(o)[None] for o in outs], rest
+      rest = [x[None] for x, w in zip(leaves, where) if w is None]
+      return [o[None] for o in outs], rest
 
     body = jax.shard_map(
         local, mesh=self.meshes[chunk.stage],
@@ -326,7 +331,7 @@ class PipelineStep:
 
     def local(params, batch, received, rest, cots, acc):
       tree, where = self._residuals[c]
-      params = [_vary(p) for p in params]
+      params = [p for p in params]
       received = [r[0] for r in received]
       pools = {"p": params, "r": received, "b": batch}
       it = iter(rest)
@@ -334,10 +339,10 @@ class PipelineStep:
       vjp = jax.tree.unflatten(tree, leaves)
       if last:
         (loss,) = self._send_avals(c)
-        cots = [_vary(jnp.full((), seed, loss.dtype))]
+        cots = [jnp.full((), seed, loss.dtype)]
       else:
         cots = [x[0] for x in cots]
-      cots = [_cotangent(x, aval) for x, aval in zip(cots, self._send_avals(c))]
+      cots = [stage_layouts.cotangent(x, aval) for x, aval in zip(cots, self._send_avals(c))]
       grads, d_received = vjp(cots)
       acc = list(acc)
       for k, i in enumerate(acc_ids):
@@ -346,8 +351,8 @@ class PipelineStep:
           acc[k] = acc[k] + self._accumulate(s, i, g)
         if final:
           acc[k] = self._reduce(s, i, acc[k])
-      back = [_vary(x)[None] for x, r in zip(d_received, self._receive_avals(c))
-              if _inexact(r)]
+      back = [x[None] for x, r in zip(d_received, self._receive_avals(c))
+              if stage_layouts.inexact(r)]
       return acc, back
 
     body = jax.shard_map(
@@ -412,18 +417,7 @@ class PipelineStep:
     return self._zeros[s]()
 
   def _arrival(self, s: int, shape: tuple) -> NamedSharding:
-    """How a value from another stage ([d, ...]) lands on stage s: each
-    tensor-parallel device receives a 1/t slice (its last dim that divides),
-    and the programs gather it (Megatron-LM's scatter/gather of activations
-    between stages), so a link carries 1/t of it, as the plan prices."""
-    mesh = self.meshes[s]
-    t = mesh.shape[stage_layouts.TENSOR]
-    spec: list = [DATA] + [None] * (len(shape) - 1)
-    for k in range(len(shape) - 1, 0, -1):
-      if t > 1 and shape[k] % t == 0:
-        spec[k] = stage_layouts.TENSOR
-        break
-    return NamedSharding(mesh, P(*spec))
+    return stage_layouts.arrival(self.meshes[s], shape)
 
   def _send_avals(self, c: int):
     return self._avals_of(self.cut.chunks[c].sends)
@@ -521,7 +515,7 @@ class PipelineStep:
         parts = [] if c == len(chunks) - 1 else [cotangents.pop((m, i), [])
                                                  for i in chunk.sends]
         arriving = [x for p in parts for x in p]
-        cots = [_sum_on(p, self._arrival(s, (self.d, *aval.shape)), aval)
+        cots = [stage_layouts.sum_on(p, self._arrival(s, (self.d, *aval.shape)), aval)
                 for p, aval in zip(parts, self._send_avals(c))]
         final = work == self.last_work[s]
         ids = self.stage_params[s] if final else list(chunk.params)
@@ -532,7 +526,8 @@ class PipelineStep:
           reduced[s] = dict(zip(ids, grads))
         else:
           acc[s].update(zip(ids, grads))
-        inexact = [i for i, r in zip(chunk.receives, self._receive_avals(c)) if _inexact(r)]
+        inexact = [i for i, r in zip(chunk.receives, self._receive_avals(c))
+                   if stage_layouts.inexact(r)]
         for i, g in zip(inexact, back):
           cotangents[(m, i)].append(g)
       self.executed.append(work)
@@ -540,7 +535,8 @@ class PipelineStep:
         jax.block_until_ready(made)
         self.seconds.append(time.perf_counter() - began)
       if observe is not None:
-        observe(work, sum(_device_bytes(x, self._arrival(s, x.shape)) for x in arriving
+        observe(work, sum(stage_layouts.device_bytes(x, self._arrival(s, x.shape))
+                          for x in arriving
                           if x.sharding.mesh != mesh))
     state = self._apply(state, reduced)
     loss = sum(jnp.mean(x) for x in losses) / M
@@ -592,47 +588,6 @@ class PipelineStep:
     return (f"{self.schedule} schedule, {self.S} stage(s) x {self.v} chunk(s), "
             f"{self.M} microbatch(es), {self.d} data-parallel replica(s), ZeRO {self.zero}\n"
             + self.timetable.render())
-
-
-def _vary(x):
-  """x as a per-replica value. The programs run the traced equations as they
-  are, which carry no varying-axes types, so `shard_map` checks none
-  (check_vma=False): a replicated parameter's cotangent inside a replica is
-  that replica's, reduced only where the step says so."""
-  return x
-
-
-def _device_bytes(x: jax.Array, sharding: NamedSharding) -> float:
-  """Bytes of `x` on each device holding it, laid out by `sharding`."""
-  return float(np.prod(sharding.shard_shape(x.shape))) * x.dtype.itemsize
-
-
-def _copy(x):
-  return jnp.array(x, copy=True) if isinstance(x, jax.Array) else np.array(x)
-
-
-def _inexact(aval) -> bool:
-  return jnp.issubdtype(aval.dtype, jnp.inexact)
-
-
-def _cotangent(x, aval):
-  """A cotangent for a value of `aval`: float0 zeros for integers."""
-  if _inexact(aval):
-    return x
-  return np.zeros(aval.shape, jax.dtypes.float0)
-
-
-def _sum_on(parts: list, sharding: NamedSharding, aval):
-  """Cotangent contributions summed on `sharding`'s devices ([d, ...])."""
-  d = sharding.mesh.shape[DATA]
-  if not _inexact(aval):
-    return jax.device_put(np.zeros((d, *aval.shape), np.float32), sharding)
-  if not parts:
-    return jax.device_put(np.zeros((d, *aval.shape), aval.dtype), sharding)
-  total = jax.device_put(parts[0], sharding)
-  for x in parts[1:]:
-    total = total + jax.device_put(x, sharding)
-  return total
 
 
 __all__ = ["PipelineState", "PipelineStep"]

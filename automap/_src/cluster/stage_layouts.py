@@ -1,5 +1,6 @@
 """Where a running cluster plan puts things: stage meshes, parameter layouts,
-and the optimizers a per-stage update keeps exact.
+values moved between stages, and the optimizers a per-stage update keeps
+exact.
 
 Replica r's stage s runs on the devices at r * (devices per pipeline) + the
 stage's first device onwards, as the cluster model lays them out; a stage's
@@ -12,9 +13,11 @@ from __future__ import annotations
 import ast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from automap._src.cluster.layer_graph import PlacementError
 
@@ -129,4 +132,54 @@ def param_like_subtrees(state, treedef) -> list[int]:
   return starts
 
 
-__all__ = ["DATA", "TENSOR", "check_elementwise", "meshes", "param_like_subtrees", "tensor_spec"]
+def arrival(mesh: Mesh, shape: tuple) -> NamedSharding:
+  """How a value from another stage ([d, ...]) lands on `mesh`: each
+  tensor-parallel device receives a 1/t slice (its last dim that divides),
+  and the programs gather it (Megatron-LM's scatter/gather of activations
+  between stages), so a link carries 1/t of it, as the plan prices."""
+  t = mesh.shape[TENSOR]
+  spec: list = [DATA] + [None] * (len(shape) - 1)
+  for k in range(len(shape) - 1, 0, -1):
+    if t > 1 and shape[k] % t == 0:
+      spec[k] = TENSOR
+      break
+  return NamedSharding(mesh, P(*spec))
+
+
+def device_bytes(x: jax.Array, sharding: NamedSharding) -> float:
+  """Bytes of `x` on each device holding it, laid out by `sharding`."""
+  return float(np.prod(sharding.shard_shape(x.shape))) * x.dtype.itemsize
+
+
+def copy(x):
+  """A copy of `x` the caller does not hold (a step may donate it)."""
+  return jnp.array(x, copy=True) if isinstance(x, jax.Array) else np.array(x)
+
+
+def inexact(aval) -> bool:
+  """Whether values of `aval` have cotangents (floating or complex)."""
+  return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def cotangent(x, aval):
+  """A cotangent for a value of `aval`: float0 zeros for integers."""
+  if inexact(aval):
+    return x
+  return np.zeros(aval.shape, jax.dtypes.float0)
+
+
+def sum_on(parts: list, sharding: NamedSharding, aval):
+  """Cotangent contributions summed on `sharding`'s devices ([d, ...])."""
+  d = sharding.mesh.shape[DATA]
+  if not inexact(aval):
+    return jax.device_put(np.zeros((d, *aval.shape), np.float32), sharding)
+  if not parts:
+    return jax.device_put(np.zeros((d, *aval.shape), aval.dtype), sharding)
+  total = jax.device_put(parts[0], sharding)
+  for x in parts[1:]:
+    total = total + jax.device_put(x, sharding)
+  return total
+
+
+__all__ = ["DATA", "TENSOR", "arrival", "check_elementwise", "copy", "cotangent",
+           "device_bytes", "inexact", "meshes", "param_like_subtrees", "sum_on", "tensor_spec"]
