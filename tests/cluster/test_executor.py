@@ -3,6 +3,12 @@ step, the schedule run against the one priced, and bad plans refused."""
 
 from __future__ import annotations
 
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -295,3 +301,21 @@ def test_a_stage_holds_layers_apart_in_the_program_when_values_flow_forward():
   state, value = step(step.init(params), x, x)
   want, _ = reference(loss, params, (x, x), 1)
   np.testing.assert_allclose(float(value), want[0], rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_processes_of_four_devices_run_the_plan_as_one():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  worker = str(pathlib.Path(__file__).with_name("multiprocess_step.py"))
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  runs = [subprocess.Popen([sys.executable, worker, str(i), str(port)], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+          for i in range(2)]
+  for run in runs:
+    out, err = run.communicate(timeout=600)
+    assert run.returncode == 0, err[-3000:]
+    (line,) = [x for x in out.splitlines() if x.startswith("ok ")]
+    _, loss_error, param_error = line.split()
+    assert float(loss_error) < 1e-5 and float(param_error) < 1e-4, line

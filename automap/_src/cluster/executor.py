@@ -36,7 +36,10 @@ the stage owns: exact for optimizers that update each parameter from its own
 gradient and state (SGD, Adam, AdamW, Lion...); one that couples parameters
 (`clip_by_global_norm`) is refused.
 
-Single controller only: one process drives every device.
+One process may drive every device, or one per host (multi-controller JAX):
+every process runs the same driver, each program spans its stage's devices
+in every process, and values between stages move through each process's own
+devices, a pipeline replica living in one process (`stage_layouts.place`).
 """
 
 from __future__ import annotations
@@ -181,11 +184,11 @@ class PipelineStep:
     leaves = self._param_leaves(params)
     # Copies: the step donates its parameters, never the caller's arrays (a
     # replicated `device_put` may share the caller's buffer).
-    placed = [{i: jax.device_put(stage_layouts.copy(leaves[i]), self.param_sharding(s, i))
+    placed = [{i: stage_layouts.place(stage_layouts.copy(leaves[i]), self.param_sharding(s, i))
                for i in self.stage_params[s]} for s in range(self.S)]
     opt = []
     for s in range(self.S):
-      owned = [jax.device_put(leaves[i], self.grad_sharding(s, i)) for i in self.owned[s]]
+      owned = [stage_layouts.place(leaves[i], self.grad_sharding(s, i)) for i in self.owned[s]]
       opt.append(jax.jit(self.optimizer.init, out_shardings=self._state_layouts(s, owned))(
           owned))
     return PipelineState(placed, opt)
@@ -495,9 +498,9 @@ class PipelineStep:
       data = NamedSharding(mesh, P(DATA))
       params = [state.params[s][i] for i in chunk.params]
       if work.phase == "forward":
-        batch_in = [jax.device_put(micro[m][i], data) for i in chunk.batch]
+        batch_in = [stage_layouts.place(micro[m][i], data) for i in chunk.batch]
         arriving = [values[(m, i)] for i in chunk.receives]
-        received = [jax.device_put(x, self._arrival(s, x.shape)) for x in arriving]
+        received = [stage_layouts.place(x, self._arrival(s, x.shape)) for x in arriving]
         for i in chunk.receives:
           readers[(m, i)] -= 1
           if not readers[(m, i)]:
@@ -551,7 +554,7 @@ class PipelineStep:
       for i, g in reduced[s].items():
         o = self.owner[i]
         if o != s:
-          reduced[o][i] = reduced[o][i] + jax.device_put(g, reduced[o][i].sharding)
+          reduced[o][i] = reduced[o][i] + stage_layouts.place(g, reduced[o][i].sharding)
     for s in range(self.S):
       owned = self.owned[s]
       new, opt[s] = self._call(("update", s), self._update(s, opt[s]),
@@ -562,7 +565,7 @@ class PipelineStep:
       for i in self.stage_params[s]:
         o = self.owner[i]
         if o != s:
-          params[s][i] = jax.device_put(params[o][i], self.param_sharding(s, i))
+          params[s][i] = stage_layouts.place(params[o][i], self.param_sharding(s, i))
     return PipelineState(params, opt, state.step + 1)
 
   def _call(self, key: tuple, program: Callable, *args):

@@ -37,6 +37,20 @@ def meshes(plan, devices) -> list[Mesh]:
         f"{len(p.stages)} stage(s) of widths {[s.width for s in p.stages]}); got "
         f"{len(devices)}. Plan for the devices there are, or pass enough.")
   per_pipeline = sum(s.width for s in p.stages)
+  used = {d.process_index for d in devices[:p.devices]}
+  if len(used) < jax.process_count():
+    raise PlacementError(
+        f"devices: the plan uses {p.devices} devices, all in processes {sorted(used)} of "
+        f"{jax.process_count()}; every process must run some of it. Plan for the devices of "
+        "every process.")
+  for r in range(p.data_parallel):
+    owners = {d.process_index for d in devices[r * per_pipeline:(r + 1) * per_pipeline]}
+    if len(owners) > 1:
+      raise PlacementError(
+          f"devices: pipeline replica {r} spans processes {sorted(owners)}; with one process "
+          f"per host each replica's {per_pipeline} devices must be one process's (stages "
+          "pass values through the devices of their own process). Give each process a "
+          "multiple of the devices per pipeline, or order `devices=` so.")
   meshes = []
   for stage in p.stages:
     grid = [[devices[r * per_pipeline + stage.first_device + k] for k in range(stage.width)]
@@ -146,6 +160,43 @@ def arrival(mesh: Mesh, shape: tuple) -> NamedSharding:
   return NamedSharding(mesh, P(*spec))
 
 
+def place(x, sharding: NamedSharding) -> jax.Array:
+  """`x` laid out by `sharding`, with one process or one per host. Across
+  processes a host value is sliced per device, and an array on other devices
+  is moved block by block through this process's devices that hold it: a
+  pipeline replica lives in one process (the devices of replica r are
+  consecutive), so what a device of this process needs is here."""
+  if jax.process_count() == 1:
+    return jax.device_put(x, sharding)
+  if not isinstance(x, jax.Array):
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+  if x.sharding.device_set == sharding.device_set:
+    return jax.device_put(x, sharding)
+  shards = {tuple((s.start, s.stop) for s in shard.index): shard for shard in x.addressable_shards}
+  blocks = [_block(shards.values(), index, x.shape, x.dtype, device)
+            for device, index in sharding.addressable_devices_indices_map(x.shape).items()]
+  return jax.make_array_from_single_device_arrays(x.shape, sharding, blocks)
+
+
+def _block(shards, index: tuple, shape: tuple, dtype, device) -> jax.Array:
+  """Block `index` of a global array, on `device`, from the shards given."""
+  lo = [s.indices(n)[0] for s, n in zip(index, shape)]
+  hi = [s.indices(n)[1] for s, n in zip(index, shape)]
+  out = jax.device_put(jnp.zeros([b - a for a, b in zip(lo, hi)], dtype), device)
+  for shard in shards:
+    s_lo = [s.indices(n)[0] for s, n in zip(shard.index, shape)]
+    s_hi = [s.indices(n)[1] for s, n in zip(shard.index, shape)]
+    a = [max(p, q) for p, q in zip(lo, s_lo)]
+    b = [min(p, q) for p, q in zip(hi, s_hi)]
+    if any(x >= y for x, y in zip(a, b)):
+      continue
+    piece = shard.data[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, s_lo))]
+    out = out.at[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, lo))].set(
+        jax.device_put(piece, device))
+  return out
+
+
 def device_bytes(x: jax.Array, sharding: NamedSharding) -> float:
   """Bytes of `x` on each device holding it, laid out by `sharding`."""
   return float(np.prod(sharding.shard_shape(x.shape))) * x.dtype.itemsize
@@ -172,14 +223,15 @@ def sum_on(parts: list, sharding: NamedSharding, aval):
   """Cotangent contributions summed on `sharding`'s devices ([d, ...])."""
   d = sharding.mesh.shape[DATA]
   if not inexact(aval):
-    return jax.device_put(np.zeros((d, *aval.shape), np.float32), sharding)
+    return place(np.zeros((d, *aval.shape), np.float32), sharding)
   if not parts:
-    return jax.device_put(np.zeros((d, *aval.shape), aval.dtype), sharding)
-  total = jax.device_put(parts[0], sharding)
+    return place(np.zeros((d, *aval.shape), aval.dtype), sharding)
+  total = place(parts[0], sharding)
   for x in parts[1:]:
-    total = total + jax.device_put(x, sharding)
+    total = total + place(x, sharding)
   return total
 
 
 __all__ = ["DATA", "TENSOR", "arrival", "check_elementwise", "copy", "cotangent",
-           "device_bytes", "inexact", "meshes", "param_like_subtrees", "sum_on", "tensor_spec"]
+           "device_bytes", "inexact", "meshes", "param_like_subtrees", "place", "sum_on",
+           "tensor_spec"]
