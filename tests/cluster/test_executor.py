@@ -142,7 +142,7 @@ def test_gpt_plans_match_the_jitted_step(config):
   assert step.executed == step.timetable.in_order()
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_encoder_decoder_with_gpipe_matches_the_jitted_step():
   plan, step = run_plan(encoder_decoder_loss, run="gpipe", pipeline=2, data=2,
                         microbatch=2, zero=3)
@@ -303,7 +303,7 @@ def test_a_stage_holds_layers_apart_in_the_program_when_values_flow_forward():
   np.testing.assert_allclose(float(value), want[0], rtol=1e-6)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_two_processes_of_four_devices_run_the_plan_as_one():
   with socket.socket() as s:
     s.bind(("localhost", 0))
