@@ -319,3 +319,25 @@ def test_two_processes_of_four_devices_run_the_plan_as_one():
     (line,) = [x for x in out.splitlines() if x.startswith("ok ")]
     _, loss_error, param_error = line.split()
     assert float(loss_error) < 1e-5 and float(param_error) < 1e-4, line
+
+
+def test_parameters_the_loss_never_reads_are_kept_and_stepped():
+  params = {"layers": [(jnp.full((8, 8), 0.1), jnp.zeros(8)) for _ in range(2)],
+            "unused": jnp.ones((3,))}
+  x = jnp.linspace(-1, 1, BATCH * 8).reshape(BATCH, 8)
+  loss = lambda p, x, y: _dense_stack(p["layers"], x, y)  # noqa: E731
+  plan = _hand_plan([("dense_0",), ("dense_1",)])
+  tx = optax.adamw(1e-2, weight_decay=0.5)  # moves a parameter whose gradient is zero
+  step = plan.train_step(loss, tx, params, x, x)
+  state, _ = step(step.init(params), x, x)
+  got = step.params(state)
+
+  @jax.jit
+  def reference_step(p):
+    grads = jax.grad(loss)(p, x, x)
+    updates, _ = tx.update(grads, tx.init(p), p)
+    return optax.apply_updates(p, updates)
+
+  want = reference_step(params)
+  np.testing.assert_allclose(np.asarray(got["unused"]), np.asarray(want["unused"]), rtol=1e-6)
+  assert float(got["unused"][0]) < 1.0

@@ -126,6 +126,11 @@ class PipelineStep:
     for c in chunks:
       for i in c.params:
         self.owner.setdefault(i, c.stage)
+    # Parameters the loss never reads live on the first stage, their
+    # gradients zero, so the optimizer steps them as the unpipelined step does.
+    unread = [i for i in range(len(self.param_avals)) if i not in self.owner]
+    self.owner.update(dict.fromkeys(unread, 0))
+    self.stage_params[0] = sorted(self.stage_params[0] + unread)
     self.owned = [[i for i in self.stage_params[s] if self.owner[i] == s] for s in range(self.S)]
     self.modes = [s.recompute_mode for s in p.stages]
     paths = [path_str(k) for k, _ in jax.tree_util.tree_flatten_with_path((params,))[0]]
@@ -207,8 +212,7 @@ class PipelineStep:
 
   def params(self, state: PipelineState):
     """The parameters as the user's pytree (each leaf from the stage owning it)."""
-    leaves = [state.params[self.owner[i]][i] if i in self.owner else None
-              for i in range(len(self.param_avals))]
+    leaves = [state.params[self.owner[i]][i] for i in range(len(self.param_avals))]
     return jax.tree.unflatten(self.treedef, leaves)
 
   def _param_leaves(self, params) -> list:
