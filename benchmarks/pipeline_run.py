@@ -38,7 +38,7 @@ import optax  # noqa: E402
 
 import automap  # noqa: E402
 from automap import cluster  # noqa: E402
-from automap._src.models import gpt  # noqa: E402
+from automap._src.models import gpt, zoo  # noqa: E402
 
 BATCH = 32
 GPT = gpt.GPTConfig(vocab=256, seq=32, hidden=128, heads=4, layers=8)
@@ -46,14 +46,7 @@ TX = optax.adam(1e-3)
 
 
 def gpt_model():
-  model = gpt.GPT(GPT)
-  _, (params, _, batch) = gpt.make_train_step(GPT, BATCH)
-
-  def loss(params, batch):
-    logits = model.apply({"params": params}, batch["inputs"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-
-  return loss, params, (batch,)
+  return zoo.gpt_loss(GPT, BATCH)
 
 
 class DecoderBlock(nn.Module):

@@ -19,7 +19,7 @@ import pytest
 import automap
 from automap import cluster
 from automap._src.cluster import placement as placement_lib
-from automap._src.models import gpt
+from automap._src.models import gpt, zoo
 
 GPT = gpt.GPTConfig(vocab=64, seq=8, hidden=32, heads=2, layers=4)  # tied embeddings
 BATCH = 16
@@ -30,14 +30,7 @@ TX = optax.adam(1e-2, eps=1e-3)
 
 
 def gpt_loss():
-  model = gpt.GPT(GPT)
-  _, (params, _, batch) = gpt.make_train_step(GPT, BATCH)
-
-  def loss(params, batch):
-    logits = model.apply({"params": params}, batch["inputs"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-
-  return loss, params, (batch,)
+  return zoo.gpt_loss(GPT, BATCH)
 
 
 class _DecoderBlock(nn.Module):

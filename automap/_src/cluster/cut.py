@@ -23,6 +23,7 @@ cut.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,10 +32,8 @@ import jax
 from jax.extend import core as jex
 
 from automap._src.cluster.layer_graph import Placement, PlacementError
-from automap._src.ir.naming import layer_of
+from automap._src.ir.naming import layer_of, layer_runs
 from automap._src.ir.walk import INLINE
-
-_UNSCOPED = "(top level)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +94,11 @@ class Cut:
   @property
   def stages(self) -> int:
     return 1 + max(c.stage for c in self.chunks)
+
+  @functools.cached_property
+  def avals(self) -> dict[int, Any]:
+    """Value id -> abstract value, for every value an equation makes."""
+    return {i: v.aval for op in self.ops for i, v in zip(op.outs, op.eqn.outvars) if i >= 0}
 
   def run(self, index: int, params: Sequence, batch: Sequence, received: Sequence,
           tag: Callable[[int, Any], Any] = lambda i, x: x,
@@ -233,25 +237,13 @@ def _primitive_labels(eqn, scope: str) -> list[str]:
 
 def layer_names(ops: Sequence[Op]) -> tuple[list[str], list[set[str]]]:
   """(layers in program order, per op the layers of its primitives), named
-  as `layers.LayerCut` names them."""
+  as `layers.LayerCut` names them (`naming.layer_runs`)."""
   per_op = [_primitive_labels(op.eqn, op.scope) for op in ops]
-  flat = [label for labels in per_op for label in labels]
-  first = next((label for label in flat if label != _UNSCOPED), _UNSCOPED)
-  names: list[str] = []
-  seen: dict[str, int] = defaultdict(int)
-  previous, last = None, first
-  of_op: list[set[str]] = []
+  names, index = layer_runs([label for labels in per_op for label in labels])
+  of_op, k = [], 0
   for labels in per_op:
-    mine = set()
-    for label in labels:
-      label = last if label == _UNSCOPED else label
-      last = label
-      if label != previous:
-        previous = label
-        seen[label] += 1
-        names.append(label if seen[label] == 1 else f"{label}#{seen[label]}")
-      mine.add(names[-1])
-    of_op.append(mine)
+    of_op.append({names[i] for i in index[k:k + len(labels)]})
+    k += len(labels)
   return names, of_op
 
 

@@ -433,14 +433,7 @@ class PipelineStep:
     return self._avals_of(self.cut.chunks[c].receives)
 
   def _avals_of(self, ids):
-    if not hasattr(self, "_value_avals"):
-      avals = {}
-      for op in self.cut.ops:
-        for i, v in zip(op.outs, op.eqn.outvars):
-          if i >= 0:
-            avals[i] = v.aval
-      self._value_avals = avals
-    return [self._value_avals[i] for i in ids]
+    return [self.cut.avals[i] for i in ids]
 
   def _update(self, s: int, opt_state) -> Callable:
     """Stage s's optimizer step: (owned params, reduced grads, state) -> (params,

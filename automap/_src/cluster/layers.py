@@ -33,13 +33,11 @@ from automap._src.cost.hardware import Hardware
 from automap._src.cost.program import Program
 from automap._src.ir import trace as trace_lib
 from automap._src.ir.factor_rule import UNSHARDABLE
-from automap._src.ir.naming import is_backward, layer_of
+from automap._src.ir.naming import UNSCOPED, is_backward, layer_of, layer_runs
 from automap._src.plan import build, report
 from automap._src.search import driver
 from automap._src.search.request import SearchOptions
 from automap._src.sharding.mesh import MeshSpec
-
-_UNSCOPED = "(top level)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,14 +85,14 @@ def _labels(graph, forward: np.ndarray) -> list[str | None]:
   last = {True: None, False: None}
   for o, scope in enumerate(graph.scopes):
     label = layer_of(scope)
-    if label == _UNSCOPED:
+    if label == UNSCOPED:
       label = last[bool(forward[o])]
     labels[o] = label
     last[bool(forward[o])] = label
   # Unscoped ops before any scoped one join the first layer of their pass.
   for is_fw in (True, False):
     first = next((labels[o] for o in range(graph.num_ops)
-                  if bool(forward[o]) == is_fw and labels[o] is not None), _UNSCOPED)
+                  if bool(forward[o]) == is_fw and labels[o] is not None), UNSCOPED)
     for o in range(graph.num_ops):
       if bool(forward[o]) == is_fw and labels[o] is None:
         labels[o] = first
@@ -124,15 +122,9 @@ class LayerCut:
     forward = np.array([not is_backward(s) for s in g.scopes])
     labels = _labels(g, forward)
     segment = np.full(g.num_ops, -1)
-    names: list[str] = []
-    seen: dict[str, int] = defaultdict(int)
-    previous = None
-    for o in np.flatnonzero(forward):
-      if labels[o] != previous:
-        previous = labels[o]
-        seen[previous] += 1
-        names.append(previous if seen[previous] == 1 else f"{previous}#{seen[previous]}")
-      segment[o] = len(names) - 1
+    ops = np.flatnonzero(forward)
+    names, index = layer_runs([labels[o] for o in ops])
+    segment[ops] = index
     if not names:
       raise PlacementError("the loss function has no forward ops to place.")
     runs: dict[str, list[int]] = defaultdict(list)
@@ -305,6 +297,7 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
   for t, (program, state) in width_states.items():
     model = program.model
     compute, comm = report.op_seconds(model, state)
+    op_costs = [model.op_cost(state, o) for o in range(g.num_ops)]
     # The model's FLOPs, each device's share: an op left whole on every
     # device counts once, not t times.
     model_flops = np.asarray(g.flops, float) * np.asarray(g.trips, float) / t
@@ -317,12 +310,11 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
           hw.matmul_rate(int(model.itemsize[g.operands[o][0]]), 0, 0)
           if g.prims[o] in ("dot_general", "conv_general_dilated") and g.operands[o][0] >= 0
           else hw.fp32_flops / 16 for o in range(g.num_ops)])
-      op_flops = np.array([model.op_cost(state, o).flops for o in range(g.num_ops)])
+      op_flops = np.array([c.flops for c in op_costs])
       seconds = np.where(fused, op_flops / rate, seconds)
     fw, bw = cut.split(seconds)
     coll = sum(cut.split(comm))
-    comm_bytes = sum(cut.split(np.array([sum(x[2] for x in model.op_cost(state, o).comms)
-                                         for o in range(g.num_ops)])))
+    comm_bytes = sum(cut.split(np.array([sum(x[2] for x in c.comms) for c in op_costs])))
     flops = sum(cut.split(model_flops))
     dropped = np.zeros(len(names))
     rebuild = np.bincount(segment[rebuilt], seconds[rebuilt], len(names))

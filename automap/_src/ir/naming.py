@@ -9,6 +9,8 @@ backward ops count together. Backward ops are those autodiff transposed.
 from __future__ import annotations
 
 import re
+from collections import defaultdict
+from collections.abc import Sequence
 
 _TRANSFORMS = re.compile(r"^(?:[a-z_]+\(|\))+|\)+")
 
@@ -29,3 +31,27 @@ def is_backward(scope: str) -> bool:
   """Whether an op of this name scope is part of a backward pass: JAX's
   autodiff marks the ops it emits by transposing with `transpose(`."""
   return "transpose(" in scope
+
+
+UNSCOPED = "(top level)"
+
+
+def layer_runs(labels: Sequence[str]) -> tuple[list[str], list[int]]:
+  """(layers in program order, per item the index of its layer) of items'
+  layer labels in program order: an unscoped item (`UNSCOPED`) joins the
+  layer before it (the first layer, before any), and a label met again after
+  another starts a layer of its own, numbered "#2", "#3" (a tied embedding's
+  second use)."""
+  last = next((label for label in labels if label != UNSCOPED), UNSCOPED)
+  names: list[str] = []
+  index: list[int] = []
+  seen: dict[str, int] = defaultdict(int)
+  previous = None
+  for label in labels:
+    label = last = last if label == UNSCOPED else label
+    if label != previous:
+      previous = label
+      seen[label] += 1
+      names.append(label if seen[label] == 1 else f"{label}#{seen[label]}")
+    index.append(len(names) - 1)
+  return names, index

@@ -5,8 +5,9 @@ tests and the benchmarks.
 `(step, args)` with `args` as `jax.ShapeDtypeStruct`s (parameters from
 `jax.eval_shape` of the initialiser), so nothing is materialised and any
 size can be planned; `materialize` makes concrete arguments for them.
-`gpt_step` (concrete, `SMALL` by default) and `loss_and_grads` are the
-tests' GPT: small enough to compile in seconds.
+`gpt_step` (concrete, `SMALL` by default), `loss_and_grads` and `gpt_loss`
+(the loss a cluster plan takes) are the tests' GPT: small enough to compile
+in seconds.
 """
 
 from __future__ import annotations
@@ -43,6 +44,20 @@ def loss_and_grads(step_args, config: GPTConfig = SMALL):
   params, _, batch = step_args
   return fn, (params, batch)
 
+
+
+def gpt_loss(config: GPTConfig = SMALL, batch: int = 8):
+  """`(loss, params, (batch,))` of the GPT on concrete arguments:
+  `loss(params, batch)` is the mean next-token cross-entropy, as
+  `plan_cluster` and `ClusterPlan.train_step` take a loss."""
+  model = GPT(config)
+  _, (params, _, data) = make_train_step(config, batch)
+
+  def loss(params, batch):
+    logits = model.apply({"params": params}, batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+  return loss, params, (data,)
 
 
 def _adam_step(loss, params, *data):
