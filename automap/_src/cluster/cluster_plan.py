@@ -34,8 +34,9 @@ class ClusterPlan(JsonFile):
 
   placement: stages, widths, data parallelism, ZeRO, recompute (seconds per batch).
   microbatch: samples per microbatch; global_batch: samples per batch.
-  shardings: width -> parameter path -> PartitionSpec (text) of the intra-stage
-    sharding at that width, for the widths the placement uses.
+  shardings: width -> argument path (parameters "0/...", batch "1/..." on) ->
+    PartitionSpec (text) of the intra-stage sharding at that width, for the
+    widths the placement uses.
   peak_flops: the device's peak FLOP/s (16-bit matmuls), for MFU.
   memory_limit: bytes per device the plan was held to.
   """

@@ -65,6 +65,7 @@ from automap._src.cluster.layer_graph import PlacementError
 from automap._src.ir.trace import path_str
 
 DATA = stage_layouts.DATA
+TENSOR = stage_layouts.TENSOR
 _ATTENTION = "automap.attention_scores"  # what selective recompute drops
 
 
@@ -138,6 +139,10 @@ class PipelineStep:
     self.tp = [{i: stage_layouts.tensor_spec(plan.shardings.get(widths[s], {}).get(paths[i]),
                                              self.param_avals[i], widths[s], paths[i])
                 for i in self.stage_params[s]} for s in range(self.S)]
+    batch_paths = [path_str(k) for k, _ in
+                   jax.tree_util.tree_flatten_with_path((params, *batch))[0]][len(paths):]
+    self.split_batch = [stage_layouts.splits_batch(plan.shardings.get(widths[s], {}),
+                                                   batch_paths) for s in range(self.S)]
     self.zdim = [{i: self._zero_dim(self.tp[s][i], self.param_avals[i])
                   for i in self.stage_params[s]} for s in range(self.S)]
     stage_layouts.check_elementwise(optimizer, abstract)
@@ -424,7 +429,16 @@ class PipelineStep:
     return self._zeros[s]()
 
   def _arrival(self, s: int, shape: tuple) -> NamedSharding:
-    return stage_layouts.arrival(self.meshes[s], shape)
+    return stage_layouts.arrival(self.meshes[s], shape, self.split_batch[s])
+
+  def _batch_layout(self, s: int) -> NamedSharding:
+    """A microbatch's rows: over "data", and over "tensor" too where the
+    stage's plan splits the batch inside the tensor group."""
+    mesh = self.meshes[s]
+    rows = self.plan.microbatch * self.d
+    if self.split_batch[s] and rows % (self.d * mesh.shape[TENSOR]) == 0:
+      return NamedSharding(mesh, P((DATA, TENSOR)))
+    return NamedSharding(mesh, P(DATA))
 
   def _send_avals(self, c: int):
     return self._avals_of(self.cut.chunks[c].sends)
@@ -492,7 +506,7 @@ class PipelineStep:
       chunk = chunks[c]
       s = chunk.stage
       mesh = self.meshes[s]
-      data = NamedSharding(mesh, P(DATA))
+      data = self._batch_layout(s)
       params = [state.params[s][i] for i in chunk.params]
       if work.phase == "forward":
         batch_in = [stage_layouts.place(micro[m][i], data) for i in chunk.batch]

@@ -46,7 +46,8 @@ class Profile:
 
   graphs: batch size -> width -> the layer graph (the same layers and edges
     at every width).
-  specs: width -> argument path -> PartitionSpec (as text) of the searched plan.
+  specs: width -> argument path (parameters "0/...", batch "1/..." on) ->
+    PartitionSpec (as text) of the searched plan.
   programs: (batch size, width) -> (program, state) the costs were read from.
   """
 
@@ -406,8 +407,7 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
       if size == example:
         searched[t] = state
         plan = build.make_plan(program, state, {})
-        specs[t] = {p: str(tuple(s)) for p, s in zip(plan.in_paths[:params_count],
-                                                     plan.in_specs[:params_count])}
+        specs[t] = {p: str(tuple(s)) for p, s in zip(plan.in_paths, plan.in_specs)}
       programs[(size, t)] = (program, state)
     graphs[size] = layer_graphs({t: programs[(size, t)] for t in widths}, params_count,
                                 fused_attention)

@@ -20,10 +20,13 @@ programs and the plan are read alike:
 - received: bytes a device of the stage receives from other stages
   (activations forward, their cotangents backward); predicted, the plan's
   `Stage.bytes_in + bytes_out` per microbatch.
-- memory: the most bytes live on a device of the stage at any point of the
-  schedule (parameters, optimizer state, gradients, the stashes the
-  schedule keeps, values in flight), plus the largest temporary of its
-  programs (`memory_analysis`); predicted, `Stage.memory`.
+- held: the most bytes live on a device of the stage between its programs
+  (parameters, optimizer state, gradients, the stashes the schedule keeps,
+  values in flight); predicted, `Stage.memory`.
+- memory: held plus the largest temporary of its programs
+  (`memory_analysis`: the backward's working set as the backend schedules
+  it, which the plan counts only as the one layer a recompute rebuilds);
+  predicted, `Stage.memory`.
 """
 
 from __future__ import annotations
@@ -47,11 +50,12 @@ class StageCheck:
   data: tuple[float, float]
   received: tuple[float, float]
   memory: tuple[float, float]
+  held: tuple[float, float]
 
   def ratios(self) -> dict[str, float]:
-    """measured / predicted per quantity (nan where both are 0)."""
+    """measured / predicted per quantity (1 where both are 0)."""
     out = {}
-    for name in ("tensor", "data", "received", "memory"):
+    for name in ("tensor", "data", "received", "held", "memory"):
       got, want = getattr(self, name)
       out[name] = got / want if want else (1.0 if not got else float("inf"))
     return out
@@ -108,7 +112,7 @@ def check(step, state, *batch) -> tuple[list[StageCheck], object]:
     checks.append(StageCheck(
         s, (tensor[s], M * stage.comm_bytes), (data[s], want_data),
         (received[s], M * (stage.bytes_in + stage.bytes_out)),
-        (peaks[s] + temp[s], stage.memory)))
+        (peaks[s] + temp[s], stage.memory), (peaks[s], stage.memory)))
   return checks, state
 
 

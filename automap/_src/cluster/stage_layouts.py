@@ -146,18 +146,37 @@ def param_like_subtrees(state, treedef) -> list[int]:
   return starts
 
 
-def arrival(mesh: Mesh, shape: tuple) -> NamedSharding:
+def arrival(mesh: Mesh, shape: tuple, split_batch: bool = False) -> NamedSharding:
   """How a value from another stage ([d, ...]) lands on `mesh`: each
-  tensor-parallel device receives a 1/t slice (its last dim that divides),
-  and the programs gather it (Megatron-LM's scatter/gather of activations
-  between stages), so a link carries 1/t of it, as the plan prices."""
+  tensor-parallel device receives a 1/t slice, and the programs gather what
+  they need, so a link carries 1/t of it, as the plan prices. The slice is
+  of the batch (dim 1) where the stage's plan splits the batch inside the
+  tensor group (`split_batch`), else of the last dim that divides
+  (Megatron-LM's scatter/gather of activations between stages)."""
   t = mesh.shape[TENSOR]
   spec: list = [DATA] + [None] * (len(shape) - 1)
+  if t > 1 and split_batch and len(shape) > 1 and shape[1] % t == 0:
+    spec[1] = TENSOR
+    return NamedSharding(mesh, P(*spec))
   for k in range(len(shape) - 1, 0, -1):
     if t > 1 and shape[k] % t == 0:
       spec[k] = TENSOR
       break
   return NamedSharding(mesh, P(*spec))
+
+
+def splits_batch(specs: dict[str, str], batch_paths: list[str]) -> bool:
+  """Whether a width's searched plan lays the batch out over the tensor
+  group (every batch leaf's leading dim split): the stage's activations then
+  arrive split by rows, as that plan runs them."""
+  found = [specs.get(p) for p in batch_paths]
+  if not found or any(text is None for text in found):
+    return False
+  for text in found:
+    spec = ast.literal_eval(text)
+    if not spec or spec[0] is None:
+      return False
+  return True
 
 
 def place(x, sharding: NamedSharding) -> jax.Array:
@@ -233,5 +252,5 @@ def sum_on(parts: list, sharding: NamedSharding, aval):
 
 
 __all__ = ["DATA", "TENSOR", "arrival", "check_elementwise", "copy", "cotangent",
-           "device_bytes", "inexact", "meshes", "param_like_subtrees", "place", "sum_on",
-           "tensor_spec"]
+           "device_bytes", "inexact", "meshes", "param_like_subtrees", "place", "splits_batch",
+           "sum_on", "tensor_spec"]
