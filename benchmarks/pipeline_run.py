@@ -105,7 +105,8 @@ ROWS = {
                                              recompute="selective"), None),
     "gpt-t2p2d2-zero3": (gpt_model, dict(tensor=2, pipeline=2, data=2, microbatch=2, zero=3),
                          None),
-    "gpt-p2d2-gpipe": (gpt_model, dict(pipeline=2, data=2, microbatch=2), "gpipe"),
+    "gpt-p2d2-gpipe": (gpt_model, dict(pipeline=2, data=2, microbatch=2, schedule="gpipe"),
+                       None),
     "t5-p2d2-zero3": (encoder_decoder_model, dict(pipeline=2, data=2, microbatch=2, zero=3),
                       None),
 }
@@ -166,7 +167,8 @@ def measure(name: str, steps: int) -> dict:
       "wall": wall, "reference": statistics.median(ref_walls), "predicted": plan.time,
       "bubble_predicted": placement.bubble / placement.time,
       "bubble_measured": 1 - statistics.median(busy) / wall,
-      "data_bytes": span("data"), "received": span("received"), "memory": span("memory"),
+      "data_bytes": span("data"), "tensor_bytes": span("tensor"), "received": span("received"),
+      "held": span("held"), "memory": span("memory"),
   }
 
 
@@ -178,8 +180,9 @@ def main() -> None:
   print("| row | schedule | stages x chunks x data, microbatches | recompute | ZeRO | "
         "loss vs unpipelined | measured s / batch | unpipelined s | pipelined / unpipelined | "
         "predicted s (cpu spec) | measured / predicted | bubble predicted | bubble measured | "
-        "data-axis bytes / plan | received / plan | memory / plan |")
-  print("|---" * 16 + "|")
+        "data-axis bytes / plan | tensor-axis bytes / plan | received / plan | held / plan | "
+        "memory / plan |")
+  print("|---" * 18 + "|")
   for name in ROWS:
     if not re.search(args.rows, name):
       continue
@@ -190,7 +193,8 @@ def main() -> None:
           f"{r['predicted']:.4f} | {r['wall'] / r['predicted']:.1f}x | "
           f"{r['bubble_predicted']:.1%} | {r['bubble_measured']:.1%} | "
           + " | ".join(f"{lo:.2f}-{hi:.2f}"
-                       for lo, hi in (r["data_bytes"], r["received"], r["memory"]))
+                       for lo, hi in (r["data_bytes"], r["tensor_bytes"], r["received"],
+                                      r["held"], r["memory"]))
           + " |", flush=True)
 
 

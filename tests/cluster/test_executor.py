@@ -137,8 +137,11 @@ def test_gpt_plans_match_the_jitted_step(config):
 
 @pytest.mark.heavy
 def test_encoder_decoder_with_gpipe_matches_the_jitted_step():
-  plan, step = run_plan(encoder_decoder_loss, run="gpipe", pipeline=2, data=2,
-                        microbatch=2, zero=3)
+  plan, step = run_plan(encoder_decoder_loss, pipeline=2, data=2, microbatch=2, zero=3,
+                        schedule="gpipe")
+  # GPipe is priced holding every microbatch, and run as priced.
+  assert plan.schedule() == ("gpipe", 2, 4, 1)
+  assert [s.in_flight for s in plan.placement.stages] == [4, 4]
   # The encoder's output crosses to the decoder layer on the other stage.
   layers = [s.layers for s in plan.placement.stages]
   assert layers == [("embed", "enc_0", "enc_1", "embed#2", "dec_0"), ("dec_1", "head")]
@@ -149,7 +152,8 @@ def test_encoder_decoder_with_gpipe_matches_the_jitted_step():
 
 @pytest.mark.parametrize("schedule,stages,microbatches,virtual", [
     ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1), ("interleaved", 2, 4, 2),
-    ("interleaved", 4, 8, 2), ("interleaved", 2, 2, 2), ("interleaved", 4, 4, 3)])
+    ("interleaved", 4, 8, 2), ("interleaved", 2, 2, 2), ("interleaved", 4, 4, 3),
+    ("gpipe", 4, 8, 1)])
 def test_the_timetable_is_the_schedule_the_cluster_model_prices(schedule, stages,
                                                                microbatches, virtual):
   table = cluster.timetable(schedule, stages, microbatches, virtual)
@@ -157,7 +161,8 @@ def test_the_timetable_is_the_schedule_the_cluster_model_prices(schedule, stages
   # (M + (S - 1) / v) * (time per microbatch) is 2 M v + 2 (S - 1) slots.
   assert table.slots == 2 * microbatches * virtual + 2 * (stages - 1)
   for s in range(stages):
-    assert table.in_flight(s) == placement_lib.in_flight(s, stages, virtual, microbatches)
+    assert table.in_flight(s) == placement_lib.in_flight(s, stages, virtual, microbatches,
+                                                         schedule)
   # Every dependency is met: a forward after the previous chunk's, a backward
   # after its own forward and the next chunk's backward.
   slot = {(w.phase, w.chunk, w.microbatch): w.slot for w in table.in_order()}

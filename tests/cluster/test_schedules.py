@@ -130,6 +130,25 @@ def test_blocks_that_do_not_divide_leave_the_end_chunks_one_short():
   assert plan.stages[0].layers[0] == "embed" and plan.stages[-1].layers[-1] == "head"
 
 
+def test_gpipe_takes_1f1b_time_and_holds_every_microbatch():
+  """12 blocks on 3 stages, 6 microbatches: GPipe runs every forward before
+  the backwards, so each stage stashes all 6 where 1F1B's stage i holds 3 - i."""
+  graph = blocks(12, edge=0.1e9, forward=1.0, backward=2.0, params=1e9, activations=0.5e9)
+  priced = {}
+  for schedule in ("1f1b", "gpipe"):
+    config = cluster.ClusterConfig(pipeline=3, microbatch=1, schedule=schedule)
+    priced[schedule] = cluster.price_placement(graph, config, global_batch=6, hardware=flat(),
+                                               optimizer="sgd")
+  one, gpipe = priced["1f1b"], priced["gpipe"]
+  assert gpipe.schedule == "gpipe" and one.schedule == "1f1b"
+  assert gpipe.time == pytest.approx(one.time)
+  assert [s.in_flight for s in one.stages] == [3, 2, 1]
+  assert [s.in_flight for s in gpipe.stages] == [6, 6, 6]
+  for a, b in zip(one.stages, gpipe.stages):
+    assert b.memory - a.memory == pytest.approx((6 - a.in_flight) * 4 * 0.5e9)
+  assert type(gpipe).from_json(gpipe.to_json()) == gpipe
+
+
 def test_recompute_modes_keep_what_practice_keeps():
   """12 blocks on 3 stages: the middle stage holds 4 blocks, 2 microbatches in flight."""
   c = dict(forward=1.0, backward=2.0, params=1e9, activations=0.5e9, selective=0.2e9,
@@ -207,6 +226,7 @@ def test_zero_3_gathers_one_parameter_array_at_a_time():
     ({"recompute": "attention"}, r"ClusterConfig.recompute must be one of"),
     ({"schedule": "zero-bubble"}, r"ClusterConfig.schedule must be one of"),
     ({"virtual_stages": 2}, r"needs schedule='interleaved'"),
+    ({"schedule": "gpipe", "pipeline": 2, "virtual_stages": 2}, r"'gpipe' runs one chunk"),
     ({"schedule": "interleaved", "pipeline": 2}, r"needs virtual_stages >= 2"),
     ({"zero": 4}, r"ClusterConfig.zero must be a ZeRO stage"),
 ])

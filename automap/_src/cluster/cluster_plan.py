@@ -105,8 +105,7 @@ class ClusterPlan(JsonFile):
     """(schedule, stages, microbatches per replica, chunks per stage): the
     pipeline order priced and run (`pipeline_schedule.timetable` of it)."""
     p = self.placement
-    kind = "1f1b" if p.virtual_stages == 1 else "interleaved"
-    return kind, len(p.stages), p.microbatches, p.virtual_stages
+    return p.schedule, len(p.stages), p.microbatches, p.virtual_stages
 
   def train_step(self, loss_fn: Callable, optimizer, params, *batch, devices=None,
                  schedule: str | None = None) -> PipelineStep:
@@ -124,8 +123,9 @@ class ClusterPlan(JsonFile):
       devices: the devices to run on (default `jax.devices()`); the plan's
         replica r, stage s uses those at r * (devices per pipeline) + the
         stage's first device onwards.
-      schedule: "gpipe" to run every forward before any backward; default
-        the plan's (1F1B, or interleaved 1F1B).
+      schedule: "gpipe", "1f1b" or "interleaved" to run another order than
+        the plan's (default: the one it priced); the run's memory is then
+        not the plan's.
 
     Returns:
       A `PipelineStep`: `init(params)` places the parameters and initialises
@@ -139,7 +139,8 @@ class ClusterPlan(JsonFile):
     """The plan, stage by stage; `against`: another plan of the same step
     (the planner's beside a stated split) summarised after it."""
     p = self.placement
-    schedule = "1F1B" if p.virtual_stages == 1 else f"interleaved 1F1B x{p.virtual_stages}"
+    schedule = {"gpipe": "GPipe", "1f1b": "1F1B"}.get(
+        p.schedule, f"interleaved 1F1B x{p.virtual_stages}")
     comm = p.communication
     mfu = "" if math.isnan(self.mfu) else f", MFU {self.mfu:.1%}"
     limit = "" if math.isinf(self.memory_limit) else (

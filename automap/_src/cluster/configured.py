@@ -2,7 +2,7 @@
 
 `ClusterConfig` is what a user of a hand-tuned split already knows: tensor,
 pipeline and data-parallel widths, microbatch size, recompute mode,
-schedule (plain or interleaved 1F1B) and ZeRO stage. `price` runs it over a
+schedule (GPipe, plain or interleaved 1F1B) and ZeRO stage. `price` runs it over a
 layer graph exactly as stated: the repeated block split over the
 pipeline's chunks as evenly as it divides (`placement.chunks`), each stage on `tensor` devices,
 nothing searched; the result is a `Placement` with the breakdown the
@@ -21,7 +21,7 @@ from automap._src.cluster.options import PlacementOptions
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.search.request import with_keywords
 
-SCHEDULES = ("1f1b", "interleaved")
+SCHEDULES = ("1f1b", "interleaved", "gpipe")
 # Options of the planners (PlacementOptions, ClusterOptions) a ClusterConfig fixes.
 CONFIG_OWNED = ("recompute", "zero", "widths", "data_parallel", "stages", "virtual_stages",
                 "microbatches")
@@ -39,9 +39,10 @@ class ClusterConfig:
     "dots" (each layer's input and weight-matmul outputs kept, the rest
     rebuilt: JAX's `checkpoint_dots_with_no_batch_dims`); True and False
     stand for "full" and "none".
-  schedule: "1f1b" or "interleaved" (1F1B over `virtual_stages` chunks per
-    stage, Narayanan et al. 2021).
-  virtual_stages: chunks per stage; 1 with "1f1b", at least 2 interleaved.
+  schedule: "1f1b", "interleaved" (1F1B over `virtual_stages` chunks per
+    stage, Narayanan et al. 2021) or "gpipe" (every forward before the
+    backwards: 1F1B's time, every microbatch's activations held).
+  virtual_stages: chunks per stage; at least 2 interleaved, else 1.
   zero: ZeRO stage 0-3 over the data-parallel replicas (1: optimizer state
     sharded, the distributed optimizer; 2: gradients too; 3: parameters too).
   """
@@ -68,12 +69,11 @@ class ClusterConfig:
           f"{self.recompute!r}.")
     if self.schedule not in SCHEDULES:
       raise PlacementError(
-          f"ClusterConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}; "
-          "GPipe is 1F1B's time with more memory: price it as '1f1b'.")
-    if self.schedule == "1f1b" and self.virtual_stages != 1:
+          f"ClusterConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}.")
+    if self.schedule != "interleaved" and self.virtual_stages != 1:
       raise PlacementError(
           f"ClusterConfig.virtual_stages={self.virtual_stages} needs schedule='interleaved'; "
-          "plain 1F1B has one chunk per stage.")
+          f"{self.schedule!r} runs one chunk per stage.")
     if self.schedule == "interleaved" and (self.virtual_stages < 2 or self.pipeline < 2):
       raise PlacementError(
           "ClusterConfig.schedule='interleaved' needs virtual_stages >= 2 and pipeline >= 2, "
@@ -161,7 +161,7 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
         "chunks (or an edge skips a chunk); choose fewer stages or chunks.")
   plan = placement_lib.uniform(costs, masks, data_parallel=config.data, stages=config.pipeline,
                                virtual=config.virtual_stages, width=config.tensor,
-                               zero=config.zero, fits=False)
+                               zero=config.zero, fits=False, schedule=config.schedule)
   if plan is None or not math.isfinite(plan.time):
     raise PlacementError(f"ClusterConfig {config} could not be priced over this layer graph.")
   return plan

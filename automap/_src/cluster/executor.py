@@ -97,7 +97,7 @@ class PipelineStep:
     self.plan, self.optimizer = plan, optimizer
     self.S, self.v, self.d = len(p.stages), p.virtual_stages, p.data_parallel
     self.M, self.zero = p.microbatches, p.zero
-    self.schedule = schedule or ("1f1b" if self.v == 1 else "interleaved")
+    self.schedule = schedule or p.schedule
     if self.schedule == "gpipe" and self.v != 1:
       raise PlacementError(
           f"schedule: 'gpipe' runs one chunk per stage; this plan has {self.v} (interleaved).")

@@ -260,12 +260,21 @@ class Placement:
   devices: int                # devices the plan uses (<= the cluster's)
   time: float                 # seconds per batch
   virtual_stages: int = 1     # interleaved 1F1B: chunks per stage (1: plain 1F1B)
+  # "gpipe", "1f1b" or "interleaved" (None: 1f1b, interleaved where virtual_stages > 1)
+  schedule: str | None = None
 
   def __post_init__(self):
     if isinstance(self.virtual_stages, bool) or not isinstance(self.virtual_stages, int) or (
         self.virtual_stages < 1):
       raise PlacementError(
           f"Placement.virtual_stages must be a positive int, got {self.virtual_stages!r}.")
+    if self.schedule is None:
+      object.__setattr__(self, "schedule", "1f1b" if self.virtual_stages == 1 else "interleaved")
+    if (self.schedule == "interleaved") != (self.virtual_stages > 1) or self.schedule not in (
+        "gpipe", "1f1b", "interleaved"):
+      raise PlacementError(
+          f"Placement.schedule={self.schedule!r} with virtual_stages={self.virtual_stages}: "
+          "expected 'interleaved' with several chunks per stage, else 'gpipe' or '1f1b'.")
 
   @property
   def bubble(self) -> float:
@@ -310,7 +319,7 @@ class Placement:
   def to_json(self) -> dict:
     return {"data_parallel": self.data_parallel, "microbatches": self.microbatches,
             "zero": self.zero, "devices": self.devices, "time": self.time,
-            "virtual_stages": self.virtual_stages,
+            "virtual_stages": self.virtual_stages, "schedule": self.schedule,
             "stages": [dataclasses.asdict(s) | {"layers": list(s.layers)} for s in self.stages]}
 
   @classmethod
@@ -318,7 +327,7 @@ class Placement:
     stages = tuple(Stage(**(dict(s) | {"layers": tuple(s["layers"])})) for s in data["stages"])
     return cls(int(data["data_parallel"]), int(data["microbatches"]), int(data["zero"]),
                stages, int(data["devices"]), float(data["time"]),
-               int(data.get("virtual_stages", 1)))
+               int(data.get("virtual_stages", 1)), data.get("schedule"))
 
 
 __all__ = ["RECOMPUTE_MODES", "JsonFile", "Layer", "LayerCost", "LayerGraph", "Placement",

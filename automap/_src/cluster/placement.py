@@ -345,15 +345,19 @@ def chunks(costs: StageCosts, count: int) -> list[int] | None:
   return masks
 
 
-def in_flight(stage: int, stages: int, virtual: int, microbatches: int) -> float:
+def in_flight(stage: int, stages: int, virtual: int, microbatches: int,
+              schedule: str = "1f1b") -> float:
   """Microbatches whose activations stage `stage` (0-based) holds at its
-  peak under 1F1B, as a share of the stage's layers: min(S - i, m) plainly;
+  peak, as a share of the stage's layers: under GPipe every microbatch (all
+  forwards before the backwards); under 1F1B min(S - i, m) plainly;
   interleaved, Megatron-LM's warm-up of (S - i - 1) * 2 + (v - 1) * S
   chunk-microbatches plus the one in its backward, each 1/v of the stage;
   every forward first where there are as many microbatches as stages
   (Megatron-LM's `forward_backward_pipelining_with_interleaving`: all
   warm-up when num_microbatches == pipeline_parallel_size). The orders are
   `pipeline_schedule.orders`."""
+  if schedule == "gpipe":
+    return float(microbatches)
   if virtual == 1:
     return float(min(stages - stage, microbatches))
   if microbatches == stages:
@@ -363,12 +367,15 @@ def in_flight(stage: int, stages: int, virtual: int, microbatches: int) -> float
 
 
 def uniform(costs: StageCosts, masks: list[int], *, data_parallel: int, stages: int,
-            virtual: int, width: int, zero: int, fits: bool = True) -> Placement | None:
+            virtual: int, width: int, zero: int, fits: bool = True,
+            schedule: str | None = None) -> Placement | None:
   """The placement running chunk c of `masks` (S * v of them, in order) on
   stage c mod S, each stage on `width` devices, replicated `data_parallel`
   ways; per stage the fastest allowed recompute mode that fits in memory
   (with `fits` False: the fastest, fitting or not). None where no mode of
-  some stage fits or a stage's layers lack the width."""
+  some stage fits or a stage's layers lack the width. schedule: "gpipe",
+  "1f1b" or "interleaved" (None: 1F1B, interleaved where v > 1); GPipe takes
+  1F1B's time and holds every microbatch."""
   o = costs.problem
   d, S, v, t = data_parallel, stages, virtual, width
   m = o.microbatches // d
@@ -380,7 +387,7 @@ def uniform(costs: StageCosts, masks: list[int], *, data_parallel: int, stages: 
       members |= masks[s + k * S]
     if t not in costs.widths(members):
       return None
-    held = in_flight(s, S, v, m)
+    held = in_flight(s, S, v, m, schedule or "1f1b")
     options = []
     for mode in o.recompute:
       memory = costs.memory(members, t, mode, held, d, zero)
@@ -396,7 +403,7 @@ def uniform(costs: StageCosts, masks: list[int], *, data_parallel: int, stages: 
   total = (m + (S - 1) / v) * t_max + max(c[4] for c in chosen)
   built = tuple(costs.stage(members, t, mode, s * t, held, d, per_pipeline, zero)
                 for s, (members, mode, held, _, _) in enumerate(chosen))
-  return Placement(d, m, zero, built, per_pipeline * d, total, v)
+  return Placement(d, m, zero, built, per_pipeline * d, total, v, schedule)
 
 
 def _search_interleaved(costs: StageCosts, data_parallel: int | None, bound: float,
