@@ -70,10 +70,12 @@ def test_outside_train_step_runs_first_try_and_prices_the_experts_as_compiled(bu
 
 
 def test_dots_policy_keeps_what_jax_saves_of_huggingface_gpt2():
-  """HuggingFace's Flax GPT-2, traced whole (one layer): the bytes the "dots"
-  recompute mode keeps are the dot_general outputs JAX saves as residuals
-  of the same loss under the dots-with-no-batch-dims policy (q/k/v fused,
-  both projections and both MLP matmuls of each block, and the tied head)."""
+  """HuggingFace's Flax GPT-2 (two blocks, named transformer/h/<i>): the
+  bytes the "dots" recompute mode keeps are the dot_general outputs JAX
+  saves as residuals of the same loss under the dots-with-no-batch-dims
+  policy. Each block keeps q/k/v fused, the attention projection and the
+  MLP's first matmul; its last matmul's output joins the residual stream,
+  which the next layer keeps as its input; the head keeps the tied logits."""
   from transformers import FlaxGPT2LMHeadModel, GPT2Config
   tokens = jnp.zeros((2, 32), jnp.int32)
   with jax.numpy_rank_promotion("allow"):  # library code broadcasts freely
@@ -89,7 +91,13 @@ def test_dots_policy_keeps_what_jax_saves_of_huggingface_gpt2():
                                  hardware=automap.HARDWARE["cpu"],
                                  search=layers_lib.sharding_search(None))
   assert len(saved) == 9
-  assert sum(layer.widths[1].dots for layer in profile.at(2).layers) == sum(saved)
+  dots = {layer.name: layer.widths[1].dots for layer in profile.at(2).layers}
+  f32 = 4
+  per_block = 2 * 32 * (3 * 64 + 64 + 256) * f32
+  assert [dots[f"transformer/h/{i}"] for i in range(2)] == [per_block] * 2
+  assert dots["lm_head"] == 2 * 32 * 128 * f32
+  mlp_out = 2 * 32 * 64 * f32
+  assert sum(dots.values()) + 2 * mlp_out == sum(saved)
 
 
 def test_equinox_runtime_checks_and_markers_are_priced_as_what_they_compute():

@@ -76,6 +76,40 @@ def encoder_decoder_loss():
   return loss, params, (src, tgt)
 
 
+def hf_gpt2_loss():
+  """HuggingFace's Flax GPT-2 as its users call it: blocks under
+  transformer/h/<i>, the head tied to the token embedding."""
+  transformers = pytest.importorskip("transformers")
+  config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=4, n_head=2, n_positions=8)
+  model = transformers.FlaxGPT2LMHeadModel(config, seed=0)
+  tokens = jax.random.randint(jax.random.key(1), (BATCH, 9), 0, 64)
+
+  def loss(params, inputs, labels):
+    logits = model(inputs, params=params, train=False).logits
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  return loss, model.params, (tokens[:, :-1], tokens[:, 1:])
+
+
+def hf_bart_loss():
+  """HuggingFace's Flax BART: encoder and decoder stacks under
+  model/encoder/layers and model/decoder/layers."""
+  transformers = pytest.importorskip("transformers")
+  config = transformers.BartConfig(
+      vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+      decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+      max_position_embeddings=16)
+  model = transformers.FlaxBartForConditionalGeneration(config, seed=0)
+  src = jax.random.randint(jax.random.key(1), (BATCH, 8), 0, 64)
+  tgt = jax.random.randint(jax.random.key(2), (BATCH, 9), 0, 64)
+
+  def loss(params, src, tgt):
+    logits = model(src, decoder_input_ids=tgt[:, :-1], params=params, train=False).logits
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tgt[:, 1:]).mean()
+
+  return loss, model.params, (src, tgt)
+
+
 def reference(loss, params, batch, steps):
   """Losses and parameters of the unpipelined jitted step."""
 
@@ -116,6 +150,27 @@ def test_tied_gpt_over_stages_tensor_and_data_matches_the_jitted_step():
   # What ran is the order priced, slot for slot.
   assert step.executed == step.timetable.in_order()
   assert step.timetable.schedule == "1f1b" and plan.schedule() == ("1f1b", 2, 4, 1)
+
+
+def test_huggingface_gpt2_runs_as_planned_without_rewriting_the_model():
+  with jax.numpy_rank_promotion("allow"):  # library code broadcasts freely
+    plan, step = run_plan(hf_gpt2_loss, tensor=2, pipeline=2, data=2, microbatch=2, zero=1)
+  layers = [name for s in plan.placement.stages for name in s.layers]
+  # Named as the model nests them; the repeated block split between stages.
+  assert [n for n in layers if n.startswith("transformer/h/")] == [
+      f"transformer/h/{i}" for i in range(4)]
+  assert plan.placement.stages[0].layers[:2] == ("transformer/wte", "transformer/wpe")
+  assert plan.placement.stages[1].layers[-1] == "lm_head"
+  assert step.executed == step.timetable.in_order()
+
+
+@pytest.mark.slow
+def test_huggingface_bart_runs_as_planned_without_rewriting_the_model():
+  with jax.numpy_rank_promotion("allow"):
+    plan, step = run_plan(hf_bart_loss, pipeline=2, data=2, microbatch=2, zero=3)
+  layers = {name for s in plan.placement.stages for name in s.layers}
+  assert {f"model/{part}/layers/{i}" for part in ("encoder", "decoder")
+          for i in range(2)} <= layers
 
 
 @pytest.mark.slow

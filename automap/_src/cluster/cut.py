@@ -32,7 +32,7 @@ import jax
 from jax.extend import core as jex
 
 from automap._src.cluster.layer_graph import Placement, PlacementError
-from automap._src.ir.naming import layer_of, layer_runs
+from automap._src.ir.naming import containers, layer_of, layer_runs
 from automap._src.ir.walk import INLINE
 
 
@@ -223,22 +223,24 @@ def _join(scope: str, inner: str) -> str:
   return f"{scope}/{inner}" if scope and inner else scope or inner
 
 
-def _primitive_labels(eqn, scope: str) -> list[str]:
-  """The layer label of each primitive in the equation, nested ones opened."""
+def _primitive_scopes(eqn, scope: str) -> list[str]:
+  """The name scope of each primitive in the equation, nested ones opened."""
   subs = list(jex.jaxprs_in_params(eqn.params))
   if not subs or eqn.primitive.name in ("pure_callback", "io_callback"):
-    return [layer_of(scope)]
-  labels = []
+    return [scope]
+  scopes = []
   for sub in subs:
     for inner in sub.eqns:
-      labels += _primitive_labels(inner, _join(scope, str(inner.source_info.name_stack)))
-  return labels or [layer_of(scope)]
+      scopes += _primitive_scopes(inner, _join(scope, str(inner.source_info.name_stack)))
+  return scopes or [scope]
 
 
 def layer_names(ops: Sequence[Op]) -> tuple[list[str], list[set[str]]]:
   """(layers in program order, per op the layers of its primitives), named
-  as `layers.LayerCut` names them (`naming.layer_runs`)."""
-  per_op = [_primitive_labels(op.eqn, op.scope) for op in ops]
+  as `layers.LayerCut` names them (`naming.containers`, `naming.layer_runs`)."""
+  scopes = [_primitive_scopes(op.eqn, op.scope) for op in ops]
+  held = containers([s for per in scopes for s in per])
+  per_op = [[layer_of(s, containers=held) for s in per] for per in scopes]
   names, index = layer_runs([label for labels in per_op for label in labels])
   of_op, k = [], 0
   for labels in per_op:

@@ -65,7 +65,6 @@ from automap._src.cluster.layer_graph import PlacementError
 from automap._src.ir.trace import path_str
 
 DATA = stage_layouts.DATA
-TENSOR = stage_layouts.TENSOR
 _ATTENTION = "automap.attention_scores"  # what selective recompute drops
 
 
@@ -431,15 +430,6 @@ class PipelineStep:
   def _arrival(self, s: int, shape: tuple) -> NamedSharding:
     return stage_layouts.arrival(self.meshes[s], shape, self.split_batch[s])
 
-  def _batch_layout(self, s: int) -> NamedSharding:
-    """A microbatch's rows: over "data", and over "tensor" too where the
-    stage's plan splits the batch inside the tensor group."""
-    mesh = self.meshes[s]
-    rows = self.plan.microbatch * self.d
-    if self.split_batch[s] and rows % (self.d * mesh.shape[TENSOR]) == 0:
-      return NamedSharding(mesh, P((DATA, TENSOR)))
-    return NamedSharding(mesh, P(DATA))
-
   def _send_avals(self, c: int):
     return self._avals_of(self.cut.chunks[c].sends)
 
@@ -506,7 +496,7 @@ class PipelineStep:
       chunk = chunks[c]
       s = chunk.stage
       mesh = self.meshes[s]
-      data = self._batch_layout(s)
+      data = stage_layouts.rows(mesh, self.plan.microbatch * self.d, self.split_batch[s])
       params = [state.params[s][i] for i in chunk.params]
       if work.phase == "forward":
         batch_in = [stage_layouts.place(micro[m][i], data) for i in chunk.batch]

@@ -33,7 +33,7 @@ from automap._src.cost.hardware import Hardware
 from automap._src.cost.program import Program
 from automap._src.ir import trace as trace_lib
 from automap._src.ir.factor_rule import UNSHARDABLE
-from automap._src.ir.naming import UNSCOPED, is_backward, layer_of, layer_runs
+from automap._src.ir.naming import UNSCOPED, containers, is_backward, layer_of, layer_runs
 from automap._src.plan import build, report
 from automap._src.search import driver
 from automap._src.search.request import SearchOptions
@@ -80,12 +80,14 @@ class Profile:
 
 
 def _labels(graph, forward: np.ndarray) -> list[str | None]:
-  """Per op, its layer label (first scope component), forward-filled over
-  unscoped ops within the forward and within the backward pass."""
+  """Per op, its layer label (first scope component, or the one below the
+  scopes that hold repeated layers: `naming.containers`), forward-filled
+  over unscoped ops within the forward and within the backward pass."""
   labels: list[str | None] = [None] * graph.num_ops
   last = {True: None, False: None}
+  held = containers(graph.scopes)
   for o, scope in enumerate(graph.scopes):
-    label = layer_of(scope)
+    label = layer_of(scope, containers=held)
     if label == UNSCOPED:
       label = last[bool(forward[o])]
     labels[o] = label

@@ -165,6 +165,14 @@ def arrival(mesh: Mesh, shape: tuple, split_batch: bool = False) -> NamedShardin
   return NamedSharding(mesh, P(*spec))
 
 
+def rows(mesh: Mesh, count: int, split_batch: bool) -> NamedSharding:
+  """A microbatch's `count` rows on a stage: over "data", and over "tensor"
+  too where the stage's plan splits the batch inside the tensor group."""
+  if split_batch and count % mesh.devices.size == 0:
+    return NamedSharding(mesh, P((DATA, TENSOR)))
+  return NamedSharding(mesh, P(DATA))
+
+
 def splits_batch(specs: dict[str, str], batch_paths: list[str]) -> bool:
   """Whether a width's searched plan lays the batch out over the tensor
   group (every batch leaf's leading dim split): the stage's activations then
@@ -252,5 +260,5 @@ def sum_on(parts: list, sharding: NamedSharding, aval):
 
 
 __all__ = ["DATA", "TENSOR", "arrival", "check_elementwise", "copy", "cotangent",
-           "device_bytes", "inexact", "meshes", "param_like_subtrees", "place", "splits_batch",
-           "sum_on", "tensor_spec"]
+           "device_bytes", "inexact", "meshes", "param_like_subtrees", "place", "rows",
+           "splits_batch", "sum_on", "tensor_spec"]
