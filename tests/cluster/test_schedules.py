@@ -415,3 +415,23 @@ def test_stated_fields_and_impossible_interleaving_are_refused_by_name():
   with pytest.raises(TypeError, match="got recompute=, which the ClusterConfig states"):
     cluster.price_cluster(loss, params, *batch, config=cluster.ClusterConfig(),
                           global_batch=4, hardware="a100", recompute="full")
+
+
+def test_a_tied_embedding_is_held_once_by_the_stage_that_reads_it_twice():
+  """The token lookup and the tied output head read one embedding: the
+  profile records it as shared, and a stage holding both holds it once."""
+  loss, params, batch = gpt_step()
+  profile = layers_lib.measure(loss, params, batch, widths=[1], hardware=automap.HARDWARE["cpu"],
+                               search=layers_lib.sharding_search(None))
+  graph = profile.at(4)
+  (tied,) = graph.shared
+  embedding = params["embed"]["embedding"]
+  assert tied.params[1] == embedding.size * embedding.dtype.itemsize
+  assert tied.layers[0] == "embed" and len(tied.layers) == 2
+  whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  one = cluster.price_placement(graph, cluster.ClusterConfig(), global_batch=4, hardware="cpu")
+  assert one.stages[0].param_bytes == whole
+  # Split where the head sits on the last stage: each stage holds a copy.
+  two = cluster.price_placement(graph, cluster.ClusterConfig(pipeline=2), global_batch=4,
+                                hardware="cpu")
+  assert sum(s.param_bytes for s in two.stages) == whole + tied.params[1]

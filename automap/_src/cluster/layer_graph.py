@@ -125,16 +125,31 @@ class Layer:
 
 
 @dataclasses.dataclass(frozen=True)
+class Shared:
+  """Parameters several layers read (a tied embedding: the token lookup and
+  the output head). Each layer's `params` counts them; a stage holding k of
+  the layers holds them once, k - 1 times fewer.
+
+  layers: the layers reading them; params: width -> bytes per device.
+  """
+
+  layers: tuple[str, ...]
+  params: Mapping[int, float]
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerGraph:
   """Layers in any order and edges (src, dst, bytes per microbatch) between them.
 
   An edge's bytes cross between stages forward (activations) and backward
   (their gradients) when its ends sit in different stages; they are also what a
-  recomputing stage keeps per in-flight microbatch.
+  recomputing stage keeps per in-flight microbatch. `shared`: parameters
+  several layers read.
   """
 
   layers: tuple[Layer, ...]
   edges: tuple[tuple[str, str, float], ...] = ()
+  shared: tuple[Shared, ...] = ()
 
   @classmethod
   def chain(cls, layers: Sequence[Layer], edge_bytes: float | Sequence[float] = 0.0) -> LayerGraph:
@@ -167,7 +182,7 @@ class LayerGraph:
     edges = [(s, d if d != name else copies[0], b) if s != name else (copies[-1], d, b)
              for s, d, b in self.edges]
     edges += [(a, b, handed) for a, b in zip(copies, copies[1:])]
-    return LayerGraph(layers, tuple(edges))
+    return LayerGraph(layers, tuple(edges), self.shared)
 
   def __post_init__(self):
     if not self.layers:
@@ -183,7 +198,19 @@ class LayerGraph:
             f"known layers; layers are {names}.")
       if not isinstance(edge[2], (int, float)) or not edge[2] >= 0:
         raise PlacementError(f"LayerGraph edge {edge!r}: bytes must be a number >= 0.")
+    for group in self.shared:
+      if len(set(group.layers)) < 2 or any(n not in names for n in group.layers):
+        raise PlacementError(
+            f"LayerGraph shared parameters {group.layers!r} must name two or more known "
+            f"layers; layers are {names}.")
     self.order()  # rejects cycles
+
+  def least_params(self) -> float:
+    """Parameter bytes over all devices, each layer at its cheapest width
+    (t x bytes per device), shared parameters once: a floor on any plan's."""
+    total = sum(min(t * c.params for t, c in layer.widths.items()) for layer in self.layers)
+    return total - sum((len(g.layers) - 1) * max((t * b for t, b in g.params.items()), default=0.0)
+                       for g in self.shared)
 
   def order(self) -> list[int]:
     """Layer indices in a topological order (Kahn, stable in the given order)."""
@@ -331,4 +358,4 @@ class Placement:
 
 
 __all__ = ["RECOMPUTE_MODES", "JsonFile", "Layer", "LayerCost", "LayerGraph", "Placement",
-           "PlacementError", "Stage"]
+           "PlacementError", "Shared", "Stage"]

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from automap._src.cluster.layer_graph import Layer, LayerCost, LayerGraph, PlacementError
+from automap._src.cluster.layer_graph import Layer, LayerCost, LayerGraph, PlacementError, Shared
 from automap._src.cost.hardware import Hardware
 from automap._src.cost.program import Program
 from automap._src.ir import trace as trace_lib
@@ -76,7 +76,10 @@ class Profile:
             selective_forward=c.selective_forward * s,
             dots=None if c.dots is None else c.dots * s, dots_forward=c.dots_forward * s)
       layers.append(Layer(layer.name, widths))
-    return LayerGraph(tuple(layers), tuple((a, b, n * s) for a, b, n in some.edges))
+    shared = tuple(Shared(group.layers, {t: graph.shared[k].params[t]
+                                         for t, graph in per_width.items()})
+                   for k, group in enumerate(some.shared))
+    return LayerGraph(tuple(layers), tuple((a, b, n * s) for a, b, n in some.edges), shared)
 
 
 def _labels(graph, forward: np.ndarray) -> list[str | None]:
@@ -329,12 +332,15 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
     dots = np.zeros(len(names))
     dots_forward = np.bincount(segment[rerun], seconds[rerun], len(names))
     edges: dict[tuple[int, int], float] = defaultdict(float)
+    shared: dict[tuple[int, ...], float] = defaultdict(float)
     for v in range(g.num_values):
       readers = {segment[o] for o, _ in g.uses[v] if forward[o]}
       if v in params:
         for r in readers:
           param_bytes[r] += model.local_bytes(state, v)
           largest[r] = max(largest[r], model.local_bytes(state, v))
+        if len(readers) > 1:
+          shared[tuple(sorted(readers))] += model.local_bytes(state, v)
         continue
       p = g.producer[v]
       if p < 0 or not forward[p]:
@@ -354,7 +360,9 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
         comm_bytes[i])))})
                    for i, n in enumerate(names))
     graphs[t] = LayerGraph(layers, tuple((names[a], names[b], nbytes)
-                                         for (a, b), nbytes in sorted(edges.items())))
+                                         for (a, b), nbytes in sorted(edges.items())),
+                           tuple(Shared(tuple(names[i] for i in group), {t: float(nbytes)})
+                                 for group, nbytes in sorted(shared.items())))
   return graphs
 
 

@@ -166,7 +166,7 @@ class PassTimes:
           for i, c in enumerate(layer.widths[t] for layer in graph.layers)]
     layers = tuple(Layer(layer.name, {t: per_width[t][i] for t in widths})
                    for i, layer in enumerate(base.layers))
-    graph = LayerGraph(layers, base.edges)
+    graph = LayerGraph(layers, base.edges, base.shared)
     for name, times in profiled.workload.repeat.items():
       graph = graph.repeat(name, times)
     return graph

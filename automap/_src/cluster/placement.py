@@ -223,8 +223,7 @@ def place_any(candidates: Sequence[tuple[LayerGraph, int]], *, devices: int,
         f"plain schedule stand where interleaving cannot.")
   if best is None:
     graph = candidates[0][0]
-    need = sum(min(c.params * t for t, c in layer.widths.items()) for layer in graph.layers)
-    need /= devices
+    need = graph.least_params() / devices
     raise PlacementError(
         f"no placement of the {len(graph.layers)} layers on {devices} devices"
         f"{'' if data_parallel is None else f' with data_parallel={data_parallel}'}"

@@ -168,6 +168,9 @@ class StageCosts:
     for s, d, b in self.edges:
       self._ins[d].append((s, b))
       self._outs[s].append((d, b))
+    # Parameters several layers read: (mask of the layers, width -> bytes).
+    self.shared = [(sum(1 << self.index[n] for n in group.layers), group.params)
+                   for group in graph.shared]
     self._signatures: dict[int, tuple] = {}
     self._totals: dict[tuple, tuple[float, ...]] = {}
     self._choices: dict[tuple, tuple[float, list]] = {}
@@ -244,7 +247,7 @@ class StageCosts:
     # Each stage keeps a microbatch in flight at least, on P devices' memory.
     work, longest = self.packed_work(everything, 1, d, zero, per_pipeline), self.longest(everything)
     fastest = self.fastest(everything)
-    param_work = sum(min(t * c.params for t, c in layer.widths.items()) for layer in layers)
+    param_work = self.graph.least_params()
     # A replica's stage and its copies span (d - 1) * P + 1 devices at least:
     # more than a node, and the sync crosses nodes.
     bandwidth = max(o.hw.link_bandwidth, o.hw.network_bandwidth)
@@ -364,12 +367,15 @@ class StageCosts:
     sig = self.signature(members)
     key = (sig, t)
     if key not in self._totals:
-      kinds, b_in, b_out = sig
+      kinds, b_in, b_out, overlaps = sig
       costs = [(n, self.example[kind].widths[t], self.inputs[kind] / t) for kind, n in kinds]
       total = lambda f: sum(n * f(c) for n, c, _ in costs)  # noqa: E731
+      # A parameter several of the stage's layers read is held once.
+      held_twice = sum((k - 1) * self.shared[g][1].get(t, 0.0) for g, k in overlaps)
       self._totals[key] = Totals(
           forward=total(lambda c: c.forward), backward=total(lambda c: c.backward),
-          params=total(lambda c: c.params), activations=total(lambda c: c.activations),
+          params=total(lambda c: c.params) - held_twice,
+          activations=total(lambda c: c.activations),
           collectives=total(lambda c: c.collectives), flops=total(lambda c: c.flops),
           comm_bytes=total(lambda c: c.comm_bytes),
           largest_param=max(c.largest_param or c.params for _, c, _ in costs),
@@ -387,8 +393,9 @@ class StageCosts:
 
   def signature(self, members: int) -> tuple:
     """What a stage's costs depend on: how many layers of each kind it
-    holds, and the bytes per microbatch on edges into and out of it. Stages
-    of a repeated block that hold as many blocks share their costs."""
+    holds, the bytes per microbatch on edges into and out of it, and how
+    many readers of each shared parameter it holds (where two or more).
+    Stages of a repeated block that hold as many blocks share their costs."""
     sig = self._signatures.get(members)
     if sig is None:
       counts: dict[int, int] = {}
@@ -397,7 +404,9 @@ class StageCosts:
         counts[self.kind[i]] = counts.get(self.kind[i], 0) + 1
         into += sum(b for s, b in self._ins[i] if not members >> s & 1)
         out += sum(b for d, b in self._outs[i] if not members >> d & 1)
-      sig = self._signatures[members] = (tuple(sorted(counts.items())), into, out)
+      overlaps = tuple((g, k) for g, (mask, _) in enumerate(self.shared)
+                       if (k := (members & mask).bit_count()) > 1)
+      sig = self._signatures[members] = (tuple(sorted(counts.items())), into, out, overlaps)
     return sig
 
   def state_bytes(self, params: float, d: int, zero: int) -> float:
