@@ -435,3 +435,4 @@ def test_a_tied_embedding_is_held_once_by_the_stage_that_reads_it_twice():
   two = cluster.price_placement(graph, cluster.ClusterConfig(pipeline=2), global_batch=4,
                                 hardware="cpu")
   assert sum(s.param_bytes for s in two.stages) == whole + tied.params[1]
+

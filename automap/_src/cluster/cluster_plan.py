@@ -149,7 +149,9 @@ class ClusterPlan(JsonFile):
         f"automap cluster plan: {self.devices} devices ({self.hardware}), global batch "
         f"{self.global_batch}",
         f"  {p.data_parallel} data-parallel x {len(p.stages)} pipeline stage(s) ({schedule}), "
-        f"microbatch {self.microbatch} ({p.microbatches} per replica), ZeRO {p.zero}, "
+        f"microbatch {self.microbatch} ({p.microbatches} per replica), ZeRO {p.zero}"
+        + ("" if p.shard_group is None else
+           f" within groups of {p.shard_group} replicas (hybrid)") + ", "
         f"{p.devices} devices used",
         f"  time per batch {_format_seconds(p.time)}, throughput {self.throughput:,.1f} samples/s,"
         f" {self.achieved_flops / 1e12:,.1f} TFLOP/s per device{mfu}",

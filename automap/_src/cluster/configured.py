@@ -45,6 +45,11 @@ class ClusterConfig:
   virtual_stages: chunks per stage; at least 2 interleaved, else 1.
   zero: ZeRO stage 0-3 over the data-parallel replicas (1: optimizer state
     sharded, the distributed optimizer; 2: gradients too; 3: parameters too).
+  shard_group: hybrid sharding (HSDP; MaxText's FSDP within a slice and data
+    parallelism across slices): ZeRO shards over groups of this many
+    consecutive replicas (a slice's or node's), and the groups are plain
+    data-parallel replicas of each other, their shards' gradients
+    all-reduced across groups once per batch. None: over all `data`.
   """
 
   tensor: int = 1
@@ -55,6 +60,7 @@ class ClusterConfig:
   schedule: str = "1f1b"
   virtual_stages: int = 1
   zero: int = 0
+  shard_group: int | None = None
 
   def __post_init__(self):
     for name in ("tensor", "pipeline", "data", "microbatch", "virtual_stages"):
@@ -81,6 +87,16 @@ class ClusterConfig:
           "schedule='1f1b' for one chunk per stage.")
     if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
       raise PlacementError(f"ClusterConfig.zero must be a ZeRO stage 0-3, got {self.zero!r}.")
+    g = self.shard_group
+    if g is not None:
+      if isinstance(g, bool) or not isinstance(g, int) or g < 1 or self.data % g:
+        raise PlacementError(
+            f"ClusterConfig.shard_group must be a positive int dividing data={self.data} "
+            f"(replicas per ZeRO shard group), got {g!r}.")
+      if g < self.data and not self.zero:
+        raise PlacementError(
+            f"ClusterConfig.shard_group={g} shards ZeRO's state within groups, but zero=0 "
+            "shards nothing; set zero=1, 2 or 3 (3: FSDP within the group).")
 
   @property
   def devices(self) -> int:
@@ -146,6 +162,8 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
       base, recompute=config.recompute, zero=config.zero, widths=(config.tensor,),
       data_parallel=config.data, stages=config.pipeline, virtual_stages=config.virtual_stages)
   problem = stage_costs.problem(devices, config.microbatches(global_batch), hw, options)
+  if config.shard_group is not None and config.shard_group < config.data:
+    problem = dataclasses.replace(problem, shard_group=config.shard_group)
   costs = stage_costs.StageCosts(graph, problem)
   missing = [layer for layer in graph.layers if config.tensor not in layer.widths]
   if missing:

@@ -289,6 +289,7 @@ class Placement:
   virtual_stages: int = 1     # interleaved 1F1B: chunks per stage (1: plain 1F1B)
   # "gpipe", "1f1b" or "interleaved" (None: 1f1b, interleaved where virtual_stages > 1)
   schedule: str | None = None
+  shard_group: int | None = None  # hybrid sharding: ZeRO within groups of this many replicas
 
   def __post_init__(self):
     if isinstance(self.virtual_stages, bool) or not isinstance(self.virtual_stages, int) or (
@@ -347,6 +348,7 @@ class Placement:
     return {"data_parallel": self.data_parallel, "microbatches": self.microbatches,
             "zero": self.zero, "devices": self.devices, "time": self.time,
             "virtual_stages": self.virtual_stages, "schedule": self.schedule,
+            "shard_group": self.shard_group,
             "stages": [dataclasses.asdict(s) | {"layers": list(s.layers)} for s in self.stages]}
 
   @classmethod
@@ -354,7 +356,8 @@ class Placement:
     stages = tuple(Stage(**(dict(s) | {"layers": tuple(s["layers"])})) for s in data["stages"])
     return cls(int(data["data_parallel"]), int(data["microbatches"]), int(data["zero"]),
                stages, int(data["devices"]), float(data["time"]),
-               int(data.get("virtual_stages", 1)), data.get("schedule"))
+               int(data.get("virtual_stages", 1)), data.get("schedule"),
+               data.get("shard_group"))
 
 
 __all__ = ["RECOMPUTE_MODES", "JsonFile", "Layer", "LayerCost", "LayerGraph", "Placement",

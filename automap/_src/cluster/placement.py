@@ -402,7 +402,7 @@ def uniform(costs: StageCosts, masks: list[int], *, data_parallel: int, stages: 
   total = (m + (S - 1) / v) * t_max + max(c[4] for c in chosen)
   built = tuple(costs.stage(members, t, mode, s * t, held, d, per_pipeline, zero)
                 for s, (members, mode, held, _, _) in enumerate(chosen))
-  return Placement(d, m, zero, built, per_pipeline * d, total, v, schedule)
+  return Placement(d, m, zero, built, per_pipeline * d, total, v, schedule, o.shard_group)
 
 
 def _search_interleaved(costs: StageCosts, data_parallel: int | None, bound: float,

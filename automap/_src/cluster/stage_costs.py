@@ -45,6 +45,13 @@ class Problem:
   virtual_stages: int | None = 1  # None: interleaving searched where legal
   overlap_tensor: bool = False  # tensor-parallel collectives beside the matmuls
   recompute_stated: bool = True  # `recompute` as the options name it (else every mode)
+  # Hybrid sharding: ZeRO over groups of this many consecutive replicas,
+  # plain data parallelism across the groups (None: over every replica).
+  shard_group: int | None = None
+
+  def sharded_over(self, d: int) -> int:
+    """Replicas a ZeRO stage shards over when there are d of them."""
+    return d if self.shard_group is None else min(self.shard_group, d)
 
 
 class Totals(NamedTuple):
@@ -255,10 +262,11 @@ class StageCosts:
       bandwidth = o.hw.network_bandwidth
     # The bandwidth term of `collectives.ring_seconds` for the step's sync
     # (all-reduce, or reduce-scatter under ZeRO 2), latency left out: a bound.
-    ring = {0: 2.0, 1: 2.0, 2: 1.0, 3: 0.0}[zero] * (d - 1) / d
+    g = o.sharded_over(d)
+    ring = {0: 2.0, 1: 2.0, 2: 1.0, 3: 0.0}[zero] * (d - 1) / d if g == d else 0.0
     # ZeRO 2 reduce-scatters gradients every microbatch, ZeRO 3 also gathers
     # parameters twice: device-seconds on top of the compute.
-    per_microbatch = {0: 0.0, 1: 0.0, 2: 1.0, 3: 3.0}[zero] * (d - 1) / d
+    per_microbatch = {0: 0.0, 1: 0.0, 2: 1.0, 3: 3.0}[zero] * (g - 1) / g
     if o.overlap:  # at least one piece of each stays exposed (`exposed`)
       ring, per_microbatch = ring / len(layers), per_microbatch / len(layers)
     floor = max((work + per_microbatch * param_work / bandwidth) / per_pipeline, longest)
@@ -412,7 +420,8 @@ class StageCosts:
   def state_bytes(self, params: float, d: int, zero: int) -> float:
     """Bytes per device of parameters, their gradients and optimizer state,
     each sharded over the d replicas from its ZeRO stage on."""
-    shard = lambda level: d if zero >= level else 1  # noqa: E731
+    g = self.problem.sharded_over(d)
+    shard = lambda level: g if zero >= level else 1  # noqa: E731
     o = self.problem
     return params / shard(3) + o.gradients * params / shard(2) + o.optimizer * params / shard(1)
 
@@ -435,7 +444,7 @@ class StageCosts:
         # One parameter array gathered at a time: DeepSpeed's stage 3 gathers
         # a submodule's parameters before it runs and frees them after, XLA's
         # FSDP all-gathers each weight for the matmul that reads it.
-        fixed += c.largest_param * (1 - 1 / d)
+        fixed += c.largest_param * (1 - 1 / self.problem.sharded_over(d))
       transient = {"none": 0.0, "full": c.largest_activations,
                    "selective": c.largest_selective, "dots": c.largest_dots_rebuilt}[mode]
       self._terms[key] = (fixed + transient,
@@ -479,8 +488,10 @@ class StageCosts:
     if levels is None:
       node = self.problem.hw.devices_per_node
       prev, after = (first - 1) % per_pipeline, (first + t) % per_pipeline
+      g = self.problem.sharded_over(d)
       levels = self._levels[spot] = (
           first // node != ((d - 1) * per_pipeline + first + t - 1) // node,
+          first // node != ((g - 1) * per_pipeline + first + t - 1) // node,
           first // node != prev // node,
           (first + t - 1) // node != after // node)
     key = (self.signature(members), t, mode, d, zero, levels)
@@ -498,7 +509,13 @@ class StageCosts:
     collectives, per batch the data-parallel sync."""
     c = self.totals(members, t)
     ring = self.ring
-    group = (d, first, (d - 1) * per_pipeline + first + t - 1)
+    # ZeRO's collectives run over the g replicas of a shard group; under
+    # hybrid sharding (g < d) the sync then all-reduces each device's shard
+    # across the d / g groups, rank j with rank j (as XLA runs a mesh axis
+    # of replicas across slices beside one of shards within them).
+    g = self.problem.sharded_over(d)
+    group = (g, first, (g - 1) * per_pipeline + first + t - 1)
+    across = (d // g, first, (d - g) * per_pipeline + first + t - 1)
     # Activations in and out, forward, and their gradients back: each crosses
     # once per direction of the pass, not overlapped with compute. Only an
     # interleaved first or last stage sends around the end of the pipeline.
@@ -527,6 +544,8 @@ class StageCosts:
       zero_time += (3 if mode == "full" else 2) * ring.gather(c.params, *group)
     sync = {0: ring.reduce(grads, *group), 1: ring.reduce(grads, *group),
             2: ring.gather(c.params, *group), 3: 0.0}[zero]
+    if zero and g < d:
+      sync += ring.reduce(grads / g, *across)
     if not self.problem.overlap:
       return TimeParts(compute, transfers, zero_time, sync, zero_time, sync, tensor)
     # Gathers run a layer ahead of the compute that reads them, reductions

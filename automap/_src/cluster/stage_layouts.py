@@ -28,6 +28,10 @@ def meshes(plan, devices) -> list[Mesh]:
   """Per stage, its (data, tensor) mesh: replica r's stage s on the devices
   at r * (devices per pipeline) + the stage's first device onwards."""
   p = plan.placement
+  if p.shard_group is not None:
+    raise PlacementError(
+        f"plan: hybrid sharding (ZeRO within groups of {p.shard_group} replicas) is priced "
+        "but not run; run the plan with shard_group=None (ZeRO over every replica).")
   devices = list(jax.devices() if devices is None else devices)
   if isinstance(devices[0] if devices else None, Mesh) or isinstance(devices, Mesh):
     raise PlacementError("devices: expected a sequence of jax devices, got a Mesh.")
