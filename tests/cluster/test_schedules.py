@@ -436,3 +436,28 @@ def test_a_tied_embedding_is_held_once_by_the_stage_that_reads_it_twice():
                                 hardware="cpu")
   assert sum(s.param_bytes for s in two.stages) == whole + tied.params[1]
 
+
+
+def test_pricing_several_splits_of_one_model_searches_each_width_once(monkeypatch):
+  """The per-width sharding search is kept by program, width, hardware and
+  budget: a second split at the same width reuses it (and prices alike)."""
+  searched = []
+  run = layers_lib.driver.run
+  monkeypatch.setattr(layers_lib.driver, "run",
+                      lambda program, request: searched.append(program) or run(program, request))
+  monkeypatch.setattr(layers_lib, "_SEARCHED", type(layers_lib._SEARCHED)())
+  loss, params, batch = gpt_step()
+  budget = automap.Budget(episodes=4)
+  plans = []
+  for split in (dict(tensor=2, data=2), dict(tensor=2, pipeline=2)):
+    plans.append(cluster.price_cluster(loss, params, *batch,
+                                       config=cluster.ClusterConfig(**split), global_batch=4,
+                                       hardware="cpu", budget=budget))
+    if len(plans) == 1:
+      first = len(searched)  # the example's batch, and the microbatch's
+  assert first >= 1 and len(searched) == first
+  assert plans[0].shardings == plans[1].shardings
+  # Another budget is another search.
+  cluster.price_cluster(loss, params, *batch, config=cluster.ClusterConfig(tensor=2, data=2),
+                        global_batch=4, hardware="cpu", budget=automap.Budget(episodes=5))
+  assert len(searched) > first

@@ -22,7 +22,7 @@ walking back from what the backward reads (`policy_rerun`).
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 
 import jax
@@ -240,7 +240,37 @@ def sharding_search(budget, seed: int = 0) -> Callable[[Program], np.ndarray]:
       return program.initial_state()
     return driver.run(program, request).state
 
+  search.key = (budget, seed)  # what `measure`'s cache keys the search by
   return search
+
+
+# Searched programs by (program digest, width, hardware, search): pricing
+# several splits of one model (price_cluster per config, plan_cluster beside
+# it) searches each width once, and alike (a wall-clock budget would not).
+_SEARCHED: OrderedDict[tuple, tuple[Program, np.ndarray]] = OrderedDict()
+_SEARCHED_MAX = 16
+
+
+def _searched(traced, t: int, hardware: Hardware, search, example: np.ndarray | None):
+  """(program, state) of `traced` on a width-t mesh: the search's, or
+  `example` (a state searched at another batch size) where it divides."""
+  key = (traced.fingerprint(), t, hardware, getattr(search, "key", None))
+  try:
+    hash(key)
+  except TypeError:  # an unhashable hardware or search: no cache
+    key = None
+  if key is not None and key[-1] is not None and key in _SEARCHED:
+    _SEARCHED.move_to_end(key)
+    return _SEARCHED[key]
+  program = Program.build(traced, MeshSpec(("model",), (t,)), hardware)
+  if example is not None and _divides_shapes(program, example):
+    return program, example
+  found = (program, search(program))
+  if key is not None and key[-1] is not None:
+    _SEARCHED[key] = found
+    while len(_SEARCHED) > _SEARCHED_MAX:
+      _SEARCHED.popitem(last=False)
+  return found
 
 
 def fused_attention_ops(g, cut: LayerCut, scores: np.ndarray) -> np.ndarray:
@@ -409,11 +439,7 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
           batch)
       traced = trace_lib.trace(grad, (params, *resized))
     for t in widths:
-      program = Program.build(traced, MeshSpec(("model",), (t,)), hardware)
-      if t in searched and _divides_shapes(program, searched[t]):
-        state = searched[t]
-      else:
-        state = search(program)
+      program, state = _searched(traced, t, hardware, search, searched.get(t))
       if size == example:
         searched[t] = state
         plan = build.make_plan(program, state, {})
