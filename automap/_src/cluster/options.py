@@ -179,6 +179,9 @@ class PlacementOptions:
   overlap_tensor: tensor-parallel collectives run beside the matmuls they
     feed or follow (Megatron-LM's --tp-comm-overlap, collective matmuls);
     False: on the critical path, as XLA's partitioner emits them.
+  hybrid: where the replicas span several slices or nodes
+    (`Hardware.devices_per_node`), also try ZeRO within each slice's
+    replicas and plain data parallelism across slices (HSDP).
   """
 
   memory_limit: float | str | None = DEVICE
@@ -192,6 +195,7 @@ class PlacementOptions:
   overlap: bool = True
   virtual_stages: int | None = 1
   overlap_tensor: bool = False
+  hybrid: bool = True
 
   def __post_init__(self):
     owner = type(self).__name__
@@ -200,6 +204,7 @@ class PlacementOptions:
       object.__setattr__(self, "widths", _positive_ints(owner, "widths", self.widths))
     _optional_count(owner, "data_parallel", self.data_parallel)
     _optional_count(owner, "stages", self.stages)
+    _flag(owner, "hybrid", self.hybrid)
 
   @property
   def optimizer_state(self) -> float:
@@ -221,8 +226,8 @@ class ClusterOptions:
   """How `automap.cluster.plan_cluster` may plan a training step.
 
   memory_limit, optimizer, zero, recompute, mixed_precision, overlap,
-    overlap_tensor, virtual_stages: as in PlacementOptions (virtual_stages=None here: the
-    interleaved schedule is tried where legal).
+    overlap_tensor, virtual_stages, hybrid: as in PlacementOptions
+    (virtual_stages=None here: the interleaved schedule is tried where legal).
   widths: tensor-parallel widths to consider (None: powers of two up to a
     node, at most 8).
   microbatches: microbatch sizes to consider (None: the powers of two that
@@ -248,11 +253,13 @@ class ClusterOptions:
   virtual_stages: int | None = None
   fused_attention: bool = False
   overlap_tensor: bool = False
+  hybrid: bool = True
 
   def __post_init__(self):
     owner = type(self).__name__
     _check_placement_fields(self)
     _flag(owner, "fused_attention", self.fused_attention)
+    _flag(owner, "hybrid", self.hybrid)
     for name in ("widths", "microbatches"):
       if getattr(self, name) is not None:
         object.__setattr__(self, name, _positive_ints(owner, name, getattr(self, name)))
@@ -265,7 +272,7 @@ class ClusterOptions:
                             zero=self.zero, recompute=self.recompute, widths=tuple(widths),
                             mixed_precision=self.mixed_precision, overlap=self.overlap,
                             virtual_stages=self.virtual_stages,
-                            overlap_tensor=self.overlap_tensor)
+                            overlap_tensor=self.overlap_tensor, hybrid=self.hybrid)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -163,7 +163,8 @@ def _best_at(graph: LayerGraph, costs: StageCosts, downs: list[int], d: int, zer
           (members, t, mode, first, n), chosen = chosen
           stage = costs.stage(members, t, mode, first, n, d, per_pipeline, zero)
           stages.append(dataclasses.replace(stage, first_device=first - shift))
-        bound, best = time, Placement(d, m, zero, tuple(stages), used * d, time)
+        bound, best = time, Placement(d, m, zero, tuple(stages), used * d, time,
+                                      shard_group=problem.hybrid_group(d, zero))
     if not after or (problem.stages is not None and k + 1 >= problem.stages):
       break
     if problem.stages is None:  # keep what no later entry can beat
@@ -213,6 +214,13 @@ def place_any(candidates: Sequence[tuple[LayerGraph, int]], *, devices: int,
     found = _search(graph, problem, data_parallel, bound if best is None else best[0].time)
     if found is not None:
       best = (found, i)
+    sharding = tuple(z for z in problem.zero if z)
+    if options.hybrid and sharding and devices > problem.hw.devices_per_node:
+      # ZeRO within each slice, data parallelism across slices (HSDP).
+      hybrid = dataclasses.replace(problem, zero=sharding, shard_group=stage_costs.SLICE)
+      found = _search(graph, hybrid, data_parallel, bound if best is None else best[0].time)
+      if found is not None:
+        best = (found, i)
   if best is None and bound < math.inf:
     raise PlacementError(f"no placement takes less than bound={bound:.4g} s per batch.")
   if best is None and options.virtual_stages not in (None, 1):
@@ -402,7 +410,8 @@ def uniform(costs: StageCosts, masks: list[int], *, data_parallel: int, stages: 
   total = (m + (S - 1) / v) * t_max + max(c[4] for c in chosen)
   built = tuple(costs.stage(members, t, mode, s * t, held, d, per_pipeline, zero)
                 for s, (members, mode, held, _, _) in enumerate(chosen))
-  return Placement(d, m, zero, built, per_pipeline * d, total, v, schedule, o.shard_group)
+  return Placement(d, m, zero, built, per_pipeline * d, total, v, schedule,
+                   o.hybrid_group(d, zero))
 
 
 def _search_interleaved(costs: StageCosts, data_parallel: int | None, bound: float,
@@ -453,7 +462,7 @@ def _unsharded(costs: StageCosts, plan: Placement) -> Placement | None:
     if memory > costs.problem.memory:
       return None
     stages.append(dataclasses.replace(s, memory=memory))
-  return dataclasses.replace(plan, zero=0, stages=tuple(stages))
+  return dataclasses.replace(plan, zero=0, stages=tuple(stages), shard_group=None)
 
 
 __all__ = ["MAX_DOWNSETS", "place", "place_any"]

@@ -25,6 +25,8 @@ from automap._src.cluster.options import PlacementOptions, memory_limit, recompu
 from automap._src.cost.collectives import ALL_GATHER, ALL_REDUCE, ring_seconds, send_seconds
 from automap._src.cost.hardware import Hardware, get_hardware
 
+SLICE = "slice"  # Problem.shard_group: ZeRO within each slice's replicas
+
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
@@ -46,12 +48,25 @@ class Problem:
   overlap_tensor: bool = False  # tensor-parallel collectives beside the matmuls
   recompute_stated: bool = True  # `recompute` as the options name it (else every mode)
   # Hybrid sharding: ZeRO over groups of this many consecutive replicas,
-  # plain data parallelism across the groups (None: over every replica).
-  shard_group: int | None = None
+  # plain data parallelism across the groups (None: over every replica;
+  # SLICE: the replicas within one slice or node, as many as divide d).
+  shard_group: int | str | None = None
 
   def sharded_over(self, d: int) -> int:
     """Replicas a ZeRO stage shards over when there are d of them."""
-    return d if self.shard_group is None else min(self.shard_group, d)
+    if self.shard_group is None:
+      return d
+    if self.shard_group == SLICE:
+      per_pipeline = self.devices // d
+      return max(g for g in range(1, d + 1)
+                 if not d % g and (g == 1 or g * per_pipeline <= self.hw.devices_per_node))
+    return min(self.shard_group, d)
+
+  def hybrid_group(self, d: int, zero: int) -> int | None:
+    """The shard group a plan of d replicas under this ZeRO stage records:
+    None where ZeRO spans every replica (or shards nothing)."""
+    g = self.sharded_over(d)
+    return g if zero and g < d else None
 
 
 class Totals(NamedTuple):
@@ -513,7 +528,7 @@ class StageCosts:
     # hybrid sharding (g < d) the sync then all-reduces each device's shard
     # across the d / g groups, rank j with rank j (as XLA runs a mesh axis
     # of replicas across slices beside one of shards within them).
-    g = self.problem.sharded_over(d)
+    g = self.problem.sharded_over(d) if zero else d
     group = (g, first, (g - 1) * per_pipeline + first + t - 1)
     across = (d // g, first, (d - g) * per_pipeline + first + t - 1)
     # Activations in and out, forward, and their gradients back: each crosses
@@ -591,4 +606,5 @@ def problem(devices, microbatches, hardware, options: PlacementOptions) -> Probl
                   options.virtual_stages, options.overlap_tensor, options.recompute is not None)
 
 
-__all__ = ["Problem", "StageCosts", "exposed", "kept", "layer_indices", "problem", "rebuilt"]
+__all__ = ["SLICE", "Problem", "StageCosts", "exposed", "kept", "layer_indices", "problem",
+           "rebuilt"]
