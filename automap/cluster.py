@@ -20,6 +20,7 @@ from automap._src.cluster.layer_graph import LayerCost as LayerCost
 from automap._src.cluster.layer_graph import LayerGraph as LayerGraph
 from automap._src.cluster.layer_graph import Placement as Placement
 from automap._src.cluster.layer_graph import PlacementError as PlacementError
+from automap._src.cluster.layer_graph import Shared as Shared
 from automap._src.cluster.layer_graph import Stage as Stage
 from automap._src.cluster.options import ClusterOptions as ClusterOptions
 from automap._src.cluster.options import CoSearchOptions as CoSearchOptions
@@ -50,6 +51,7 @@ __all__ = (
     "Placement",
     "PlacementError",
     "PlacementOptions",
+    "Shared",
     "Stage",
     "TPU_V4_LIKE",
     "Timetable",

@@ -103,14 +103,20 @@ def test_a_hybrid_plan_is_refused_by_the_executor_until_it_runs():
 def test_the_planner_shards_within_slices_when_the_network_is_slow():
   """8 devices in 2 slices of 4, a layer whose state needs sharding and a
   network 100x slower than the slice's links: the planner keeps ZeRO's
-  collectives inside each slice (HSDP) and syncs shards across; told not
-  to, it shards over all 8 and pays the network on every gather."""
+  collectives inside each slice (HSDP) and syncs shards across; by
+  default (hybrid plans do not run yet) it shards over all 8 and pays the
+  network on every gather."""
   graph = LayerGraph.chain([Layer("b0", {1: LayerCost(1.0, 2.0, 4e9, 0.0)})])
   hw = flat(bandwidth=1e11, network=1e9, per_slice=4)
   options = dict(devices=8, microbatches=8, hardware=hw, optimizer="sgd", zero=(3,),
                  memory_limit=6e9, data_parallel=8)
-  hybrid = cluster.place(graph, **options)
-  flat_zero = cluster.place(graph, **options, hybrid=False)
+  hybrid = cluster.place(graph, **options, hybrid=True)
+  flat_zero = cluster.place(graph, **options)
   assert hybrid.shard_group == 4 and flat_zero.shard_group is None
   assert hybrid.time < flat_zero.time
   assert max(s.memory for s in hybrid.stages) <= 6e9
+
+
+def test_a_shard_group_of_one_is_refused():
+  with pytest.raises(cluster.PlacementError, match="shard_group=1.*shards nothing"):
+    cluster.ClusterConfig(data=4, zero=1, shard_group=1)

@@ -461,3 +461,16 @@ def test_pricing_several_splits_of_one_model_searches_each_width_once(monkeypatc
   cluster.price_cluster(loss, params, *batch, config=cluster.ClusterConfig(tensor=2, data=2),
                         global_batch=4, hardware="cpu", budget=automap.Budget(episodes=5))
   assert len(searched) > first
+
+
+def test_a_stage_holding_a_shared_parameter_once_fits_where_twice_would_not():
+  """Two layers reading one 20-byte parameter (sgd: 40 bytes with its
+  gradient) on one device with 50 bytes: the stage fits, and the planner's
+  bounds must not count the parameter twice to rule it out."""
+  tied = cluster.Shared(("lookup", "head"), {1: 20.0})
+  graph = LayerGraph.chain([Layer(n, {1: LayerCost(1.0, 2.0, 20.0, 0.0)})
+                            for n in ("lookup", "head")])
+  graph = LayerGraph(graph.layers, graph.edges, (tied,))
+  plan = cluster.place(graph, devices=1, microbatches=1, hardware=flat(), optimizer="sgd",
+                       memory_limit=50.0, zero=0)
+  assert [s.memory for s in plan.stages] == [40.0]

@@ -48,3 +48,17 @@ def test_a_blocks_own_numbered_sublayers_stay_inside_it():
   assert containers(scopes) == frozenset()
   assert names(scopes) == ["embed", "mlp_0", "mlp_0", "mlp_1", "mlp_1", "Block_0", "Block_0",
                            "Block_1", "head"]
+
+
+def test_a_set_named_from_its_bare_first_member_is_one_set():
+  # Haiku and keras name repeats `block`, `block_1`, ...: `block` is the first.
+  scopes = ["embed", "block/linear", "block/linear_1", "block_1/linear", "block_1/linear_1",
+            "head"]
+  assert containers(scopes) == frozenset()
+  assert names(scopes) == ["embed", "block", "block", "block_1", "block_1", "head"]
+
+
+def test_towers_of_more_blocks_than_towers_hold_their_blocks():
+  scopes = [f"Model/Encoder_{e}/EncoderBlock_{b}/Dense_0" for e in range(2) for b in range(3)]
+  assert containers(scopes) == {"Encoder_0", "Encoder_1"}
+  assert names(scopes)[:3] == [f"Encoder_0/EncoderBlock_{b}" for b in range(3)]

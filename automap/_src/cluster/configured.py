@@ -93,6 +93,10 @@ class ClusterConfig:
         raise PlacementError(
             f"ClusterConfig.shard_group must be a positive int dividing data={self.data} "
             f"(replicas per ZeRO shard group), got {g!r}.")
+      if g == 1 and self.data > 1:
+        raise PlacementError(
+            "ClusterConfig.shard_group=1: ZeRO within groups of one replica shards nothing; "
+            "use zero=0 for plain data parallelism, or a group of 2 or more replicas.")
       if g < self.data and not self.zero:
         raise PlacementError(
             f"ClusterConfig.shard_group={g} shards ZeRO's state within groups, but zero=0 "

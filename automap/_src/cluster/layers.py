@@ -244,33 +244,35 @@ def sharding_search(budget, seed: int = 0) -> Callable[[Program], np.ndarray]:
   return search
 
 
-# Searched programs by (program digest, width, hardware, search): pricing
+# Searched states by (program digest, width, hardware, search): pricing
 # several splits of one model (price_cluster per config, plan_cluster beside
 # it) searches each width once, and alike (a wall-clock budget would not).
-_SEARCHED: OrderedDict[tuple, tuple[Program, np.ndarray]] = OrderedDict()
+# Only states are kept: the program is built from each call's trace, whose
+# name scopes (what layers are named by) the digest does not cover.
+_SEARCHED: OrderedDict[tuple, np.ndarray] = OrderedDict()
 _SEARCHED_MAX = 16
 
 
 def _searched(traced, t: int, hardware: Hardware, search, example: np.ndarray | None):
   """(program, state) of `traced` on a width-t mesh: the search's, or
   `example` (a state searched at another batch size) where it divides."""
+  program = Program.build(traced, MeshSpec(("model",), (t,)), hardware)
   key = (traced.fingerprint(), t, hardware, getattr(search, "key", None))
   try:
     hash(key)
   except TypeError:  # an unhashable hardware or search: no cache
-    key = None
-  if key is not None and key[-1] is not None and key in _SEARCHED:
+    key = (None,)
+  if key[-1] is not None and key in _SEARCHED:
     _SEARCHED.move_to_end(key)
-    return _SEARCHED[key]
-  program = Program.build(traced, MeshSpec(("model",), (t,)), hardware)
+    return program, _SEARCHED[key].copy()
   if example is not None and _divides_shapes(program, example):
     return program, example
-  found = (program, search(program))
-  if key is not None and key[-1] is not None:
-    _SEARCHED[key] = found
+  state = search(program)
+  if key[-1] is not None:
+    _SEARCHED[key] = state.copy()
     while len(_SEARCHED) > _SEARCHED_MAX:
       _SEARCHED.popitem(last=False)
-  return found
+  return program, state
 
 
 def fused_attention_ops(g, cut: LayerCut, scores: np.ndarray) -> np.ndarray:

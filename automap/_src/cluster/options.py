@@ -181,7 +181,8 @@ class PlacementOptions:
     False: on the critical path, as XLA's partitioner emits them.
   hybrid: where the replicas span several slices or nodes
     (`Hardware.devices_per_node`), also try ZeRO within each slice's
-    replicas and plain data parallelism across slices (HSDP).
+    replicas and plain data parallelism across slices (HSDP). Off by
+    default: hybrid plans are priced, not yet run (`ClusterPlan.train_step`).
   """
 
   memory_limit: float | str | None = DEVICE
@@ -195,7 +196,7 @@ class PlacementOptions:
   overlap: bool = True
   virtual_stages: int | None = 1
   overlap_tensor: bool = False
-  hybrid: bool = True
+  hybrid: bool = False
 
   def __post_init__(self):
     owner = type(self).__name__
@@ -253,7 +254,7 @@ class ClusterOptions:
   virtual_stages: int | None = None
   fused_attention: bool = False
   overlap_tensor: bool = False
-  hybrid: bool = True
+  hybrid: bool = False
 
   def __post_init__(self):
     owner = type(self).__name__

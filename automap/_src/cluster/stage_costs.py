@@ -57,9 +57,11 @@ class Problem:
     if self.shard_group is None:
       return d
     if self.shard_group == SLICE:
-      per_pipeline = self.devices // d
-      return max(g for g in range(1, d + 1)
-                 if not d % g and (g == 1 or g * per_pipeline <= self.hw.devices_per_node))
+      # Groups of whole pipelines that tile a slice, so none straddles two.
+      per_pipeline, node = self.devices // d, self.hw.devices_per_node
+      g = max(g for g in range(1, d + 1) if not d % g and not node % (g * per_pipeline)
+              or g == 1)
+      return d if g == 1 else g  # one replica a group shards nothing: plain
     return min(self.shard_group, d)
 
   def hybrid_group(self, d: int, zero: int) -> int | None:
@@ -277,14 +279,18 @@ class StageCosts:
       bandwidth = o.hw.network_bandwidth
     # The bandwidth term of `collectives.ring_seconds` for the step's sync
     # (all-reduce, or reduce-scatter under ZeRO 2), latency left out: a bound.
-    g = o.sharded_over(d)
+    g = o.sharded_over(d) if zero else d
     ring = {0: 2.0, 1: 2.0, 2: 1.0, 3: 0.0}[zero] * (d - 1) / d if g == d else 0.0
     # ZeRO 2 reduce-scatters gradients every microbatch, ZeRO 3 also gathers
-    # parameters twice: device-seconds on top of the compute.
+    # parameters twice: device-seconds on top of the compute, over the links
+    # a shard group spans.
     per_microbatch = {0: 0.0, 1: 0.0, 2: 1.0, 3: 3.0}[zero] * (g - 1) / g
+    within = max(o.hw.link_bandwidth, o.hw.network_bandwidth)
+    if (g - 1) * per_pipeline + 1 > o.hw.devices_per_node:
+      within = o.hw.network_bandwidth
     if o.overlap:  # at least one piece of each stays exposed (`exposed`)
       ring, per_microbatch = ring / len(layers), per_microbatch / len(layers)
-    floor = max((work + per_microbatch * param_work / bandwidth) / per_pipeline, longest)
+    floor = max((work + per_microbatch * param_work / within) / per_pipeline, longest)
     # Two stages or more: each also sends and receives across its border.
     cut = self.least_transfer
     return ring * param_work / per_pipeline / bandwidth + min(
@@ -299,8 +305,9 @@ class StageCosts:
     of that multiple-choice knapsack is solved exactly (each layer starts at
     its fastest option and trades time for bytes along its convex hull,
     cheapest trades first). Infinite when even the smallest choices overflow."""
-    kinds = self.signature(members)[0]
-    key = (kinds, in_flight, d, zero)
+    sig = self.signature(members)
+    kinds, overlaps = sig[0], sig[3]
+    key = (kinds, overlaps, in_flight, d, zero)
     pack = self._packs.get(key)
     if pack is None:
       work = size = 0.0
@@ -309,6 +316,10 @@ class StageCosts:
         w, b, hull = self._hull(kind, in_flight, d, zero)
         work, size = work + count * w, size + count * b
         trades += [(rate, count * saved) for rate, saved in hull]
+      # Shared parameters are held once: the most that can save (a bound).
+      size -= sum((k - 1) * max(t * self.state_bytes(b, d, zero)
+                                for t, b in self.shared[g][1].items())
+                  for g, k in overlaps)
       pack = self._packs[key] = (work, size, sorted(trades))
     work, size, trades = pack
     excess = size - devices * self.problem.memory
@@ -507,6 +518,7 @@ class StageCosts:
       levels = self._levels[spot] = (
           first // node != ((d - 1) * per_pipeline + first + t - 1) // node,
           first // node != ((g - 1) * per_pipeline + first + t - 1) // node,
+          first // node != ((d - g) * per_pipeline + first + t - 1) // node,
           first // node != prev // node,
           (first + t - 1) // node != after // node)
     key = (self.signature(members), t, mode, d, zero, levels)

@@ -52,34 +52,43 @@ def containers(scopes: Sequence[str]) -> frozenset[str]:
   HuggingFace's `transformer/h` (its blocks `0`, `1`, ...) and
   `transformer` above it, BART's `model/encoder/layers`. A scope is a
   container when some scope below it has two or more children of one stem
-  (`0`, `1`; `block_0`, `block_1`; `layers_0`, `layers_1`), unless it is
-  itself one of a repeated set (a block's own numbered sublayers stay
-  inside it). Layers are then named one level below each container
-  (`layer_of(..., containers=)`); a model whose layers are its top-level
-  scopes (`embed`, `block_0`, ..., `ln_f`) has none."""
+  (`0`, `1`; `block_0`, `block_1`; haiku's `block`, `block_1`), unless it
+  is itself one of a repeated set at least as large (a block's own numbered
+  sublayers stay inside it; two towers of six blocks hold their blocks).
+  Layers are then named one level below each container (`layer_of(...,
+  containers=)`); a model whose layers are its top-level scopes (`embed`,
+  `block_0`, ..., `ln_f`) has none."""
   children: dict[str, set[str]] = defaultdict(set)
   for scope in set(scopes):
     parts = _parts(scope)
     for k in range(len(parts)):
       children["/".join(parts[:k])].add(parts[k])
 
-  def repeated(names: set[str]) -> set[str]:
+  def repeated(names: set[str]) -> dict[str, int]:
+    """Members of repeated sets among siblings, each with its set's size."""
     stems: dict[str, list[str]] = defaultdict(list)
     for name in names:
       if _STEM.search(name):
         stems[_STEM.sub("", name)].append(name)
-    return {n for group in stems.values() if len(group) > 1 for n in group}
+    for name in names:  # haiku's and keras' first of a set: `block`, then `block_1`
+      if name in stems:
+        stems[name].append(name)
+    return {n: len(group) for group in stems.values() if len(group) > 1 for n in group}
 
-  members = {f"{parent}/{n}" if parent else n
-             for parent, names in children.items() for n in repeated(names)}
+  members: dict[str, int] = {}
+  for parent, names in children.items():
+    for n, size in repeated(names).items():
+      members[f"{parent}/{n}" if parent else n] = size
   found: set[str] = set()
   for holder, names in children.items():
-    if not holder or not repeated(names):
+    sets = repeated(names)
+    if not holder or not sets:
       continue
     parts = holder.split("/")
     prefixes = ["/".join(parts[:k]) for k in range(1, len(parts) + 1)]
-    # Repeats inside a repeated member (a block's Dense_0, Dense_1) stay in it.
-    if not any(p in members for p in prefixes):
+    # Repeats inside a repeated member (a block's Dense_0, Dense_1) stay in
+    # it, unless they repeat more often (two towers of six blocks each).
+    if not any(members.get(p, 0) >= max(sets.values()) for p in prefixes):
       found.update(prefixes)
   return frozenset(found)
 
