@@ -26,9 +26,14 @@ least MIN_FIT_RUNS independent runs (a model at several scales is one run)
 (`--fit` prints the fit; the catalogue's values in
 `automap/_src/cost/calibration.py` came from it).
 
-Not priced (listed with the reason): context parallelism, FSDP inside a
-slice with data parallelism across slices (hybrid sharding), and rows
-whose model dimensions the source leaves out.
+FSDP inside a slice with data parallelism across slices (hybrid sharding:
+MaxText's multi-slice runs, PaLM's two pods) is priced as it ran: ZeRO 3
+within each slice's replicas (`ClusterConfig.shard_group`), the slices
+all-reducing their shards' gradients over the data-centre network, a slice
+being the row's devices over its data-parallel width.
+
+Not priced (listed with the reason): context parallelism, and rows whose
+model dimensions the source leaves out.
 
   python benchmarks/measured.py [--only PREFIX] [--fit] [--planner] [--efficiency X]
 """
@@ -149,9 +154,7 @@ def unpriced(row: dict) -> str | None:
     return "context parallelism not modelled"
   if p.get("tensor") is None or p.get("pipeline") is None:
     return "tensor / pipeline widths not published"
-  if (p.get("fsdp") or 1) > 1 and (p.get("data") or 1) > 1:
-    return "FSDP in a slice with data parallelism across slices (hybrid) not modelled"
-  if row["measured"].get("tflops_per_device") is None:
+  if row["measured"].get("tflops_per_device") is None and row["measured"].get("mfu") is None:
     return "no per-device throughput published"
   return None
 
@@ -217,8 +220,25 @@ def source_flops(row: dict) -> float:
   raise ValueError(f"no FLOP formula for source {source!r}")
 
 
+def hybrid(row: dict) -> bool:
+  """FSDP within each slice, data parallelism across the slices."""
+  p = row["parallel"]
+  return (p.get("fsdp") or 1) > 1 and (p.get("data") or 1) > 1
+
+
+def measured_flops(row: dict) -> float:
+  """FLOP/s per device in the source's own unit: as published, or its MFU
+  (by the source's own FLOP formula) times the device's peak."""
+  m = row["measured"]
+  if m.get("tflops_per_device") is not None:
+    return m["tflops_per_device"] * 1e12
+  return m["mfu"] * automap.HARDWARE[row["hardware"]].flops
+
+
 def hardware(row: dict, efficiency: float | None = None) -> automap.Hardware:
   hw = automap.HARDWARE[row["hardware"]]
+  if hybrid(row):  # the run's slices: its devices over the data-parallel width
+    hw = dataclasses.replace(hw, devices_per_node=row["devices"] // row["parallel"]["data"])
   if "40GB" in row.get("notes", "") and row["hardware"] == "a100":
     hw = dataclasses.replace(hw, hbm_capacity=40e9)
   if efficiency is not None:
@@ -247,6 +267,13 @@ def megatron(path: str, ndim: int) -> P:
   return P()
 
 
+def whole_where_indivisible(spec: P, shape, width: int) -> P:
+  """`spec` with the dims `width` does not divide left whole: multi-query
+  attention's single key / value head is replicated over the tensor axis
+  (PaLM's layout), not split."""
+  return P(*[None if e is not None and shape[k] % width else e for k, e in enumerate(spec)])
+
+
 def published_state(traced, params_count: int, width: int, hw, hidden: int = 0,
                     split: str = "") -> np.ndarray:
   """The runs' own intra-layer layout (Megatron-LM's, MaxText's tensor
@@ -261,10 +288,12 @@ def published_state(traced, params_count: int, width: int, hw, hidden: int = 0,
     return program.initial_state()
   g = program.graph
   paths = [str(p) for p in traced.in_paths]
-  layouts = [(v, megatron(p, 0) if i < params_count else P())
+  layouts = [(v, whole_where_indivisible(megatron(p, 0), g.shapes[v], width)
+              if i < params_count else P())
              for i, (v, p) in enumerate(zip(g.inputs, paths))]
   # Each gradient in its parameter's layout, as Megatron-LM keeps them.
-  layouts += [(v, megatron(p, 0)) for v, p in zip(g.outputs, traced.out_paths)
+  layouts += [(v, whole_where_indivisible(megatron(p, 0), g.shapes[v], width))
+              for v, p in zip(g.outputs, traced.out_paths)
               if v >= 0 and g.producer[v] >= 0 and p.startswith("1/")]
   if split:
     spec = P(None, None, "model") if split == "embed" else P(None, "model", None)
@@ -289,7 +318,10 @@ def candidates(row: dict) -> list[cluster.ClusterConfig]:
   """The row's split with every unpublished setting's choices."""
   p, m = row["parallel"], row["model"]
   t, pp = p["tensor"], p["pipeline"]
-  if (p.get("fsdp") or 1) > 1:  # FSDP over one slice: ZeRO 3 over its replicas
+  group = None
+  if hybrid(row):  # ZeRO 3 within each slice, its shards synced across slices
+    d, zeros, group = p["fsdp"] * p["data"], (3,), p["fsdp"]
+  elif (p.get("fsdp") or 1) > 1:  # FSDP over one slice: ZeRO 3 over its replicas
     d, zeros = p["fsdp"], (3,)
   else:
     d = p["data"] or row["devices"] // (t * pp)
@@ -318,7 +350,7 @@ def candidates(row: dict) -> list[cluster.ClusterConfig]:
         for z in zeros:
           out.append(cluster.ClusterConfig(tensor=t, pipeline=pp, data=d, microbatch=b,
                                            recompute=mode, schedule=schedule,
-                                           virtual_stages=v, zero=z))
+                                           virtual_stages=v, zero=z, shard_group=group))
   return out
 
 
@@ -367,12 +399,13 @@ def priced(row: dict, profiles: dict[tuple[bool, bool], Profile],
 
 
 def planned(row: dict, prof: Profile, hw, bound: float) -> cluster.Placement | None:
-  """The planner's own plan at the row's tensor width, on its devices and batch."""
+  """The planner's own plan at the row's tensor width, on its devices and batch, hybrid
+  sharding (ZeRO within a slice) among its choices as in the published runs."""
   p = row["parallel"]
   depth, batch = row["model"]["layers"], p["global_batch"]
   sizes = [b for b in MICROBATCHES if batch % b == 0]
   options = PlacementOptions(optimizer="adam", mixed_precision=True, virtual_stages=None,
-                             widths=(p["tensor"],),
+                             widths=(p["tensor"],), hybrid=True,
                              overlap_tensor=row["source"] in OVERLAP_TENSOR)
   try:
     plan, _ = place_any([(prof.at(b).repeat("block_1", depth - 1), batch // b) for b in sizes],
@@ -386,7 +419,9 @@ def describe(config: cluster.ClusterConfig, key: tuple[bool, bool]) -> str:
   fused, sequence = key
   woven = f" v{config.virtual_stages}" if config.schedule == "interleaved" else ""
   return (f"t{config.tensor} p{config.pipeline} d{config.data} mb{config.microbatch} "
-          f"{config.recompute}{woven} z{config.zero}{' flash' if fused else ''}"
+          f"{config.recompute}{woven} z{config.zero}"
+          f"{'' if config.shard_group is None else f' in {config.shard_group}'}"
+          f"{' flash' if fused else ''}"
           f"{' sp' if sequence else ''}")
 
 
@@ -426,7 +461,7 @@ def main():
               for sp in sequence_parallel(row)}
     flops = source_flops(row)
     keys = list(itertools.product(attention(row), states))
-    measured = row["measured"]["tflops_per_device"] * 1e12
+    measured = measured_flops(row)
     ratios = {}
     for eff in (grid if opts.fit and split == "training" else []):
       plan, *_ = priced(row, {(f, sp): profile(traced, count, states[sp], width,
