@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from helpers import compile_as_written
 from jax.sharding import AxisType
@@ -9,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import automap
 from automap._src.cost.hardware import get_hardware
+from automap._src.cost.tracker import Tracker
 from automap._src.plan import planner
 from automap._src.search import tactics
 from automap._src.search.actions import ActionSpace
@@ -39,3 +41,31 @@ def test_megatron_splits_a_fused_weights_hidden_units_not_its_gates():
   cost = automap.evaluate(gated_step, p, x, mesh=MESH, in_shardings=layout, hardware="cpu")
   compiled, _, _ = compile_as_written(gated_step, (p, x), MESH, layout)
   assert cost.comm_bytes == pytest.approx(compiled, rel=0.05)
+
+
+def adam_step(p, o, x):
+  """A 4-layer MLP stepped by Adam: parameters and moments dominate memory."""
+  def loss(p):
+    h = x
+    for w in p:
+      h = jnp.tanh(h @ w)
+    return jnp.mean(h ** 2)
+  tx = optax.adam(1e-3)
+  updates, o = tx.update(jax.grad(loss)(p), o, p)
+  return optax.apply_updates(p, updates), o
+
+
+def test_a_search_short_of_the_memory_limit_falls_back_on_the_experts():
+  """One episode of search cannot reach a plan within a limit only sharding
+  every argument meets; the search returns FSDP's plan rather than fail."""
+  p = [jnp.ones((512, 512)) / 512 for _ in range(4)]
+  o = optax.adam(1e-3).init(p)
+  x = jnp.ones((64, 512))
+  program = planner.build_program(adam_step, (p, o, x), MESH, get_hardware("tpu-v4"))
+  fsdp = tactics.expert_states(program, ActionSpace(program))["FSDP"]
+  limit = Tracker(program.model, fsdp).peak_memory * 1.01
+  dp = tactics.expert_states(program, ActionSpace(program))["data parallel"]
+  assert Tracker(program.model, dp).peak_memory > 2 * limit
+  plan = automap.search(adam_step, p, o, x, mesh=MESH, hardware="tpu-v4", memory_limit=limit,
+                        budget=automap.Budget(episodes=1))
+  assert plan.cost.peak_memory <= limit

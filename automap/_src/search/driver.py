@@ -20,6 +20,7 @@ from automap._src.search import front as front_lib
 from automap._src.search import ilp, mcts, refine
 from automap._src.search.actions import ActionSpace
 from automap._src.search.request import MemoryLimitError, SearchOptions, SearchWarning
+from automap._src.search.tactics import expert_states
 from automap._src.sharding import propagation_kernels as kernels
 from automap._src.sharding.state import State
 
@@ -82,7 +83,8 @@ def run(program: Program, request: SearchOptions, policy: mcts.Policy | None = N
     if ((program.constraints == constraints_lib.HINTS and program.has_constraints)
         or (request.start == "your layout" and program.has_user_layout)):
       found = from_user_layout(program, space, request, found)
-    return with_least_memory(program, found, request.time_tolerance)
+    found = with_least_memory(program, found, request.time_tolerance)
+    return within_memory(program, space, found, request.memory_limit)
   except SystemError as e:
     # Ctrl-C landing inside a compiled kernel's call (while numba compiles,
     # loads or boxes) surfaces as a SystemError around it.
@@ -170,6 +172,23 @@ def with_least_memory(program: Program, found: Found, tolerance: float) -> Found
   if state is not found.state:
     stats["least_memory"] = {"step_time": found.score[1], "chosen_step_time": score[1]}
   return dataclasses.replace(found, state=state, score=score, stats=stats)
+
+
+def within_memory(program: Program, space: ActionSpace, found: Found,
+                  limit: float | None) -> Found:
+  """`found`, or where its best is over the memory limit, the best of the
+  expert strategies (`tactics.EXPERTS`: FSDP splits every argument over
+  every axis) that beats it: a search that has not reached a plan within
+  the limit still never returns worse than the hand-written ones."""
+  if limit is None or found.score[0] <= 0:
+    return found
+  best = found
+  for name, state in expert_states(program, space).items():
+    score = mcts.score_of(Tracker(program.model, state), limit)
+    if score < best.score:
+      best = Found(state, score, dict(found.stats, kept=f"expert: {name}"), found.timings,
+                   found.candidates + [(state, score)])
+  return best
 
 
 # Share of Budget.seconds the ILP's warm start (MCTS) may take.
