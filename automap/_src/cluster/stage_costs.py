@@ -3,7 +3,7 @@
 `StageCosts` prices layers run as one stage at a tensor-parallel width, a
 recompute mode, a ZeRO stage and a data-parallel degree; `Problem` is one
 placement search's cluster, microbatches and resolved options (`problem`).
-Collectives are rings over the hardware's links, within a node on `link_*`
+Collectives are rings (`rings.Ring`) over the hardware's links, within a node on `link_*`
 and across nodes on `network_*`. Recompute is per layer: "full" keeps each
 layer's input and rebuilds one layer's activations at a time in its
 backward; "selective" drops only the attention scores and softmax; "dots"
@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from automap._src.cluster.layer_graph import Layer, LayerGraph, PlacementError, Stage
 from automap._src.cluster.options import PlacementOptions, memory_limit, recompute_modes
-from automap._src.cost.collectives import ALL_GATHER, ALL_REDUCE, ring_seconds, send_seconds
+from automap._src.cluster.rings import Ring
 from automap._src.cost.hardware import Hardware, get_hardware
 
 SLICE = "slice"  # Problem.shard_group: ZeRO within each slice's replicas
@@ -131,41 +131,6 @@ def exposed(comm: float, compute: float, pieces: int) -> float:
   c / n + (n - 1) / n * max(0, c - w)."""
   n = max(1, pieces)
   return comm / n + (n - 1) / n * max(0.0, comm - compute)
-
-
-class Ring:
-  """Ring collectives over a set of devices on the hardware's links
-  (`collectives`), for arrays of `nbytes` in all."""
-
-  def __init__(self, hw: Hardware):
-    self.hw = hw
-
-  def link(self, lo: int, hi: int) -> tuple[float, float]:
-    """(bandwidth, latency) of the link joining devices lo..hi."""
-    node = self.hw.devices_per_node
-    if lo // node == hi // node:
-      return self.hw.link_bandwidth, self.hw.link_latency
-    return self.hw.network_bandwidth, self.hw.network_latency
-
-  def gather(self, nbytes: float, n: int, lo: int, hi: int) -> float:
-    """All-gather (or reduce-scatter) of `nbytes` in all over a ring of n
-    devices spanning lo..hi: a reduce-scatter's input is the gathered
-    array, its steps the same."""
-    if n == 1 or nbytes == 0:
-      return 0.0
-    return ring_seconds(ALL_GATHER, nbytes, n, *self.link(lo, hi))
-
-  def reduce(self, nbytes: float, n: int, lo: int, hi: int) -> float:
-    """All-reduce of `nbytes` over a ring of n devices spanning lo..hi."""
-    if n == 1 or nbytes == 0:
-      return 0.0
-    return ring_seconds(ALL_REDUCE, nbytes, n, *self.link(lo, hi))
-
-  def send(self, nbytes: float, a: int, b: int) -> float:
-    """Sends `nbytes` from device a to device b."""
-    if nbytes == 0:
-      return 0.0
-    return send_seconds(nbytes, *self.link(min(a, b), max(a, b)))
 
 
 class StageCosts:
