@@ -16,12 +16,17 @@ import math
 
 from automap._src.cluster import placement as placement_lib
 from automap._src.cluster import stage_costs
-from automap._src.cluster.layer_graph import RECOMPUTE_MODES, LayerGraph, Placement, PlacementError
+from automap._src.cluster.layer_graph import (
+  RECOMPUTE_MODES,
+  SCHEDULES,
+  LayerGraph,
+  Placement,
+  PlacementError,
+)
 from automap._src.cluster.options import PlacementOptions
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.search.request import with_keywords
 
-SCHEDULES = ("1f1b", "interleaved", "gpipe")
 # Options of the planners (PlacementOptions, ClusterOptions) a ClusterConfig fixes.
 CONFIG_OWNED = ("recompute", "zero", "widths", "data_parallel", "stages", "virtual_stages",
                 "microbatches")

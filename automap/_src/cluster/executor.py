@@ -306,7 +306,6 @@ class PipelineStep:
     make = self._local(c)
 
     def local(params, batch, received):
-      params = [p for p in params]
       received = [r[0] for r in received]
       outs, vjp = jax.vjp(make(batch), params, received)
       leaves, tree = jax.tree.flatten(vjp)
@@ -342,7 +341,6 @@ class PipelineStep:
 
     def local(params, batch, received, rest, cots, acc):
       tree, where = self._residuals[c]
-      params = [p for p in params]
       received = [r[0] for r in received]
       pools = {"p": params, "r": received, "b": batch}
       it = iter(rest)

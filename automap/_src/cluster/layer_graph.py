@@ -276,6 +276,10 @@ class Stage:
       object.__setattr__(self, "zero_total", self.zero)
 
 
+# The pipeline schedules a plan runs (`pipeline_schedule.orders`).
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
   """A cluster plan over a layer graph, with its predicted time per batch."""
@@ -298,8 +302,8 @@ class Placement:
           f"Placement.virtual_stages must be a positive int, got {self.virtual_stages!r}.")
     if self.schedule is None:
       object.__setattr__(self, "schedule", "1f1b" if self.virtual_stages == 1 else "interleaved")
-    if (self.schedule == "interleaved") != (self.virtual_stages > 1) or self.schedule not in (
-        "gpipe", "1f1b", "interleaved"):
+    if (self.schedule == "interleaved") != (self.virtual_stages > 1) or (
+        self.schedule not in SCHEDULES):
       raise PlacementError(
           f"Placement.schedule={self.schedule!r} with virtual_stages={self.virtual_stages}: "
           "expected 'interleaved' with several chunks per stage, else 'gpipe' or '1f1b'.")
@@ -360,5 +364,5 @@ class Placement:
                data.get("shard_group"))
 
 
-__all__ = ["RECOMPUTE_MODES", "JsonFile", "Layer", "LayerCost", "LayerGraph", "Placement",
-           "PlacementError", "Shared", "Stage"]
+__all__ = ["RECOMPUTE_MODES", "SCHEDULES", "JsonFile", "Layer", "LayerCost", "LayerGraph",
+           "Placement", "PlacementError", "Shared", "Stage"]

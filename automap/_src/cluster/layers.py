@@ -257,18 +257,20 @@ def _searched(traced, t: int, hardware: Hardware, search, example: np.ndarray | 
   """(program, state) of `traced` on a width-t mesh: the search's, or
   `example` (a state searched at another batch size) where it divides."""
   program = Program.build(traced, MeshSpec(("model",), (t,)), hardware)
-  key = (traced.fingerprint(), t, hardware, getattr(search, "key", None))
-  try:
-    hash(key)
-  except TypeError:  # an unhashable hardware or search: no cache
-    key = (None,)
-  if key[-1] is not None and key in _SEARCHED:
+  key = None
+  if getattr(search, "key", None) is not None:
+    key = (traced.fingerprint(), t, hardware, search.key)
+    try:
+      hash(key)
+    except TypeError:  # an unhashable hardware: no cache
+      key = None
+  if key is not None and key in _SEARCHED:
     _SEARCHED.move_to_end(key)
     return program, _SEARCHED[key].copy()
   if example is not None and _divides_shapes(program, example):
     return program, example
   state = search(program)
-  if key[-1] is not None:
+  if key is not None:
     _SEARCHED[key] = state.copy()
     while len(_SEARCHED) > _SEARCHED_MAX:
       _SEARCHED.popitem(last=False)

@@ -26,9 +26,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from automap._src.cluster.layer_graph import PlacementError
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+from automap._src.cluster.layer_graph import SCHEDULES, PlacementError
 
 
 @dataclasses.dataclass(frozen=True, order=True)

@@ -52,23 +52,24 @@ class Problem:
   # SLICE: the replicas within one slice or node, as many as divide d).
   shard_group: int | str | None = None
 
-  def sharded_over(self, d: int) -> int:
-    """Replicas a ZeRO stage shards over when there are d of them."""
-    if self.shard_group is None:
+  def sharded_over(self, d: int, zero: int) -> int:
+    """Replicas a ZeRO stage shards over (and its collectives span) when
+    there are d of them: all d under ZeRO 0, which shards nothing."""
+    if self.shard_group is None or not zero:
       return d
     if self.shard_group == SLICE:
       # Groups of whole pipelines that tile a slice, so none straddles two.
       per_pipeline, node = self.devices // d, self.hw.devices_per_node
-      g = max(g for g in range(1, d + 1) if not d % g and not node % (g * per_pipeline)
-              or g == 1)
+      g = max(g for g in range(1, d + 1)
+              if g == 1 or (not d % g and not node % (g * per_pipeline)))
       return d if g == 1 else g  # one replica a group shards nothing: plain
     return min(self.shard_group, d)
 
   def hybrid_group(self, d: int, zero: int) -> int | None:
     """The shard group a plan of d replicas under this ZeRO stage records:
     None where ZeRO spans every replica (or shards nothing)."""
-    g = self.sharded_over(d)
-    return g if zero and g < d else None
+    g = self.sharded_over(d, zero)
+    return g if g < d else None
 
 
 class Totals(NamedTuple):
@@ -164,7 +165,7 @@ class StageCosts:
     self._totals: dict[tuple, tuple[float, ...]] = {}
     self._choices: dict[tuple, tuple[float, list]] = {}
     self._terms: dict[tuple, tuple[float, float, float]] = {}
-    self._levels: dict[tuple[int, int, int], tuple[bool, bool, bool]] = {}
+    self._levels: dict[tuple, tuple[bool, ...]] = {}
     self._tables: dict[tuple, dict[int, tuple[float, float]]] = {}
     self._times: dict[tuple, tuple[float, float]] = {}
     self._inside: dict[int, list[int]] = {}
@@ -244,7 +245,7 @@ class StageCosts:
       bandwidth = o.hw.network_bandwidth
     # The bandwidth term of `collectives.ring_seconds` for the step's sync
     # (all-reduce, or reduce-scatter under ZeRO 2), latency left out: a bound.
-    g = o.sharded_over(d) if zero else d
+    g = o.sharded_over(d, zero)
     ring = {0: 2.0, 1: 2.0, 2: 1.0, 3: 0.0}[zero] * (d - 1) / d if g == d else 0.0
     # ZeRO 2 reduce-scatters gradients every microbatch, ZeRO 3 also gathers
     # parameters twice: device-seconds on top of the compute, over the links
@@ -411,7 +412,7 @@ class StageCosts:
   def state_bytes(self, params: float, d: int, zero: int) -> float:
     """Bytes per device of parameters, their gradients and optimizer state,
     each sharded over the d replicas from its ZeRO stage on."""
-    g = self.problem.sharded_over(d)
+    g = self.problem.sharded_over(d, zero)
     shard = lambda level: g if zero >= level else 1  # noqa: E731
     o = self.problem
     return params / shard(3) + o.gradients * params / shard(2) + o.optimizer * params / shard(1)
@@ -435,7 +436,7 @@ class StageCosts:
         # One parameter array gathered at a time: DeepSpeed's stage 3 gathers
         # a submodule's parameters before it runs and frees them after, XLA's
         # FSDP all-gathers each weight for the matmul that reads it.
-        fixed += c.largest_param * (1 - 1 / self.problem.sharded_over(d))
+        fixed += c.largest_param * (1 - 1 / self.problem.sharded_over(d, zero))
       transient = {"none": 0.0, "full": c.largest_activations,
                    "selective": c.largest_selective, "dots": c.largest_dots_rebuilt}[mode]
       self._terms[key] = (fixed + transient,
@@ -474,12 +475,12 @@ class StageCosts:
     stage at device offset `first` of its pipeline replica."""
     # Rank j of the width-t group syncs with rank j of every replica: d-device
     # rings whose widest spans from replica 0's first device to the last's end.
-    spot = (first, t, d, per_pipeline)
+    g = self.problem.sharded_over(d, zero)
+    spot = (first, t, d, per_pipeline, g)
     levels = self._levels.get(spot)
     if levels is None:
       node = self.problem.hw.devices_per_node
       prev, after = (first - 1) % per_pipeline, (first + t) % per_pipeline
-      g = self.problem.sharded_over(d)
       levels = self._levels[spot] = (
           first // node != ((d - 1) * per_pipeline + first + t - 1) // node,
           first // node != ((g - 1) * per_pipeline + first + t - 1) // node,
@@ -505,7 +506,7 @@ class StageCosts:
     # hybrid sharding (g < d) the sync then all-reduces each device's shard
     # across the d / g groups, rank j with rank j (as XLA runs a mesh axis
     # of replicas across slices beside one of shards within them).
-    g = self.problem.sharded_over(d) if zero else d
+    g = self.problem.sharded_over(d, zero)
     group = (g, first, (g - 1) * per_pipeline + first + t - 1)
     across = (d // g, first, (d - g) * per_pipeline + first + t - 1)
     # Activations in and out, forward, and their gradients back: each crosses

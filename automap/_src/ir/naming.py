@@ -75,13 +75,11 @@ def containers(scopes: Sequence[str]) -> frozenset[str]:
         stems[name].append(name)
     return {n: len(group) for group in stems.values() if len(group) > 1 for n in group}
 
-  members: dict[str, int] = {}
-  for parent, names in children.items():
-    for n, size in repeated(names).items():
-      members[f"{parent}/{n}" if parent else n] = size
+  sets_under = {parent: repeated(names) for parent, names in children.items()}
+  members = {f"{parent}/{n}" if parent else n: size
+             for parent, sets in sets_under.items() for n, size in sets.items()}
   found: set[str] = set()
-  for holder, names in children.items():
-    sets = repeated(names)
+  for holder, sets in sets_under.items():
     if not holder or not sets:
       continue
     parts = holder.split("/")
