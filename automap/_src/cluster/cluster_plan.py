@@ -282,10 +282,11 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
   if not isinstance(config, ClusterConfig):
     raise TypeError(
         f"config must be an automap.cluster.ClusterConfig, got {type(config).__name__}.")
-  config.microbatches(global_batch)  # checks the split against the batch before tracing
+  config.microbatches(global_batch)  # the split against the batch, before tracing
   profile = layers_lib.measure(loss_fn, params, batch, widths=[config.tensor], hardware=hw,
                                search=layers_lib.sharding_search(options.budget, options.seed),
-                               sizes=[config.microbatch], fused_attention=options.fused_attention)
+                               sizes=[config.microbatch], fused_attention=options.fused_attention,
+                               check=lambda graph: configured.chunked(graph, config))
   t1 = time.perf_counter()
   placement = configured.price(profile.at(config.microbatch), config, global_batch=global_batch,
                                hardware=hw, devices=devices,

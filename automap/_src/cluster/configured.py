@@ -139,6 +139,20 @@ def refuse_stated(keywords, function: str) -> None:
         f"(ClusterConfig fields: {', '.join(f.name for f in dataclasses.fields(ClusterConfig))}).")
 
 
+def chunked(graph: LayerGraph, config: ClusterConfig) -> list[int]:
+  """The layers of each of the config's pipeline x virtual_stages chunks
+  (bitmasks, `placement.chunks`), or a PlacementError saying why the graph
+  cannot be cut so."""
+  count = config.pipeline * config.virtual_stages
+  masks = placement_lib.chunks(graph, count)
+  if masks is None:
+    raise PlacementError(
+        f"ClusterConfig: the layer graph's repeated block has fewer blocks than "
+        f"pipeline={config.pipeline} x virtual_stages={config.virtual_stages} = {count} "
+        "chunks (or an edge skips a chunk); choose fewer stages or chunks.")
+  return masks
+
+
 def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
           hardware: str | Hardware, devices: int | None = None,
           options: PlacementOptions | None = None, **keywords) -> Placement:
@@ -179,13 +193,7 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
     raise PlacementError(
         f"ClusterConfig.tensor={config.tensor}: layers {[m.name for m in missing[:3]]} are "
         f"not priced at that width (theirs: {sorted(missing[0].widths)}); profile them at it.")
-  count = config.pipeline * config.virtual_stages
-  masks = placement_lib.chunks(costs, count)
-  if masks is None:
-    raise PlacementError(
-        f"ClusterConfig: the layer graph's repeated block has fewer blocks than "
-        f"pipeline={config.pipeline} x virtual_stages={config.virtual_stages} = {count} "
-        "chunks (or an edge skips a chunk); choose fewer stages or chunks.")
+  masks = chunked(graph, config)
   plan = placement_lib.uniform(costs, masks, data_parallel=config.data, stages=config.pipeline,
                                virtual=config.virtual_stages, width=config.tensor,
                                zero=config.zero, fits=False, schedule=config.schedule)

@@ -97,10 +97,18 @@ class LayerCost:
 
 @dataclasses.dataclass(frozen=True)
 class Layer:
-  """A node of the layer graph: its cost at each tensor-parallel width."""
+  """A node of the layer graph: its cost at each tensor-parallel width.
+
+  structure: a digest of the ops the layer computes (their kinds, shapes
+    and wiring, `layers.structures`): layers with equal structure are
+    copies of one block, however their costs differ (the last block of a
+    stack feeds the final norm, a searched plan may lay one out apart).
+    None: not known (a hand-built graph); the block is then found by costs.
+  """
 
   name: str
   widths: Mapping[int, LayerCost]
+  structure: str | None = None
 
   @classmethod
   def of(cls, name: str, forward: float, backward: float, params: float, activations: float,
@@ -122,6 +130,10 @@ class Layer:
       if not isinstance(cost, LayerCost):
         raise PlacementError(
             f"Layer {self.name!r}: widths[{t}] must be a LayerCost, got {type(cost).__name__}.")
+    if self.structure is not None and not isinstance(self.structure, str):
+      raise PlacementError(
+          f"Layer {self.name!r}: structure must be a string (a digest of the layer's ops) "
+          f"or None, got {type(self.structure).__name__}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +188,7 @@ class LayerGraph:
     copies = [name] + [f"{name}*{i}" for i in range(2, times + 1)]
     i = names.index(name)
     template = self.layers[i]
-    layers = (self.layers[:i] + tuple(Layer(c, template.widths) for c in copies)
+    layers = (self.layers[:i] + tuple(dataclasses.replace(template, name=c) for c in copies)
               + self.layers[i + 1:])
     handed = sum(b for _, d, b in self.edges if d == name)
     edges = [(s, d if d != name else copies[0], b) if s != name else (copies[-1], d, b)

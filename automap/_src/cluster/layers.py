@@ -22,6 +22,7 @@ walking back from what the backward reads (`policy_rerun`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 
@@ -31,6 +32,7 @@ import numpy as np
 from automap._src.cluster.layer_graph import Layer, LayerCost, LayerGraph, PlacementError, Shared
 from automap._src.cost.hardware import Hardware
 from automap._src.cost.program import Program
+from automap._src.ir import graph as graph_lib
 from automap._src.ir import trace as trace_lib
 from automap._src.ir.factor_rule import UNSHARDABLE
 from automap._src.ir.naming import UNSCOPED, containers, is_backward, layer_of, layer_runs
@@ -75,7 +77,7 @@ class Profile:
             comm_bytes=c.comm_bytes * s,
             selective_forward=c.selective_forward * s,
             dots=None if c.dots is None else c.dots * s, dots_forward=c.dots_forward * s)
-      layers.append(Layer(layer.name, widths))
+      layers.append(dataclasses.replace(layer, widths=widths))
     shared = tuple(Shared(group.layers, {t: graph.shared[k].params[t]
                                          for t, graph in per_width.items()})
                    for k, group in enumerate(some.shared))
@@ -333,6 +335,8 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
     if p >= 0 and forward[p] and not in_kernel[v]:
       own[v] = any(not forward[o] and cut.labels[o] == cut.labels[p] for o, _ in g.uses[v])
   saved, rerun = policy_rerun(g, cut, own, weight_matmuls(g, forward))
+  edges = layer_edges(g, cut)
+  kinds = structures(g, cut)
   graphs = {}
   for t, (program, state) in width_states.items():
     model = program.model
@@ -365,11 +369,10 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
     acts = np.zeros(len(names))
     dots = np.zeros(len(names))
     dots_forward = np.bincount(segment[rerun], seconds[rerun], len(names))
-    edges: dict[tuple[int, int], float] = defaultdict(float)
     shared: dict[tuple[int, ...], float] = defaultdict(float)
     for v in range(g.num_values):
-      readers = {segment[o] for o, _ in g.uses[v] if forward[o]}
       if v in params:
+        readers = {segment[o] for o, _ in g.uses[v] if forward[o]}
         for r in readers:
           param_bytes[r] += model.local_bytes(state, v)
           largest[r] = max(largest[r], model.local_bytes(state, v))
@@ -386,18 +389,81 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
         acts[src] += model.local_bytes(state, v)
         if scores[v]:
           dropped[src] += model.local_bytes(state, v)
-      for r in readers - {src}:
-        edges[(src, r)] += float(g.nbytes[v])
     layers = tuple(Layer(n, {t: LayerCost(*(float(x) for x in (
         fw[i], bw[i], param_bytes[i], acts[i], coll[i], flops[i], dropped[i],
         min(rebuild[i], fw[i]), dots[i], min(dots_forward[i], fw[i]), largest[i],
-        comm_bytes[i])))})
+        comm_bytes[i])))}, kinds[i])
                    for i, n in enumerate(names))
-    graphs[t] = LayerGraph(layers, tuple((names[a], names[b], nbytes)
-                                         for (a, b), nbytes in sorted(edges.items())),
+    graphs[t] = LayerGraph(layers, edges,
                            tuple(Shared(tuple(names[i] for i in group), {t: float(nbytes)})
                                  for group, nbytes in sorted(shared.items())))
   return graphs
+
+
+def layer_edges(g, cut: LayerCut) -> tuple[tuple[str, str, float], ...]:
+  """(src, dst, bytes) per pair of layers: what one layer's forward hands
+  another's (the values it makes that the other's forward reads)."""
+  edges: dict[tuple[int, int], float] = defaultdict(float)
+  forward, segment = cut.forward, cut.segment
+  for v in range(g.num_values):
+    p = g.producer[v]
+    if p < 0 or not forward[p]:
+      continue
+    for r in {segment[o] for o, _ in g.uses[v] if forward[o]} - {segment[p]}:
+      edges[(segment[p], r)] += float(g.nbytes[v])
+  return tuple((cut.names[a], cut.names[b], nbytes) for (a, b), nbytes in sorted(edges.items()))
+
+
+# Rounds of colour refinement within a layer (`structures`), as deep as
+# `groups.colours`' over the whole program.
+_STRUCTURE_ROUNDS = 4
+
+
+def structures(g, cut: LayerCut) -> list[str]:
+  """Per layer, a digest of its forward ops: Weisfeiler-Lehman colours
+  (op kind, operand and result shapes and dtypes) refined over the edges
+  inside the layer only, so that the copies of a block match wherever they
+  sit (the first reads the embedding, the last feeds the final norm) and
+  whatever plan lays them out. Digests compare within one trace."""
+  index: dict = {}
+
+  def intern(key) -> int:
+    return index.setdefault(key, len(index))
+
+  segment = cut.segment
+  colour = [intern((g.prims[o], g.operand_shapes[o],
+                    tuple((g.shapes[v], str(g.dtypes[v])) for v in g.results[o] if v >= 0)))
+            for o in range(g.num_ops)]
+  ops = np.flatnonzero(segment >= 0)
+  for _ in range(_STRUCTURE_ROUNDS):
+    new = list(colour)
+    for o in ops:
+      s = segment[o]
+      inputs = tuple(colour[g.producer[v]] if v >= 0 and g.producer[v] >= 0
+                     and segment[g.producer[v]] == s else -1 for v in g.operands[o])
+      users = tuple(sorted((colour[u], k) for v in g.results[o] if v >= 0
+                           for u, k in g.uses[v] if segment[u] == s))
+      new[o] = intern((colour[o], inputs, users))
+    colour = new
+  members: list[list[int]] = [[] for _ in cut.names]
+  for o in ops:
+    members[segment[o]].append(colour[o])
+  return [hashlib.blake2b(repr(sorted(m)).encode(), digest_size=8).hexdigest() for m in members]
+
+
+def outline(g, params_count: int, widths: Sequence[int]) -> LayerGraph:
+  """The layer graph of a traced gradient program before anything is
+  priced: its layers (named, with their structure), the edges between them,
+  and each layer's parameters whole at every width; times zero."""
+  cut = LayerCut.of(g)
+  params = np.zeros(len(cut.names))
+  for v in g.inputs[:params_count]:
+    for r in {cut.segment[o] for o, _ in g.uses[v] if cut.forward[o]}:
+      params[r] += float(g.nbytes[v])
+  return LayerGraph(tuple(Layer(n, {t: LayerCost(0.0, 0.0, float(params[i]), 0.0)
+                                    for t in widths}, kind)
+                          for i, (n, kind) in enumerate(zip(cut.names, structures(g, cut)))),
+                    layer_edges(g, cut))
 
 
 def _divides_shapes(program: Program, state: np.ndarray) -> bool:
@@ -413,7 +479,8 @@ def _divides_shapes(program: Program, state: np.ndarray) -> bool:
 
 def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int],
             hardware: Hardware, search: Callable[[Program], np.ndarray],
-            sizes: Sequence[int] = (), fused_attention: bool = False) -> Profile:
+            sizes: Sequence[int] = (), fused_attention: bool = False,
+            check: Callable[[LayerGraph], None] | None = None) -> Profile:
   """Profiles `jax.value_and_grad(loss_fn)(params, *batch)` at each width, for
   the example batch and for each of `sizes` (the batch's leading dimension
   changed).
@@ -422,6 +489,8 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
   one-axis mesh ("model") of some width; searched at the example's size and
   reused at the others where it divides their shapes.
   fused_attention: as in `layer_graphs`.
+  check(graph): called with the step's layers (`outline`) before any
+    search, to refuse a split they cannot carry before the search's time.
   """
   found = {leaf.shape[0] for leaf in jax.tree.leaves(batch) if np.ndim(leaf)}
   if len(found) != 1:
@@ -432,6 +501,8 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
   params_count = len(jax.tree.leaves(params))
   grad = jax.value_and_grad(loss_fn)
   traced = trace_lib.trace(grad, (params, *batch))
+  if check is not None:
+    check(outline(graph_lib.build(traced), params_count, widths))
   searched: dict[int, np.ndarray] = {}
   specs = {}
   graphs: dict[int, dict[int, LayerGraph]] = {}

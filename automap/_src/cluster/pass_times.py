@@ -11,6 +11,7 @@ DP reads.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -18,7 +19,7 @@ import numpy as np
 from automap._src.cluster import accelerator as acc_lib
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster import scheduling
-from automap._src.cluster.layer_graph import Layer, LayerCost, LayerGraph
+from automap._src.cluster.layer_graph import LayerCost, LayerGraph
 from automap._src.cluster.passes import LayerPass, ProfiledWorkload
 
 
@@ -164,7 +165,7 @@ class PassTimes:
           LayerCost(fw[i] + comm_fw[i], bw[i] + comm_bw[i], c.params, c.activations,
                     comm_fw[i] + comm_bw[i], largest_param=c.largest_param)
           for i, c in enumerate(layer.widths[t] for layer in graph.layers)]
-    layers = tuple(Layer(layer.name, {t: per_width[t][i] for t in widths})
+    layers = tuple(dataclasses.replace(layer, widths={t: per_width[t][i] for t in widths})
                    for i, layer in enumerate(base.layers))
     graph = LayerGraph(layers, base.edges, base.shared)
     for name, times in profiled.workload.repeat.items():

@@ -300,7 +300,7 @@ def _stem(name: str) -> str:
   return re.sub(r"_?\d+$", "", re.sub(r"(\*\d+)?(#\d+)?$", "", name))
 
 
-def chunks(costs: StageCosts, count: int) -> list[int] | None:
+def chunks(graph: LayerGraph, count: int) -> list[int] | None:
   """The graph cut into `count` chunks (layer bitmasks, in order) holding
   equally many of its most frequent layer kind (the repeated block), or
   where they do not divide, one fewer in the chunks nearest the ends (which
@@ -309,25 +309,28 @@ def chunks(costs: StageCosts, count: int) -> list[int] | None:
   them (the first chunk before any). None where there are fewer blocks than
   chunks or some edge skips a chunk, which a pipeline of chunks cannot
   carry."""
-  order = costs.graph.order()
-  # The repeated block: the most frequent kind of layers priced alike; where
-  # no kind fills the chunks (a clock with overlap prices equal blocks apart
-  # by what runs beside them), layers of one name but for their index
-  # ("block_3", "enc_1") with equal parameters at every width.
+  order = graph.order()
+  # The repeated block: the most frequent kind of layers of one structure
+  # (the ops they compute) where the graph was traced; else of layers priced
+  # alike, or where no kind fills the chunks (a clock with overlap prices
+  # equal blocks apart by what runs beside them), layers of one name but for
+  # their index ("block_3", "enc_1") with equal parameters at every width.
+  keys = ([lambda layer: layer.structure]
+          if all(layer.structure is not None for layer in graph.layers) else
+          [lambda layer: tuple(sorted(layer.widths.items())),
+           lambda layer: (_stem(layer.name), tuple(sorted(
+               (t, f"{c.params:.6g}") for t, c in layer.widths.items())))])
   block = kind = None
-  for key in (lambda layer: tuple(sorted(layer.widths.items())),
-              lambda layer: (_stem(layer.name), tuple(sorted(
-                  (t, f"{c.params:.6g}") for t, c in layer.widths.items())))):
+  for key in keys:
     templates: dict[tuple, int] = {}
-    kind = [templates.setdefault(key(layer), len(templates)) for layer in costs.graph.layers]
+    kind = [templates.setdefault(key(layer), len(templates)) for layer in graph.layers]
     counts: dict[int, int] = {}
     for i in order:  # a module used again ("embed#2", a tied head) is no block
-      if "#" not in costs.graph.layers[i].name:
+      if "#" not in graph.layers[i].name:
         counts[kind[i]] = counts.get(kind[i], 0) + 1
     # Of as frequent kinds, the largest (a decoder's blocks over an
     # encoder's, either over a tied embedding's two uses).
-    size = {k: min(layer.widths.items())[1].params
-            for k, layer in zip(kind, costs.graph.layers)}
+    size = {k: min(layer.widths.items())[1].params for k, layer in zip(kind, graph.layers)}
     block = max(counts, key=lambda k: (counts[k], size[k], -k))
     if counts[block] >= count:
       break
@@ -340,11 +343,12 @@ def chunks(costs: StageCosts, count: int) -> list[int] | None:
   seen, chunk = 0, 0
   chunk_of = [0] * len(order)
   for i in order:
-    if kind[i] == block and "#" not in costs.graph.layers[i].name:
+    if kind[i] == block and "#" not in graph.layers[i].name:
       chunk = bisect.bisect_right(ends, seen)
       seen += 1
     chunk_of[i] = chunk
-  if any(not 0 <= chunk_of[d] - chunk_of[s] <= 1 for s, d, _ in costs.edges):
+  index = {layer.name: i for i, layer in enumerate(graph.layers)}
+  if any(not 0 <= chunk_of[index[d]] - chunk_of[index[s]] <= 1 for s, d, _ in graph.edges):
     return None
   masks = [0] * count
   for i, c in enumerate(chunk_of):
@@ -437,7 +441,7 @@ def _search_interleaved(costs: StageCosts, data_parallel: int | None, bound: flo
         m = o.microbatches // d
         if (m + (S - 1) / v) * work / S >= (bound if best is None else best.time):
           continue
-        masks = masks or chunks(costs, S * v)
+        masks = masks or chunks(costs.graph, S * v)
         if masks is None:
           break
         for t in widths:
