@@ -82,3 +82,69 @@ def test_a_split_into_as_many_chunks_as_blocks_prices():
   plan = cluster.price_cluster(loss, params, *batch, config=config, global_batch=8,
                                hardware="cpu", budget=automap.Budget(episodes=2, progress=False))
   assert len(plan.placement.stages) == 2
+
+
+BUDGET = automap.Budget(episodes=2, seconds=10, progress=False)
+
+
+def test_weights_held_in_float32_are_traced_so_and_keep_no_master_copy():
+  """MaxText holds float32 weights and computes in bfloat16 (flax's `dtype`
+  over `param_dtype`): the stated dtype recasts the parameters before
+  tracing, and the matmuls stay bfloat16."""
+  loss, params, batch = gpt_step(2)
+  mixed = cluster.price_cluster(loss, params, *batch,
+                                config=cluster.ClusterConfig(weights="bfloat16"),
+                                global_batch=4, hardware="a100", budget=BUDGET,
+                                mixed_precision=True)
+  held = cluster.price_cluster(loss, params, *batch,
+                               config=cluster.ClusterConfig(weights="float32"),
+                               global_batch=4, hardware="a100", budget=BUDGET)
+  a, b = mixed.placement.stages[0], held.placement.stages[0]
+  assert b.param_bytes == 2 * a.param_bytes
+  assert b.flops == pytest.approx(a.flops, rel=0.02)
+  assert b.compute < 1.5 * a.compute  # bfloat16 matmuls both
+  # Weights, gradients and moments: 16 bytes per parameter against 18, but
+  # the float32 run also stashes the bfloat16 copies its matmuls read.
+  assert b.memory > a.memory
+  with pytest.raises(cluster.PlacementError, match="weights='float32' keeps no float32 master"):
+    cluster.price_cluster(loss, params, *batch, config=cluster.ClusterConfig(weights="float32"),
+                          global_batch=4, hardware="a100", budget=BUDGET, mixed_precision=True)
+
+
+def four_blocks() -> LayerGraph:
+  """Four blocks of 1e9 parameter bytes and 1e8 stashed bytes each."""
+  return LayerGraph.chain([Layer(f"b{i}", {1: LayerCost(1.0, 2.0, 1e9, 1e8)}) for i in range(4)])
+
+
+def test_a_graphs_parameter_bytes_are_held_in_the_stated_dtype():
+  """Float32 weights: the weights, float32 gradients and two moments, 4
+  bytes each per element (4 per weight byte); bfloat16 ones under mixed
+  precision: 1 + 2 (float32 gradients) + 6 (float32 master and moments)."""
+  graph, kw = four_blocks(), dict(global_batch=1, hardware="a100", optimizer="adam")
+  f32 = cluster.price_placement(graph, cluster.ClusterConfig(weights="float32"), **kw)
+  bf16 = cluster.price_placement(graph, cluster.ClusterConfig(weights="bfloat16"),
+                                 mixed_precision=True, **kw)
+  assert f32.stages[0].memory == pytest.approx(4e9 * 4 + 4e8)
+  assert bf16.stages[0].memory == pytest.approx(4e9 * 9 + 4e8)
+
+
+def test_gradients_reduced_in_bfloat16_halve_their_bytes():
+  graph = four_blocks()
+  kw = dict(global_batch=4, hardware="a100", mixed_precision=True, optimizer="adam")
+  f32 = cluster.price_placement(graph, cluster.ClusterConfig(data=4), **kw)
+  bf16 = cluster.price_placement(graph, cluster.ClusterConfig(data=4, gradients="bfloat16"), **kw)
+  # 16-bit weights: float32 gradients are 2 bytes per weight byte, bfloat16 ones 1.
+  assert f32.stages[0].memory - bf16.stages[0].memory == pytest.approx(4e9)
+  assert bf16.stages[0].sync_total == pytest.approx(f32.stages[0].sync_total / 2, rel=0.01)
+  stated = cluster.price_placement(graph, cluster.ClusterConfig(data=4, gradients="float32"), **kw)
+  assert stated.stages[0].memory == f32.stages[0].memory
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(weights="int8"), "ClusterConfig.weights must be a floating dtype"),
+    (dict(gradients="fp8-ish"), "ClusterConfig.gradients must be a floating dtype"),
+])
+def test_dtypes_are_checked_by_name(fields, match):
+  with pytest.raises(cluster.PlacementError, match=match):
+    cluster.ClusterConfig(**fields)
+  assert cluster.ClusterConfig(weights=jnp.bfloat16).weights == "bfloat16"

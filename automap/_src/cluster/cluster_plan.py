@@ -13,6 +13,9 @@ import math
 import time
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
+
 from automap._src.cluster import configured
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster.configured import ClusterConfig
@@ -249,6 +252,16 @@ def plan_cluster(loss_fn: Callable, params, *batch, devices: int, global_batch: 
                      peak_flops=hw.flops, memory_limit=memory_limit(options, hw))
 
 
+def held_itemsize(params) -> int | None:
+  """Bytes per element of the dtype holding most of the floating parameters' bytes."""
+  held: dict[int, int] = {}
+  for x in jax.tree.leaves(params):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      size = jnp.dtype(x.dtype).itemsize
+      held[size] = held.get(size, 0) + size * math.prod(x.shape)
+  return max(held, key=held.get) if held else None
+
+
 def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, global_batch: int,
                   hardware: str | Hardware = "tpu-v4", devices: int | None = None,
                   options: ClusterOptions | None = None, **keywords) -> ClusterPlan:
@@ -263,7 +276,9 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
   Args:
     loss_fn, params, *batch: as for `plan_cluster`.
     config: the split (`ClusterConfig`: tensor, pipeline, data, microbatch,
-      recompute, schedule, virtual stages, ZeRO).
+      recompute, schedule, virtual stages, ZeRO, shard group, weight and
+      gradient dtypes). Its weights recast the parameters before tracing;
+      a split the traced layers cannot carry is refused before any search.
     global_batch: samples per optimizer step.
     hardware: a catalogue name or a `Hardware`.
     devices: devices in the cluster (default: what `config` uses).
@@ -283,6 +298,9 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
     raise TypeError(
         f"config must be an automap.cluster.ClusterConfig, got {type(config).__name__}.")
   config.microbatches(global_batch)  # the split against the batch, before tracing
+  if config.weights:
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, config.weights)
+                          if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
   profile = layers_lib.measure(loss_fn, params, batch, widths=[config.tensor], hardware=hw,
                                search=layers_lib.sharding_search(options.budget, options.seed),
                                sizes=[config.microbatch], fused_attention=options.fused_attention,
@@ -290,7 +308,8 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
   t1 = time.perf_counter()
   placement = configured.price(profile.at(config.microbatch), config, global_batch=global_batch,
                                hardware=hw, devices=devices,
-                               options=options.placement([config.tensor]))
+                               options=options.placement([config.tensor]),
+                               param_itemsize=held_itemsize(params))
   return ClusterPlan(placement, config.microbatch, global_batch, devices or config.devices,
                      hw.name, {config.tensor: profile.specs[config.tensor]},
                      {"profile": t1 - t0, "placement": time.perf_counter() - t1},

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax.numpy as jnp
+
 from automap._src.cluster import placement as placement_lib
 from automap._src.cluster import stage_costs
 from automap._src.cluster.layer_graph import (
@@ -55,6 +57,15 @@ class ClusterConfig:
     consecutive replicas (a slice's or node's), and the groups are plain
     data-parallel replicas of each other, their shards' gradients
     all-reduced across groups once per batch. None: over all `data`.
+  weights: the dtype floating-point parameters are held in between steps
+    ("float32", as MaxText keeps them; "bfloat16"). `price_cluster` casts
+    them to it before tracing, so the step computes as the model's own
+    settings make it (flax's `dtype` against `param_dtype`); a graph's
+    parameter bytes are taken as held in it. None: as given. Float32
+    weights keep no float32 master copy: they contradict mixed_precision.
+  gradients: the dtype gradients are accumulated and reduced in
+    ("float32", "bfloat16"). None: float32 under mixed_precision (as
+    Megatron-LM reduces 16-bit models'), else the parameters' own.
   """
 
   tensor: int = 1
@@ -66,6 +77,8 @@ class ClusterConfig:
   virtual_stages: int = 1
   zero: int = 0
   shard_group: int | None = None
+  weights: str | None = None
+  gradients: str | None = None
 
   def __post_init__(self):
     for name in ("tensor", "pipeline", "data", "microbatch", "virtual_stages"):
@@ -106,6 +119,8 @@ class ClusterConfig:
         raise PlacementError(
             f"ClusterConfig.shard_group={g} shards ZeRO's state within groups, but zero=0 "
             "shards nothing; set zero=1, 2 or 3 (3: FSDP within the group).")
+    for name in ("weights", "gradients"):
+      object.__setattr__(self, name, _float_dtype(name, getattr(self, name)))
 
   @property
   def devices(self) -> int:
@@ -128,6 +143,25 @@ class ClusterConfig:
           f"({count}) to be a multiple of pipeline={self.pipeline}; change microbatch, data "
           "or global_batch.")
     return count * self.data
+
+
+def _float_dtype(name: str, value) -> str | None:
+  """A floating dtype's name ("float32", "bfloat16"), from a name or a dtype."""
+  if value is None:
+    return None
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise PlacementError(
+        f"ClusterConfig.{name} must be a floating dtype ('float32', 'bfloat16', "
+        f"'float16') or None, got {value!r}.")
+  return dtype.name
+
+
+def itemsize(dtype: str) -> int:
+  return jnp.dtype(dtype).itemsize
 
 
 def refuse_stated(keywords, function: str) -> None:
@@ -155,7 +189,8 @@ def chunked(graph: LayerGraph, config: ClusterConfig) -> list[int]:
 
 def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
           hardware: str | Hardware, devices: int | None = None,
-          options: PlacementOptions | None = None, **keywords) -> Placement:
+          options: PlacementOptions | None = None, param_itemsize: int | None = None,
+          **keywords) -> Placement:
   """`config` run over `graph` (its costs per microbatch of `config.microbatch`
   samples), as stated: the repeated block split over pipeline x
   virtual_stages chunks as evenly as it divides, every stage `config.tensor` wide.
@@ -166,6 +201,9 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
     stages and virtual_stages are the config's), or as keywords. A stage
     that does not fit in memory is priced anyway: compare `Stage.memory`
     with the limit.
+  param_itemsize: bytes per parameter as the graph counts them, which
+    `config.gradients` is a share of (None: the config's weights, else 2
+    under mixed precision, 4 without).
   """
   refuse_stated(keywords, "price_placement")
   base = with_keywords(PlacementOptions, options, keywords, "price_placement")
@@ -185,6 +223,15 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
       base, recompute=config.recompute, zero=config.zero, widths=(config.tensor,),
       data_parallel=config.data, stages=config.pipeline, virtual_stages=config.virtual_stages)
   problem = stage_costs.problem(devices, config.microbatches(global_batch), hw, options)
+  held = (itemsize(config.weights) if config.weights else param_itemsize
+          or (2 if options.mixed_precision else 4))
+  if config.weights and held >= 4 and options.mixed_precision:
+    raise PlacementError(
+        f"ClusterConfig.weights={config.weights!r} keeps no float32 master copy, which "
+        "mixed_precision=True counts; drop mixed_precision (Adam's moments then count in "
+        "float32, as the weights).")
+  if config.gradients:
+    problem = dataclasses.replace(problem, gradients=itemsize(config.gradients) / held)
   if config.shard_group is not None and config.shard_group < config.data:
     problem = dataclasses.replace(problem, shard_group=config.shard_group)
   costs = stage_costs.StageCosts(graph, problem)
