@@ -7,6 +7,7 @@ from automap._src.cluster.accelerator import TPU_V4_LIKE as TPU_V4_LIKE
 from automap._src.cluster.accelerator import Accelerator as Accelerator
 from automap._src.cluster.accelerator import AcceleratorError as AcceleratorError
 from automap._src.cluster.cluster_plan import ClusterPlan as ClusterPlan
+from automap._src.cluster.cluster_plan import ReplicatedWeightsWarning as ReplicatedWeightsWarning
 from automap._src.cluster.cluster_plan import plan_cluster as plan_cluster
 from automap._src.cluster.cluster_plan import price_cluster as price_cluster
 from automap._src.cluster.configured import ClusterConfig as ClusterConfig
@@ -51,6 +52,7 @@ __all__ = (
     "Placement",
     "PlacementError",
     "PlacementOptions",
+    "ReplicatedWeightsWarning",
     "Shared",
     "Stage",
     "TPU_V4_LIKE",

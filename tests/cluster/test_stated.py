@@ -16,8 +16,8 @@ from automap._src.models.gpt import GPT, GPTConfig
 from automap.cluster import Layer, LayerCost, LayerGraph
 
 
-def gpt_step(layers: int = 4):
-  config = GPTConfig(vocab=256, seq=32, hidden=64, heads=4, layers=layers, dtype=jnp.bfloat16)
+def gpt_step(layers: int = 4, dtype=jnp.bfloat16):
+  config = GPTConfig(vocab=256, seq=32, hidden=64, heads=4, layers=layers, dtype=dtype)
   model = GPT(config)
   params = jax.eval_shape(lambda: model.init(jax.random.key(0),
                                              jnp.zeros((1, 32), jnp.int32)))["params"]
@@ -148,3 +148,114 @@ def test_dtypes_are_checked_by_name(fields, match):
   with pytest.raises(cluster.PlacementError, match=match):
     cluster.ClusterConfig(**fields)
   assert cluster.ClusterConfig(weights=jnp.bfloat16).weights == "bfloat16"
+
+
+@pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
+def test_sequence_parallelism_splits_the_activations_between_the_matmuls():
+  """Stated, the per-width search keeps every activation handed between
+  layers (and everything of its shape inside them but merged heads) split
+  along the sequence, so each stage stashes less; compiled, the step moves
+  the collective bytes the cost model prices and computes what the
+  unpartitioned step does."""
+  from jax.sharding import Mesh
+  from automap._src.cost.compiler import compiler_for
+  from automap._src.cost.program import Program
+  from automap._src.cost.tracker import Tracker
+  from automap._src.plan import build
+  from automap._src.run import compiled as compiled_lib
+  from automap._src.run.apply import jit_with_plan
+
+  loss, params, batch = gpt_step(2, jnp.float32)  # XLA:CPU widens bfloat16 gathers
+  plans = {}
+  for sp in (False, True):
+    config = cluster.ClusterConfig(tensor=2, sequence_parallel=sp)
+    plans[sp] = cluster.price_cluster(loss, params, *batch, config=config, global_batch=4,
+                                      hardware="a100", budget=BUDGET)
+  assert plans[True].placement.stages[0].memory < plans[False].placement.stages[0].memory
+
+  profile = layers_lib.measure(loss, params, batch, widths=[2],
+                               hardware=automap.HARDWARE["a100"],
+                               search=layers_lib.sharding_search(BUDGET),
+                               sequence_parallel=True)
+  program, state = profile.programs[(4, 2)]
+  pinned = layers_lib.sequence_layouts(program.graph, len(jax.tree.leaves(params)), 2)
+  assert len(pinned) > 10 and all(state[v, 0] == 1 for v, _ in pinned)
+  mesh = Mesh(jax.devices()[:2], ("model",))
+  step = jit_with_plan(program.traced, mesh, build.make_plan(program, state, {}))
+  found = compiled_lib.summarize(compiled_lib.collectives(
+      step.lower(params, *batch).compile().as_text(), mesh))
+  cpu = Program.build(program.traced, program.mesh, program.hardware,
+                      compiler=compiler_for("cpu"))
+  predicted = Tracker(cpu.model, state).cost().comm_bytes
+  assert found and set(found) == set(predicted)
+  for key, nbytes in predicted.items():
+    assert found[key] == pytest.approx(nbytes, rel=0.05), key
+
+  real = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape) * 0.02, params)
+  tokens = jax.random.randint(jax.random.key(2), (4, 32), 0, 256)
+  value, grads = step(real, tokens, tokens)
+  ref_value, ref_grads = jax.value_and_grad(loss)(real, tokens, tokens)
+  assert float(value) == pytest.approx(float(ref_value), rel=1e-5)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    assert jnp.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_sequence_parallelism_needs_a_tensor_group():
+  with pytest.raises(cluster.PlacementError, match="tensor=1 has none"):
+    cluster.ClusterConfig(sequence_parallel=True)
+
+
+def wider_step():
+  """A 2-block GPT of width 512: 26 MB of float32 parameters."""
+  config = GPTConfig(vocab=256, seq=128, hidden=512, heads=8, layers=2, dtype=jnp.bfloat16)
+  model = GPT(config)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0),
+                                             jnp.zeros((1, 128), jnp.int32)))["params"]
+
+  def loss(p, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, x), y).mean()
+
+  tokens = jax.ShapeDtypeStruct((4, 128), jnp.int32)
+  return loss, params, (tokens, tokens)
+
+
+def test_a_plan_leaving_the_stated_tensor_group_whole_is_flagged():
+  """With memory to spare the search prices a 2-wide group that keeps every
+  weight whole (the sequence split instead): that is not the tensor
+  parallelism stated, and price_cluster says so. Held to less memory than
+  whole weights and gradients need, it splits them, and says nothing."""
+  import warnings
+
+  loss, params, batch = wider_step()
+  config = cluster.ClusterConfig(tensor=2)
+  budget = automap.Budget(episodes=4, progress=False)
+  with pytest.warns(cluster.ReplicatedWeightsWarning, match="leaves 100% of the parameters"):
+    cluster.price_cluster(loss, params, *batch, config=config, global_batch=4,
+                          hardware="a100", budget=budget, memory_limit=None)
+  weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", cluster.ReplicatedWeightsWarning)
+    held = cluster.price_cluster(loss, params, *batch, config=config, global_batch=4,
+                                 hardware="a100", budget=budget, memory_limit=1.3 * weights)
+  assert "model" in held.shardings[2]["0/block_0/mlp/wi/kernel"]
+
+
+@pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
+def test_the_width_search_has_the_memory_of_a_devices_share(monkeypatch):
+  """A device of a 2-stage split holds half the layers, and under ZeRO 3
+  over 2 replicas half of their state again: the per-width search of the
+  whole traced step is held to the capacity times that share."""
+  limits = []
+  run = layers_lib.driver.run
+  monkeypatch.setattr(layers_lib.driver, "run", lambda program, request: limits.append(
+      request.memory_limit) or run(program, request))
+  monkeypatch.setattr(layers_lib, "_SEARCHED", type(layers_lib._SEARCHED)())
+  loss, params, batch = gpt_step(4)
+  budget = automap.Budget(episodes=2, progress=False)
+  for config, share in ((cluster.ClusterConfig(tensor=2, pipeline=2), 2),
+                        (cluster.ClusterConfig(tensor=2, pipeline=2, data=2, zero=3), 4),
+                        (cluster.ClusterConfig(tensor=2, pipeline=2, data=2, zero=1), 2)):
+    layers_lib._SEARCHED.clear()
+    cluster.price_cluster(loss, params, *batch, config=config, global_batch=8,
+                          hardware="a100", budget=budget, memory_limit=1e6)
+    assert limits[-1] == share * 1e6

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -29,6 +30,13 @@ from automap._src.plan.explain import format_bytes
 from automap._src.search.request import with_keywords
 
 SCHEMA = 1
+# Share of the parameters' bytes left whole over a stated tensor group above
+# which price_cluster says the plan priced is not the split stated.
+REPLICATED = 0.5
+
+
+class ReplicatedWeightsWarning(UserWarning):
+  """The plan priced for a stated tensor width leaves most weights whole."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +285,7 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
     loss_fn, params, *batch: as for `plan_cluster`.
     config: the split (`ClusterConfig`: tensor, pipeline, data, microbatch,
       recompute, schedule, virtual stages, ZeRO, shard group, weight and
-      gradient dtypes). Its weights recast the parameters before tracing;
+      gradient dtypes, sequence parallelism). Its weights recast the parameters before tracing;
       a split the traced layers cannot carry is refused before any search.
     global_batch: samples per optimizer step.
     hardware: a catalogue name or a `Hardware`.
@@ -301,10 +309,32 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
   if config.weights:
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, config.weights)
                           if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+  # The traced step is the whole model at the tensor width, where a device
+  # of the split holds 1/pipeline of its layers and, under ZeRO 3, a shard
+  # of their parameters and gradients: the search has the memory for that.
+  limit = memory_limit(options, hw)
+  share = config.pipeline * ((config.shard_group or config.data) if config.zero == 3 else 1)
+  search = layers_lib.sharding_search(options.budget, options.seed,
+                                      None if math.isinf(limit) else limit * share)
+  # Searched at the microbatch the stages run, so that the shardings shown
+  # are the plan priced.
+  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((config.microbatch, *x.shape[1:]), x.dtype)
+                       if jnp.ndim(x) else x, batch)
   profile = layers_lib.measure(loss_fn, params, batch, widths=[config.tensor], hardware=hw,
-                               search=layers_lib.sharding_search(options.budget, options.seed),
-                               sizes=[config.microbatch], fused_attention=options.fused_attention,
-                               check=lambda graph: configured.chunked(graph, config))
+                               search=search,
+                               fused_attention=options.fused_attention,
+                               check=lambda graph: configured.chunked(graph, config),
+                               sequence_parallel=config.sequence_parallel)
+  whole = layers_lib.replicated_share(*profile.programs[(config.microbatch, config.tensor)],
+                                      len(jax.tree.leaves(params)))
+  if config.tensor > 1 and whole > REPLICATED:
+    warnings.warn(
+        f"price_cluster: the sharding search at tensor={config.tensor} leaves {whole:.0%} of "
+        "the parameters' bytes whole on every device of the tensor group, which the config "
+        "states split; the price is that plan's (its tensor group runs as data or sequence "
+        "parallelism), which the search found faster or ran out of budget= beside. Hold it "
+        "to the memory the run had (memory_limit=) or give it more budget; "
+        "ClusterPlan.shardings shows the plan priced.", ReplicatedWeightsWarning, stacklevel=2)
   t1 = time.perf_counter()
   placement = configured.price(profile.at(config.microbatch), config, global_batch=global_batch,
                                hardware=hw, devices=devices,
@@ -316,4 +346,4 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
                      peak_flops=hw.flops, memory_limit=memory_limit(options, hw))
 
 
-__all__ = ["ClusterPlan", "plan_cluster", "price_cluster"]
+__all__ = ["ClusterPlan", "ReplicatedWeightsWarning", "plan_cluster", "price_cluster"]

@@ -66,6 +66,10 @@ class ClusterConfig:
   gradients: the dtype gradients are accumulated and reduced in
     ("float32", "bfloat16"). None: float32 under mixed_precision (as
     Megatron-LM reduces 16-bit models'), else the parameters' own.
+  sequence_parallel: Megatron-LM's sequence parallelism: activations
+    between the tensor-parallel matmuls (norms, dropout, residual adds)
+    split along the sequence over the tensor group, which the per-width
+    sharding search then keeps (`price_cluster`; needs tensor > 1).
   """
 
   tensor: int = 1
@@ -79,6 +83,7 @@ class ClusterConfig:
   shard_group: int | None = None
   weights: str | None = None
   gradients: str | None = None
+  sequence_parallel: bool = False
 
   def __post_init__(self):
     for name in ("tensor", "pipeline", "data", "microbatch", "virtual_stages"):
@@ -119,6 +124,14 @@ class ClusterConfig:
         raise PlacementError(
             f"ClusterConfig.shard_group={g} shards ZeRO's state within groups, but zero=0 "
             "shards nothing; set zero=1, 2 or 3 (3: FSDP within the group).")
+    if not isinstance(self.sequence_parallel, bool):
+      raise PlacementError(
+          f"ClusterConfig.sequence_parallel must be True or False, got "
+          f"{self.sequence_parallel!r}.")
+    if self.sequence_parallel and self.tensor == 1:
+      raise PlacementError(
+          "ClusterConfig.sequence_parallel splits activations over the tensor group, but "
+          "tensor=1 has none; set tensor >= 2 or drop sequence_parallel.")
     for name in ("weights", "gradients"):
       object.__setattr__(self, name, _float_dtype(name, getattr(self, name)))
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from automap._src.cluster.layer_graph import Layer, LayerCost, LayerGraph, PlacementError, Shared
 from automap._src.cost.hardware import Hardware
@@ -232,18 +233,30 @@ def policy_rerun(g, cut: LayerCut, needed: np.ndarray,
   return saved, rerun
 
 
-def sharding_search(budget, seed: int = 0) -> Callable[[Program], np.ndarray]:
+def sharding_search(budget, seed: int = 0,
+                    memory_limit: float | str | None = "device") -> Callable[[Program], np.ndarray]:
   """`search(program) -> state` for `measure`: the sharding search's plan
-  under `budget` (an automap.Budget), or everything whole on one device."""
-  request = SearchOptions(budget=budget, seed=seed)
+  under `budget` (an automap.Budget) and `memory_limit` (bytes per device
+  for the whole traced step, as `automap.SearchOptions` reads it), or
+  everything whole on one device."""
+  request = SearchOptions(budget=budget, seed=seed, memory_limit=memory_limit)
 
   def search(program: Program) -> np.ndarray:
     if program.mesh.num_devices == 1:
       return program.initial_state()
     return driver.run(program, request).state
 
-  search.key = (budget, seed)  # what `measure`'s cache keys the search by
+  search.key = (budget, seed, memory_limit)  # what `measure`'s cache keys the search by
   return search
+
+
+def replicated_share(program: Program, state: np.ndarray, params_count: int) -> float:
+  """Share of the parameters' bytes a plan leaves whole on every device."""
+  g = program.graph
+  params = list(g.inputs[:params_count])
+  total = float(sum(g.nbytes[v] for v in params))
+  whole = float(sum(g.nbytes[v] for v in params if (state[v] < 0).all()))
+  return whole / total if total else 0.0
 
 
 # Searched states by (program digest, width, hardware, search): pricing
@@ -255,13 +268,49 @@ _SEARCHED: OrderedDict[tuple, np.ndarray] = OrderedDict()
 _SEARCHED_MAX = 16
 
 
-def _searched(traced, t: int, hardware: Hardware, search, example: np.ndarray | None):
+def sequence_layouts(g, params_count: int, width: int) -> list[tuple[int, PartitionSpec]]:
+  """Megatron-LM's sequence parallelism (Korthikanti et al. 2022) on a
+  one-axis ("model") mesh of `width`: every forward activation shaped like
+  those handed between layers ([batch, sequence, features ...]) split along
+  its sequence, so that norms, dropout and residual adds run on a slice of
+  it, gathered before a column-parallel matmul and reduce-scattered after a
+  row-parallel one (the search lays out the rest). Attention heads merged
+  into that shape by a reshape are left to the search: they are split by
+  heads."""
+  cut = LayerCut.of(g)
+  params = set(g.inputs[:params_count])
+  handed = set()
+  for v in range(g.num_values):
+    p = g.producer[v]
+    if v in params or p < 0 or not cut.forward[p] or len(g.shapes[v]) < 3:
+      continue
+    if any(cut.forward[o] and cut.segment[o] != cut.segment[p] for o, _ in g.uses[v]):
+      handed.add(tuple(g.shapes[v]))
+  layouts = []
+  for v in range(g.num_values):
+    p = g.producer[v]
+    shape = tuple(g.shapes[v])
+    if p < 0 or not cut.forward[p] or shape not in handed or shape[1] % width:
+      continue
+    source = g.operands[p][0] if g.operands[p] else -1
+    if g.prims[p] == "reshape" and source >= 0 and tuple(g.shapes[source]) not in handed:
+      continue
+    layouts.append((v, PartitionSpec(None, "model")))
+  return layouts
+
+
+def _searched(traced, t: int, hardware: Hardware, search, example: np.ndarray | None,
+              params_count: int = 0, sequence_parallel: bool = False):
   """(program, state) of `traced` on a width-t mesh: the search's, or
-  `example` (a state searched at another batch size) where it divides."""
+  `example` (a state searched at another batch size) where it divides;
+  with `sequence_parallel`, the activations `sequence_layouts` names pinned."""
   program = Program.build(traced, MeshSpec(("model",), (t,)), hardware)
+  if sequence_parallel and t > 1:
+    program = program.with_pins(sequence_layouts(program.graph, params_count, t),
+                                "sequence parallelism")
   key = None
   if getattr(search, "key", None) is not None:
-    key = (traced.fingerprint(), t, hardware, search.key)
+    key = (traced.fingerprint(), t, hardware, search.key, sequence_parallel and t > 1)
     try:
       hash(key)
     except TypeError:  # an unhashable hardware: no cache
@@ -480,7 +529,8 @@ def _divides_shapes(program: Program, state: np.ndarray) -> bool:
 def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int],
             hardware: Hardware, search: Callable[[Program], np.ndarray],
             sizes: Sequence[int] = (), fused_attention: bool = False,
-            check: Callable[[LayerGraph], None] | None = None) -> Profile:
+            check: Callable[[LayerGraph], None] | None = None,
+            sequence_parallel: bool = False) -> Profile:
   """Profiles `jax.value_and_grad(loss_fn)(params, *batch)` at each width, for
   the example batch and for each of `sizes` (the batch's leading dimension
   changed).
@@ -491,6 +541,8 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
   fused_attention: as in `layer_graphs`.
   check(graph): called with the step's layers (`outline`) before any
     search, to refuse a split they cannot carry before the search's time.
+  sequence_parallel: activations split along the sequence at every width
+    above 1 (`sequence_layouts`), the search choosing the rest.
   """
   found = {leaf.shape[0] for leaf in jax.tree.leaves(batch) if np.ndim(leaf)}
   if len(found) != 1:
@@ -514,7 +566,8 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
           batch)
       traced = trace_lib.trace(grad, (params, *resized))
     for t in widths:
-      program, state = _searched(traced, t, hardware, search, searched.get(t))
+      program, state = _searched(traced, t, hardware, search, searched.get(t), params_count,
+                                 sequence_parallel)
       if size == example:
         searched[t] = state
         plan = build.make_plan(program, state, {})

@@ -162,6 +162,21 @@ class Program:
       fixed[v] = True
     return self._propagated(state, fixed)
 
+  def with_pins(self, layouts, what: str) -> Program:
+    """This program with the (value, PartitionSpec) `layouts` fixed too:
+    no action of the search changes them."""
+    g, mesh = self.graph, self.mesh
+    pinned, fixed = self.pinned.copy(), self.fixed.copy()
+    for v, spec in layouts:
+      had = _pin(g, mesh, pinned, v, spec, fixed[v], f"{what} for {g.names[v]!r}")
+      if had is not None:
+        raise MeshError(
+            f"{what} gives {g.names[v]!r} the layout {spec}, but it is pinned to "
+            f"{had}{_by_constraint(g, v)}; trace the program without the pin "
+            "(constraints='ignore') or drop the statement.")
+      fixed[v] = True
+    return dataclasses.replace(self, pinned=pinned, fixed=fixed)
+
   def _propagated(self, state: State, fixed: np.ndarray) -> State:
     """`state` with its layouts spread, the values of `fixed` left as they are."""
     prop = self.propagator()
