@@ -316,12 +316,8 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
   share = config.pipeline * ((config.shard_group or config.data) if config.zero == 3 else 1)
   search = layers_lib.sharding_search(options.budget, options.seed,
                                       None if math.isinf(limit) else limit * share)
-  # Searched at the microbatch the stages run, so that the shardings shown
-  # are the plan priced.
-  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((config.microbatch, *x.shape[1:]), x.dtype)
-                       if jnp.ndim(x) else x, batch)
   profile = layers_lib.measure(loss_fn, params, batch, widths=[config.tensor], hardware=hw,
-                               search=search,
+                               search=search, sizes=[config.microbatch],
                                fused_attention=options.fused_attention,
                                check=lambda graph: configured.chunked(graph, config),
                                sequence_parallel=config.sequence_parallel)
