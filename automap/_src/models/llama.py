@@ -208,9 +208,10 @@ def _optimizer() -> optax.GradientTransformation:
   return optax.adamw(1e-3, weight_decay=0.1)
 
 
-def train_step(config: LlamaConfig, seed: int = 0,
-               constrained: bool = True) -> tuple[Callable, tuple]:
-  """(step_fn, (params, opt_state, batch)) with small concrete arrays.
+def train_step(config: LlamaConfig, seed: int = 0, constrained: bool = True,
+               abstract: bool = False) -> tuple[Callable, tuple]:
+  """(step_fn, (params, opt_state, batch)) with small concrete arrays, or
+  with `abstract` jax.ShapeDtypeStructs (any size: nothing is allocated).
 
   step_fn(params, opt_state, batch) -> (params, opt_state, loss) takes plain
   arrays; batch is {"inputs", "targets"}: [B, S] int32, targets the next
@@ -221,9 +222,14 @@ def train_step(config: LlamaConfig, seed: int = 0,
   """
   model, optimizer = Decoder(config), _optimizer()
   k_init, k_data = jax.random.split(jax.random.key(seed))
-  tokens = jax.random.randint(k_data, (config.batch, config.seq + 1), 0, config.vocab)
-  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-  params = nn.meta.unbox(model.init(k_init, batch["inputs"])["params"])
+  if abstract:
+    tokens = jax.ShapeDtypeStruct((config.batch, config.seq), jnp.int32)
+    batch = {"inputs": tokens, "targets": tokens}
+    params = nn.meta.unbox(jax.eval_shape(lambda t: model.init(k_init, t), tokens)["params"])
+  else:
+    tokens = jax.random.randint(k_data, (config.batch, config.seq + 1), 0, config.vocab)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    params = nn.meta.unbox(model.init(k_init, batch["inputs"])["params"])
 
   def loss_fn(params, batch):
     logits = model.apply({"params": params}, batch["inputs"])
@@ -237,7 +243,8 @@ def train_step(config: LlamaConfig, seed: int = 0,
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  return step_fn, (params, optimizer.init(params), batch)
+  opt_state = jax.eval_shape(optimizer.init, params) if abstract else optimizer.init(params)
+  return step_fn, (params, opt_state, batch)
 
 
 def param_specs(config: LlamaConfig, mesh) -> tuple[Any, Any, P]:
