@@ -26,6 +26,14 @@ least MIN_FIT_RUNS independent runs (a model at several scales is one run)
 (`--fit` prints the fit; the catalogue's values in
 `automap/_src/cost/calibration.py` came from it).
 
+Stacks: automap emits XLA programs, so its constants describe XLA and are
+fitted on JAX/XLA runs only (MaxText and Pax on TPU and GPU, NVIDIA's
+dgxc-benchmarking and JAX-Toolbox, Google's GPU recipes). Runs of other
+software (Megatron-LM and Megatron-Core, DeepSpeed's ZeRO-3, Meta's
+PyTorch stack) are priced with the same constants and reported apart, with
+their stack's factor (median predicted / measured over its training rows)
+stated and never folded into a constant.
+
 FSDP inside a slice with data parallelism across slices (hybrid sharding:
 MaxText's multi-slice runs, PaLM's two pods) is priced as it ran: ZeRO 3
 within each slice's replicas (`ClusterConfig.shard_group`), the slices
@@ -125,6 +133,18 @@ PARALLEL_BLOCKS = ("maxtext_v5e", "maxtext_v5p", "palm")
 # runs: one model measured at several scales is one run, whose software
 # stack a kernel constant must not absorb.
 MIN_FIT_RUNS = 3
+# Sources that count model FLOPs as NVIDIA's dgxc-benchmarking READMEs do.
+NVIDIA_FLOPS = ("dgxc_maxtext", "dgxc_paxml", "jaxtoolbox", "gpu_recipes")
+# The software each source's runs used. The cost model describes XLA: its
+# constants are fitted on JAX/XLA runs only; runs of other stacks are
+# priced with them and their stack's factor (median predicted / measured
+# over its training rows) is stated, never folded into a constant.
+STACK = {"narayanan21": "megatron", "mcore_h100_2024": "megatron", "mtnlg": "megatron",
+         "bloom": "megatron", "llama3": "pytorch"}  # every other source: "jax"
+
+
+def stack(row: dict) -> str:
+  return row.get("stack") or STACK.get(row["source"], "jax")
 MICROBATCHES = (1, 2, 4, 8, 16)
 VIRTUAL = (2, 3, 4, 6, 8)
 
@@ -154,7 +174,8 @@ def unpriced(row: dict) -> str | None:
     return "context parallelism not modelled"
   if p.get("tensor") is None or p.get("pipeline") is None:
     return "tensor / pipeline widths not published"
-  if row["measured"].get("tflops_per_device") is None and row["measured"].get("mfu") is None:
+  if all(row["measured"].get(k) is None
+         for k in ("tflops_per_device", "mfu", "seconds_per_iteration")):
     return "no per-device throughput published"
   return None
 
@@ -166,7 +187,7 @@ def model_config(row: dict, layers: int = 2) -> GPTConfig:
                    gated=bool(m.get("gated_mlp")),
                    kv_heads=m.get("kv_heads") or 0, head_size=m.get("head_dim") or 0,
                    parallel=row["source"] in PARALLEL_BLOCKS, dtype=jnp.bfloat16,
-                   tied=row["source"] not in ("llama3", "mcore_h100_2024"))
+                   tied=m.get("tied", row["source"] not in ("llama3", "mcore_h100_2024")))
 
 
 def traced_step(row: dict):
@@ -208,10 +229,14 @@ def source_flops(row: dict) -> float:
     return 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
   if source == "bloom":  # math/README.md: model size x 4 x 2 x seq x batch
     return m["params"] * 8 * s * B
-  if source in ("maxtext_v5e", "maxtext_v5p"):  # max_utils.calculate_training_tflops
+  if source in NVIDIA_FLOPS:  # dgxc-benchmarking's model FLOPs per sequence
+    mlp = (18 if m.get("gated_mlp") else 12) * L * m["ffn"] * h
+    attention = 12 * L * h**2 * (1 + (m.get("kv_heads") or m["heads"]) / m["heads"] + s / h)
+    return B * s * (attention + mlp + 6 * V * h)
+  if source in ("maxtext_v5e", "maxtext_v5p", "maxtext_a3"):  # calculate_training_tflops
     head_dim = m.get("head_dim") or h // m["heads"]
     attention = 12 * m["heads"] * L * head_dim * s**2 * B
-    if source == "maxtext_v5p":  # halved for causality from 2023-11-29 on
+    if source != "maxtext_v5e":  # halved for causality from 2023-11-29 on
       attention /= 2
     return 6 * parameters(row) * s * B + attention
   if source in ("llama3", "palm"):  # PaLM's MFU: 6N + 12 L H Q T per token
@@ -227,17 +252,21 @@ def hybrid(row: dict) -> bool:
 
 
 def measured_flops(row: dict) -> float:
-  """FLOP/s per device in the source's own unit: as published, or its MFU
-  (by the source's own FLOP formula) times the device's peak."""
+  """FLOP/s per device in the source's own unit: as published, its MFU (by
+  the source's own FLOP formula) times the device's peak, or that formula
+  over the published seconds per step (the formula then cancels out of
+  predicted / measured)."""
   m = row["measured"]
   if m.get("tflops_per_device") is not None:
     return m["tflops_per_device"] * 1e12
-  return m["mfu"] * automap.HARDWARE[row["hardware"]].flops
+  if m.get("mfu") is not None:
+    return m["mfu"] * automap.HARDWARE[row["hardware"]].flops
+  return source_flops(row) / (m["seconds_per_iteration"] * row["devices"])
 
 
 def hardware(row: dict, efficiency: float | None = None) -> automap.Hardware:
   hw = automap.HARDWARE[row["hardware"]]
-  if hybrid(row):  # the run's slices: its devices over the data-parallel width
+  if hybrid(row) and hw.platform == "tpu":  # the slices: devices over data-parallel width
     hw = dataclasses.replace(hw, devices_per_node=row["devices"] // row["parallel"]["data"])
   if "40GB" in row.get("notes", "") and row["hardware"] == "a100":
     hw = dataclasses.replace(hw, hbm_capacity=40e9)
@@ -333,7 +362,9 @@ def candidates(row: dict) -> list[cluster.ClusterConfig]:
     sizes = (per_replica,)
   else:
     sizes = tuple(b for b in MICROBATCHES if per_replica % b == 0)
-  modes = (p["recompute"],) if p.get("recompute") else ("none", "selective", "full")
+  stated = p.get("recompute")  # a mode, modes a policy lies between, or unpublished
+  modes = ((stated,) if isinstance(stated, str) else tuple(stated) if stated
+           else ("none", "selective", "full"))
   if pp == 1 or p.get("schedule") == "1f1b":
     schedules = [("1f1b", 1)]
   elif p.get("virtual_stages"):
@@ -355,7 +386,10 @@ def candidates(row: dict) -> list[cluster.ClusterConfig]:
 
 
 def attention(row: dict) -> tuple[bool, ...]:
-  """Whether attention runs fused, as the source states it; both where it is silent."""
+  """Whether attention runs fused, as the row or its source states it; both
+  where they are silent."""
+  if row["parallel"].get("fused_attention") is not None:
+    return (row["parallel"]["fused_attention"],)
   if row["source"] in FUSED_ATTENTION:
     return (True,)
   return (False,) if row["source"] in UNFUSED_ATTENTION else (False, True)
@@ -463,7 +497,7 @@ def main():
     keys = list(itertools.product(attention(row), states))
     measured = measured_flops(row)
     ratios = {}
-    for eff in (grid if opts.fit and split == "training" else []):
+    for eff in (grid if opts.fit and split == "training" and stack(row) == "jax" else []):
       plan, *_ = priced(row, {(f, sp): profile(traced, count, states[sp], width,
                                                hardware(row, eff), f) for f, sp in keys},
                         hardware(row, eff))
@@ -482,15 +516,37 @@ def main():
           f"{predicted / 1e12:.0f} | {predicted / measured:.3f} |{cell}", flush=True)
     run = (row["source"], *(row["model"].get(k) for k in ("layers", "hidden", "heads", "seq")))
     results.append({"id": row["id"], "split": split, "hardware": row["hardware"], "run": run,
+                    "stack": stack(row),
                     "ratio": predicted / measured, "fits": fits, "grid": ratios,
                     "seconds": time.perf_counter() - t0})
   print()
   for split in ("training", "validation"):
-    errors = [abs(r["ratio"] - 1) for r in results if r["split"] == split]
+    for st in sorted({r["stack"] for r in results}):
+      errors = [abs(r["ratio"] - 1) for r in results if r["split"] == split and r["stack"] == st]
+      if errors:
+        fit = sum(r["fits"] for r in results if r["split"] == split and r["stack"] == st)
+        print(f"{split}, {st} stack: {len(errors)} rows, |predicted / measured - 1| median "
+              f"{statistics.median(errors):.1%}, max {max(errors):.1%}; fit in memory "
+              f"{fit}/{len(errors)}")
+  for device in sorted({r["hardware"] for r in results}):
+    errors = [abs(r["ratio"] - 1) for r in results
+              if r["hardware"] == device and r["stack"] == "jax" and r["split"] == "validation"]
     if errors:
-      print(f"{split}: {len(errors)} rows, |predicted / measured - 1| median "
-            f"{statistics.median(errors):.1%}, max {max(errors):.1%}; fit in memory "
-            f"{sum(r['fits'] for r in results if r['split'] == split)}/{len(errors)}")
+      print(f"{device}, JAX/XLA validation: {len(errors)} rows, median "
+            f"{statistics.median(errors):.1%}, max {max(errors):.1%}")
+  # Other stacks: their factor over the training rows, applied to the validation rows.
+  for st in sorted({r["stack"] for r in results} - {"jax"}):
+    for device in sorted({r["hardware"] for r in results if r["stack"] == st}):
+      mine = [r for r in results if r["stack"] == st and r["hardware"] == device]
+      train = [r["ratio"] for r in mine if r["split"] == "training"]
+      if not train:
+        continue
+      factor = statistics.median(train)
+      held = [abs(r["ratio"] / factor - 1) for r in mine if r["split"] == "validation"]
+      print(f"stack {st} on {device}: factor {factor:.3f} (median predicted / measured over "
+            f"{len(train)} training rows)" + (
+                f"; validation with it: {len(held)} rows, median {statistics.median(held):.1%}, "
+                f"max {max(held):.1%}" if held else ""))
   by_source: dict[str, list[float]] = {}
   for r in results:
     by_source.setdefault(r["id"].split("-")[0], []).append(abs(r["ratio"] - 1))
@@ -499,7 +555,7 @@ def main():
   if opts.fit:
     print()
     for device in sorted({r["hardware"] for r in results if r["grid"]}):
-      rows_of = [r for r in results if r["hardware"] == device and r["grid"]]
+      rows_of = [r for r in results if r["hardware"] == device and r["grid"]]  # JAX/XLA
       # Only rows whose prediction moves with the constant can fit it: a row
       # bound by communication predicts the same at any matmul efficiency.
       fitted = [r for r in rows_of if r["grid"][grid[0]] / r["grid"][grid[-1]] < 0.9]

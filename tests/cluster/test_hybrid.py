@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import automap
 from automap import cluster
-from automap._src.cost.collectives import ALL_GATHER, ALL_REDUCE, ring_seconds
+from automap._src.cost.collectives import ALL_GATHER, ALL_REDUCE, ring_seconds, staged_seconds
 from automap._src.run.compiled import collectives
 from automap.cluster import Layer, LayerCost, LayerGraph
 
@@ -57,7 +57,8 @@ def test_hybrid_sharding_shards_within_a_slice_and_syncs_shards_across():
   """8 replicas on 2 slices of 4 (links 10x the network): ZeRO 3 within each
   slice (HSDP) holds 1/4 of the state and gathers over the slice's links;
   the slices all-reduce their shards' gradients once, over the network.
-  ZeRO 3 over all 8 holds 1/8 but runs every gather across the network."""
+  ZeRO 3 over all 8 holds 1/8 but runs every gather across the network
+  too."""
   hw = flat(bandwidth=1e10, network=1e9, per_slice=4)
   graph = LayerGraph.chain([Layer("b0", {1: LayerCost(1.0, 2.0, 2e9, 0.0)})])
   hybrid, flat_zero = (cluster.price_placement(
@@ -72,7 +73,11 @@ def test_hybrid_sharding_shards_within_a_slice_and_syncs_shards_across():
   # all-reduce across the 2 slices.
   assert h.zero_total == pytest.approx(3 * ring_seconds(ALL_GATHER, 2e9, 4, 1e10, 0.0))
   assert h.sync_total == pytest.approx(ring_seconds(ALL_REDUCE, 2e9 / 4, 2, 1e9, 0.0))
-  assert f.zero_total == pytest.approx(3 * ring_seconds(ALL_GATHER, 2e9, 8, 1e9, 0.0))
+  # Over both slices a gather runs within each slice, then across in 4 rings
+  # of a quarter of the array each (`rings.Ring.levels`).
+  across = staged_seconds(ALL_GATHER, 2e9, 8, [(4, 1e10, 0.0), (2, 1e9, 0.0)])
+  assert f.zero_total == pytest.approx(3 * across)
+  assert across < ring_seconds(ALL_GATHER, 2e9, 8, 1e9, 0.0) / 2
   assert f.sync_total == 0.0
   assert hybrid.time < flat_zero.time
   assert "within groups of 4 replicas (hybrid)" in cluster.ClusterPlan(

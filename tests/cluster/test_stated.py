@@ -158,6 +158,7 @@ def test_sequence_parallelism_splits_the_activations_between_the_matmuls():
   the collective bytes the cost model prices and computes what the
   unpartitioned step does."""
   from jax.sharding import Mesh
+
   from automap._src.cost.compiler import compiler_for
   from automap._src.cost.program import Program
   from automap._src.cost.tracker import Tracker

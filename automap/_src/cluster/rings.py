@@ -1,10 +1,27 @@
 """Ring collectives over a cluster's links: within a node (or TPU slice) on
 the hardware's `link_*`, across nodes on its `network_*`, by the span of
-devices a ring joins. Seconds for arrays of `nbytes` in all."""
+devices a ring joins. Seconds for arrays of `nbytes` in all.
+
+A group with several members in each node it spans runs as two levels:
+within each node over the fast links, then across nodes in as many rings
+as the group has members per node, each with its own share of the array
+(`collectives.staged_seconds`). This is what makes FSDP over many nodes
+affordable: NCCL's rings over multi-NIC nodes cross each node boundary on
+every member's own NIC, and XLA's cross-slice collectives reduce or gather
+within the slice before the data-centre network. A group of one member
+per node (data parallelism beside tensor parallelism) is one ring on the
+network.
+"""
 
 from __future__ import annotations
 
-from automap._src.cost.collectives import ALL_GATHER, ALL_REDUCE, ring_seconds, send_seconds
+from automap._src.cost.collectives import (
+  ALL_GATHER,
+  ALL_REDUCE,
+  ring_seconds,
+  send_seconds,
+  staged_seconds,
+)
 from automap._src.cost.hardware import Hardware
 
 
@@ -22,19 +39,37 @@ class Ring:
       return self.hw.link_bandwidth, self.hw.link_latency
     return self.hw.network_bandwidth, self.hw.network_latency
 
+  def levels(self, n: int, lo: int, hi: int) -> list[tuple[int, float, float]]:
+    """(devices, bandwidth, latency) per level of a ring of n devices spread
+    evenly over lo..hi: one level within a node or where each node holds
+    one member; else the members within each node, then across nodes."""
+    hw, node = self.hw, self.hw.devices_per_node
+    if lo // node == hi // node:
+      return [(n, hw.link_bandwidth, hw.link_latency)]
+    stride = (hi - lo) / (n - 1)
+    within = min(n, max(1, int(node // stride))) if stride < node else 1
+    if within == 1 or n % within:
+      return [(n, hw.network_bandwidth, hw.network_latency)]
+    return [(within, hw.link_bandwidth, hw.link_latency),
+            (n // within, hw.network_bandwidth, hw.network_latency)]
+
+  def _seconds(self, kind: int, nbytes: float, n: int, lo: int, hi: int) -> float:
+    if n == 1 or nbytes == 0:
+      return 0.0
+    levels = self.levels(n, lo, hi)
+    if len(levels) == 1:
+      return ring_seconds(kind, nbytes, n, *levels[0][1:])
+    return staged_seconds(kind, nbytes, n, levels)
+
   def gather(self, nbytes: float, n: int, lo: int, hi: int) -> float:
     """All-gather (or reduce-scatter) of `nbytes` in all over a ring of n
     devices spanning lo..hi: a reduce-scatter's input is the gathered
     array, its steps the same."""
-    if n == 1 or nbytes == 0:
-      return 0.0
-    return ring_seconds(ALL_GATHER, nbytes, n, *self.link(lo, hi))
+    return self._seconds(ALL_GATHER, nbytes, n, lo, hi)
 
   def reduce(self, nbytes: float, n: int, lo: int, hi: int) -> float:
     """All-reduce of `nbytes` over a ring of n devices spanning lo..hi."""
-    if n == 1 or nbytes == 0:
-      return 0.0
-    return ring_seconds(ALL_REDUCE, nbytes, n, *self.link(lo, hi))
+    return self._seconds(ALL_REDUCE, nbytes, n, lo, hi)
 
   def send(self, nbytes: float, a: int, b: int) -> float:
     """Sends `nbytes` from device a to device b."""

@@ -19,6 +19,13 @@ import types
 # stays 1.0 (the `cpu` spec describes XLA:CPU as verified, not a measured
 # machine).
 #
+# Fit of 2026-12-05, on JAX/XLA runs only (automap's constants describe XLA;
+# runs of other stacks are priced with them and reported apart, their
+# stack's factor stated): h100 0.75 on 16 rows from 7 runs (NVIDIA's
+# dgxc-benchmarking MaxText and Paxml, JAX-Toolbox, MaxText on A3), the
+# value the earlier fit on Megatron-Core's runs gave; tpu-v5p 0.80 as below.
+# a100's 2 JAX/XLA runs are fewer than three: it keeps the GPU fit.
+#
 # Fit of 2026-12-03 (benchmarks/RESULTS.md, "Published training runs"):
 # h100 0.75 on 7 rows from 7 runs (Megatron-Core 2024, priced with the
 # sequence parallelism its --tp-comm-overlap requires; without it the

@@ -166,13 +166,25 @@ class CostModel:
     self.cross_node = [
         max((strides[a] * mesh.axis_sizes[a] for a in range(n) if m >> a & 1),
             default=1) > hardware.devices_per_node for m in range(self.masks)]
-    # Per mask, the (size, bandwidth, latency) of its axes, fastest first.
+    # Per mask, the (size, bandwidth, latency) of its levels, fastest first:
+    # an axis within a node is one level on the node's links; one crossing
+    # nodes with several of its devices in each is two (within each node,
+    # then across in as many rings: `cluster.rings.Ring.levels`), one with a
+    # device per node one level on the network.
     hw = hardware
-    link = {a: (hw.network_bandwidth, hw.network_latency) if self.cross_node[1 << a]
-            else (hw.link_bandwidth, hw.link_latency) for a in range(n)}
-    self.stages = [sorted(((mesh.axis_sizes[a],) + link[a] for a in range(n)
-                           if m >> a & 1 and mesh.axis_sizes[a] > 1),
-                          key=lambda s: (-s[1], s[2]))
+    fast, slow = (hw.link_bandwidth, hw.link_latency), (hw.network_bandwidth, hw.network_latency)
+
+    def levels(a: int) -> list[tuple[int, float, float]]:
+      size = mesh.axis_sizes[a]
+      if not self.cross_node[1 << a]:
+        return [(size, *fast)]
+      within = hw.devices_per_node // strides[a] if strides[a] < hw.devices_per_node else 1
+      if within > 1 and size % within == 0:
+        return [(within, *fast), (size // within, *slow)]
+      return [(size, *slow)]
+
+    self.stages = [sorted((level for a in range(n) if m >> a & 1 and mesh.axis_sizes[a] > 1
+                           for level in levels(a)), key=lambda s: (-s[1], s[2]))
                    for m in range(self.masks)]
     self.itemsize = np.array([graph_lib.itemsize(d) for d in graph.dtypes])
     # [V] bytes per element an all-reduce of the value moves.
