@@ -69,3 +69,37 @@ def test_a_search_short_of_the_memory_limit_falls_back_on_the_experts():
   plan = automap.search(adam_step, p, o, x, mesh=MESH, hardware="tpu-v4", memory_limit=limit,
                         budget=automap.Budget(episodes=1))
   assert plan.cost.peak_memory <= limit
+
+
+def small_gpt():
+  from automap._src.models.gpt import GPTConfig, make_train_step
+  return make_train_step(GPTConfig(vocab=512, seq=128, hidden=256, heads=4, layers=2),
+                         batch=16, abstract=True)
+
+
+def test_fsdp_beside_tensor_parallelism_splits_what_megatron_leaves():
+  """FSDP+TP, MaxText's layout: Megatron's columns and rows on the last
+  axis, FSDP on the other taking each weight's other dimension (the
+  embedding), Adam's moments as their parameters."""
+  step, args = small_gpt()
+  program = planner.build_program(step, args, MESH, get_hardware("tpu-v4"))
+  state = tactics.expert_states(program, ActionSpace(program))["FSDP+TP"]
+  g = program.graph
+  specs = {p: spec_of(state, program.mesh, v, g.rank(v))
+           for p, v in zip(program.traced.in_paths, g.inputs)}
+  assert specs["0/block_0/mlp/wi/kernel"] == P("data", "model")
+  assert specs["0/block_0/mlp/wo/kernel"] == P("model", "data")
+  assert specs["1/0/mu/block_0/mlp/wi/kernel"] == P("data", "model")
+
+
+def test_a_short_search_never_returns_worse_than_an_expert():
+  """One episode of MCTS finds less than plain data parallelism on this
+  step; the search keeps the expert's plan, and says so."""
+  step, args = small_gpt()
+  program = planner.build_program(step, args, MESH, get_hardware("tpu-v4"))
+  experts = {name: Tracker(program.model, state).cost().step_time
+             for name, state in tactics.expert_states(program, ActionSpace(program)).items()}
+  plan = automap.search(step, *args, mesh=MESH, hardware="tpu-v4",
+                        budget=automap.Budget(episodes=1))
+  assert plan.cost.step_time <= min(experts.values()) * 1.01
+  assert plan.stats["kept"].startswith("expert: ")

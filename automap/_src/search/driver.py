@@ -84,7 +84,8 @@ def run(program: Program, request: SearchOptions, policy: mcts.Policy | None = N
         or (request.start == "your layout" and program.has_user_layout)):
       found = from_user_layout(program, space, request, found)
     found = with_least_memory(program, found, request.time_tolerance)
-    return within_memory(program, space, found, request.memory_limit)
+    return against_experts(program, space, found, request.memory_limit,
+                           request.time_tolerance)
   except SystemError as e:
     # Ctrl-C landing inside a compiled kernel's call (while numba compiles,
     # loads or boxes) surfaces as a SystemError around it.
@@ -174,20 +175,23 @@ def with_least_memory(program: Program, found: Found, tolerance: float) -> Found
   return dataclasses.replace(found, state=state, score=score, stats=stats)
 
 
-def within_memory(program: Program, space: ActionSpace, found: Found,
-                  limit: float | None) -> Found:
-  """`found`, or where its best is over the memory limit, the best of the
-  expert strategies (`tactics.EXPERTS`: FSDP splits every argument over
-  every axis) that beats it: a search that has not reached a plan within
-  the limit still never returns worse than the hand-written ones."""
-  if limit is None or found.score[0] <= 0:
-    return found
-  best = found
+def against_experts(program: Program, space: ActionSpace, found: Found,
+                    limit: float | None, tolerance: float = 0.0) -> Found:
+  """`found`, or the best of the expert strategies (`tactics.EXPERTS`: FSDP
+  splits every argument over every axis, FSDP+TP adds Megatron on the last)
+  where one beats it: within the memory limit where `found` is not, or
+  faster by more than `tolerance` (the share of step time `found` may have
+  given up for memory). A search never returns worse than the hand-written
+  layouts on its own mesh, however short its budget."""
+  best, over = found, found.score[0] > 0
   for name, state in expert_states(program, space).items():
     score = mcts.score_of(Tracker(program.model, state), limit)
-    if score < best.score:
+    better = score < best.score if over else (
+        score[0] <= 0 and score[1] * (1 + tolerance) < best.score[1])
+    if better:
       best = Found(state, score, dict(found.stats, kept=f"expert: {name}"), found.timings,
                    found.candidates + [(state, score)])
+      over = score[0] > 0
   return best
 
 
@@ -251,5 +255,5 @@ def mesh_shapes(devices: int) -> list[tuple[int, ...]]:
   return sorted(out, key=len)
 
 
-__all__ = ["Found", "check_memory_limit", "mesh_shapes", "run", "run_ilp",
+__all__ = ["Found", "against_experts", "check_memory_limit", "mesh_shapes", "run", "run_ilp",
            "run_mcts"]

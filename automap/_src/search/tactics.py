@@ -163,13 +163,16 @@ class Tactics:
   def fsdp(self, state: State, axis: int) -> np.ndarray:
     """ZeRO-3 / FSDP over one axis: data parallelism on it, and every
     carried argument (parameters, optimizer state) split along its largest
-    dimension the axis divides, to be gathered where it is used."""
+    dimension the axis divides, to be gathered where it is used; a
+    dimension no other axis splits first (beside Megatron's split of the
+    heads or hidden units, FSDP takes the embedding, as MaxText's rules)."""
     changed = [self.data_parallel(state, [axis])]
     g = self.graph
     for v in self.carried:
       if state[v, axis] >= 0:
         continue
-      for d in sorted(range(g.rank(v)), key=lambda d: -g.shapes[v][d]):
+      taken = set(state[v][state[v] >= 0].tolist())
+      for d in sorted(range(g.rank(v)), key=lambda d: (d in taken, -g.shapes[v][d])):
         if self.prop.can_tile(state, v, d, axis):
           changed.append(self.prop.tile(state, v, d, axis))
           break
@@ -187,14 +190,16 @@ YARDSTICKS = ("data parallel", "Megatron + data parallel")
 
 
 # The hand-written strategies the benchmarks and yardsticks compare with.
-EXPERTS = ("data parallel", "Megatron", "Megatron+DP", "FSDP")
+EXPERTS = ("data parallel", "Megatron", "Megatron+DP", "FSDP", "FSDP+TP")
 
 
 def expert_states(program, space) -> dict:
   """The expert strategies by name (`EXPERTS`) on `program`, from the
   tactics of its action space `space`: data parallelism over every axis,
   Megatron on the last, Megatron with data parallelism over the others,
-  and FSDP (every argument split over every axis)."""
+  FSDP (every argument split over every axis), and on two or more axes
+  FSDP+TP (Megatron on the last axis, FSDP over the others: MaxText's
+  layout, and HSDP where the mesh's major axis crosses slices)."""
   tactics, real = space.experts, space.real_axes
   out = {}
   for name in EXPERTS:
@@ -206,9 +211,15 @@ def expert_states(program, space) -> dict:
     elif name == "Megatron+DP":
       tactics.data_parallel(state, real[:-1])
       tactics.megatron(state, real[-1])
-    else:
+    elif name == "FSDP":
       for a in real:
         tactics.fsdp(state, a)
+    elif len(real) > 1:  # FSDP+TP: Megatron on the last axis, FSDP over the others
+      tactics.megatron(state, real[-1])
+      for a in real[:-1]:
+        tactics.fsdp(state, a)
+    else:
+      continue
     out[name] = state
   return out
 
