@@ -103,3 +103,17 @@ def test_a_short_search_never_returns_worse_than_an_expert():
                         budget=automap.Budget(episodes=1))
   assert plan.cost.step_time <= min(experts.values()) * 1.01
   assert plan.stats["kept"].startswith("expert: ")
+
+
+def test_a_limit_below_the_saved_activations_says_to_rematerialise():
+  """When the backward starts, every activation it reads is resident: a
+  bound no layout beats, which the error names with the remedy."""
+  step, args = small_gpt()
+  program = planner.build_program(step, args, MESH, get_hardware("tpu-v4"))
+  saved = program.saved_lower_bound()
+  assert saved > program.memory_lower_bound()
+  for name, state in tactics.expert_states(program, ActionSpace(program)).items():
+    assert Tracker(program.model, state).peak_memory >= saved, name
+  with pytest.raises(automap.MemoryLimitError, match="rematerialise them"):
+    automap.search(step, *args, mesh=MESH, hardware="tpu-v4", memory_limit=saved * 0.95,
+                   budget=automap.Budget(episodes=2))

@@ -27,6 +27,7 @@ from automap._src.ir import constraints as constraints_lib
 from automap._src.ir import graph as graph_lib
 from automap._src.ir.constraints import Constraint
 from automap._src.ir.graph import Graph
+from automap._src.ir.naming import is_backward
 from automap._src.ir.trace import Traced
 from automap._src.sharding.annotations import Layout
 from automap._src.sharding.mesh import MeshError, MeshSpec
@@ -195,6 +196,20 @@ class Program:
     outs = [v for v in g.outputs if v >= 0 and g.kind[v] == graph_lib.INTERMEDIATE]
     total = float(g.nbytes[list(g.inputs)].sum() + g.nbytes[outs].sum())
     return total / self.mesh.num_devices
+
+  def saved_lower_bound(self) -> float:
+    """No plan needs fewer bytes per device when the backward pass starts:
+    the arguments still to be read and every value of the forward the
+    backward reads (the activations the step saves) are all resident then,
+    spread at best evenly over every device. 0 for a program with no
+    backward pass."""
+    g = self.graph
+    first = next((o for o in range(g.num_ops) if is_backward(g.scopes[o])), None)
+    if first is None:
+      return 0.0
+    live = [v for v in range(g.num_values)
+            if g.producer[v] < first and any(o >= first for o, _ in g.uses[v])]
+    return float(g.nbytes[live].sum()) / self.mesh.num_devices
 
 
 def _by_constraint(graph: Graph, v: int) -> str:

@@ -131,12 +131,18 @@ def plan_of(program: Program, found: Found, memory_limit: float | None) -> Plan:
   """The plan of a search's result; a MemoryLimitError if its best is over
   the limit."""
   if found.score[0] > 0:
+    saved = program.saved_lower_bound()
+    bound = max(program.memory_lower_bound(), saved)
+    why = ("" if saved < memory_limit else
+           f" The activations the backward reads alone need {saved:,.0f} bytes per device "
+           f"spread over all {program.mesh.num_devices} devices: rematerialise them "
+           "(jax.checkpoint), shorten the batch or sequence per device, or use more devices.")
     raise MemoryLimitError(
         f"no plan found within memory_limit={memory_limit:,.0f} bytes per "
         f"device: the best found needs "
         f"{memory_limit + found.score[0]:,.0f} bytes (lower bound "
-        f"{program.memory_lower_bound():,.0f}). Raise the limit, use more "
-        "devices, or give a larger search budget.")
+        f"{bound:,.0f}). Raise the limit, use more "
+        "devices, or give a larger search budget." + why)
   stats = dict(found.stats, graph_values=program.graph.num_values,
                graph_ops=program.graph.num_ops)
   plan = make_plan(program, found.state, stats, memory_limit)

@@ -1,0 +1,127 @@
+"""Pod scale, predicted: llama-style models at full depth on 256 to 8,192 devices.
+
+Each row traces a MaxText-style llama decoder (`models/llama.py`: scanned
+layers rematerialised with nothing saved, bfloat16 compute, float32
+weights and AdamW) from `jax.ShapeDtypeStruct`s at the 8B, 70B or 405B
+shape and full depth, one 2,048-token sequence per device, and plans it
+with `automap.search` on an abstract (data, fsdp, tensor) mesh of tpu-v5p
+or h100: nothing is compiled and no device is needed. Beside the plan,
+priced by the same model on the same mesh:
+- MaxText's logical rules, the layout that model is written with (batch
+  over data x fsdp, embedding over fsdp, heads, MLP and vocabulary over
+  tensor; on h100 the data axis crosses nodes, which makes it HSDP);
+- the search's experts: FSDP over every axis, and FSDP+TP (Megatron on the
+  tensor axis, FSDP over the others).
+Reported: seconds to plan (trace included), predicted seconds per step and
+MFU (6 x parameters x tokens plus causal attention, over the device's
+peak), and peak GB per device against the device's capacity; a layout
+over capacity is marked and its MFU not counted.
+
+  python benchmarks/pod_scale.py [--only ROW ...] [--seconds 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+import automap
+from automap._src.cost.tracker import Tracker
+from automap._src.models import llama
+from automap._src.plan import planner
+from automap._src.search import tactics
+from automap._src.search.actions import ActionSpace
+
+SHAPES = {  # Llama 3's published shapes (Grattafiori et al. 2024, Table 3)
+    "8b": dict(embed=4096, mlp=14336, heads=32, kv_heads=8, head_dim=128, layers=32),
+    "70b": dict(embed=8192, mlp=28672, heads=64, kv_heads=8, head_dim=128, layers=80),
+    "405b": dict(embed=16384, mlp=53248, heads=128, kv_heads=8, head_dim=128, layers=126),
+}
+VOCAB, SEQ = 128256, 2048
+# (model, hardware, (data, fsdp, tensor)): tensor within a node or a few
+# chips, FSDP over most of the devices, data parallelism over the rest.
+ROWS = {
+    "8b-256-tpu-v5p": ("8b", "tpu-v5p", (1, 64, 4)),
+    "8b-256-h100": ("8b", "h100", (1, 32, 8)),
+    "70b-1024-tpu-v5p": ("70b", "tpu-v5p", (4, 64, 4)),
+    "70b-1024-h100": ("70b", "h100", (4, 32, 8)),
+    "70b-8192-tpu-v5p": ("70b", "tpu-v5p", (32, 64, 4)),
+    "405b-8192-tpu-v5p": ("405b", "tpu-v5p", (8, 128, 8)),
+    "405b-8192-h100": ("405b", "h100", (8, 128, 8)),
+}
+AXES = ("data", "fsdp", "tensor")
+
+
+def config_of(model: str, devices: int) -> llama.LlamaConfig:
+  return llama.LlamaConfig(vocab=VOCAB, seq=SEQ, batch=devices, dtype=jnp.bfloat16,
+                           **SHAPES[model])
+
+
+def model_flops(config: llama.LlamaConfig, params: float) -> float:
+  """FLOPs of one step: 6 per parameter per token, plus causal attention
+  (12 x layers x heads x head_dim x seq^2 per sequence, halved)."""
+  tokens = config.batch * config.seq
+  attention = 6 * config.layers * config.heads * config.head_dim * config.seq**2 * config.batch
+  return 6 * params * tokens + attention
+
+
+def measure(name: str, seconds: float) -> dict:
+  model, hardware, shape = ROWS[name]
+  devices = math.prod(shape)
+  config = config_of(model, devices)
+  hw = automap.HARDWARE[hardware]
+  mesh = jax.sharding.AbstractMesh(shape, AXES)
+  t0 = time.perf_counter()
+  step, args = llama.train_step(config, constrained=False, abstract=True)
+  plan = automap.search(step, *args, mesh=mesh, hardware=hw,
+                        budget=automap.Budget(episodes=10**6, seconds=seconds, progress=False))
+  took = time.perf_counter() - t0
+  params = sum(math.prod(x.shape) for x in jax.tree.leaves(args[0]))
+  flops = model_flops(config, params)
+  out = {"automap": (plan.cost.step_time, plan.cost.peak_memory), "plan_s": took,
+         "kept": plan.stats.get("kept", "search"), "flops": flops, "devices": devices,
+         "hw": hw, "params": params}
+  specs, opt, batch = llama.param_specs(config, mesh)
+  with jax.sharding.use_abstract_mesh(mesh):
+    written, written_args = llama.train_step(config, constrained=True, abstract=True)
+    cost = automap.evaluate(written, *written_args, mesh=mesh, hardware=hw,
+                            in_shardings=(specs, opt, {"inputs": batch, "targets": batch}))
+  out["MaxText rules"] = (cost.step_time, cost.peak_memory)
+  program = planner.build_program(step, args, mesh, hw)
+  experts = tactics.expert_states(program, ActionSpace(program))
+  for expert in ("FSDP", "FSDP+TP"):
+    cost = Tracker(program.model, experts[expert]).cost()
+    out[expert] = (cost.step_time, cost.peak_memory)
+  return out
+
+
+def cell(result: dict, key: str) -> str:
+  step, peak = result[key]
+  hw = result["hw"]
+  mfu = result["flops"] / (step * result["devices"] * hw.flops)
+  over = peak > hw.hbm_capacity
+  return (f"{step:.2f} s, {peak / 1e9:.1f} GB" + (" (over)" if over else f", MFU {mfu:.0%}"))
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--only", nargs="*", default=list(ROWS), choices=list(ROWS))
+  parser.add_argument("--seconds", type=float, default=60.0, help="search budget per row")
+  opts = parser.parse_args()
+  warnings.simplefilter("ignore", automap.SearchWarning)
+  columns = ("automap", "MaxText rules", "FSDP", "FSDP+TP")
+  print("| row | parameters | plan s | " + " | ".join(columns) + " | kept |")
+  print("|---|---|---|" + "---|" * len(columns) + "---|")
+  for name in opts.only:
+    r = measure(name, opts.seconds)
+    print(f"| {name} | {r['params'] / 1e9:.1f}B | {r['plan_s']:.1f} | "
+          + " | ".join(cell(r, c) for c in columns) + f" | {r['kept']} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
