@@ -198,8 +198,9 @@ def expert_states(program, space) -> dict:
   tactics of its action space `space`: data parallelism over every axis,
   Megatron on the last, Megatron with data parallelism over the others,
   FSDP (every argument split over every axis), and on two or more axes
-  FSDP+TP (Megatron on the last axis, FSDP over the others: MaxText's
-  layout, and HSDP where the mesh's major axis crosses slices)."""
+  FSDP+TP (MaxText's layout: the batch over all but the last axis,
+  Megatron on the last, FSDP on the middle ones, the first data parallel
+  where there are three or more: HSDP where it crosses slices)."""
   tactics, real = space.experts, space.real_axes
   out = {}
   for name in EXPERTS:
@@ -214,9 +215,13 @@ def expert_states(program, space) -> dict:
     elif name == "FSDP":
       for a in real:
         tactics.fsdp(state, a)
-    elif len(real) > 1:  # FSDP+TP: Megatron on the last axis, FSDP over the others
+    elif len(real) > 1:
+      # FSDP+TP, MaxText's layout: the batch over every axis but the last,
+      # Megatron on the last, the weights' FSDP on the middle axes (on 3 or
+      # more: the first stays data parallel, HSDP where it crosses slices).
+      tactics.data_parallel(state, real[:-1])
       tactics.megatron(state, real[-1])
-      for a in real[:-1]:
+      for a in real[1:-1] if len(real) > 2 else real[:-1]:
         tactics.fsdp(state, a)
     else:
       continue
