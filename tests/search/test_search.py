@@ -1,6 +1,7 @@
 """The search: layer groups, MCTS, tactics, budgets, mesh choice."""
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -198,6 +199,25 @@ def test_devices_tries_every_mesh_shape_and_keeps_the_best():
     m = jax.sharding.AbstractMesh(shape, ("x", "y", "z")[:len(shape)])
     other = automap.search(step, *args, mesh=m, budget=share)
     assert plan.cost.step_time <= other.cost.step_time * (1 + 1e-9)
+
+
+def test_devices_at_scale_tries_the_shapes_large_runs_use():
+  """Above 64 devices: (fsdp, tensor) with tensor widths that fit a node,
+  and where the devices span nodes, (data, fsdp, tensor) with a data axis
+  of the nodes; every shape holds all the devices. 256 H100s plan on an
+  abstract mesh of one of them, nothing compiled."""
+  h100 = automap.HARDWARE["h100"]
+  shapes = mesh_shapes(1024, h100)
+  assert (128, 8) in shapes and (128, 2, 4) in shapes and (1024,) in shapes
+  assert all(math.prod(s) == 1024 and max(s[1:], default=1) <= 1024 for s in shapes)
+  assert len(shapes) <= 10 and all(len(s) <= 3 for s in shapes)
+  assert all(s[-1] <= 8 for s in shapes if len(s) > 1)
+  assert mesh_shapes(8192, automap.HARDWARE["tpu-v5p"]) == [
+      (8192,), (512, 16), (1024, 8), (2048, 4), (4096, 2)]
+  step, args = gpt_step()
+  plan = automap.search(step, *args, devices=256, hardware="h100",
+                        budget=automap.Budget(episodes=6))
+  assert plan.mesh.num_devices == 256 and plan.mesh.axis_sizes in mesh_shapes(256, h100)
 
 
 def test_search_rejects_both_or_neither_of_mesh_and_devices():

@@ -128,11 +128,12 @@ def plan(traced: trace_lib.Traced, mesh: MeshSpec, hardware: Hardware,
 def plan_on_devices(traced: trace_lib.Traced, args: tuple, devices: int,
                     hardware: Hardware, request: SearchOptions, layout=None,
                     layout_rules=None) -> Plan:
-  """The best plan over every 1-3 axis mesh of `devices` devices (axes
-  `AXIS_NAMES`), the budget shared between the shapes; a stated `layout`
-  is priced on the shapes whose axes it names."""
+  """The best plan over the 1-3 axis meshes of `devices` devices
+  (`driver.mesh_shapes`: every one up to 64 devices, the shapes practice
+  uses above; axes `AXIS_NAMES`), the budget shared between the shapes; a
+  stated `layout` is priced on the shapes whose axes it names."""
   request = request.resolved(hardware)
-  shapes = driver.mesh_shapes(int(devices))
+  shapes = driver.mesh_shapes(int(devices), hardware)
   b = request.budget
   share = dataclasses.replace(request, budget=Budget(
       max(1, b.episodes // len(shapes)), b.seconds / len(shapes), b.progress))

@@ -13,6 +13,7 @@ import warnings
 
 from rich import progress as progress_lib
 
+from automap._src.cost.hardware import Hardware
 from automap._src.cost.program import Program
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import constraints as constraints_lib
@@ -240,19 +241,41 @@ def run_ilp(program: Program, space: ActionSpace, request: SearchOptions,
   return Found(result.state, score, stats, timings, seen + [(warm.state, warm.score)])
 
 
-def mesh_shapes(devices: int) -> list[tuple[int, ...]]:
+# Device counts above this get the shapes practice uses, not every one.
+_EVERY_SHAPE = 64
+# Tensor-parallel widths tried at scale: within a node, at most 16.
+_TENSOR = (1, 2, 4, 8, 16)
+
+
+def mesh_shapes(devices: int, hardware: Hardware | None = None) -> list[tuple[int, ...]]:
   """The ways to lay `devices` out as a mesh of 1 to 3 axes, each of size
-  at least 2 (one axis of 1 for a single device)."""
+  at least 2 (one axis of 1 for a single device). Above 64 devices, the
+  shapes large runs use (their axis roles major to minor): (fsdp, tensor)
+  for tensor widths of 1-16 that fit a node or slice of `hardware`, and
+  where the devices span several, (data, fsdp, tensor) with `data` the
+  slices or nodes, each axis's collectives on its own links."""
   if devices == 1:
     return [(1,)]
-  out = [(devices,)]
-  for a in range(2, devices):
-    if devices % a == 0:
-      out.append((a, devices // a))
-      for b in range(2, devices // a):
-        if (devices // a) % b == 0 and devices // a // b > 1:
-          out.append((a, b, devices // a // b))
-  return sorted(out, key=len)
+  if devices <= _EVERY_SHAPE:
+    out = [(devices,)]
+    for a in range(2, devices):
+      if devices % a == 0:
+        out.append((a, devices // a))
+        for b in range(2, devices // a):
+          if (devices // a) % b == 0 and devices // a // b > 1:
+            out.append((a, b, devices // a // b))
+    return sorted(out, key=len)
+  node = hardware.devices_per_node if hardware is not None else devices
+  spans = devices // node if devices > node and devices % node == 0 else 1
+  out = []
+  for t in _TENSOR:
+    if devices % t or t > node:
+      continue
+    rest = devices // t
+    out.append(tuple(n for n in (rest, t) if n > 1))
+    if spans > 1 and rest % spans == 0 and rest // spans > 1:
+      out.append(tuple(n for n in (spans, rest // spans, t) if n > 1))
+  return sorted(set(out), key=lambda s: (len(s), s))
 
 
 __all__ = ["Found", "against_experts", "check_memory_limit", "mesh_shapes", "run", "run_ilp",
