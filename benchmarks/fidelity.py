@@ -11,16 +11,23 @@ HBM traffic (against XLA's `cost_analysis()["bytes accessed"]`), predicted
 vs compiled, the numerics against the unpartitioned function, and the
 distribution of the errors.
 
-  python benchmarks/fidelity.py [--quick]
+`--devices 32` (or 64) runs the GPT step and its (loss, grads) function
+on 32 or 64 simulated devices instead, on 3- and 4-axis meshes, with the
+FSDP and FSDP+TP experts beside: the fidelity section at the scale of a
+few nodes.
+
+  python benchmarks/fidelity.py [--quick] [--devices 32]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import warnings
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+DEVICES = int(sys.argv[sys.argv.index("--devices") + 1]) if "--devices" in sys.argv else 8
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={DEVICES}")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -29,18 +36,25 @@ import automap  # noqa: E402
 from automap._src.models import zoo as programs  # noqa: E402
 from automap._src.models.zoo import gpt_step, loss_and_grads  # noqa: E402
 from automap._src.plan import build as plan_build  # noqa: E402
-from automap._src.plan import planner
+from automap._src.plan import planner  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
 from automap._src.search.tactics import expert_states  # noqa: E402
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
-NAMES = ("data", "model", "seq")
+NAMES = ("data", "model", "seq", "expert")
+# 3- and 4-axis meshes of a few nodes' devices.
+SCALED = {32: [(4, 4, 2), (2, 8, 2), (2, 2, 4, 2), (2, 2, 2, 4)],
+          64: [(4, 8, 2), (4, 4, 4), (2, 4, 4, 2), (2, 2, 8, 2)]}
 
 
 def cases(quick: bool):
   """(program name, fn, args, meshes)."""
   step, args = gpt_step()
   grads_fn, grads_args = loss_and_grads(args)
+  if DEVICES != 8:
+    yield "GPT train step", step, args, SCALED[DEVICES]
+    yield "GPT loss+grads", grads_fn, grads_args, SCALED[DEVICES]
+    return
   yield "GPT train step", step, args, [(4, 2)] if quick else MESHES
   if quick:
     return
@@ -58,7 +72,7 @@ def plans(fn, args, mesh, ilp_seconds: float) -> dict:
                                           budget=automap.Budget(seconds=ilp_seconds))
   prog = planner.build_program(fn, args, mesh, "cpu")
   states = expert_states(prog, ActionSpace(prog))
-  for label in ("data parallel", "Megatron+DP"):
+  for label in ("data parallel", "Megatron+DP") + (("FSDP", "FSDP+TP") if DEVICES != 8 else ()):
     out[label] = plan_build.make_plan(prog, states[label], {"strategy": label})
   return out
 
@@ -67,6 +81,8 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true", help="the GPT step on (4, 2) only")
   parser.add_argument("--ilp-seconds", type=float, default=10.0)
+  parser.add_argument("--devices", type=int, default=8, choices=(8, 32, 64),
+                      help="simulated devices (32, 64: 3- and 4-axis meshes)")
   opts = parser.parse_args()
   print("| program | mesh | strategy | comm MiB predicted | comm MiB compiled | error "
         "| peak MiB predicted | peak MiB compiled | error "
