@@ -79,8 +79,9 @@ def small_gpt():
 
 def test_fsdp_beside_tensor_parallelism_splits_what_megatron_leaves():
   """FSDP+TP, MaxText's layout: Megatron's columns and rows on the last
-  axis, FSDP on the other taking each weight's other dimension (the
-  embedding), Adam's moments as their parameters."""
+  axis (the embedding table by vocabulary), FSDP on the other taking each
+  weight's other dimension (the embedding), Adam's moments as their
+  parameters."""
   step, args = small_gpt()
   program = planner.build_program(step, args, MESH, get_hardware("tpu-v4"))
   state = tactics.expert_states(program, ActionSpace(program))["FSDP+TP"]
@@ -90,6 +91,8 @@ def test_fsdp_beside_tensor_parallelism_splits_what_megatron_leaves():
   assert specs["0/block_0/mlp/wi/kernel"] == P("data", "model")
   assert specs["0/block_0/mlp/wo/kernel"] == P("model", "data")
   assert specs["1/0/mu/block_0/mlp/wi/kernel"] == P("data", "model")
+  # The embedding table by its vocabulary rows, Megatron's parallel lookup.
+  assert specs["0/embed/embedding"] == P("model", "data")
 
 
 def test_a_short_search_never_returns_worse_than_an_expert():

@@ -113,10 +113,16 @@ class Tactics:
     self.carried = [v for i, v in enumerate(graph.inputs) if carried[i] and graph.rank(v)]
     self.data = [v for i, v in enumerate(graph.inputs) if not carried[i] and graph.rank(v)]
     # Weights read by contractions, in program order, each with its output
-    # (column) dims: factors the result keeps and the other operand lacks.
+    # (column) dims: factors the result keeps and the other operand lacks;
+    # embedding tables by their rows (Megatron's vocabulary-parallel lookup).
     self.weights: list[tuple[int, list[int]]] = []
     seen = set(self.carried)
     for o, prim in enumerate(graph.prims):
+      if prim == "gather":  # an embedding table, looked up: split by rows (vocabulary)
+        w, dims = _weight(graph, graph.operands[o][0], seen)
+        if w >= 0 and graph.rank(w) == 2 and dims and dims[0] >= 0:
+          self.weights.append((w, [dims[0]]))
+        continue
       if prim != "dot_general":
         continue
       rule = graph.rules[o]
