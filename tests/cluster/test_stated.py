@@ -260,3 +260,30 @@ def test_the_width_search_has_the_memory_of_a_devices_share(monkeypatch):
     cluster.price_cluster(loss, params, *batch, config=config, global_batch=8,
                           hardware="a100", budget=budget, memory_limit=1e6)
     assert limits[-1] == share * 1e6
+
+
+def test_recomputing_every_kth_layer_prices_that_share_of_the_stage():
+  """Every 2nd of 4 layers rebuilt in full: half the forward again, and
+  per microbatch half the layers keep their inputs, half everything."""
+  layers = [Layer(f"b{i}", {1: LayerCost(1.0, 2.0, 1e9, 1e8)}) for i in range(4)]
+  graph = LayerGraph.chain(layers, 1e7)
+  kw = dict(global_batch=1, hardware="a100", optimizer="sgd")
+  none, full, half = (cluster.price_placement(graph, cluster.ClusterConfig(**c), **kw).stages[0]
+                      for c in (dict(), dict(recompute="full"),
+                                dict(recompute="full", recompute_every=2)))
+  assert (none.compute, full.compute, half.compute) == pytest.approx((12.0, 16.0, 14.0))
+  # Kept: 4e8 without recompute; 3e7 of inputs and one layer rebuilt (1e8) in full.
+  assert half.memory - full.memory == pytest.approx(0.5 * (4e8 - 3e7))
+  assert none.memory - half.memory == pytest.approx(4e8 - (1e8 + 0.5 * 3e7 + 0.5 * 4e8))
+  placement = cluster.price_placement(graph, cluster.ClusterConfig(recompute="full",
+                                                                  recompute_every=2), **kw)
+  assert placement.recompute_every == 2
+  assert type(placement).from_json(placement.to_json()) == placement
+  plan = cluster.ClusterPlan(placement, 1, 1, 1, "a100", {})
+  with pytest.raises(cluster.PlacementError, match="recompute_every=2 .* priced but not run"):
+    plan.train_step(lambda w, x: jnp.mean(x @ w), optax.sgd(0.1), jnp.zeros((8, 8)),
+                    jnp.zeros((1, 8)))
+  with pytest.raises(cluster.PlacementError, match="recompute='none' recomputes nothing"):
+    cluster.ClusterConfig(recompute_every=2)
+  with pytest.raises(cluster.PlacementError, match="recompute_every must be a positive int"):
+    cluster.ClusterConfig(recompute="full", recompute_every=0)

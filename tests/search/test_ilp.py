@@ -176,8 +176,12 @@ def test_timeout_falls_back_to_the_warm_start_with_a_warning():
     plan = automap.search(step, *args, mesh=m, hardware="cpu", search="ilp",
                           budget=automap.Budget(seconds=0.2))
   assert plan.stats["status"] == "unknown"
-  assert plan.stats["kept"] == "warm start"
-  assert plan.cost.step_time == pytest.approx(plan.stats["warm_start"]["step_time"])
+  # The warm start, or an expert layout faster than it (`driver.against_experts`).
+  if plan.stats["kept"] == "warm start":
+    assert plan.cost.step_time == pytest.approx(plan.stats["warm_start"]["step_time"])
+  else:
+    assert plan.stats["kept"].startswith("expert: ")
+    assert plan.cost.step_time < plan.stats["warm_start"]["step_time"]
 
 
 def test_unknown_search_is_named():

@@ -66,6 +66,9 @@ class ClusterConfig:
   gradients: the dtype gradients are accumulated and reduced in
     ("float32", "bfloat16"). None: float32 under mixed_precision (as
     Megatron-LM reduces 16-bit models'), else the parameters' own.
+  recompute_every: the recompute mode applies to every k-th layer of a
+    stage, the others keeping everything (1: every layer); priced as that
+    share of the stage's layers.
   sequence_parallel: Megatron-LM's sequence parallelism: activations
     between the tensor-parallel matmuls (norms, dropout, residual adds)
     split along the sequence over the tensor group, which the per-width
@@ -84,9 +87,10 @@ class ClusterConfig:
   weights: str | None = None
   gradients: str | None = None
   sequence_parallel: bool = False
+  recompute_every: int = 1
 
   def __post_init__(self):
-    for name in ("tensor", "pipeline", "data", "microbatch", "virtual_stages"):
+    for name in ("tensor", "pipeline", "data", "microbatch", "virtual_stages", "recompute_every"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise PlacementError(f"ClusterConfig.{name} must be a positive int, got {value!r}.")
@@ -96,6 +100,11 @@ class ClusterConfig:
       raise PlacementError(
           f"ClusterConfig.recompute must be one of {RECOMPUTE_MODES} (or True / False), got "
           f"{self.recompute!r}.")
+    if self.recompute_every > 1 and self.recompute == "none":
+      raise PlacementError(
+          f"ClusterConfig.recompute_every={self.recompute_every} recomputes every k-th layer, "
+          "but recompute='none' recomputes nothing; set recompute='full', 'selective' or "
+          "'dots'.")
     if self.schedule not in SCHEDULES:
       raise PlacementError(
           f"ClusterConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}.")
@@ -245,6 +254,7 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
         "float32, as the weights).")
   if config.gradients:
     problem = dataclasses.replace(problem, gradients=itemsize(config.gradients) / held)
+  problem = dataclasses.replace(problem, recompute_share=1 / config.recompute_every)
   if config.shard_group is not None and config.shard_group < config.data:
     problem = dataclasses.replace(problem, shard_group=config.shard_group)
   costs = stage_costs.StageCosts(graph, problem)
@@ -259,7 +269,7 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
                                zero=config.zero, fits=False, schedule=config.schedule)
   if plan is None or not math.isfinite(plan.time):
     raise PlacementError(f"ClusterConfig {config} could not be priced over this layer graph.")
-  return plan
+  return dataclasses.replace(plan, recompute_every=config.recompute_every)
 
 
 __all__ = ["SCHEDULES", "ClusterConfig", "price"]

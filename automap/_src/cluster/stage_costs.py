@@ -51,6 +51,7 @@ class Problem:
   # plain data parallelism across the groups (None: over every replica;
   # SLICE: the replicas within one slice or node, as many as divide d).
   shard_group: int | str | None = None
+  recompute_share: float = 1.0  # of a stage's layers its recompute mode applies to
 
   def sharded_over(self, d: int, zero: int) -> int:
     """Replicas a ZeRO stage shards over (and its collectives span) when
@@ -109,18 +110,23 @@ class TimeParts(NamedTuple):
   tensor: float               # tensor-parallel collectives left exposed (inside compute)
 
 
-def kept(mode: str, activations: float, inputs: float, selective: float, dots: float) -> float:
+def kept(mode: str, activations: float, inputs: float, selective: float, dots: float,
+         share: float = 1.0) -> float:
   """Bytes a recompute mode keeps per microbatch in flight: every activation
   ("none"), every layer's input ("full"), all but the attention scores
-  ("selective"), every layer's input and weight-matmul outputs ("dots")."""
-  return {"none": activations, "full": inputs, "selective": activations - selective,
-          "dots": inputs + dots}[mode]
+  ("selective"), every layer's input and weight-matmul outputs ("dots");
+  applied to a `share` of the layers (every k-th: 1 / k), the rest keep all."""
+  mode_keeps = {"none": activations, "full": inputs, "selective": activations - selective,
+                "dots": inputs + dots}[mode]
+  return share * mode_keeps + (1 - share) * activations
 
 
-def rebuilt(mode: str, forward: float, selective_forward: float, dots_forward: float) -> float:
-  """Seconds of forward a recompute mode runs again in the backward."""
-  return {"none": 0.0, "full": forward, "selective": selective_forward,
-          "dots": dots_forward}[mode]
+def rebuilt(mode: str, forward: float, selective_forward: float, dots_forward: float,
+            share: float = 1.0) -> float:
+  """Seconds of forward a recompute mode runs again in the backward, on a
+  `share` of the layers."""
+  return share * {"none": 0.0, "full": forward, "selective": selective_forward,
+                  "dots": dots_forward}[mode]
 
 
 def exposed(comm: float, compute: float, pieces: int) -> float:
@@ -312,8 +318,10 @@ class StageCosts:
         for mode in o.recompute:
           # What a layer keeps per microbatch in flight; the one layer a
           # recomputing stage rebuilds at a time is left out (a bound).
-          held = kept(mode, c.activations, self.inputs[kind] / t, c.selective, c.dots or 0.0)
-          extra = rebuilt(mode, c.forward, c.selective_forward, c.dots_forward)
+          held = kept(mode, c.activations, self.inputs[kind] / t, c.selective, c.dots or 0.0,
+                      o.recompute_share)
+          extra = rebuilt(mode, c.forward, c.selective_forward, c.dots_forward,
+                          o.recompute_share)
           points.append((t * (self.least(c) + extra), t * (fixed + in_flight * held)))
       if not points:
         self._hulls[key] = (math.inf, math.inf, [])
@@ -440,7 +448,8 @@ class StageCosts:
       transient = {"none": 0.0, "full": c.largest_activations,
                    "selective": c.largest_selective, "dots": c.largest_dots_rebuilt}[mode]
       self._terms[key] = (fixed + transient,
-                          kept(mode, c.activations, c.inputs, c.selective, c.dots))
+                          kept(mode, c.activations, c.inputs, c.selective, c.dots,
+                               self.problem.recompute_share))
     return self._terms[key]
 
   def memory(self, members: int, t: int, mode: str, in_flight: float, d: int,
@@ -514,9 +523,11 @@ class StageCosts:
     # interleaved first or last stage sends around the end of the pipeline.
     transfers = 2 * (ring.send(c.bytes_in, (first - 1) % per_pipeline, first)
                      + ring.send(c.bytes_out, first + t - 1, (first + t) % per_pipeline))
-    rebuild = rebuilt(mode, c.forward, c.selective_forward, c.dots_forward)
+    share = self.problem.recompute_share
+    rebuild = rebuilt(mode, c.forward, c.selective_forward, c.dots_forward, share)
     compute = c.forward + c.backward + rebuild
-    tensor = c.collectives * (1.5 if mode == "full" else 1.0)  # full recompute redoes forward's
+    # Full recompute redoes the forward's collectives (a third of them).
+    tensor = c.collectives * (1 + 0.5 * share if mode == "full" else 1.0)
     if self.problem.overlap_tensor and tensor:
       # Each of a layer's 4 (2 forward, 2 backward) beside the matmul it
       # feeds or follows, as Megatron-LM's --tp-comm-overlap runs them.
@@ -534,7 +545,7 @@ class StageCosts:
       # recompute's forward apart (DeepSpeed's stage 3 frees them after each
       # use; Narayanan et al.'s ZeRO-3 runs are priced so). XLA, rebuilding
       # in the backward's program, gathers once for both (`run_check`).
-      zero_time += (3 if mode == "full" else 2) * ring.gather(c.params, *group)
+      zero_time += (2 + share if mode == "full" else 2) * ring.gather(c.params, *group)
     sync = {0: ring.reduce(grads, *group), 1: ring.reduce(grads, *group),
             2: ring.gather(c.params, *group), 3: 0.0}[zero]
     if zero and g < d:

@@ -32,6 +32,11 @@ def meshes(plan, devices) -> list[Mesh]:
     raise PlacementError(
         f"plan: hybrid sharding (ZeRO within groups of {p.shard_group} replicas) is priced "
         "but not run; run the plan with shard_group=None (ZeRO over every replica).")
+  if p.recompute_every > 1:
+    raise PlacementError(
+        f"plan: recompute_every={p.recompute_every} (the recompute mode on every "
+        f"{p.recompute_every}-th layer) is priced but not run; price the split with "
+        "recompute_every=1 to run it.")
   devices = list(jax.devices() if devices is None else devices)
   if isinstance(devices[0] if devices else None, Mesh) or isinstance(devices, Mesh):
     raise PlacementError("devices: expected a sequence of jax devices, got a Mesh.")

@@ -166,18 +166,20 @@ class Tactics:
           break
     return concat(changed)
 
-  def fsdp(self, state: State, axis: int) -> np.ndarray:
+  def fsdp(self, state: State, axis: int, beside: bool = False) -> np.ndarray:
     """ZeRO-3 / FSDP over one axis: data parallelism on it, and every
     carried argument (parameters, optimizer state) split along its largest
-    dimension the axis divides, to be gathered where it is used; a
-    dimension no other axis splits first (beside Megatron's split of the
-    heads or hidden units, FSDP takes the embedding, as MaxText's rules)."""
+    dimension the axis divides, to be gathered where it is used (over
+    several axes, the same dimension over each, as flat ZeRO-3 shards).
+    `beside` another tactic's split: a dimension no other axis splits
+    first (beside Megatron's heads or hidden units, FSDP takes the
+    embedding, as MaxText's rules)."""
     changed = [self.data_parallel(state, [axis])]
     g = self.graph
     for v in self.carried:
       if state[v, axis] >= 0:
         continue
-      taken = set(state[v][state[v] >= 0].tolist())
+      taken = set(state[v][state[v] >= 0].tolist()) if beside else set()
       for d in sorted(range(g.rank(v)), key=lambda d: (d in taken, -g.shapes[v][d])):
         if self.prop.can_tile(state, v, d, axis):
           changed.append(self.prop.tile(state, v, d, axis))
@@ -228,7 +230,7 @@ def expert_states(program, space) -> dict:
       tactics.data_parallel(state, real[:-1])
       tactics.megatron(state, real[-1])
       for a in real[1:-1] if len(real) > 2 else real[:-1]:
-        tactics.fsdp(state, a)
+        tactics.fsdp(state, a, beside=True)
     else:
       continue
     out[name] = state
