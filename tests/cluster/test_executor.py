@@ -175,6 +175,7 @@ def test_huggingface_bart_runs_as_planned_without_rewriting_the_model():
           for i in range(2)} <= layers
 
 
+@pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [
     dict(tensor=1, pipeline=4, data=2, microbatch=2),
@@ -300,6 +301,7 @@ def test_bad_plans_devices_optimizers_and_batches_are_refused():
     swapped.train_step(_dense_stack, TX, params, x, x)
 
 
+@pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [
     dict(pipeline=2, data=2, microbatch=2, zero=0),

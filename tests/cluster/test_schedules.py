@@ -313,6 +313,7 @@ def test_selective_recompute_drops_exactly_the_attention_scores():
   assert square and square <= dropped
 
 
+@pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
 @pytest.mark.slow
 def test_price_cluster_prices_a_traced_step_as_stated():
   loss, params, batch = gpt_step(layers=4)
