@@ -9,9 +9,10 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-from automap._src.models.gpt import GPTConfig, make_train_step, megatron_specs
+from automap._src.models.gpt import GPT, GPTConfig, make_train_step, megatron_specs
 from automap._src.models.zoo import SMALL, gpt_step, loss_and_grads
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
@@ -103,3 +104,18 @@ def saved_dot_outputs(fn, *args) -> list[int]:
       itemsize = jnp.dtype({"f32": "float32", "bf16": "bfloat16"}[dtype]).itemsize
       sizes.append(int(np.prod(shape)) * itemsize)
   return sizes
+
+
+def abstract_gpt_loss(config: GPTConfig, batch: int = 4):
+  """`(loss, params, (tokens, targets))` of a GPT with abstract parameters
+  (as `init` makes them) and a batch of `batch` sequences: the step the
+  cluster planner traces."""
+  model = GPT(config)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0),
+                                             jnp.zeros((1, config.seq), jnp.int32)))["params"]
+
+  def loss(p, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, x), y).mean()
+
+  tokens = jax.ShapeDtypeStruct((batch, config.seq), jnp.int32)
+  return loss, params, (tokens, tokens)

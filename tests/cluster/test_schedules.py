@@ -5,16 +5,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from helpers import saved_dot_outputs
+from helpers import abstract_gpt_loss, saved_dot_outputs
 
 import automap
 from automap import cluster
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster import placement, stage_costs
 from automap._src.ir.naming import is_backward
-from automap._src.models.gpt import GPT, Block, GPTConfig
+from automap._src.models.gpt import Block, GPTConfig
 from automap.cluster import Layer, LayerCost, LayerGraph
 
 GiB = 2**30
@@ -282,16 +281,8 @@ def test_placement_with_virtual_stages_round_trips_through_json():
 
 
 def gpt_step(layers: int = 2):
-  config = GPTConfig(vocab=256, seq=64, hidden=64, heads=4, layers=layers, dtype=jnp.bfloat16)
-  model = GPT(config)
-  params = jax.eval_shape(lambda: model.init(jax.random.key(0),
-                                             jnp.zeros((1, 64), jnp.int32)))["params"]
-
-  def loss(p, x, y):
-    return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, x), y).mean()
-
-  tokens = jax.ShapeDtypeStruct((4, 64), jnp.int32)
-  return loss, params, (tokens, tokens)
+  return abstract_gpt_loss(GPTConfig(vocab=256, seq=64, hidden=64, heads=4, layers=layers,
+                                     dtype=jnp.bfloat16))
 
 
 def test_selective_recompute_drops_exactly_the_attention_scores():

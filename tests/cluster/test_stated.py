@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from helpers import abstract_gpt_loss
 
 import automap
 from automap import cluster
@@ -12,21 +13,13 @@ from automap._src.cluster import layers as layers_lib
 from automap._src.cluster import placement
 from automap._src.ir import graph as graph_lib
 from automap._src.ir import trace as trace_lib
-from automap._src.models.gpt import GPT, GPTConfig
+from automap._src.models.gpt import GPTConfig
 from automap.cluster import Layer, LayerCost, LayerGraph
 
 
 def gpt_step(layers: int = 4, dtype=jnp.bfloat16):
-  config = GPTConfig(vocab=256, seq=32, hidden=64, heads=4, layers=layers, dtype=dtype)
-  model = GPT(config)
-  params = jax.eval_shape(lambda: model.init(jax.random.key(0),
-                                             jnp.zeros((1, 32), jnp.int32)))["params"]
-
-  def loss(p, x, y):
-    return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, x), y).mean()
-
-  tokens = jax.ShapeDtypeStruct((4, 32), jnp.int32)
-  return loss, params, (tokens, tokens)
+  return abstract_gpt_loss(GPTConfig(vocab=256, seq=32, hidden=64, heads=4, layers=layers,
+                                     dtype=dtype))
 
 
 def traced_outline(layers: int = 4) -> LayerGraph:
@@ -208,16 +201,8 @@ def test_sequence_parallelism_needs_a_tensor_group():
 
 def wider_step():
   """A 2-block GPT of width 512: 26 MB of float32 parameters."""
-  config = GPTConfig(vocab=256, seq=128, hidden=512, heads=8, layers=2, dtype=jnp.bfloat16)
-  model = GPT(config)
-  params = jax.eval_shape(lambda: model.init(jax.random.key(0),
-                                             jnp.zeros((1, 128), jnp.int32)))["params"]
-
-  def loss(p, x, y):
-    return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, x), y).mean()
-
-  tokens = jax.ShapeDtypeStruct((4, 128), jnp.int32)
-  return loss, params, (tokens, tokens)
+  return abstract_gpt_loss(GPTConfig(vocab=256, seq=128, hidden=512, heads=8, layers=2,
+                                     dtype=jnp.bfloat16))
 
 
 def test_a_plan_leaving_the_stated_tensor_group_whole_is_flagged():

@@ -26,6 +26,7 @@ from automap._src.cluster.options import ClusterOptions, memory_limit
 from automap._src.cluster.pipeline_schedule import timetable
 from automap._src.cluster.placement import place_any
 from automap._src.cost.hardware import Hardware, get_hardware
+from automap._src.ir import graph as graph_lib
 from automap._src.plan.explain import format_bytes
 from automap._src.search.request import with_keywords
 
@@ -265,7 +266,7 @@ def held_itemsize(params) -> int | None:
   held: dict[int, int] = {}
   for x in jax.tree.leaves(params):
     if jnp.issubdtype(x.dtype, jnp.floating):
-      size = jnp.dtype(x.dtype).itemsize
+      size = graph_lib.itemsize(x.dtype)
       held[size] = held.get(size, 0) + size * math.prod(x.shape)
   return max(held, key=held.get) if held else None
 
@@ -339,7 +340,7 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
   return ClusterPlan(placement, config.microbatch, global_batch, devices or config.devices,
                      hw.name, {config.tensor: profile.specs[config.tensor]},
                      {"profile": t1 - t0, "placement": time.perf_counter() - t1},
-                     peak_flops=hw.flops, memory_limit=memory_limit(options, hw))
+                     peak_flops=hw.flops, memory_limit=limit)
 
 
 __all__ = ["ClusterPlan", "ReplicatedWeightsWarning", "plan_cluster", "price_cluster"]

@@ -27,6 +27,7 @@ from automap._src.cluster.layer_graph import (
 )
 from automap._src.cluster.options import PlacementOptions
 from automap._src.cost.hardware import Hardware, get_hardware
+from automap._src.ir import graph as graph_lib
 from automap._src.search.request import with_keywords
 
 # Options of the planners (PlacementOptions, ClusterOptions) a ClusterConfig fixes.
@@ -182,10 +183,6 @@ def _float_dtype(name: str, value) -> str | None:
   return dtype.name
 
 
-def itemsize(dtype: str) -> int:
-  return jnp.dtype(dtype).itemsize
-
-
 def refuse_stated(keywords, function: str) -> None:
   """A TypeError for a keyword of `function` that the ClusterConfig states."""
   owned = [k for k in keywords if k in CONFIG_OWNED]
@@ -245,7 +242,7 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
       base, recompute=config.recompute, zero=config.zero, widths=(config.tensor,),
       data_parallel=config.data, stages=config.pipeline, virtual_stages=config.virtual_stages)
   problem = stage_costs.problem(devices, config.microbatches(global_batch), hw, options)
-  held = (itemsize(config.weights) if config.weights else param_itemsize
+  held = (graph_lib.itemsize(config.weights) if config.weights else param_itemsize
           or (2 if options.mixed_precision else 4))
   if config.weights and held >= 4 and options.mixed_precision:
     raise PlacementError(
@@ -253,7 +250,8 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
         "mixed_precision=True counts; drop mixed_precision (Adam's moments then count in "
         "float32, as the weights).")
   if config.gradients:
-    problem = dataclasses.replace(problem, gradients=itemsize(config.gradients) / held)
+    gradients = graph_lib.itemsize(config.gradients) / held
+    problem = dataclasses.replace(problem, gradients=gradients)
   problem = dataclasses.replace(problem, recompute_share=1 / config.recompute_every)
   if config.shard_group is not None and config.shard_group < config.data:
     problem = dataclasses.replace(problem, shard_group=config.shard_group)

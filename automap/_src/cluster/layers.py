@@ -300,11 +300,12 @@ def sequence_layouts(g, params_count: int, width: int) -> list[tuple[int, Partit
 
 
 def _searched(traced, t: int, hardware: Hardware, search, example: np.ndarray | None,
-              params_count: int = 0, sequence_parallel: bool = False):
-  """(program, state) of `traced` on a width-t mesh: the search's, or
-  `example` (a state searched at another batch size) where it divides;
-  with `sequence_parallel`, the activations `sequence_layouts` names pinned."""
-  program = Program.build(traced, MeshSpec(("model",), (t,)), hardware)
+              params_count: int = 0, sequence_parallel: bool = False, graph=None):
+  """(program, state) of `traced` (its `graph`, where built) on a width-t
+  mesh: the search's, or `example` (a state searched at another batch size)
+  where it divides; with `sequence_parallel`, the activations
+  `sequence_layouts` names pinned."""
+  program = Program.build(traced, MeshSpec(("model",), (t,)), hardware, graph=graph)
   if sequence_parallel and t > 1:
     program = program.with_pins(sequence_layouts(program.graph, params_count, t),
                                 "sequence parallelism")
@@ -553,8 +554,9 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
   params_count = len(jax.tree.leaves(params))
   grad = jax.value_and_grad(loss_fn)
   traced = trace_lib.trace(grad, (params, *batch))
+  g = graph_lib.build(traced)  # one graph per trace, for every width
   if check is not None:
-    check(outline(graph_lib.build(traced), params_count, widths))
+    check(outline(g, params_count, widths))
   searched: dict[int, np.ndarray] = {}
   specs = {}
   graphs: dict[int, dict[int, LayerGraph]] = {}
@@ -565,9 +567,10 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
           lambda x, n=size: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype) if np.ndim(x) else x,
           batch)
       traced = trace_lib.trace(grad, (params, *resized))
+      g = graph_lib.build(traced)
     for t in widths:
       program, state = _searched(traced, t, hardware, search, searched.get(t), params_count,
-                                 sequence_parallel)
+                                 sequence_parallel, g)
       if size == example:
         searched[t] = state
         plan = build.make_plan(program, state, {})

@@ -18,6 +18,7 @@ from __future__ import annotations
 from automap._src.cost.collectives import (
   ALL_GATHER,
   ALL_REDUCE,
+  levels,
   ring_seconds,
   send_seconds,
   staged_seconds,
@@ -41,17 +42,11 @@ class Ring:
 
   def levels(self, n: int, lo: int, hi: int) -> list[tuple[int, float, float]]:
     """(devices, bandwidth, latency) per level of a ring of n devices spread
-    evenly over lo..hi: one level within a node or where each node holds
-    one member; else the members within each node, then across nodes."""
+    evenly over lo..hi (`collectives.levels`)."""
     hw, node = self.hw, self.hw.devices_per_node
-    if lo // node == hi // node:
-      return [(n, hw.link_bandwidth, hw.link_latency)]
-    stride = (hi - lo) / (n - 1)
-    within = min(n, max(1, int(node // stride))) if stride < node else 1
-    if within == 1 or n % within:
-      return [(n, hw.network_bandwidth, hw.network_latency)]
-    return [(within, hw.link_bandwidth, hw.link_latency),
-            (n // within, hw.network_bandwidth, hw.network_latency)]
+    stride = (hi - lo) / (n - 1) if n > 1 else 1.0
+    return levels(n, stride, lo // node != hi // node, node,
+                  (hw.link_bandwidth, hw.link_latency), (hw.network_bandwidth, hw.network_latency))
 
   def _seconds(self, kind: int, nbytes: float, n: int, lo: int, hi: int) -> float:
     if n == 1 or nbytes == 0:

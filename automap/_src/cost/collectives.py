@@ -53,6 +53,22 @@ def staged_seconds(kind: int, nbytes: float, n: int,
   return 2 * seconds if kind == ALL_REDUCE else seconds
 
 
+def levels(n: int, stride: float, crosses: bool, per_node: int,
+           fast: tuple[float, float], slow: tuple[float, float]) -> list[tuple[int, float, float]]:
+  """(devices, bandwidth, latency) per level of a ring of n devices `stride`
+  apart: one level on the node's links (`fast`) where it stays within a
+  node; where it `crosses` nodes with several of its devices in each, two:
+  within each node, then across in as many rings, each with its share
+  (NCCL's rings over multi-NIC nodes, XLA's cross-slice collectives); with
+  one device per node, one level on the network (`slow`)."""
+  if not crosses:
+    return [(n, *fast)]
+  within = min(n, int(per_node // stride)) if stride < per_node else 1
+  if within > 1 and n % within == 0:
+    return [(within, *fast), (n // within, *slow)]
+  return [(n, *slow)]
+
+
 def send_seconds(nbytes: float, bandwidth: float, latency: float) -> float:
   """Seconds to send `nbytes` from one device to another over one link."""
   return nbytes / bandwidth + latency

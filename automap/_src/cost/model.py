@@ -37,6 +37,7 @@ from automap._src.cost.collectives import (
   send_seconds,
   staged_seconds,
 )
+from automap._src.cost.collectives import levels as collective_levels
 from automap._src.cost.compiler import Compiler
 from automap._src.cost.hardware import Hardware
 from automap._src.cost.memo import Memo, OpCost
@@ -166,22 +167,15 @@ class CostModel:
     self.cross_node = [
         max((strides[a] * mesh.axis_sizes[a] for a in range(n) if m >> a & 1),
             default=1) > hardware.devices_per_node for m in range(self.masks)]
-    # Per mask, the (size, bandwidth, latency) of its levels, fastest first:
-    # an axis within a node is one level on the node's links; one crossing
-    # nodes with several of its devices in each is two (within each node,
-    # then across in as many rings: `cluster.rings.Ring.levels`), one with a
-    # device per node one level on the network.
+    # Per mask, the (size, bandwidth, latency) of its axes' levels, fastest
+    # first (`collectives.levels`: an axis crossing nodes with several of
+    # its devices in each runs within them, then across).
     hw = hardware
     fast, slow = (hw.link_bandwidth, hw.link_latency), (hw.network_bandwidth, hw.network_latency)
 
     def levels(a: int) -> list[tuple[int, float, float]]:
-      size = mesh.axis_sizes[a]
-      if not self.cross_node[1 << a]:
-        return [(size, *fast)]
-      within = hw.devices_per_node // strides[a] if strides[a] < hw.devices_per_node else 1
-      if within > 1 and size % within == 0:
-        return [(within, *fast), (size // within, *slow)]
-      return [(size, *slow)]
+      return collective_levels(mesh.axis_sizes[a], strides[a], self.cross_node[1 << a],
+                               hw.devices_per_node, fast, slow)
 
     self.stages = [sorted((level for a in range(n) if m >> a & 1 and mesh.axis_sizes[a] > 1
                            for level in levels(a)), key=lambda s: (-s[1], s[2]))

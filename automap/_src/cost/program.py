@@ -56,9 +56,10 @@ class Program:
             fixed_specs: Mapping[str, PartitionSpec] | None = None,
             compiler: Compiler | None = None,
             constraints: str = constraints_lib.KEEP,
-            layout: Layout | None = None) -> Program:
+            layout: Layout | None = None, graph: Graph | None = None) -> Program:
+    """`graph`: `traced`'s, where already built (one trace on several meshes)."""
     constraints_lib.check_mode(constraints, "Program.build")
-    graph = graph_lib.build(traced)
+    graph = graph_lib.build(traced) if graph is None else graph
     pinned = empty_state(graph, mesh)
     fixed = np.zeros(graph.num_values, bool)
     for pattern, spec in (fixed_specs or {}).items():
