@@ -3,16 +3,19 @@
 Every plan small enough to compile here: for the GPT step of the tests (2
 layers, hidden 128, adam) and its (loss, grads) function on every 8-device
 (data, model) mesh, and for small T5-style, ViT, mixture-of-experts and
-graph-network train steps on (4, 2) and (2, 2, 2): automap's plans (MCTS, and
+graph-network train steps on (4, 2) and (2, 2, 2), and two mixtures of
+experts as libraries write them (GShard's einsum dispatch, a sort-and-gather
+one) on (4, 2), (2, 4) and (2, 2, 2): automap's plans (MCTS, and
 `search="ilp"` with `--ilp-seconds`) and the experts (data parallelism,
-Megatron + data parallelism), searched for the `cpu` spec and compiled on 8
+Megatron + data parallelism, and expert + data parallelism where there are
+experts), searched for the `cpu` spec and compiled on 8
 simulated CPU devices. Prints collective bytes per device, peak memory and
 HBM traffic (against XLA's `cost_analysis()["bytes accessed"]`), predicted
 vs compiled, the numerics against the unpartitioned function, and the
 distribution of the errors.
 
-`--devices 32` (or 64) runs the GPT step and its (loss, grads) function
-on 32 or 64 simulated devices instead, on 3- and 4-axis meshes, with the
+`--devices 32` (or 64) runs the GPT step, its (loss, grads) function and
+the two mixtures of experts on 32 or 64 simulated devices instead, on 3- and 4-axis meshes, with the
 FSDP and FSDP+TP experts beside: the fidelity section at the scale of a
 few nodes.
 
@@ -33,6 +36,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import automap  # noqa: E402
+from automap._src.models import moe  # noqa: E402
 from automap._src.models import zoo as programs  # noqa: E402
 from automap._src.models.zoo import gpt_step, loss_and_grads  # noqa: E402
 from automap._src.plan import build as plan_build  # noqa: E402
@@ -51,9 +55,15 @@ def cases(quick: bool):
   """(program name, fn, args, meshes)."""
   step, args = gpt_step()
   grads_fn, grads_args = loss_and_grads(args)
+  # Mixtures of experts, both dispatches (`models/moe.py`), top-2 of 8.
+  experts = [(f"MoE {d} 8x128", *moe.make_train_step(
+      d, experts=8, width=64, hidden=128, groups=2 * DEVICES, group_size=32))
+      for d in sorted(moe.DISPATCH)]
   if DEVICES != 8:
     yield "GPT train step", step, args, SCALED[DEVICES]
     yield "GPT loss+grads", grads_fn, grads_args, SCALED[DEVICES]
+    for name, fn, moe_args in experts:
+      yield name, fn, moe_args, SCALED[DEVICES]
     return
   yield "GPT train step", step, args, [(4, 2)] if quick else MESHES
   if quick:
@@ -62,6 +72,8 @@ def cases(quick: bool):
   for name, build in programs.small().items():
     fn, abstract = build()
     yield name, fn, programs.materialize(abstract), [(4, 2), (2, 2, 2)]
+  for name, fn, moe_args in experts:
+    yield name, fn, moe_args, [(4, 2), (2, 4), (2, 2, 2)]
 
 
 def plans(fn, args, mesh, ilp_seconds: float) -> dict:
@@ -74,8 +86,10 @@ def plans(fn, args, mesh, ilp_seconds: float) -> dict:
                                             budget=automap.Budget(seconds=ilp_seconds))
   prog = planner.build_program(fn, args, mesh, "cpu")
   states = expert_states(prog, ActionSpace(prog))
-  for label in ("data parallel", "Megatron+DP") + (("FSDP", "FSDP+TP") if DEVICES != 8 else ()):
-    out[label] = plan_build.make_plan(prog, states[label], {"strategy": label})
+  labels = ("data parallel", "Megatron+DP") + (("FSDP", "FSDP+TP") if DEVICES != 8 else ())
+  for label in labels + ("EP+DP",):
+    if label in states:
+      out[label] = plan_build.make_plan(prog, states[label], {"strategy": label})
   return out
 
 

@@ -12,6 +12,12 @@ priced by the same model on the same mesh:
   tensor; on h100 the data axis crosses nodes, which makes it HSDP);
 - the search's experts: FSDP over every axis, and FSDP+TP (Megatron on the
   tensor axis, FSDP over the others).
+A Mixtral 8x7B row (top-2 of 8 experts in every MLP, MaxText's einsum
+dispatch per sequence) plans on a (data, fsdp, expert) mesh; MaxText's
+rules put the experts over `expert` and the batch over every axis, and
+the expert + data parallel yardstick (EP+DP: experts over `expert`, the
+rest replicated) stands beside. Its MFU counts the parameters a token
+runs through (two of eight experts).
 Reported: seconds to plan (trace included), predicted seconds per step and
 MFU (6 x parameters x tokens plus causal attention, over the device's
 peak), and peak GB per device against the device's capacity; a layout
@@ -41,6 +47,9 @@ SHAPES = {  # Llama 3's published shapes (Grattafiori et al. 2024, Table 3)
     "8b": dict(embed=4096, mlp=14336, heads=32, kv_heads=8, head_dim=128, layers=32),
     "70b": dict(embed=8192, mlp=28672, heads=64, kv_heads=8, head_dim=128, layers=80),
     "405b": dict(embed=16384, mlp=53248, heads=128, kv_heads=8, head_dim=128, layers=126),
+    # Mixtral 8x7B (Jiang et al. 2024): 8 experts per MLP, top-2, vocabulary 32,000.
+    "8x7b": dict(embed=4096, mlp=14336, heads=32, kv_heads=8, head_dim=128, layers=32,
+                 experts=8, top_k=2, vocab=32000),
 }
 VOCAB, SEQ = 128256, 2048
 # (model, hardware, (data, fsdp, tensor)): tensor within a node or a few
@@ -53,18 +62,32 @@ ROWS = {
     "70b-8192-tpu-v5p": ("70b", "tpu-v5p", (32, 64, 4)),
     "405b-8192-tpu-v5p": ("405b", "tpu-v5p", (8, 128, 8)),
     "405b-8192-h100": ("405b", "h100", (8, 128, 8)),
+    # (data, fsdp, expert): the experts over a node's or a few chips' devices.
+    "8x7b-256-tpu-v5p": ("8x7b", "tpu-v5p", (1, 32, 8)),
+    "8x7b-1024-h100": ("8x7b", "h100", (4, 32, 8)),
 }
 AXES = ("data", "fsdp", "tensor")
+MOE_AXES = ("data", "fsdp", "expert")
 
 
 def config_of(model: str, devices: int) -> llama.LlamaConfig:
-  return llama.LlamaConfig(vocab=VOCAB, seq=SEQ, batch=devices, dtype=jnp.bfloat16,
-                           **SHAPES[model])
+  return llama.LlamaConfig(**dict(dict(vocab=VOCAB), seq=SEQ, batch=devices,
+                                  dtype=jnp.bfloat16, **SHAPES[model]))
+
+
+def active_params(config: llama.LlamaConfig, params) -> float:
+  """Parameters each token runs through: of the experts' weights, top_k of
+  `experts`."""
+  total = 0.0
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    share = config.top_k / config.experts if "moe" in jax.tree_util.keystr(path) else 1.0
+    total += math.prod(leaf.shape) * share
+  return total
 
 
 def model_flops(config: llama.LlamaConfig, params: float) -> float:
-  """FLOPs of one step: 6 per parameter per token, plus causal attention
-  (12 x layers x heads x head_dim x seq^2 per sequence, halved)."""
+  """FLOPs of one step: 6 per active parameter per token, plus causal
+  attention (12 x layers x heads x head_dim x seq^2 per sequence, halved)."""
   tokens = config.batch * config.seq
   attention = 6 * config.layers * config.heads * config.head_dim * config.seq**2 * config.batch
   return 6 * params * tokens + attention
@@ -75,14 +98,14 @@ def measure(name: str, seconds: float) -> dict:
   devices = math.prod(shape)
   config = config_of(model, devices)
   hw = automap.HARDWARE[hardware]
-  mesh = jax.sharding.AbstractMesh(shape, AXES)
+  mesh = jax.sharding.AbstractMesh(shape, MOE_AXES if config.experts else AXES)
   t0 = time.perf_counter()
   step, args = llama.train_step(config, constrained=False, abstract=True)
   plan = automap.search(step, *args, mesh=mesh, hardware=hw,
                         budget=automap.Budget(episodes=10**6, seconds=seconds, progress=False))
   took = time.perf_counter() - t0
   params = sum(math.prod(x.shape) for x in jax.tree.leaves(args[0]))
-  flops = model_flops(config, params)
+  flops = model_flops(config, active_params(config, args[0]))
   out = {"automap": (plan.cost.step_time, plan.cost.peak_memory), "plan_s": took,
          "kept": plan.stats.get("kept", "search"), "flops": flops, "devices": devices,
          "hw": hw, "params": params}
@@ -94,13 +117,16 @@ def measure(name: str, seconds: float) -> dict:
   out["MaxText rules"] = (cost.step_time, cost.peak_memory)
   program = planner.build_program(step, args, mesh, hw)
   experts = tactics.expert_states(program, ActionSpace(program))
-  for expert in ("FSDP", "FSDP+TP"):
-    cost = Tracker(program.model, experts[expert]).cost()
-    out[expert] = (cost.step_time, cost.peak_memory)
+  for expert in ("FSDP", "FSDP+TP", "EP+DP"):
+    if expert in experts:
+      cost = Tracker(program.model, experts[expert]).cost()
+      out[expert] = (cost.step_time, cost.peak_memory)
   return out
 
 
 def cell(result: dict, key: str) -> str:
+  if key not in result:
+    return "-"
   step, peak = result[key]
   hw = result["hw"]
   mfu = result["flops"] / (step * result["devices"] * hw.flops)
@@ -114,7 +140,7 @@ def main():
   parser.add_argument("--seconds", type=float, default=60.0, help="search budget per row")
   opts = parser.parse_args()
   warnings.simplefilter("ignore", automap.SearchWarning)
-  columns = ("automap", "MaxText rules", "FSDP", "FSDP+TP")
+  columns = ("automap", "MaxText rules", "FSDP", "FSDP+TP", "EP+DP")
   print("| row | parameters | plan s | " + " | ".join(columns) + " | kept |")
   print("|---|---|---|" + "---|" * len(columns) + "---|")
   for name in opts.only:

@@ -4,7 +4,9 @@ For train steps of several model families (`automap/_src/models/zoo.py`) on five
 meshes and two hardware specs: predicted step time of data parallelism,
 Megatron (tensor parallel on the last mesh axis of size > 1), Megatron + data
 parallelism on the other axes, FSDP (batch and every parameter and moment
-split over every axis), automap's MCTS (200 episodes, no hints, its best
+split over every axis), FSDP+TP (MaxText's layout, on two or more axes),
+EP+DP (a mixture of experts' experts over one axis, the batch over all),
+automap's MCTS (200 episodes, no hints, its best
 plans then refined) and, on tpu-v4, `search="ilp"` (warm-started from that
 plan, within `--ilp-seconds`). Experts are the search's own tactics, so they
 apply to any program. Every plan is priced by the cost model; nothing is
@@ -67,9 +69,10 @@ def main():
   meshes = [(4, 2), (2, 2, 2)] if opts.quick else MESHES
   hardware = ["tpu-v4"] if opts.quick else ["tpu-v4", "h100"]
   print("| program | mesh | hardware | DP ms | Megatron ms | Megatron+DP ms | FSDP ms "
-        "| MCTS ms | ILP ms (status) | best expert peak MiB | automap peak MiB "
+        "| FSDP+TP ms | EP+DP ms | MCTS ms | ILP ms (status) | best expert peak MiB "
+        "| automap peak MiB "
         "| MCTS / best expert | ILP / best expert | MCTS / ILP |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   summary = {"mcts": [], "ilp": [], "mcts_ilp_optimal": []}
   for name, build in programs.catalogue(opts.quick).items():
     step, args = build()
@@ -79,8 +82,8 @@ def main():
       for hw in hardware:
         program = Program.build(traced, mesh, get_hardware(hw))
         r = row(program, opts.ilp_seconds if hw == "tpu-v4" else None, opts.episodes)
-        best = min(tactics.EXPERTS, key=lambda e: r[e][0])
-        ms = lambda k, r=r: f"{r[k][0] * 1e3:.3f}"  # noqa: E731
+        best = min((e for e in tactics.EXPERTS if e in r), key=lambda e: r[e][0])
+        ms = lambda k, r=r: f"{r[k][0] * 1e3:.3f}" if k in r else "-"  # noqa: E731
         ratio = r["MCTS"][0] / r[best][0]
         summary["mcts"].append(ratio)
         ilp = ilp_ratio = mcts_ilp = "-"
@@ -93,7 +96,8 @@ def main():
           if r["status"] == "optimal":
             summary["mcts_ilp_optimal"].append(r["MCTS"][0] / r["ILP"][0])
         print(f"| {name} | {shape} | {hw} | {ms('data parallel')} | {ms('Megatron')} "
-              f"| {ms('Megatron+DP')} | {ms('FSDP')} | {ms('MCTS')} | {ilp} "
+              f"| {ms('Megatron+DP')} | {ms('FSDP')} | {ms('FSDP+TP')} | {ms('EP+DP')} "
+              f"| {ms('MCTS')} | {ilp} "
               f"| {r[best][1] / 2**20:.1f} | {peak / 2**20:.1f} "
               f"| {ratio:.3f} | {ilp_ratio} | {mcts_ilp} |", flush=True)
   print()

@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from automap._src.cost import halo, layouts, reshard
+from automap._src.cost import halo, layouts, partial_sums, reshard
 from automap._src.cost.analysis import Analysis, canonical_copies
 from automap._src.cost.collectives import (
   ALL_GATHER,
@@ -457,20 +457,12 @@ class CostModel:
       made = natural_bytes  # the partial result the op makes
       widen = self.reduced_itemsize[v] / self.itemsize[v]
       if scatter_mask and not self.compiler.reduce_scatter and g.prims[o] in _CONTRACTIONS:
-        # No reduce-scatter: XLA's dot partitioner all-reduces the whole
-        # partial result once per result dim tiled over axes of its
-        # contracted dim (over the axes tiling that dim), each device keeps
-        # its tile, and the other axes reduce that tile (as XLA:CPU
-        # compiles it: `P('data', 'model')` from a contraction over both is
-        # two whole all-reduces, `P(('data', 'model'))` one).
-        by_dim: dict[int, int] = {}
-        for a in range(num_axes):
-          if scatter_mask >> a & 1:
-            natural[a] = state[v, a]
-            by_dim[int(state[v, a])] = by_dim.get(int(state[v, a]), 0) | 1 << a
-        for mask in by_dim.values():
-          self.emit(comms, ALL_REDUCE, mask, natural_bytes * widen)
-        natural_bytes /= self.group_size[scatter_mask]
+        # No reduce-scatter: XLA's dot partitioner all-reduces and slices
+        # (`partial_sums.finish`: as XLA:CPU compiles it, `P('data',
+        # 'model')` from a contraction over both is two whole all-reduces).
+        natural_bytes, made = partial_sums.finish(
+            self, comms, natural, state[v], scatter_mask, reduce_mask, natural_bytes,
+            float(g.nbytes[v]), widen)
         scatter_mask = 0
       elif scatter_mask and not self.compiler.reduce_scatter:
         # Other reductions all-reduce the whole partial result over every

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from automap._src.models import moe
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
@@ -34,13 +36,16 @@ class LlamaConfig:
   batch: int = 16  # B
   dtype: Any = jnp.float32
   remat_policy: str = "nothing_saveable"  # a name in jax.checkpoint_policies
+  experts: int = 0  # X: a mixture of this many experts in each MLP (Mixtral's), 0 for dense
+  top_k: int = 2  # experts per token
+  capacity_factor: float = 1.25  # slots per expert and sequence, over an even share
 
 
 # MaxText's rules (base.yml) for the axes this mesh may have, in order of
 # precedence; flax skips a rule whose mesh axis the array already uses, so
 # k/v's "activation_kv" stays unsharded once its heads take "tensor".
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("activation_batch", ("data", "fsdp")),
+    ("activation_batch", ("data", "fsdp", "expert")),
     ("activation_length", None),
     ("activation_embed", None),
     ("activation_heads", "tensor"),
@@ -56,6 +61,7 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv", None),
     ("norm", None),
     ("layers", None),
+    ("exp", "expert"),
 )
 
 
@@ -116,14 +122,14 @@ class RMSNorm(nn.Module):
     scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
                        (x.shape[-1],))
     y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.epsilon)
-    return (y * scale).astype(self.dtype)
+    return (y * scale.reshape((1,) * (x.ndim - 1) + (-1,))).astype(self.dtype)
 
 
 def rotary(x: jax.Array, max_timescale: float = 10_000.0) -> jax.Array:
   """Rotary embedding of [B, S, heads, D] at positions 0..S-1, halves paired."""
   d = x.shape[-1]
   timescale = max_timescale ** (2 * jnp.arange(d // 2) / d)  # [D/2]
-  angle = jnp.arange(x.shape[1])[:, None] / timescale  # [S, D/2]
+  angle = jnp.arange(x.shape[1])[:, None] / timescale[None]  # [S, D/2]
   sin, cos = jnp.sin(angle)[None, :, None], jnp.cos(angle)[None, :, None]
   first, second = jnp.split(x, 2, axis=-1)
   return jnp.concatenate([first * cos - second * sin, second * cos + first * sin],
@@ -169,6 +175,28 @@ class MLP(nn.Module):
     return _dense(c.embed, -1, ("mlp", "embed"), c.dtype, "wo")(h)
 
 
+class MoeMLP(nn.Module):
+  """Mixtral's sparse MLP as MaxText's dense path computes it: each
+  sequence a group, top-k routing, GShard's einsum dispatch into capacity
+  slots, SwiGLU experts (`models/moe.py`)."""
+
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:  # [B, S, E] -> [B, S, E]
+    c = self.config
+    init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
+                                            in_axis=-2, out_axis=-1)
+    shapes = {"router": ((c.embed, c.experts), ("embed", None)),
+              "wi_0": ((c.experts, c.embed, c.mlp), ("exp", "embed", "mlp")),
+              "wi_1": ((c.experts, c.embed, c.mlp), ("exp", "embed", "mlp")),
+              "wo": ((c.experts, c.mlp, c.embed), ("exp", "mlp", "embed"))}
+    p = {n: self.param(n, nn.with_logical_partitioning(init, names), shape).astype(c.dtype)
+         for n, (shape, names) in shapes.items()}
+    slots = moe.capacity(x.shape[1], c.experts, c.top_k, c.capacity_factor)
+    return moe.einsum_dispatch(p, x, c.top_k, slots)
+
+
 class DecoderLayer(nn.Module):
   config: LlamaConfig
 
@@ -176,7 +204,8 @@ class DecoderLayer(nn.Module):
   def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:
     c = self.config
     x = x + Attention(c, name="self_attention")(RMSNorm(c.dtype, name="pre_attention_norm")(x))
-    x = x + MLP(c, name="mlp")(RMSNorm(c.dtype, name="post_attention_norm")(x))
+    mlp = MoeMLP(c, name="moe") if c.experts else MLP(c, name="mlp")
+    x = x + mlp(RMSNorm(c.dtype, name="post_attention_norm")(x))
     x = nn.with_logical_constraint(
         x, ("activation_batch", "activation_length", "activation_embed"))
     return x, None

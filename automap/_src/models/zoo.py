@@ -1,7 +1,7 @@
 """The program zoo: train steps of several model families, shared by the
 tests and the benchmarks.
 
-`mlp`, `gpt`, `encoder_decoder`, `vit`, `moe` and `graph_network` return
+`mlp`, `gpt`, `encoder_decoder`, `vit`, `moe`, `moe_layers` and `graph_network` return
 `(step, args)` with `args` as `jax.ShapeDtypeStruct`s (parameters from
 `jax.eval_shape` of the initialiser), so nothing is materialised and any
 size can be planned; `materialize` makes concrete arguments for them.
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from automap._src.models import graph_net
+from automap._src.models import moe as moe_lib
 from automap._src.models.gpt import GPT, GPTConfig, make_train_step
 
 SMALL = GPTConfig(vocab=128, seq=16, hidden=128, heads=4, layers=2)
@@ -186,6 +187,15 @@ def moe(experts: int = 8, width: int = 512, hidden: int = 2048, tokens: int = 20
   return _adam_step(loss, params, data, data)
 
 
+def moe_layers(dispatch: str = "einsum", experts: int = 8, width: int = 512,
+               hidden: int = 1024, groups: int = 16, group_size: int = 128, layers: int = 2):
+  """Mixture-of-experts layers as libraries write them (`models/moe.py`):
+  top-2 routing, GShard's einsum dispatch or a sort-and-gather one."""
+  return moe_lib.make_train_step(dispatch, experts=experts, width=width, hidden=hidden,
+                                 groups=groups, group_size=group_size, layers=layers,
+                                 abstract=True)
+
+
 def graph_network(nodes: int = 4096, edges: int = 16384, width: int = 128):
   """A jraph GraphNetwork step: edge and node MLP updates, a loss on nodes."""
   return graph_net.make_train_step(nodes, edges, width, abstract=True)
@@ -200,6 +210,8 @@ def catalogue(quick: bool = False) -> dict:
   return {"MLP 1024x4096": mlp, "GPT 2L h512": lambda: gpt(2), "GPT 12L h512": lambda: gpt(12),
           "GPT 24L h512": lambda: gpt(24), "GPT 2L h1024": lambda: gpt(2, 1024),
           "T5 2+2L w512": encoder_decoder, "ViT 4L w384": vit, "MoE 8x2048": moe,
+          "MoE einsum 2L 8x1024": moe_layers,
+          "MoE sorted 2L 8x1024": lambda: moe_layers("sorted"),
           "GraphNetwork 4k nodes": graph_network}
 
 

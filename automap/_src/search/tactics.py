@@ -116,6 +116,10 @@ class Tactics:
     # (column) dims: factors the result keeps and the other operand lacks;
     # embedding tables by their rows (Megatron's vocabulary-parallel lookup).
     self.weights: list[tuple[int, list[int]]] = []
+    # Expert weights, each with its expert dim: a dim of a weight that a
+    # contraction batches over (a mixture of experts' stack of expert MLPs,
+    # each applied to its own tokens).
+    self.expert_weights: list[tuple[int, int]] = []
     seen = set(self.carried)
     for o, prim in enumerate(graph.prims):
       if prim == "gather":  # an embedding table, looked up: split by rows (vocabulary)
@@ -131,6 +135,10 @@ class Tactics:
         if w < 0:
           continue
         other, out = list(rule.operands[1 - i] or ()), list(rule.results[0])
+        batched = [dims[d] for d, f in enumerate(rule.operands[i])
+                   if f >= 0 and f in out and f in other and dims[d] >= 0]
+        if batched and all(v != w for v, _ in self.expert_weights):
+          self.expert_weights.append((w, batched[0]))
         made = graph.results[o][0]
         # Output dims, not those the program takes apart (Megatron splits a
         # fused weight's hidden units, never its stack of gates).
@@ -166,6 +174,23 @@ class Tactics:
           break
     return concat(changed)
 
+  def expert(self, state: State, axis: int) -> np.ndarray:
+    """Expert parallelism over one axis: every expert weight split along
+    its expert dim, the tokens dispatched to them following (propagation),
+    so an all-to-all carries them from the batch's layout to their
+    experts' devices and back (GShard, Switch)."""
+    return concat(self.prop.tile(state, w, d, axis) for w, d in self.expert_weights
+                  if state[w, axis] < 0 and self.prop.can_tile(state, w, d, axis))
+
+  def expert_axis(self, state: State, axes: Sequence[int]) -> int | None:
+    """The last of `axes` every expert weight's expert dim divides over,
+    None if there are no expert weights or no such axis."""
+    for a in reversed(list(axes)):
+      if self.expert_weights and all(self.prop.can_tile(state, w, d, a)
+                                     for w, d in self.expert_weights):
+        return a
+    return None
+
   def fsdp(self, state: State, axis: int, beside: bool = False) -> np.ndarray:
     """ZeRO-3 / FSDP over one axis: data parallelism on it, and every
     carried argument (parameters, optimizer state) split along its largest
@@ -198,7 +223,7 @@ YARDSTICKS = ("data parallel", "Megatron + data parallel")
 
 
 # The hand-written strategies the benchmarks and yardsticks compare with.
-EXPERTS = ("data parallel", "Megatron", "Megatron+DP", "FSDP", "FSDP+TP")
+EXPERTS = ("data parallel", "Megatron", "Megatron+DP", "FSDP", "FSDP+TP", "EP+DP")
 
 
 def expert_states(program, space) -> dict:
@@ -208,7 +233,10 @@ def expert_states(program, space) -> dict:
   FSDP (every argument split over every axis), and on two or more axes
   FSDP+TP (MaxText's layout: the batch over all but the last axis,
   Megatron on the last, FSDP on the middle ones, the first data parallel
-  where there are three or more: HSDP where it crosses slices)."""
+  where there are three or more: HSDP where it crosses slices), and for a
+  mixture of experts EP+DP (GShard's layout: the experts over the last
+  axis that divides them, the batch over every axis, the rest
+  replicated)."""
   tactics, real = space.experts, space.real_axes
   out = {}
   for name in EXPERTS:
@@ -223,6 +251,12 @@ def expert_states(program, space) -> dict:
     elif name == "FSDP":
       for a in real:
         tactics.fsdp(state, a)
+    elif name == "EP+DP":
+      axis = tactics.expert_axis(state, real)
+      if axis is None:
+        continue
+      tactics.expert(state, axis)
+      tactics.data_parallel(state, real)
     elif len(real) > 1:
       # FSDP+TP, MaxText's layout: the batch over every axis but the last,
       # Megatron on the last, the weights' FSDP on the middle axes (on 3 or
