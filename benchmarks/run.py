@@ -46,6 +46,8 @@ SECTIONS = {
     "policy": ("Learned policy against uniform priors", ["--seeds", "15"], ["--quick"]),
     "measured": ("Published training runs: predicted against measured throughput",
                  ["--fit", "--planner"], ["--only", "narayanan21-t1"]),
+    "experts": ("Mixtures of experts against hand-written expert parallelism, compiled",
+                ["--programs", "10"], ["--programs", "2"]),
     "pod_scale": ("Pod scale: llama shapes on 256 to 8,192 devices, predicted",
                   ["--seconds", "30"], ["--only", "8b-256-tpu-v5p", "--seconds", "10"]),
     "cluster": ("Cluster planning against fixed Megatron-style splits", [], ["--quick"]),

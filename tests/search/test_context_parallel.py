@@ -1,0 +1,35 @@
+"""Context parallelism: the sequence split over a mesh axis, attention's
+keys and values gathered over it (what XLA makes of a plain attention with
+its queries split), priced as compiled."""
+
+import jax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import automap
+from automap._src.models.zoo import gpt_step
+from automap._src.plan import build, planner
+from automap._src.search.actions import ActionSpace
+
+
+@pytest.mark.parametrize("shape,names", [((8,), ("context",)), ((2, 4), ("data", "context"))])
+def test_a_sequence_split_over_an_axis_compiles_to_the_collectives_priced(shape, names):
+  step, args = gpt_step()
+  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+  program = planner.build_program(step, args, mesh, "cpu")
+  space = ActionSpace(program)
+  state = program.initial_state()
+  space.experts.sequence(state, len(shape) - 1)
+  if len(shape) > 1:
+    space.experts.data_parallel(state, [0])
+  plan = build.make_plan(program, state, {})
+  tokens = P(*(("data",) if len(shape) > 1 else (None,)), "context")
+  assert plan.in_specs[-1] == tokens and plan.in_specs[-2] == tokens
+  report = automap.verify(plan, step, *args, mesh=mesh)
+  assert report.max_rel_error < 1e-3
+  # Keys and values gathered along the sequence, weight gradients reduced.
+  for kind in ("all-gather", "all-reduce"):
+    compiled = report.compiled_comm_bytes[(kind, ("context",))]
+    assert report.predicted.comm_bytes[(kind, ("context",))] == pytest.approx(compiled, rel=0.01)
+  assert report.comm_error < 0.01, report.table()
