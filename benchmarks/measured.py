@@ -40,8 +40,13 @@ within each slice's replicas (`ClusterConfig.shard_group`), the slices
 all-reducing their shards' gradients over the data-centre network, a slice
 being the row's devices over its data-parallel width.
 
-Not priced (listed with the reason): context parallelism, and rows whose
-model dimensions the source leaves out.
+Context parallelism (Llama 3's 128K row) is priced on a (context, model)
+stage mesh: the tokens split along the sequence over "context", attention
+gathering keys and values over it as XLA partitions it, each microbatch's
+weight gradients reduced over the context group where XLA makes them.
+
+Not priced (listed with the reason): rows whose model dimensions the
+source leaves out.
 
   python benchmarks/measured.py [--only PREFIX] [--fit] [--planner] [--efficiency X]
 """
@@ -170,8 +175,6 @@ def unpriced(row: dict) -> str | None:
   m, p = row["model"], row["parallel"]
   if any(m.get(k) is None for k in ("layers", "hidden", "heads", "seq")):
     return "model dimensions not published"
-  if (p.get("context") or 1) > 1:
-    return "context parallelism not modelled"
   if p.get("tensor") is None or p.get("pipeline") is None:
     return "tensor / pipeline widths not published"
   if all(row["measured"].get(k) is None
@@ -303,17 +306,28 @@ def whole_where_indivisible(spec: P, shape, width: int) -> P:
   return P(*[None if e is not None and shape[k] % width else e for k, e in enumerate(spec)])
 
 
+def mesh_of(width: int, context: int = 1) -> MeshSpec:
+  """A stage's mesh: tensor parallelism over "model" (minor: within a
+  node), and context parallelism (the sequence split) over "context" where
+  the row has it."""
+  if context == 1:
+    return MeshSpec(("model",), (width,))
+  return MeshSpec(("context", "model"), (context, width))
+
+
 def published_state(traced, params_count: int, width: int, hw, hidden: int = 0,
-                    split: str = "") -> np.ndarray:
+                    split: str = "", context: int = 1) -> np.ndarray:
   """The runs' own intra-layer layout (Megatron-LM's, MaxText's tensor
   axis alike) on a `width`-device mesh; the batch whole on it. `split`
   "embed": every [1, seq, hidden] activation and its gradient is split over
   the axis along hidden, as MaxText constrains them; "sequence": the
   blocks' along the sequence, as Megatron-LM's sequence parallelism splits
   them (the vocabulary-parallel lookup makes its rows whole and
-  reduce-scatters them into the first block)."""
-  program = Program.build(traced, MeshSpec(("model",), (width,)), hw)
-  if width == 1:
+  reduce-scatters them into the first block). With `context`, the tokens
+  split along the sequence over "context" too (Llama 3's context
+  parallelism: attention gathers keys and values over it)."""
+  program = Program.build(traced, mesh_of(width, context), hw)
+  if width * context == 1:
     return program.initial_state()
   g = program.graph
   paths = [str(p) for p in traced.in_paths]
@@ -324,8 +338,10 @@ def published_state(traced, params_count: int, width: int, hw, hidden: int = 0,
   layouts += [(v, whole_where_indivisible(megatron(p, 0), g.shapes[v], width))
               for v, p in zip(g.outputs, traced.out_paths)
               if v >= 0 and g.producer[v] >= 0 and p.startswith("1/")]
-  if split:
+  if split and width > 1:
     spec = P(None, None, "model") if split == "embed" else P(None, "model", None)
+    if split == "sequence" and context > 1:
+      spec = P(None, ("context", "model"), None)
     for v in range(g.num_values):
       if (g.producer[v] < 0 or len(g.shapes[v]) != 3 or g.shapes[v][0] != 1
           or g.shapes[v][2] != hidden):
@@ -336,10 +352,12 @@ def published_state(traced, params_count: int, width: int, hw, hidden: int = 0,
   return program.pinned_state(layouts, "published layout")
 
 
-def profile(traced, params_count: int, state, width: int, hw, fused: bool) -> Profile:
-  """Layer costs at one sample per microbatch (scaled to others by `at`)."""
-  program = Program.build(traced, MeshSpec(("model",), (width,)), hw)
-  graphs = layers_lib.layer_graphs({width: (program, state)}, params_count, fused)
+def profile(traced, params_count: int, state, width: int, hw, fused: bool,
+            context: int = 1) -> Profile:
+  """Layer costs at one sample per microbatch (scaled to others by `at`),
+  keyed by the stage's devices (width x context)."""
+  program = Program.build(traced, mesh_of(width, context), hw)
+  graphs = layers_lib.layer_graphs({width * context: (program, state)}, params_count, fused)
   return Profile({1: graphs}, {}, {})
 
 
@@ -353,7 +371,7 @@ def candidates(row: dict) -> list[cluster.ClusterConfig]:
   elif (p.get("fsdp") or 1) > 1:  # FSDP over one slice: ZeRO 3 over its replicas
     d, zeros = p["fsdp"], (3,)
   else:
-    d = p["data"] or row["devices"] // (t * pp)
+    d = p["data"] or row["devices"] // (t * pp * (p.get("context") or 1))
     zeros = (p["zero"],) if p.get("zero") is not None else (0, 1)
   per_replica = p["global_batch"] // d
   if p.get("microbatch"):
@@ -381,7 +399,8 @@ def candidates(row: dict) -> list[cluster.ClusterConfig]:
         for z in zeros:
           out.append(cluster.ClusterConfig(tensor=t, pipeline=pp, data=d, microbatch=b,
                                            recompute=mode, schedule=schedule,
-                                           virtual_stages=v, zero=z, shard_group=group))
+                                           virtual_stages=v, zero=z, shard_group=group,
+                                           context=p.get("context") or 1))
   return out
 
 
@@ -452,7 +471,8 @@ def planned(row: dict, prof: Profile, hw, bound: float) -> cluster.Placement | N
 def describe(config: cluster.ClusterConfig, key: tuple[bool, bool]) -> str:
   fused, sequence = key
   woven = f" v{config.virtual_stages}" if config.schedule == "interleaved" else ""
-  return (f"t{config.tensor} p{config.pipeline} d{config.data} mb{config.microbatch} "
+  context = f" c{config.context}" if config.context > 1 else ""
+  return (f"t{config.tensor}{context} p{config.pipeline} d{config.data} mb{config.microbatch} "
           f"{config.recompute}{woven} z{config.zero}"
           f"{'' if config.shard_group is None else f' in {config.shard_group}'}"
           f"{' flash' if fused else ''}"
@@ -490,8 +510,9 @@ def main():
     width = row["parallel"]["tensor"]
     hidden = row["model"]["hidden"]
     embed = "embed" if row["source"] in EMBED_SHARDED else ""
+    context = row["parallel"].get("context") or 1
     states = {sp: published_state(traced, count, width, hardware(row), hidden,
-                                  "sequence" if sp else embed)
+                                  "sequence" if sp else embed, context)
               for sp in sequence_parallel(row)}
     flops = source_flops(row)
     keys = list(itertools.product(attention(row), states))
@@ -499,16 +520,20 @@ def main():
     ratios = {}
     for eff in (grid if opts.fit and split == "training" and stack(row) == "jax" else []):
       plan, *_ = priced(row, {(f, sp): profile(traced, count, states[sp], width,
-                                               hardware(row, eff), f) for f, sp in keys},
+                                               hardware(row, eff), f, context)
+                               for f, sp in keys},
                         hardware(row, eff))
       ratios[eff] = flops / (plan.time * row["devices"]) / measured
     hw = hardware(row, opts.efficiency)
-    profiles = {(f, sp): profile(traced, count, states[sp], width, hw, f) for f, sp in keys}
+    profiles = {(f, sp): profile(traced, count, states[sp], width, hw, f, context)
+                for f, sp in keys}
     plan, config, fits, key = priced(row, profiles, hw)
     predicted = flops / (plan.time * row["devices"])
     memory = max(s.memory for s in plan.stages)
     cell = ""
-    if opts.planner:
+    if opts.planner and context > 1:  # the planner does not split the sequence
+      cell = " - |"
+    elif opts.planner:
       own = planned(row, profiles[key], hw, bound=plan.time * 1.5)
       cell = f" {plan.time / own.time:.2f}x |" if own else " - |"
     print(f"| {row['id']} | {split} | {row['hardware']} | {describe(config, key)} | "

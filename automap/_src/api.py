@@ -8,7 +8,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from automap._src.cost.hardware import Hardware, get_hardware
+from automap._src.cost.hardware import Hardware, get_hardware, on_mesh
 from automap._src.cost.model import Cost
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace as trace_lib
@@ -68,7 +68,7 @@ def search(fn: Callable, *args, mesh: AnyMesh | None = None, devices: int | None
     folder = cache_lib.resolve(cache)
     spec = MeshSpec.of(mesh)  # Checked before the trace uses it.
     traced = trace_lib.trace(fn, args, mesh, names=names)
-    return planner.plan(traced, spec, get_hardware(hardware), request,
+    return planner.plan(traced, spec, on_mesh(get_hardware(hardware), mesh), request,
                         None if folder is None else cache_lib.PlanCache(folder),
                         planner.read_layout(traced, args, spec, layout, layout_rules, request),
                         layout is not None and layout is not False)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from automap._src.cost.hardware import Hardware, get_hardware
+from automap._src.cost.hardware import Hardware, get_hardware, on_mesh
 from automap._src.ir import trace as trace_lib
 from automap._src.plan import cache as cache_lib
 from automap._src.plan import planner
@@ -69,7 +69,7 @@ class Partitioned:
         for name in entry if isinstance(entry, tuple) else (entry,):
           if name is not None:
             self._mesh_spec.axis_index(name, f"Hints.fixed[{pattern!r}]")
-    self.hardware = get_hardware(hardware)
+    self.hardware = on_mesh(get_hardware(hardware), mesh)
     self.donate_argnums = _argnums(donate_argnums)
     self.cache = cache
     folder = cache_lib.resolve(cache)

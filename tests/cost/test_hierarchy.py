@@ -56,3 +56,32 @@ def test_a_mesh_axis_across_nodes_is_priced_in_two_levels():
   assert flat.comm_time(ALL_GATHER, 1, 1e9) == pytest.approx(
       staged_seconds(ALL_GATHER, 1e9, 8, [(2, 1e10, 0.0), (4, 1e9, 0.0)]))
   assert flat.comm_time(ALL_GATHER, 1, 1e9) < ring_seconds(ALL_GATHER, 1e9, 8, 1e9, 0.0) / 1.5
+
+
+def stub_mesh(groups, attr):
+  """A mesh-like object whose devices say which slice or host they are on."""
+  import types
+
+  import numpy as np
+
+  devices = np.empty(len(groups), object)
+  for i, g in enumerate(groups):
+    devices[i] = types.SimpleNamespace(id=i, **{attr: g})
+  return types.SimpleNamespace(devices=devices.reshape(2, -1))
+
+
+def test_slices_and_hosts_are_read_from_the_meshs_devices():
+  from automap._src.cost.hardware import on_mesh
+
+  v5p, h100 = automap.HARDWARE["tpu-v5p"], automap.HARDWARE["h100"]
+  # create_hybrid_device_mesh's layout: the axis crossing slices outermost.
+  assert on_mesh(v5p, stub_mesh([0] * 4 + [1] * 4, "slice_index")).devices_per_node == 4
+  assert on_mesh(h100, stub_mesh([0] * 2 + [1] * 2 + [2] * 2 + [3] * 2,
+                                 "process_index")).devices_per_node == 2
+  # One slice, hosts on a TPU (ICI spans them), or devices that do not say.
+  assert on_mesh(v5p, stub_mesh([0] * 8, "slice_index")) is v5p
+  assert on_mesh(v5p, stub_mesh([0] * 4 + [1] * 4, "process_index")) is v5p
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  assert on_mesh(h100, mesh) is h100 and on_mesh(v5p, mesh) is v5p
+  with pytest.warns(UserWarning, match="not runs of consecutive devices"):
+    assert on_mesh(v5p, stub_mesh([0, 1] * 4, "slice_index")) is v5p

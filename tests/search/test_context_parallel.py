@@ -8,6 +8,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import automap
+from automap._src.models import llama
 from automap._src.models.zoo import gpt_step
 from automap._src.plan import build, planner
 from automap._src.search.actions import ActionSpace
@@ -32,4 +33,21 @@ def test_a_sequence_split_over_an_axis_compiles_to_the_collectives_priced(shape,
   for kind in ("all-gather", "all-reduce"):
     compiled = report.compiled_comm_bytes[(kind, ("context",))]
     assert report.predicted.comm_bytes[(kind, ("context",))] == pytest.approx(compiled, rel=0.01)
+  assert report.comm_error < 0.01, report.table()
+
+
+def test_inside_a_rematerialised_layer_attention_is_laid_out_as_xla_propagates():
+  # A remat'd layer's insides are XLA's to lay out from what the plan pins
+  # around them; where queries and keys both arrive split on the sequence,
+  # Shardy keeps the split of the larger (the queries: GQA has fewer key
+  # heads) and gathers the keys and values.
+  config = llama.LlamaConfig(layers=2, batch=4, seq=256, embed=128, mlp=256, heads=4,
+                             kv_heads=2, head_dim=32, vocab=512)
+  step, args = llama.train_step(config, constrained=False)
+  mesh = jax.make_mesh((8,), ("context",), axis_types=(AxisType.Auto,))
+  program = planner.build_program(step, args, mesh, "cpu")
+  state = program.initial_state()
+  ActionSpace(program).experts.sequence(state, 0)
+  report = automap.verify(build.make_plan(program, state, {}), step, *args, mesh=mesh)
+  assert report.max_rel_error < 1e-3
   assert report.comm_error < 0.01, report.table()

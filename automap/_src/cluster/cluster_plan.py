@@ -276,8 +276,9 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
                   options: ClusterOptions | None = None, **keywords) -> ClusterPlan:
   """Training `loss_fn(params, *batch) -> scalar` priced under a stated split.
 
-  The step is profiled at `config.tensor` devices (the sharding search picks
-  the intra-stage sharding, as for `plan_cluster`) and microbatches of
+  The step is profiled at `config.tensor` x `config.context` devices (the
+  sharding search picks the intra-stage sharding, as for `plan_cluster`,
+  the sequence pinned over the context group) and microbatches of
   `config.microbatch` samples, then run as `config` states
   (`configured.price`); `plan_cluster` on the same step gives the planner's
   plan to set beside it (`explain(against=...)`).
@@ -286,8 +287,9 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
     loss_fn, params, *batch: as for `plan_cluster`.
     config: the split (`ClusterConfig`: tensor, pipeline, data, microbatch,
       recompute, schedule, virtual stages, ZeRO, shard group, weight and
-      gradient dtypes, sequence parallelism). Its weights recast the parameters before tracing;
-      a split the traced layers cannot carry is refused before any search.
+      gradient dtypes, sequence and context parallelism). Its weights
+      recast the parameters before tracing; a split the traced layers
+      cannot carry is refused before any search.
     global_batch: samples per optimizer step.
     hardware: a catalogue name or a `Hardware`.
     devices: devices in the cluster (default: what `config` uses).
@@ -317,12 +319,14 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
   share = config.pipeline * ((config.shard_group or config.data) if config.zero == 3 else 1)
   search = layers_lib.sharding_search(options.budget, options.seed,
                                       None if math.isinf(limit) else limit * share)
-  profile = layers_lib.measure(loss_fn, params, batch, widths=[config.tensor], hardware=hw,
+  width = config.width
+  profile = layers_lib.measure(loss_fn, params, batch, widths=[width], hardware=hw,
                                search=search, sizes=[config.microbatch],
                                fused_attention=options.fused_attention,
                                check=lambda graph: configured.chunked(graph, config),
-                               sequence_parallel=config.sequence_parallel)
-  whole = layers_lib.replicated_share(*profile.programs[(config.microbatch, config.tensor)],
+                               sequence_parallel=config.sequence_parallel,
+                               context=config.context)
+  whole = layers_lib.replicated_share(*profile.programs[(config.microbatch, width)],
                                       len(jax.tree.leaves(params)))
   if config.tensor > 1 and whole > REPLICATED:
     warnings.warn(
@@ -335,10 +339,10 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
   t1 = time.perf_counter()
   placement = configured.price(profile.at(config.microbatch), config, global_batch=global_batch,
                                hardware=hw, devices=devices,
-                               options=options.placement([config.tensor]),
+                               options=options.placement([width]),
                                param_itemsize=held_itemsize(params))
   return ClusterPlan(placement, config.microbatch, global_batch, devices or config.devices,
-                     hw.name, {config.tensor: profile.specs[config.tensor]},
+                     hw.name, {width: profile.specs[width]},
                      {"profile": t1 - t0, "placement": time.perf_counter() - t1},
                      peak_flops=hw.flops, memory_limit=limit)
 

@@ -74,6 +74,13 @@ class ClusterConfig:
     between the tensor-parallel matmuls (norms, dropout, residual adds)
     split along the sequence over the tensor group, which the per-width
     sharding search then keeps (`price_cluster`; needs tensor > 1).
+  context: context parallelism: each sample's sequence split over this many
+    devices of every stage (a stage is tensor x context devices), the
+    batch's sequence dim pinned over them and the rest laid out by the
+    sharding search (attention then gathers keys and values, as XLA
+    partitions it; each microbatch's weight gradients are reduced over the
+    context group, as XLA reduces a contraction's partial sums where they
+    are made).
   """
 
   tensor: int = 1
@@ -89,9 +96,11 @@ class ClusterConfig:
   gradients: str | None = None
   sequence_parallel: bool = False
   recompute_every: int = 1
+  context: int = 1
 
   def __post_init__(self):
-    for name in ("tensor", "pipeline", "data", "microbatch", "virtual_stages", "recompute_every"):
+    for name in ("tensor", "pipeline", "data", "microbatch", "virtual_stages", "recompute_every",
+                 "context"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise PlacementError(f"ClusterConfig.{name} must be a positive int, got {value!r}.")
@@ -147,7 +156,12 @@ class ClusterConfig:
 
   @property
   def devices(self) -> int:
-    return self.tensor * self.pipeline * self.data
+    return self.width * self.pipeline * self.data
+
+  @property
+  def width(self) -> int:
+    """Devices of one stage: tensor x context."""
+    return self.tensor * self.context
 
   def microbatches(self, global_batch: int) -> int:
     """Microbatches per batch over all replicas; checks that they divide it."""
@@ -212,7 +226,8 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
           **keywords) -> Placement:
   """`config` run over `graph` (its costs per microbatch of `config.microbatch`
   samples), as stated: the repeated block split over pipeline x
-  virtual_stages chunks as evenly as it divides, every stage `config.tensor` wide.
+  virtual_stages chunks as evenly as it divides, every stage `config.width` wide
+  (tensor x context; the graph's layers priced at that width).
 
   devices: the cluster's size, which the split must fit (None: exactly the
     split's). options: memory_limit, optimizer, mixed_precision, overlap as
@@ -235,11 +250,12 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
   devices = config.devices if devices is None else devices
   if isinstance(devices, bool) or not isinstance(devices, int) or devices < config.devices:
     raise PlacementError(
-        f"ClusterConfig: tensor={config.tensor} x pipeline={config.pipeline} x "
-        f"data={config.data} = {config.devices} devices do not fit devices={devices!r}; "
+        f"ClusterConfig: tensor={config.tensor} x context={config.context} x "
+        f"pipeline={config.pipeline} x data={config.data} = {config.devices} devices do not "
+        f"fit devices={devices!r}; "
         "shrink a width or give the cluster's size.")
   options = dataclasses.replace(
-      base, recompute=config.recompute, zero=config.zero, widths=(config.tensor,),
+      base, recompute=config.recompute, zero=config.zero, widths=(config.width,),
       data_parallel=config.data, stages=config.pipeline, virtual_stages=config.virtual_stages)
   problem = stage_costs.problem(devices, config.microbatches(global_batch), hw, options)
   held = (graph_lib.itemsize(config.weights) if config.weights else param_itemsize
@@ -256,18 +272,21 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
   if config.shard_group is not None and config.shard_group < config.data:
     problem = dataclasses.replace(problem, shard_group=config.shard_group)
   costs = stage_costs.StageCosts(graph, problem)
-  missing = [layer for layer in graph.layers if config.tensor not in layer.widths]
+  missing = [layer for layer in graph.layers if config.width not in layer.widths]
   if missing:
+    stage = (f"tensor={config.tensor}" if config.context == 1 else
+             f"tensor={config.tensor} x context={config.context} = {config.width} devices")
     raise PlacementError(
-        f"ClusterConfig.tensor={config.tensor}: layers {[m.name for m in missing[:3]]} are "
-        f"not priced at that width (theirs: {sorted(missing[0].widths)}); profile them at it.")
+        f"ClusterConfig.{stage}: layers {[m.name for m in missing[:3]]} are not priced at "
+        f"that width (theirs: {sorted(missing[0].widths)}); profile them at it.")
   masks = chunked(graph, config)
   plan = placement_lib.uniform(costs, masks, data_parallel=config.data, stages=config.pipeline,
-                               virtual=config.virtual_stages, width=config.tensor,
+                               virtual=config.virtual_stages, width=config.width,
                                zero=config.zero, fits=False, schedule=config.schedule)
   if plan is None or not math.isfinite(plan.time):
     raise PlacementError(f"ClusterConfig {config} could not be priced over this layer graph.")
-  return dataclasses.replace(plan, recompute_every=config.recompute_every)
+  return dataclasses.replace(plan, recompute_every=config.recompute_every,
+                             context=config.context)
 
 
 __all__ = ["SCHEDULES", "ClusterConfig", "price"]

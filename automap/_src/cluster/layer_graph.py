@@ -307,6 +307,7 @@ class Placement:
   schedule: str | None = None
   shard_group: int | None = None  # hybrid sharding: ZeRO within groups of this many replicas
   recompute_every: int = 1  # stages' recompute modes apply to every k-th layer
+  context: int = 1  # of each stage's devices, how many split the sequence
 
   def __post_init__(self):
     if isinstance(self.virtual_stages, bool) or not isinstance(self.virtual_stages, int) or (
@@ -366,6 +367,7 @@ class Placement:
             "zero": self.zero, "devices": self.devices, "time": self.time,
             "virtual_stages": self.virtual_stages, "schedule": self.schedule,
             "shard_group": self.shard_group, "recompute_every": self.recompute_every,
+            "context": self.context,
             "stages": [dataclasses.asdict(s) | {"layers": list(s.layers)} for s in self.stages]}
 
   @classmethod
@@ -374,7 +376,8 @@ class Placement:
     return cls(int(data["data_parallel"]), int(data["microbatches"]), int(data["zero"]),
                stages, int(data["devices"]), float(data["time"]),
                int(data.get("virtual_stages", 1)), data.get("schedule"),
-               data.get("shard_group"), int(data.get("recompute_every", 1)))
+               data.get("shard_group"), int(data.get("recompute_every", 1)),
+               int(data.get("context", 1)))
 
 
 __all__ = ["RECOMPUTE_MODES", "SCHEDULES", "JsonFile", "Layer", "LayerCost", "LayerGraph",

@@ -300,18 +300,34 @@ def sequence_layouts(g, params_count: int, width: int) -> list[tuple[int, Partit
 
 
 def _searched(traced, t: int, hardware: Hardware, search, example: np.ndarray | None,
-              params_count: int = 0, sequence_parallel: bool = False, graph=None):
+              params_count: int = 0, sequence_parallel: bool = False, graph=None,
+              context: int = 1):
   """(program, state) of `traced` (its `graph`, where built) on a width-t
   mesh: the search's, or `example` (a state searched at another batch size)
   where it divides; with `sequence_parallel`, the activations
-  `sequence_layouts` names pinned."""
-  program = Program.build(traced, MeshSpec(("model",), (t,)), hardware, graph=graph)
-  if sequence_parallel and t > 1:
-    program = program.with_pins(sequence_layouts(program.graph, params_count, t),
+  `sequence_layouts` names pinned. With `context` > 1 the mesh is
+  ("context", "model") of (context, t / context), the tensor group minor
+  (within a node), the batch's sequence dim pinned over "context" (the
+  search lays out the rest)."""
+  model = t // context
+  names, shape = (("model",), (t,)) if context == 1 else (("context", "model"), (context, model))
+  program = Program.build(traced, MeshSpec(names, shape), hardware, graph=graph)
+  pins = []
+  if sequence_parallel and model > 1:
+    pins += sequence_layouts(program.graph, params_count, model)
+  if context > 1:
+    g = program.graph
+    pins = [(v, PartitionSpec(None, ("context", "model") if g.shapes[v][1] % t == 0
+                              else "model")) for v, _ in pins]
+    pins += [(v, PartitionSpec(None, "context")) for v in g.inputs[params_count:]
+             if g.rank(v) >= 2 and g.shapes[v][1] % context == 0]
+  if pins:
+    program = program.with_pins(pins, "context parallelism" if context > 1 else
                                 "sequence parallelism")
   key = None
   if getattr(search, "key", None) is not None:
-    key = (traced.fingerprint(), t, hardware, search.key, sequence_parallel and t > 1)
+    key = (traced.fingerprint(), t, hardware, search.key, sequence_parallel and model > 1,
+           context)
     try:
       hash(key)
     except TypeError:  # an unhashable hardware: no cache
@@ -531,7 +547,7 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
             hardware: Hardware, search: Callable[[Program], np.ndarray],
             sizes: Sequence[int] = (), fused_attention: bool = False,
             check: Callable[[LayerGraph], None] | None = None,
-            sequence_parallel: bool = False) -> Profile:
+            sequence_parallel: bool = False, context: int = 1) -> Profile:
   """Profiles `jax.value_and_grad(loss_fn)(params, *batch)` at each width, for
   the example batch and for each of `sizes` (the batch's leading dimension
   changed).
@@ -544,6 +560,8 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
     search, to refuse a split they cannot carry before the search's time.
   sequence_parallel: activations split along the sequence at every width
     above 1 (`sequence_layouts`), the search choosing the rest.
+  context: of each width's devices, how many split the batch's sequence
+    (a ("context", "model") mesh; `_searched`).
   """
   found = {leaf.shape[0] for leaf in jax.tree.leaves(batch) if np.ndim(leaf)}
   if len(found) != 1:
@@ -570,7 +588,7 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
       g = graph_lib.build(traced)
     for t in widths:
       program, state = _searched(traced, t, hardware, search, searched.get(t), params_count,
-                                 sequence_parallel, g)
+                                 sequence_parallel, g, context)
       if size == example:
         searched[t] = state
         plan = build.make_plan(program, state, {})

@@ -37,6 +37,10 @@ def meshes(plan, devices) -> list[Mesh]:
         f"plan: recompute_every={p.recompute_every} (the recompute mode on every "
         f"{p.recompute_every}-th layer) is priced but not run; price the split with "
         "recompute_every=1 to run it.")
+  if p.context > 1:
+    raise PlacementError(
+        f"plan: context parallelism (the sequence split over {p.context} devices of each "
+        "stage) is priced but not run; price the split with context=1 to run it.")
   devices = list(jax.devices() if devices is None else devices)
   if isinstance(devices[0] if devices else None, Mesh) or isinstance(devices, Mesh):
     raise PlacementError("devices: expected a sequence of jax devices, got a Mesh.")

@@ -16,6 +16,8 @@ import types
 import warnings
 from collections.abc import Mapping
 
+import jax
+
 from automap._src.cost.calibration import MATMUL_EFFICIENCY
 from automap._src.cost.compiler import PLATFORMS, Compiler, compiler_for
 
@@ -211,3 +213,38 @@ def get_hardware(hardware: str | Hardware) -> Hardware:
   raise HardwareError(
       f"hardware must be a automap.Hardware or one of {sorted(CATALOGUE)}, "
       f"got {hardware!r}.")
+
+
+# Per platform, the device attribute naming the group of devices on one
+# fast fabric: a TPU job's slice (ICI within, data-centre network across),
+# a GPU job's host (one process per node: NVLink within, InfiniBand across).
+_GROUPED_BY = {"tpu": "slice_index", "gpu": "process_index"}
+
+
+def on_mesh(hw: Hardware, mesh) -> Hardware:
+  """`hw` with `devices_per_node` read from a concrete mesh's devices: a TPU
+  job's slices, a GPU job's hosts, where there are several and each is a
+  run of consecutive devices in the mesh's row-major order (the axes that
+  cross them outermost, as `mesh_utils.create_hybrid_device_mesh` lays
+  them out). An abstract mesh, a job on one slice or host, or devices that
+  do not say leave `hw` as it is; groups the mesh interleaves are warned
+  of and left so (the cost model reads a node as a run of devices)."""
+  attr = _GROUPED_BY.get(hw.platform)
+  if attr is None or isinstance(mesh, jax.sharding.AbstractMesh):
+    return hw
+  devices = getattr(mesh, "devices", None)
+  if devices is None or not hasattr(devices, "flat"):
+    return hw
+  groups = [getattr(d, attr, None) for d in devices.flat]
+  if None in groups or len(set(groups)) < 2:
+    return hw
+  size, count = len(groups) // len(set(groups)), len(set(groups))
+  runs = [groups[i:i + size] for i in range(0, len(groups), size)]
+  if size * count != len(groups) or any(len(set(r)) != 1 for r in runs):
+    warnings.warn(
+        f"mesh: its devices' {attr} groups ({count} of them) are not runs of consecutive "
+        f"devices in the mesh's order, so the cost model prices nodes of "
+        f"devices_per_node={hw.devices_per_node}; put the axes that cross them first "
+        "(mesh_utils.create_hybrid_device_mesh does).", stacklevel=3)
+    return hw
+  return dataclasses.replace(hw, devices_per_node=size)

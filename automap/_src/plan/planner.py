@@ -12,7 +12,7 @@ import dataclasses
 import warnings
 from collections.abc import Callable
 
-from automap._src.cost.hardware import Hardware, get_hardware
+from automap._src.cost.hardware import Hardware, get_hardware, on_mesh
 from automap._src.cost.program import Program
 from automap._src.ir import constraints as constraints_lib
 from automap._src.ir import trace as trace_lib
@@ -47,7 +47,8 @@ def build_program(fn: Callable, args: tuple, mesh, hardware: str | Hardware,
   """
   spec = MeshSpec.of(mesh)  # Checked before the trace uses it.
   traced = trace_lib.trace(fn, args, mesh, names=names)
-  return Program.build(traced, spec, get_hardware(hardware), (hints or Hints()).fixed,
+  return Program.build(traced, spec, on_mesh(get_hardware(hardware), mesh),
+                       (hints or Hints()).fixed,
                        constraints=constraints)
 
 

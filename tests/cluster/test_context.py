@@ -1,0 +1,79 @@
+"""Context parallelism stated in a ClusterConfig: each sample's sequence
+split over part of every stage, priced on a (context, model) mesh and
+checked against the compiled step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import abstract_gpt_loss
+from jax.sharding import Mesh
+
+import automap
+from automap import cluster
+from automap._src.cluster import layers as layers_lib
+from automap._src.cost.compiler import compiler_for
+from automap._src.cost.program import Program
+from automap._src.cost.tracker import Tracker
+from automap._src.models.gpt import GPTConfig
+from automap._src.plan import build
+from automap._src.run import compiled as compiled_lib
+from automap._src.run.apply import jit_with_plan
+
+BUDGET = automap.Budget(episodes=2, seconds=10, progress=False)
+
+
+def gpt_step(seq: int = 64):
+  return abstract_gpt_loss(GPTConfig(vocab=256, seq=seq, hidden=64, heads=4, layers=2,
+                                     dtype=jnp.float32))
+
+
+def test_a_stage_is_tensor_times_context_devices():
+  config = cluster.ClusterConfig(tensor=2, context=4, pipeline=2, data=3)
+  assert config.width == 8 and config.devices == 48
+  with pytest.raises(cluster.PlacementError, match="context must be a positive int"):
+    cluster.ClusterConfig(context=0)
+
+
+def test_the_sequence_split_over_the_context_group_shrinks_each_devices_share():
+  loss, params, batch = gpt_step()
+  plans = {c: cluster.price_cluster(loss, params, *batch, config=cluster.ClusterConfig(
+      context=c), global_batch=4, hardware="a100", budget=BUDGET) for c in (1, 4)}
+  one, four = (plans[c].placement for c in (1, 4))
+  assert four.devices == 4 and four.context == 4 and four.stages[0].width == 4
+  # Every device runs a quarter of each sample's tokens: a quarter of the
+  # dense FLOPs, a little more for attention over keys it gathers.
+  assert 0.25 <= four.stages[0].flops / one.stages[0].flops < 0.35
+  assert four.stages[0].memory < one.stages[0].memory
+  assert cluster.Placement.from_json(four.to_json()) == four
+
+
+def test_context_parallelism_compiles_to_the_collectives_priced():
+  loss, params, batch = gpt_step()
+  profile = layers_lib.measure(loss, params, batch, widths=[4],
+                               hardware=automap.HARDWARE["a100"],
+                               search=layers_lib.sharding_search(BUDGET), context=4)
+  program, state = profile.programs[(4, 4)]
+  assert program.mesh.axis_names == ("context", "model")
+  g = program.graph
+  for v in g.inputs[len(jax.tree.leaves(params)):]:  # the tokens, split along the sequence
+    assert state[v].tolist() == [1, -1]
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape(4, 1), ("context", "model"))
+  step = jit_with_plan(program.traced, mesh, build.make_plan(program, state, {}))
+  found = compiled_lib.summarize(compiled_lib.collectives(
+      step.lower(params, *batch).compile().as_text(), mesh))
+  cpu = Program.build(program.traced, program.mesh, program.hardware,
+                      compiler=compiler_for("cpu"))
+  predicted = Tracker(cpu.model, state).cost().comm_bytes
+  assert found and set(found) == set(predicted)
+  for key, nbytes in predicted.items():
+    assert found[key] == pytest.approx(nbytes, rel=0.05), key
+
+
+def test_a_plan_with_context_parallelism_is_priced_not_run():
+  loss, params, batch = gpt_step()
+  plan = cluster.price_cluster(loss, params, *batch, config=cluster.ClusterConfig(context=2),
+                               global_batch=4, hardware="a100", budget=BUDGET)
+  with pytest.raises(cluster.PlacementError, match="context parallelism .* is priced but not run"):
+    plan.train_step(loss, optax.adam(1e-3), params, *batch)
