@@ -77,3 +77,26 @@ def test_a_plan_with_context_parallelism_is_priced_not_run():
                                global_batch=4, hardware="a100", budget=BUDGET)
   with pytest.raises(cluster.PlacementError, match="context parallelism .* is priced but not run"):
     plan.train_step(loss, optax.adam(1e-3), params, *batch)
+
+
+def test_weight_gradients_are_reduced_over_the_context_group_once_per_batch():
+  # As Megatron-LM and Llama 3 run it: the context group's partial weight
+  # gradients are accumulated over the microbatches and reduced with the
+  # sync, so one replica still syncs, and a microbatch carries no reduction.
+  from automap._src.cluster import context_sync
+
+  loss, params, batch = gpt_step()
+  profile = layers_lib.measure(loss, params, batch, widths=[4],
+                               hardware=automap.HARDWARE["a100"],
+                               search=layers_lib.sharding_search(BUDGET), context=4)
+  program, state = profile.programs[(4, 4)]
+  g = program.graph
+  count = len(jax.tree.leaves(params))
+  forward = layers_lib.LayerCut.of(g).forward
+  deferred = context_sync.deferred_seconds(program, state, set(g.inputs[:count]), forward)
+  made = {g.names[g.results[o][0]] for o in np.flatnonzero(deferred)}
+  assert deferred.sum() > 0 and len(made) >= count // 2
+  plan = cluster.price_cluster(loss, params, *batch, config=cluster.ClusterConfig(context=4),
+                               global_batch=4, hardware="a100", budget=BUDGET)
+  stage = plan.placement.stages[0]
+  assert stage.sync_total > 0

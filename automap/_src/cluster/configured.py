@@ -78,9 +78,9 @@ class ClusterConfig:
     devices of every stage (a stage is tensor x context devices), the
     batch's sequence dim pinned over them and the rest laid out by the
     sharding search (attention then gathers keys and values, as XLA
-    partitions it; each microbatch's weight gradients are reduced over the
-    context group, as XLA reduces a contraction's partial sums where they
-    are made).
+    partitions it). The weight gradients' partial sums are reduced once
+    per batch over data x context with the sync, as Megatron-LM and
+    Llama 3 run it (`context_sync`), not per microbatch.
   """
 
   tensor: int = 1
@@ -268,7 +268,8 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
   if config.gradients:
     gradients = graph_lib.itemsize(config.gradients) / held
     problem = dataclasses.replace(problem, gradients=gradients)
-  problem = dataclasses.replace(problem, recompute_share=1 / config.recompute_every)
+  problem = dataclasses.replace(problem, recompute_share=1 / config.recompute_every,
+                                context=config.context)
   if config.shard_group is not None and config.shard_group < config.data:
     problem = dataclasses.replace(problem, shard_group=config.shard_group)
   costs = stage_costs.StageCosts(graph, problem)

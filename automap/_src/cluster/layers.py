@@ -30,6 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from automap._src.cluster import context_sync
 from automap._src.cluster.layer_graph import Layer, LayerCost, LayerGraph, PlacementError, Shared
 from automap._src.cost.hardware import Hardware
 from automap._src.cost.program import Program
@@ -305,10 +306,9 @@ def _searched(traced, t: int, hardware: Hardware, search, example: np.ndarray | 
   """(program, state) of `traced` (its `graph`, where built) on a width-t
   mesh: the search's, or `example` (a state searched at another batch size)
   where it divides; with `sequence_parallel`, the activations
-  `sequence_layouts` names pinned. With `context` > 1 the mesh is
-  ("context", "model") of (context, t / context), the tensor group minor
-  (within a node), the batch's sequence dim pinned over "context" (the
-  search lays out the rest)."""
+  `sequence_layouts` names pinned. With `context` > 1 the mesh is ("context",
+  "model") of (context, t / context), the tensor group minor (within a
+  node), the batch's sequence pinned over "context", the rest searched."""
   model = t // context
   names, shape = (("model",), (t,)) if context == 1 else (("context", "model"), (context, model))
   program = Program.build(traced, MeshSpec(names, shape), hardware, graph=graph)
@@ -407,6 +407,7 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
   for t, (program, state) in width_states.items():
     model = program.model
     compute, comm = report.op_seconds(model, state)
+    comm = np.maximum(comm - context_sync.deferred_seconds(program, state, params, forward), 0)
     op_costs = [model.op_cost(state, o) for o in range(g.num_ops)]
     # The model's FLOPs, each device's share: an op left whole on every
     # device counts once, not t times.

@@ -52,6 +52,7 @@ class Problem:
   # SLICE: the replicas within one slice or node, as many as divide d).
   shard_group: int | str | None = None
   recompute_share: float = 1.0  # of a stage's layers its recompute mode applies to
+  context: int = 1  # devices of a stage its gradients' collectives span too (`context_sync`)
 
   def sharded_over(self, d: int, zero: int) -> int:
     """Replicas a ZeRO stage shards over (and its collectives span) when
@@ -516,7 +517,7 @@ class StageCosts:
     # across the d / g groups, rank j with rank j (as XLA runs a mesh axis
     # of replicas across slices beside one of shards within them).
     g = self.problem.sharded_over(d, zero)
-    group = (g, first, (g - 1) * per_pipeline + first + t - 1)
+    group = (g * self.problem.context, first, (g - 1) * per_pipeline + first + t - 1)
     across = (d // g, first, (d - g) * per_pipeline + first + t - 1)
     # Activations in and out, forward, and their gradients back: each crosses
     # once per direction of the pass, not overlapped with compute. Only an
