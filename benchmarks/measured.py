@@ -349,6 +349,19 @@ def published_state(traced, params_count: int, width: int, hw, hidden: int = 0,
       scope = g.scopes[g.producer[v]]
       if split == "embed" or (g.shapes[v][1] > 1 and ("/block_" in scope or "/ln_f" in scope)):
         layouts.append((v, spec))
+  if context > 1:
+    # Megatron-LM's context parallelism: every activation split along the
+    # sequence over the context group and, out of a column-parallel matmul,
+    # by heads or hidden units over the tensor group (queries, keys and
+    # values, the MLP's hidden layer, their gradients); attention gathers
+    # keys and values over the context group.
+    seq = g.shapes[g.inputs[params_count]][1]
+    model = "model" if width > 1 else None
+    layouts += [(v, P(None, "context", model, *[None] * (len(g.shapes[v]) - 3)))
+                for v in range(g.num_values)
+                if g.producer[v] >= 0 and len(g.shapes[v]) in (3, 4) and g.shapes[v][0] == 1
+                and g.shapes[v][1] == seq and g.shapes[v][2] % width == 0
+                and g.shapes[v][2] != hidden and "/block_" in g.scopes[g.producer[v]]]
   return program.pinned_state(layouts, "published layout")
 
 
