@@ -12,7 +12,7 @@ plan, within `--ilp-seconds`). Experts are the search's own tactics, so they
 apply to any program. Every plan is priced by the cost model; nothing is
 compiled. Prints a Markdown table and a summary.
 
-  python benchmarks/quality.py [--quick]
+  python benchmarks/quality.py [--quick] [--only NAME_PREFIX ...]
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ def main():
                       help="three programs, two meshes, tpu-v4 only")
   parser.add_argument("--ilp-seconds", type=float, default=20.0)
   parser.add_argument("--episodes", type=int, default=200)
+  parser.add_argument("--only", nargs="*", default=None,
+                      help="programs whose names start with these")
   opts = parser.parse_args()
   meshes = [(4, 2), (2, 2, 2)] if opts.quick else MESHES
   hardware = ["tpu-v4"] if opts.quick else ["tpu-v4", "h100"]
@@ -75,6 +77,8 @@ def main():
   print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   summary = {"mcts": [], "ilp": [], "mcts_ilp_optimal": []}
   for name, build in programs.catalogue(opts.quick).items():
+    if opts.only and not any(name.startswith(prefix) for prefix in opts.only):
+      continue
     step, args = build()
     traced = trace.trace(step, args)
     for shape in meshes:
