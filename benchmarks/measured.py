@@ -41,9 +41,10 @@ all-reducing their shards' gradients over the data-centre network, a slice
 being the row's devices over its data-parallel width.
 
 Context parallelism (Llama 3's 128K row) is priced on a (context, model)
-stage mesh: the tokens split along the sequence over "context", attention
-gathering keys and values over it as XLA partitions it, each microbatch's
-weight gradients reduced over the context group where XLA makes them.
+stage mesh with Megatron-LM's layout: activations split along the sequence
+over "context" (and by heads or hidden units over "model" out of a
+column-parallel matmul), attention gathering keys and values over it, the
+weight gradients reduced once per batch over data x context.
 
 Not priced (listed with the reason): rows whose model dimensions the
 source leaves out.
