@@ -118,8 +118,8 @@ def measure(name: str, seconds: float) -> dict:
   program = planner.build_program(step, args, mesh, hw)
   experts = tactics.expert_states(program, ActionSpace(program))
   for expert in ("FSDP", "FSDP+TP", "EP+DP"):
-    if expert in experts:
-      cost = Tracker(program.model, experts[expert]).cost()
+    if expert in experts:  # its remat'd layers laid out as XLA would, as plans are
+      cost = Tracker(program.model, program.as_compiled(experts[expert])).cost()
       out[expert] = (cost.step_time, cost.peak_memory)
   return out
 

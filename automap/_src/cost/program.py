@@ -186,6 +186,28 @@ class Program:
     prop.seed_all(state)
     return state
 
+  def as_compiled(self, state: State) -> State:
+    """`state` with the values inside sealed calls (remat, custom
+    derivatives), which a plan cannot pin, laid out as XLA's propagation
+    lays them out from what it pins around them. The search spreads its
+    tilings wave by wave, so where a dot's operands reach it split on one
+    axis along different factors the first to arrive wins; Shardy's
+    op-priority propagation has both there first and keeps the larger
+    tensor's factor (`AggressiveFactorPropagation`), as `seed_all` does."""
+    g = self.graph
+    inner = np.asarray(g.sealed, bool) & ~np.asarray(g.bound, bool)
+    if not inner.any():
+      return state
+    named = ~inner
+    pins = set(g.inputs) | {v for v in g.outputs if v >= 0}
+    pins |= {v for v in np.flatnonzero(named & (g.kind == graph_lib.INTERMEDIATE)).tolist()
+             if g.rank(v) > 0 and not self.model.free[v]}
+    layouts = [(v, spec_of(state, self.mesh, v, g.rank(v))) for v in sorted(pins)]
+    resealed = self.pinned_state(layouts, "plan layout")
+    out = state.copy()
+    out[inner] = resealed[inner]
+    return out
+
   def state_from_specs(self, flat_specs) -> State:
     """The state of a hand-written strategy given per flat argument."""
     return self.pinned_state(zip(self.graph.inputs, flat_specs), "in_shardings")

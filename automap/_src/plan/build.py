@@ -7,7 +7,6 @@ model expects, and prices the expert yardsticks beside it.
 
 from __future__ import annotations
 
-import numpy as np
 from jax.sharding import PartitionSpec
 
 from automap._src.cost.model import KINDS
@@ -33,37 +32,12 @@ def state_of(program: Program, plan: Plan) -> State:
   return program.pinned_state(layouts, "plan layout")
 
 
-def sealed_as_xla(program: Program, state: State) -> State:
-  """`state` with the values inside sealed calls (remat, custom derivatives)
-  laid out as XLA's propagation lays them out from the layouts the plan
-  pins around them: the search spreads its tilings wave by wave
-  (`kernels.spread`), so where two operands of a dot reach it on the same
-  axis along different factors the first to arrive wins; Shardy's
-  op-priority propagation has both there first and keeps the factor of
-  the larger tensor (`AggressiveFactorPropagation`), as `seed_all` does."""
-  g = program.graph
-  named = ~g.sealed | g.bound
-  inner = np.asarray(g.sealed, bool) & ~np.asarray(g.bound, bool)
-  if not inner.any():
-    return state
-  free = program.model.free
-  pins = set(g.inputs) | {v for v in g.outputs if v >= 0}
-  pins |= {v for v in range(g.num_values)
-           if g.kind[v] == graph_lib.INTERMEDIATE and named[v] and g.rank(v) > 0
-           and not free[v]}
-  layouts = [(v, spec_of(state, program.mesh, v, g.rank(v))) for v in sorted(pins)]
-  resealed = program.pinned_state(layouts, "plan layout")
-  out = state.copy()
-  out[inner] = resealed[inner]
-  return out
-
-
 def make_plan(program: Program, state: State, stats: dict,
               memory_limit: float | None = None) -> Plan:
   """The plan of `state`: every layout the rewritten program pins, its
   predicted cost, per-layer report and the expert yardsticks beside it."""
   g, mesh = program.graph, program.mesh
-  state = sealed_as_xla(program, state)
+  state = program.as_compiled(state)
   tracker = Tracker(program.model, state)
   op_costs = tracker.ops
   spec = lambda v: spec_of(state, mesh, v, g.rank(v)) if v >= 0 else PartitionSpec()  # noqa: E731

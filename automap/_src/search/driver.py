@@ -85,6 +85,7 @@ def run(program: Program, request: SearchOptions, policy: mcts.Policy | None = N
         or (request.start == "your layout" and program.has_user_layout)):
       found = from_user_layout(program, space, request, found)
     found = with_least_memory(program, found, request.time_tolerance)
+    found = as_compiled(program, found, request.memory_limit)
     return against_experts(program, space, found, request.memory_limit,
                            request.time_tolerance)
   except SystemError as e:
@@ -176,6 +177,33 @@ def with_least_memory(program: Program, found: Found, tolerance: float) -> Found
   return dataclasses.replace(found, state=state, score=score, stats=stats)
 
 
+# Runners-up whose sealed values are laid out as XLA lays them out
+# (`Program.as_compiled`) before a plan is kept.
+_RESEALED = 4
+
+
+def as_compiled(program: Program, found: Found, limit: float | None) -> Found:
+  """`found` re-priced with the values inside sealed calls laid out as XLA's
+  propagation lays them out, or the best of the search's few best plans so
+  re-priced: the search scores them as its own propagation spreads them."""
+  if not (program.graph.sealed & ~program.graph.bound).any():
+    return found
+  seen, best = set(), None
+  ranked = [(found.state, found.score)] + sorted(found.candidates, key=lambda c: c[1])
+  for state, _ in ranked:
+    key = state.tobytes()
+    if key in seen:
+      continue
+    seen.add(key)
+    state = program.as_compiled(state)
+    score = mcts.score_of(Tracker(program.model, state), limit)
+    if best is None or score < best[1]:
+      best = (state, score)
+    if len(seen) == _RESEALED:
+      break
+  return dataclasses.replace(found, state=best[0], score=best[1])
+
+
 def against_experts(program: Program, space: ActionSpace, found: Found,
                     limit: float | None, tolerance: float = 0.0) -> Found:
   """`found`, or the best of the expert strategies (`tactics.EXPERTS`: FSDP
@@ -186,6 +214,7 @@ def against_experts(program: Program, space: ActionSpace, found: Found,
   layouts on its own mesh, however short its budget."""
   best, over = found, found.score[0] > 0
   for name, state in expert_states(program, space).items():
+    state = program.as_compiled(state)
     score = mcts.score_of(Tracker(program.model, state), limit)
     better = score < best.score if over else (
         score[0] <= 0 and score[1] * (1 + tolerance) < best.score[1])
@@ -278,5 +307,5 @@ def mesh_shapes(devices: int, hardware: Hardware | None = None) -> list[tuple[in
   return sorted(set(out), key=lambda s: (len(s), s))
 
 
-__all__ = ["Found", "against_experts", "check_memory_limit", "mesh_shapes", "run", "run_ilp",
-           "run_mcts"]
+__all__ = ["Found", "against_experts", "as_compiled", "check_memory_limit", "mesh_shapes", "run",
+           "run_ilp", "run_mcts"]
