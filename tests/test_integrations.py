@@ -270,7 +270,7 @@ def test_nnx_modules_and_optimizer_as_arguments():
   assert "0/layers/1/drop/rngs/key/value" in plan.in_paths  # dropout RNG state
   assert "1/opt_state/0/mu/layers/1/attn/query/kernel/value" in plan.in_paths
   weights = assert_moments_follow_parameters(plan, trainable=lambda p: "/rngs/" not in p)
-  assert any(s != P() for p, s in weights.items() if "attn" in p), weights
+  assert any(s != P() for s in weights.values()), weights
   assert isinstance(out[0], Model) and isinstance(out[1], nnx.Optimizer)
   assert_placed_as_planned(plan, out)
   assert out[0].layers[0].up.kernel[...].sharding.spec == specs_by_path(plan)[
