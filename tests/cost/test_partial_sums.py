@@ -49,3 +49,27 @@ def test_partial_sums_finish_as_compiled(shape, a_spec, b_spec, out):
   assert set(found) == set(cost.comm_bytes)
   for key, nbytes in found.items():
     assert cost.comm_bytes[key] == pytest.approx(nbytes, rel=0.01), key
+
+
+@pytest.mark.parametrize("out", [P("c"), P(None, "c"), P()])
+def test_the_axes_left_partial_after_a_scatter_reduce_at_once(out):
+  # Contracted over three axes, one of which the result is split over:
+  # that one is reduced (and sliced), then the other two in one all-reduce
+  # over both; with nothing scattered, each factor's axes apart.
+  mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Auto,) * 3)
+  lhs = jax.ShapeDtypeStruct((16, 8, 8, 8), jnp.float32)  # [G, X, E, K]
+  rhs = jax.ShapeDtypeStruct((8, 8, 8, 64), jnp.float32)  # [X, E, K, M]
+  specs = (P(None, "a", "b", "c"), P("a", "b", "c"))
+
+  def fn(x, w):
+    y = jnp.einsum("gxek,xekm->gm", x, w)
+    return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, out))
+
+  cost = automap.evaluate(fn, lhs, rhs, mesh=mesh, in_shardings=specs, hardware="cpu")
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(fn, in_shardings=tuple(NamedSharding(mesh, s) for s in specs)).lower(
+        lhs, rhs).compile()
+  found = hlo.summarize(hlo.collectives(compiled.as_text(), mesh))
+  assert set(found) == set(cost.comm_bytes)
+  for key, nbytes in found.items():
+    assert cost.comm_bytes[key] == pytest.approx(nbytes, rel=0.01), key

@@ -456,6 +456,7 @@ class CostModel:
           sizes[a] for a in range(num_axes) if natural[a] >= 0)
       made = natural_bytes  # the partial result the op makes
       widen = self.reduced_itemsize[v] / self.itemsize[v]
+      grouped = False  # the dot partitioner grouped devices on the contraction
       if scatter_mask and not self.compiler.reduce_scatter and g.prims[o] in _CONTRACTIONS:
         # No reduce-scatter: XLA's dot partitioner all-reduces and slices
         # (`partial_sums.finish`: as XLA:CPU compiles it, `P('data',
@@ -463,18 +464,20 @@ class CostModel:
         natural_bytes, made = partial_sums.finish(
             self, comms, natural, state[v], scatter_mask, reduce_mask, natural_bytes,
             float(g.nbytes[v]), widen)
-        scatter_mask = 0
+        scatter_mask, grouped = 0, True
       elif scatter_mask and not self.compiler.reduce_scatter:
         # Other reductions all-reduce the whole partial result over every
         # axis at once, then keep this device's tile.
         reduce_mask |= scatter_mask
         scatter_mask = 0
       # One all-reduce per reduced factor (XLA reduces dim by dim), over
-      # every axis that tiles it.
+      # every axis that tiles it; after a contraction grouped on the axes
+      # its result is scattered over, what the others hold partial is one
+      # all-reduce over all of them (as XLA:CPU compiles it).
       by_factor: dict[int, int] = {}
       for a in range(num_axes):
         if reduce_mask >> a & 1:
-          f = factor_of_axis[a]
+          f = -1 if grouped else factor_of_axis[a]
           by_factor[f] = by_factor.get(f, 0) | 1 << a
       for mask in by_factor.values():
         if g.prims[o] in rules.ARG_REDUCTIONS:
