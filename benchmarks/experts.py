@@ -35,6 +35,7 @@ import automap  # noqa: E402
 from automap._src.cost.hardware import get_hardware  # noqa: E402
 from automap._src.models import moe, zoo  # noqa: E402
 from automap._src.plan import build, planner  # noqa: E402
+from automap._src.run import apply as apply_lib  # noqa: E402
 from automap._src.run import referee  # noqa: E402
 from automap._src.search import tactics  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
@@ -73,14 +74,14 @@ def judge(step, args, mesh, hw) -> dict:
                         budget=automap.Budget(episodes=100, seconds=60))
   program = planner.build_program(step, args, mesh, hw)
   out = {"automap": referee.referee(
-      referee.compile_plan(program.traced, mesh, plan, args), mesh, hw)}
+      apply_lib.compile_with_plan(program.traced, mesh, plan, args), mesh, hw)}
   states = tactics.expert_states(program, ActionSpace(program))
   if "EP+DP" in states:
     pinned = build.make_plan(program, states["EP+DP"], {})
     out["EP by hand"] = referee.referee(
         referee.compile_layout(program.traced, mesh, list(pinned.in_specs), args), mesh, hw)
     out["EP pinned"] = referee.referee(
-        referee.compile_plan(program.traced, mesh, pinned, args), mesh, hw)
+        apply_lib.compile_with_plan(program.traced, mesh, pinned, args), mesh, hw)
   return out
 
 

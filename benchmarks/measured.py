@@ -71,6 +71,7 @@ from jax.sharding import PartitionSpec as P
 
 import automap
 from automap import cluster
+from automap._src.cluster import context as context_lib
 from automap._src.cluster import layers as layers_lib
 from automap._src.cluster.configured import price
 from automap._src.cluster.layer_graph import PlacementError
@@ -311,9 +312,7 @@ def mesh_of(width: int, context: int = 1) -> MeshSpec:
   """A stage's mesh: tensor parallelism over "model" (minor: within a
   node), and context parallelism (the sequence split) over "context" where
   the row has it."""
-  if context == 1:
-    return MeshSpec(("model",), (width,))
-  return MeshSpec(("context", "model"), (context, width))
+  return context_lib.stage_mesh(width * context, context)
 
 
 def published_state(traced, params_count: int, width: int, hw, hidden: int = 0,
@@ -342,7 +341,7 @@ def published_state(traced, params_count: int, width: int, hw, hidden: int = 0,
   if split and width > 1:
     spec = P(None, None, "model") if split == "embed" else P(None, "model", None)
     if split == "sequence" and context > 1:
-      spec = P(None, ("context", "model"), None)
+      spec = P(None, (context_lib.CONTEXT, "model"), None)
     for v in range(g.num_values):
       if (g.producer[v] < 0 or len(g.shapes[v]) != 3 or g.shapes[v][0] != 1
           or g.shapes[v][2] != hidden):
@@ -358,7 +357,7 @@ def published_state(traced, params_count: int, width: int, hw, hidden: int = 0,
     # keys and values over the context group.
     seq = g.shapes[g.inputs[params_count]][1]
     model = "model" if width > 1 else None
-    layouts += [(v, P(None, "context", model, *[None] * (len(g.shapes[v]) - 3)))
+    layouts += [(v, P(None, context_lib.CONTEXT, model, *[None] * (len(g.shapes[v]) - 3)))
                 for v in range(g.num_values)
                 if g.producer[v] >= 0 and len(g.shapes[v]) in (3, 4) and g.shapes[v][0] == 1
                 and g.shapes[v][1] == seq and g.shapes[v][2] % width == 0

@@ -68,10 +68,7 @@ def measure(step, shape, names, episodes: int) -> dict:
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     experts, traced = referee_lib.expert_specs(step, mesh, hw)
-    auto = apply_lib.auto_mesh(mesh)
-    jitted = apply_lib.jit_with_plan(traced, mesh, plan)
-    with jax.set_mesh(auto):
-      mine = jitted.lower(*apply_lib.abstract_args(traced.dynamic_args(step.args))).compile()
+    mine = apply_lib.compile_with_plan(traced, mesh, plan, step.args)
     judged = {"automap": referee_lib.referee(mine, mesh, hw)}
     predicted = {"automap": plan.cost}
     expert_errors = {}  # each expert's (comm, peak) relative error, priced as `evaluate` does

@@ -41,6 +41,28 @@ def assert_faithful(fn, args, m, numerics: float = 1e-5):
   return plan, report
 
 
+def assert_stage_compiles_as_priced(program, state, m, args):
+  """Compiles the plan of `state` for `program` on mesh `m` and checks its
+  collectives, per kind and axes, against the cost model priced for XLA:CPU
+  (within 5%); returns the jitted step."""
+  from automap._src.cost.compiler import compiler_for
+  from automap._src.cost.program import Program
+  from automap._src.cost.tracker import Tracker
+  from automap._src.plan import build
+  from automap._src.run import compiled as hlo
+  from automap._src.run.apply import jit_with_plan
+
+  step = jit_with_plan(program.traced, m, build.make_plan(program, state, {}))
+  found = hlo.summarize(hlo.collectives(step.lower(*args).compile().as_text(), m))
+  cpu = Program.build(program.traced, program.mesh, program.hardware,
+                      compiler=compiler_for("cpu"))
+  predicted = Tracker(cpu.model, state).cost().comm_bytes
+  assert found and set(found) == set(predicted)
+  for key, nbytes in predicted.items():
+    assert found[key] == pytest.approx(nbytes, rel=0.05), key
+  return step
+
+
 def compile_as_written(fn, args, m, specs):
   """`jax.jit` of `fn` as written, under `m` (an Auto-axis mesh, so the
   program's constraints resolve), arguments laid out by the PartitionSpec

@@ -7,19 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import abstract_gpt_loss
+from helpers import abstract_gpt_loss, assert_stage_compiles_as_priced
 from jax.sharding import Mesh
 
 import automap
 from automap import cluster
 from automap._src.cluster import layers as layers_lib
-from automap._src.cost.compiler import compiler_for
-from automap._src.cost.program import Program
-from automap._src.cost.tracker import Tracker
 from automap._src.models.gpt import GPTConfig
-from automap._src.plan import build
-from automap._src.run import compiled as compiled_lib
-from automap._src.run.apply import jit_with_plan
 
 BUDGET = automap.Budget(episodes=2, seconds=10, progress=False)
 
@@ -27,6 +21,12 @@ BUDGET = automap.Budget(episodes=2, seconds=10, progress=False)
 def gpt_step(seq: int = 64):
   return abstract_gpt_loss(GPTConfig(vocab=256, seq=seq, hidden=64, heads=4, layers=2,
                                      dtype=jnp.float32))
+
+
+def context_profile(loss, params, batch):
+  """The step profiled on 4 devices, all of one context group."""
+  return layers_lib.measure(loss, params, batch, widths=[4], hardware=automap.HARDWARE["a100"],
+                            search=layers_lib.sharding_search(BUDGET), context=4)
 
 
 def test_a_stage_is_tensor_times_context_devices():
@@ -51,24 +51,13 @@ def test_the_sequence_split_over_the_context_group_shrinks_each_devices_share():
 
 def test_context_parallelism_compiles_to_the_collectives_priced():
   loss, params, batch = gpt_step()
-  profile = layers_lib.measure(loss, params, batch, widths=[4],
-                               hardware=automap.HARDWARE["a100"],
-                               search=layers_lib.sharding_search(BUDGET), context=4)
-  program, state = profile.programs[(4, 4)]
+  program, state = context_profile(loss, params, batch).programs[(4, 4)]
   assert program.mesh.axis_names == ("context", "model")
   g = program.graph
   for v in g.inputs[len(jax.tree.leaves(params)):]:  # the tokens, split along the sequence
     assert state[v].tolist() == [1, -1]
   mesh = Mesh(np.array(jax.devices()[:4]).reshape(4, 1), ("context", "model"))
-  step = jit_with_plan(program.traced, mesh, build.make_plan(program, state, {}))
-  found = compiled_lib.summarize(compiled_lib.collectives(
-      step.lower(params, *batch).compile().as_text(), mesh))
-  cpu = Program.build(program.traced, program.mesh, program.hardware,
-                      compiler=compiler_for("cpu"))
-  predicted = Tracker(cpu.model, state).cost().comm_bytes
-  assert found and set(found) == set(predicted)
-  for key, nbytes in predicted.items():
-    assert found[key] == pytest.approx(nbytes, rel=0.05), key
+  assert_stage_compiles_as_priced(program, state, mesh, (params, *batch))
 
 
 def test_a_plan_with_context_parallelism_is_priced_not_run():
@@ -83,17 +72,14 @@ def test_weight_gradients_are_reduced_over_the_context_group_once_per_batch():
   # As Megatron-LM and Llama 3 run it: the context group's partial weight
   # gradients are accumulated over the microbatches and reduced with the
   # sync, so one replica still syncs, and a microbatch carries no reduction.
-  from automap._src.cluster import context_sync
+  from automap._src.cluster import context as context_lib
 
   loss, params, batch = gpt_step()
-  profile = layers_lib.measure(loss, params, batch, widths=[4],
-                               hardware=automap.HARDWARE["a100"],
-                               search=layers_lib.sharding_search(BUDGET), context=4)
-  program, state = profile.programs[(4, 4)]
+  program, state = context_profile(loss, params, batch).programs[(4, 4)]
   g = program.graph
   count = len(jax.tree.leaves(params))
   forward = layers_lib.LayerCut.of(g).forward
-  deferred = context_sync.deferred_seconds(program, state, set(g.inputs[:count]), forward)
+  deferred = context_lib.deferred_seconds(program, state, set(g.inputs[:count]), forward)
   made = {g.names[g.results[o][0]] for o in np.flatnonzero(deferred)}
   assert deferred.sum() > 0 and len(made) >= count // 2
   plan = cluster.price_cluster(loss, params, *batch, config=cluster.ClusterConfig(context=4),

@@ -16,6 +16,7 @@ from automap._src.cost.tracker import Tracker
 from automap._src.models import llama, moe
 from automap._src.models.zoo import gpt_step
 from automap._src.plan import build, planner
+from automap._src.run import apply as apply_lib
 from automap._src.run import referee
 from automap._src.search import tactics
 from automap._src.search.actions import ActionSpace
@@ -119,9 +120,9 @@ def test_a_search_is_never_beaten_by_expert_parallelism_on_time_and_memory(dispa
   program, state, pinned = ep_plan(step, args, MESH, hw)
   # Within the 1% of step time a search may give up for memory.
   assert plan.cost.step_time <= Tracker(program.model, state).cost().step_time * 1.01
-  ours = referee.referee(referee.compile_plan(program.traced, MESH, plan, args), MESH, hw)
+  ours = referee.referee(apply_lib.compile_with_plan(program.traced, MESH, plan, args), MESH, hw)
   for rival in (referee.compile_layout(program.traced, MESH, list(pinned.in_specs), args),
-                referee.compile_plan(program.traced, MESH, pinned, args)):
+                apply_lib.compile_with_plan(program.traced, MESH, pinned, args)):
     theirs = referee.referee(rival, MESH, hw)
     assert ours["time"] <= theirs["time"] or ours["peak"] <= theirs["peak"], (ours, theirs)
 

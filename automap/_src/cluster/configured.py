@@ -80,7 +80,7 @@ class ClusterConfig:
     sharding search (attention then gathers keys and values, as XLA
     partitions it). The weight gradients' partial sums are reduced once
     per batch over data x context with the sync, as Megatron-LM and
-    Llama 3 run it (`context_sync`), not per microbatch.
+    Llama 3 run it (`cluster/context.py`), not per microbatch.
   """
 
   tensor: int = 1

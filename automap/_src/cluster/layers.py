@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from automap._src.cluster import context_sync
+from automap._src.cluster import context as context_lib
 from automap._src.cluster.layer_graph import Layer, LayerCost, LayerGraph, PlacementError, Shared
 from automap._src.cost.hardware import Hardware
 from automap._src.cost.program import Program
@@ -41,7 +41,6 @@ from automap._src.ir.naming import UNSCOPED, containers, is_backward, layer_of, 
 from automap._src.plan import build, report
 from automap._src.search import driver
 from automap._src.search.request import SearchOptions
-from automap._src.sharding.mesh import MeshSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,16 +309,15 @@ def _searched(traced, t: int, hardware: Hardware, search, example: np.ndarray | 
   "model") of (context, t / context), the tensor group minor (within a
   node), the batch's sequence pinned over "context", the rest searched."""
   model = t // context
-  names, shape = (("model",), (t,)) if context == 1 else (("context", "model"), (context, model))
-  program = Program.build(traced, MeshSpec(names, shape), hardware, graph=graph)
+  program = Program.build(traced, context_lib.stage_mesh(t, context), hardware, graph=graph)
   pins = []
   if sequence_parallel and model > 1:
     pins += sequence_layouts(program.graph, params_count, model)
   if context > 1:
     g = program.graph
-    pins = [(v, PartitionSpec(None, ("context", "model") if g.shapes[v][1] % t == 0
+    pins = [(v, PartitionSpec(None, (context_lib.CONTEXT, "model") if g.shapes[v][1] % t == 0
                               else "model")) for v, _ in pins]
-    pins += [(v, PartitionSpec(None, "context")) for v in g.inputs[params_count:]
+    pins += [(v, PartitionSpec(None, context_lib.CONTEXT)) for v in g.inputs[params_count:]
              if g.rank(v) >= 2 and g.shapes[v][1] % context == 0]
   if pins:
     program = program.with_pins(pins, "context parallelism" if context > 1 else
@@ -407,7 +405,7 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
   for t, (program, state) in width_states.items():
     model = program.model
     compute, comm = report.op_seconds(model, state)
-    comm = np.maximum(comm - context_sync.deferred_seconds(program, state, params, forward), 0)
+    comm = np.maximum(comm - context_lib.deferred_seconds(program, state, params, forward), 0)
     op_costs = [model.op_cost(state, o) for o in range(g.num_ops)]
     # The model's FLOPs, each device's share: an op left whole on every
     # device counts once, not t times.

@@ -52,7 +52,7 @@ class Problem:
   # SLICE: the replicas within one slice or node, as many as divide d).
   shard_group: int | str | None = None
   recompute_share: float = 1.0  # of a stage's layers its recompute mode applies to
-  context: int = 1  # devices of a stage its gradients' collectives span too (`context_sync`)
+  context: int = 1  # devices of a stage its gradients' collectives span too (`cluster/context.py`)
 
   def sharded_over(self, d: int, zero: int) -> int:
     """Replicas a ZeRO stage shards over (and its collectives span) when

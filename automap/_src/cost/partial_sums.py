@@ -32,8 +32,8 @@ def finish(model, comms: list, natural: list[int], target, scatter_mask: int,
   layout it ends in), into `target` (per axis the dim it tiles), where the
   axes of `scatter_mask` land on result dims (those of `reduce_mask`, on
   none, are the caller's to all-reduce). Returns (bytes per device after,
-  bytes of the largest buffer made). `total_bytes` is the whole result's, `widen` the reduction's
-  itemsize over the result's."""
+  bytes of the largest buffer made). `total_bytes` is the whole result's,
+  `widen` the reduction's itemsize over the result's."""
   sizes = model.mesh.axis_sizes
   num_axes = len(sizes)
   own = [a for a in range(num_axes) if natural[a] >= 0 and sizes[a] > 1]

@@ -186,6 +186,11 @@ class Program:
     prop.seed_all(state)
     return state
 
+  @property
+  def sealed_inside(self) -> np.ndarray:
+    """[V] bool: values made inside sealed calls, which a plan cannot pin."""
+    return np.asarray(self.graph.sealed, bool) & ~np.asarray(self.graph.bound, bool)
+
   def as_compiled(self, state: State) -> State:
     """`state` with the values inside sealed calls (remat, custom
     derivatives), which a plan cannot pin, laid out as XLA's propagation
@@ -194,8 +199,7 @@ class Program:
     axis along different factors the first to arrive wins; Shardy's
     op-priority propagation has both there first and keeps the larger
     tensor's factor (`AggressiveFactorPropagation`), as `seed_all` does."""
-    g = self.graph
-    inner = np.asarray(g.sealed, bool) & ~np.asarray(g.bound, bool)
+    g, inner = self.graph, self.sealed_inside
     if not inner.any():
       return state
     named = ~inner

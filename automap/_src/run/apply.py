@@ -134,6 +134,15 @@ def jit_with_plan(traced: Traced, mesh: Mesh, plan,
                  out_shardings=out_shardings, donate_argnums=donate_argnums)
 
 
+def compile_with_plan(traced: Traced, mesh: Mesh, plan, args: tuple):
+  """`jit_with_plan`'s program lowered for `traced`'s dynamic `args` and
+  compiled, under the Auto view of `mesh` (the program's constraints
+  resolve there)."""
+  jitted = jit_with_plan(traced, mesh, plan)
+  with jax.set_mesh(auto_mesh(mesh)):
+    return jitted.lower(*abstract_args(traced.dynamic_args(args))).compile()
+
+
 def abstract_args(args: tuple) -> tuple:
   """`args` as ShapeDtypeStructs, for `lower`: jit refuses host (numpy)
   arguments whose shardings span devices of other processes."""

@@ -79,12 +79,4 @@ def compile_layout(traced, mesh, specs, args):
     return jitted.lower(*apply_lib.abstract_args(traced.dynamic_args(args))).compile()
 
 
-def compile_plan(traced, mesh, plan, args):
-  """The step compiled as automap runs `plan`: its argument shardings and
-  every layout it pins."""
-  jitted = apply_lib.jit_with_plan(traced, mesh, plan)
-  with jax.set_mesh(apply_lib.auto_mesh(mesh)):
-    return jitted.lower(*apply_lib.abstract_args(traced.dynamic_args(args))).compile()
-
-
-__all__ = ["EXPERT_NAMES", "compile_layout", "compile_plan", "expert_specs", "referee"]
+__all__ = ["EXPERT_NAMES", "compile_layout", "expert_specs", "referee"]

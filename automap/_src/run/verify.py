@@ -185,10 +185,8 @@ def verify(plan: Plan, fn: Callable, args: tuple, mesh=None,
   program = Program.build(traced, plan.mesh, plan.hardware, compiler=compiler,
                           constraints=plan.program_constraints)
   predicted = Tracker(program.model, build.state_of(program, plan)).cost()
-  jitted = apply_lib.jit_with_plan(traced, mesh, plan)
   dynamic = traced.dynamic_args(args)  # The static leaves are in the program.
-  with jax.set_mesh(apply_lib.auto_mesh(mesh)):
-    compiled = jitted.lower(*apply_lib.abstract_args(dynamic)).compile()
+  compiled = apply_lib.compile_with_plan(traced, mesh, plan, args)
   found = collectives(compiled.as_text(), mesh)
   memory, stats = compiled_memory(compiled)
   traffic = compiled_traffic(compiled)

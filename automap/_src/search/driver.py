@@ -186,7 +186,7 @@ def as_compiled(program: Program, found: Found, limit: float | None) -> Found:
   """`found` re-priced with the values inside sealed calls laid out as XLA's
   propagation lays them out, or the best of the search's few best plans so
   re-priced: the search scores them as its own propagation spreads them."""
-  if not (program.graph.sealed & ~program.graph.bound).any():
+  if not program.sealed_inside.any():
     return found
   seen, best = set(), None
   ranked = [(found.state, found.score)] + sorted(found.candidates, key=lambda c: c[1])

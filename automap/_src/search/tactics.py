@@ -185,9 +185,10 @@ class Tactics:
   def expert_axis(self, state: State, axes: Sequence[int]) -> int | None:
     """The last of `axes` every expert weight's expert dim divides over,
     None if there are no expert weights or no such axis."""
+    if not self.expert_weights:
+      return None
     for a in reversed(list(axes)):
-      if self.expert_weights and all(self.prop.can_tile(state, w, d, a)
-                                     for w, d in self.expert_weights):
+      if all(self.prop.can_tile(state, w, d, a) for w, d in self.expert_weights):
         return a
     return None
 
