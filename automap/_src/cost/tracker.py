@@ -57,14 +57,21 @@ class Tracker:
     # Late collectives per kind and axes, combined into one (`analysis.late_ops`),
     # and the inputs they hold: (kind, mask) -> {op: (first op held, bytes,
     # last reader of its result, result bytes held at the collective)},
-    # and their share of the memory timeline.
+    # and their share of the memory timeline. An op reduced over two groups
+    # of axes feeds the first combined collective's result to the second:
+    # `chained` maps (key, op) of the second to the first's key.
     self.combined = np.zeros((len(KINDS), model.masks), np.int64)
     self.pending: dict[tuple[int, int], dict[int, tuple[int, float, int, float]]] = {}
+    self.chained: dict[tuple[tuple[int, int], int], tuple[int, int]] = {}
+    # (key, op) -> the reduced value an unsliced combined result ends in
+    # (after relabels), which its elementwise readers update in place.
+    self.reduced: dict[tuple[tuple[int, int], int], int] = {}
     self.pending_live: dict[tuple[int, int], np.ndarray] = {}
     self.dirty: set[tuple[int, int]] = set()
     # A resharded copy (`CostModel.copy_key`) -> its readers, and the
     # seconds, relaid bytes and their seconds charged for it.
     self.reshards: dict[tuple, list[int]] = {}
+    self.passing: dict[tuple, list[int]] = {}  # readers a copy is a step on the way for
     self.charged: dict[tuple, tuple[float, float, float]] = {}
     local = model.value_bytes(state)
     a = model.analysis
@@ -115,20 +122,35 @@ class Tracker:
 
   def _count_collectives(self, o: int, c: OpCost, sign: int) -> None:
     """Adds (sign 1) or removes (-1) the collectives of op o's cost c."""
-    for kind, mask, nbytes, seconds, position, target, relaid in c.comms:
+    # The op's late reductions, each reducing the result of the one before.
+    chain = [i for i, (kind, _, _, _, position, *_) in enumerate(c.comms)
+             if position < 0 and kind in (ALL_REDUCE, REDUCE_SCATTER)
+             and self.model.combined(o, kind)] or [-1]
+    first = None
+    # A reshard in steps (permute, gathers axis by axis): each step's result
+    # is the next one's input, freed once read; only the last is kept.
+    last_step = {c.comms[i][4]: i for i in range(len(c.comms))}
+    for i, (kind, mask, nbytes, seconds, position, target, relaid) in enumerate(c.comms):
       if position >= 0:  # A reshard of an operand: one copy for all its readers.
         key = self.model.copy_key(o, position, kind, mask, target, nbytes)
         readers = self.reshards.get(key)
         if readers:
           self._add_live(self.copy_span(key, readers), -nbytes)
+        passing = self.passing.setdefault(key, []) if i != last_step[position] else None
         if sign > 0:
           readers = readers or []
           readers.append(o)
           self.reshards[key] = readers
+          if passing is not None:
+            passing.append(o)
         else:
           readers.remove(o)
+          if passing is not None:
+            passing.remove(o)
           if not readers:
             del self.reshards[key]
+        if not self.passing.get(key, True):
+          del self.passing[key]
         if readers:
           self._add_live(self.copy_span(key, readers), nbytes)
         if sign > 0 and len(readers) == 1:
@@ -147,35 +169,47 @@ class Tracker:
       if position < 0 and self.model.combined(o, kind):
         self.combined[kind, mask] += sign
         seconds -= self.model.latency[kind, mask]
-        self._track_combined(o, kind, mask, nbytes, c.footprint[0] if c.footprint else 0.0, sign)
+        self._track_combined(o, kind, mask, nbytes, sign, first, i == chain[-1])
+        if i in chain:
+          first = (kind, mask)
       self.seconds[kind, mask] += sign * seconds
 
   def copy_span(self, key: tuple, readers: list[int]) -> list[int]:
     """The ops a resharded copy (`CostModel.copy_key`) is live across: its
-    readers'; on a breadth-first schedule (`Compiler.breadth_first`) an
-    argument gathered whole and read in the entry computation (not inside
-    a loop or branch) from the program's start, where the schedule makes
-    it: every FSDP weight's gather, the recomputation's too (XLA expands
-    remat's barriers before it schedules). Other copies are taken to be
-    made by their first reader, as compiled programs of Megatron layouts
-    show."""
+    readers'; a step on the way to another copy for some readers, from the
+    first reader to the last that keeps it (the first alone if none does);
+    on a breadth-first schedule (`Compiler.breadth_first`) an argument
+    gathered whole and read in the entry computation (not inside a loop or
+    branch) from the program's start, where the schedule makes it: every
+    FSDP weight's gather, the recomputation's too (XLA expands remat's
+    barriers before it schedules). Other copies are taken to be made by
+    their first reader, as compiled programs of Megatron layouts show."""
     model = self.model
-    value, loop, region, nbytes = key[0], key[5], key[6], key[4]
-    if (not model.compiler.breadth_first or loop >= 0 or region
-        or not model.analysis.is_input[value] or nbytes < model.graph.nbytes[value]
-        or (model.graph.trips[readers] > 1).any()):
+    passing = self.passing.get(key)
+    if passing:
+      kept = list(readers)
+      for o in passing:
+        kept.remove(o)
+      readers = [min(readers), *kept]
+    value, kind, loop, region = key[0], key[1], key[5], key[6]
+    if (not model.compiler.breadth_first or loop >= 0 or region or kind != ALL_GATHER
+        or not model.analysis.is_input[value] or (model.graph.trips[readers] > 1).any()):
       return readers
     return [*readers, 0]
 
-  def _track_combined(self, o: int, kind: int, mask: int, nbytes: float, out: float,
-                      sign: int) -> None:
+  def _track_combined(self, o: int, kind: int, mask: int, nbytes: float, sign: int,
+                      after: tuple[int, int] | None = None, last: bool = True) -> None:
     """Tracks a late reduction of op o. XLA combines the group's reductions
     into one collective after the last of them is produced, so each input
     lives until then: a program output's unreduced input as a temporary of
     its own from the producer, an intermediate's buffer past its last
-    reader. The combined collective makes every result (`out` bytes) at
-    once, beside its inputs; a sliced result whose readers precede it in
-    program order is then held there too."""
+    reader. The combined collective makes every result at once, beside
+    its inputs; a sliced result whose readers precede it in
+    program order is then held there too. An op reduced over several
+    groups of axes reduces each group's result in the next (XLA chains
+    them): a reduction `after` another group's holds its input from that
+    group's collective; one not `last` hands its result on, held as the
+    next one's input."""
     model, a = self.model, self.model.analysis
     v = model.graph.results[o][0] if model.graph.results[o] else -1
     if kind not in (ALL_REDUCE, REDUCE_SCATTER) or v < 0:
@@ -184,7 +218,11 @@ class Tracker:
     self.dirty.add((kind, mask))
     if sign < 0:
       del group[o]
+      self.chained.pop(((kind, mask), o), None)
+      self.reduced.pop(((kind, mask), o), None)
       return
+    if after is not None:
+      self.chained[((kind, mask), o)] = after
     if kind == REDUCE_SCATTER:
       nbytes *= model.group_size[mask]
     else:  # Buffers at the value's own dtype, however wide the wire.
@@ -195,45 +233,81 @@ class Tracker:
       return elements > model.local_bytes(self.state, v) / model.itemsize[v] * (1 + 1e-9)
 
     # Follow the result through ops that only relabel it (XLA makes them
-    # bitcasts or folds them into the collective's readers); `whole` is the
-    # last unsliced buffer on the way.
-    whole = v
+    # bitcasts or folds them into the collective's readers).
+    held_from = int(a.end[v]) + 1 if a.temporary[v] else o
     while len(model.graph.uses[v]) == 1:
       reader = model.graph.uses[v][0][0]
       if model.graph.prims[reader] not in _RELABELS or len(model.graph.results[reader]) != 1:
         break
       v = model.graph.results[reader][0]
-      whole = whole if sliced(v) else v
+      if not sliced(v) and a.temporary[v]:
+        held_from = int(a.end[v]) + 1
     # Sliced (here or by a relabel), the whole reduced result is a temporary
     # of its own beside the inputs at the collective; unsliced, a result can
     # take the buffer of what its readers make (an output, updated in place).
-    if sliced(v):
+    if not last:
+      early, end = 0.0, 1 << 62
+    elif sliced(v):
       early, end = nbytes, -1
     else:
       early, end = 0.0, int(a.end[model.graph.results[o][0]])
-    # The input is the reduced op's own buffer (its footprint, as computed)
-    # until its last reader, then held for the collective; a result of the
-    # program takes its buffer, so the input is a temporary of its own.
-    held_from = int(a.end[whole]) + 1 if a.temporary[whole] else o
+    # The input is the reduced op's own buffer (its footprint, as computed),
+    # then the unsliced relabels' that are temporaries, each until its last
+    # reader, then held for the collective; where none is (a result of the
+    # program takes the buffer), a temporary of its own from the op.
     group[o] = (held_from, nbytes, end, early)
+    if last and not early:
+      self.reduced[(kind, mask), o] = v
+
+  def held_inputs(self, key: tuple[int, int]
+                  ) -> tuple[int, list[tuple[int, int, float, int, float]]]:
+    """(op of the combined collective, [(op, first op held, bytes, last
+    reader of its result, result bytes held at the collective)]) of the
+    late reductions of `key`: an input is held from `first` to the
+    collective, one chained after another group's from that group's."""
+    group = self.pending.get(key)
+    if not group:
+      return -1, []
+    rows = []
+    for o, (first, nbytes, end, early) in group.items():
+      after = self.chained.get((key, o))
+      if after is not None:
+        first = max(first, self.collective_at(after))
+      rows.append((o, first, nbytes, end, early))
+    return max(max(group), max(r[1] for r in rows)), rows
+
+  def collective_at(self, key: tuple[int, int], depth: int = 0) -> int:
+    """The op after which the combined collective of `key` runs: its last
+    input's, or later where an input is another group's result."""
+    group = self.pending.get(key)
+    if not group:
+      return -1
+    at = max(group)
+    if depth < 4:
+      for o in group:
+        after = self.chained.get((key, o))
+        if after is not None:
+          at = max(at, self.collective_at(after, depth + 1))
+    return at
 
   def _redraw_combined(self) -> None:
-    """Redraws the memory held by the groups `_track_combined` changed."""
-    for key in self.dirty:
+    """Redraws the memory held by the groups `_track_combined` changed, and
+    by those chained after them."""
+    if not self.dirty:
+      return
+    dirty = self.dirty | {key for (key, _), after in self.chained.items() if after in self.dirty}
+    for key in dirty:
       old = self.pending_live.pop(key, None)
       if old is not None:
         self.live -= old
-      group = self.pending[key]
-      if not group:
-        continue
-      last = max(group)
-      held = [(a, b) for a, b, _, _ in group.values() if a <= last]
+      last, rows = self.held_inputs(key)
+      held = [(first, nbytes) for _, first, nbytes, _, _ in rows if first <= last]
       if held:
         starts = np.array([a for a, _ in held], np.int64)
         new = np.cumsum(np.bincount(starts, np.array([b for _, b in held]),
                                     len(self.live)))
         new[last + 1:] = 0.0
-        new[last] += sum(out for _, _, end, out in group.values() if end < last)
+        new[last] += sum(out for _, _, _, end, out in rows if end < last)
         self.pending_live[key] = new
         self.live += new
     self.dirty.clear()
@@ -314,9 +388,9 @@ class Tracker:
     until the collective, and resharded copies read outside loops."""
     a = self.model.analysis
     values = np.flatnonzero((self.footprint > 0) & a.hostable)
-    held = [(first, last, nbytes) for group in self.pending.values() if group
-            for last in (max(group),)
-            for first, nbytes, _, _ in group.values() if first <= last]
+    held = [(first, last, nbytes) for key in self.pending
+            for last, rows in (self.held_inputs(key),)
+            for _, first, nbytes, _, _ in rows if first <= last]
     trips, regions = self.model.graph.trips, self.model.graph.regions
     held += [(min(span), max(span), key[4]) for key, readers in self.reshards.items()
              if not regions[readers].any() and (trips[readers] == 1).all()
@@ -342,8 +416,40 @@ class Tracker:
     start, end, foot = self._hostable_temporaries()
     fits = m - np.searchsorted(ascending, foot, side="left")  # classes a buffer fits
     temps = np.flatnonzero((foot > 0) & (fits > 0))
-    return (start[temps], end[temps], foot[temps], fits[temps] - 1,
-            a.results_made_at, slot)
+    made = a.results_made_at.copy()
+    taken = self.taken_by_reductions()
+    if taken:
+      at = {int(v): i for i, v in enumerate(a.results_made)}
+      for v, op in taken.items():
+        if v in at:
+          made[at[v]] = min(made[at[v]], op)
+      order = np.argsort(made, kind="stable")
+      made, slot = made[order], slot[order]
+    return start[temps], end[temps], foot[temps], fits[temps] - 1, made, slot
+
+  def taken_by_reductions(self) -> dict[int, int]:
+    """{result of the program: op from which its buffer is taken} for the
+    results an optimizer's elementwise update makes in place from a
+    combined reduction's result: the collective writes the buffer the
+    update then overwrites (XLA shares a dying operand's buffer with an
+    elementwise fusion's result), so it holds nothing before."""
+    g, a = self.model.graph, self.model.analysis
+    outputs = set(g.outputs)
+    taken: dict[int, int] = {}
+    for (key, o), v in self.reduced.items():
+      if o not in self.pending.get(key, ()):
+        continue
+      at = self.collective_at(key)
+      for _ in range(8):  # along same-shaped elementwise readers
+        if v in outputs:
+          taken[v] = min(taken.get(v, at), at)
+          break
+        nxt = [r for u, _ in g.uses[v] if a.late[u] for r in g.results[u]
+               if r >= 0 and g.shapes[r] == g.shapes[v]]
+        if not nxt:
+          break
+        v = nxt[-1]
+    return taken
 
   def combined_away(self) -> dict[tuple[int, int], int]:
     """{(kind, axes mask): how many collectives XLA's combiners merge away}.

@@ -97,9 +97,9 @@ def layers(program, tracker: Tracker) -> tuple[LayerRow, ...]:
       span = tracker.copy_span(key, readers)
       if min(span) <= peak <= max(span):
         temporary[of_op[min(readers)]] += key[4]
-    for group in tracker.pending.values():
-      last = max(group, default=-1)
-      for o, (first, nbytes, end, early) in group.items():
+    for key in tracker.pending:
+      last, rows = tracker.held_inputs(key)
+      for o, first, nbytes, end, early in rows:
         if first <= peak <= last:
           temporary[of_op[o]] += nbytes
         if peak == last and end < last:
