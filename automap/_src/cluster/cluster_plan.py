@@ -287,9 +287,10 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
     loss_fn, params, *batch: as for `plan_cluster`.
     config: the split (`ClusterConfig`: tensor, pipeline, data, microbatch,
       recompute, schedule, virtual stages, ZeRO, shard group, weight and
-      gradient dtypes, sequence and context parallelism). Its weights
-      recast the parameters before tracing; a split the traced layers
-      cannot carry is refused before any search.
+      gradient dtypes, sequence and context parallelism, optimizer offload).
+      Its weights recast the parameters before tracing; a split the traced
+      layers cannot carry, or the hardware cannot price, is refused before
+      any search.
     global_batch: samples per optimizer step.
     hardware: a catalogue name or a `Hardware`.
     devices: devices in the cluster (default: what `config` uses).
@@ -309,6 +310,7 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
     raise TypeError(
         f"config must be an automap.cluster.ClusterConfig, got {type(config).__name__}.")
   config.microbatches(global_batch)  # the split against the batch, before tracing
+  configured.check_hardware(config, hw)
   if config.weights:
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, config.weights)
                           if jnp.issubdtype(x.dtype, jnp.floating) else x, params)

@@ -33,6 +33,8 @@ from automap._src.search.request import with_keywords
 # Options of the planners (PlacementOptions, ClusterOptions) a ClusterConfig fixes.
 CONFIG_OWNED = ("recompute", "zero", "widths", "data_parallel", "stages", "virtual_stages",
                 "microbatches")
+# Where the optimizer state lives between steps (`ClusterConfig.offload`).
+OFFLOADS = ("none", "optimizer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,12 @@ class ClusterConfig:
     partitions it). The weight gradients' partial sums are reduced once
     per batch over data x context with the sync, as Megatron-LM and
     Llama 3 run it (`cluster/context.py`), not per microbatch.
+  offload: "optimizer" keeps the optimizer state (moments and any float32
+    master copy) in host memory between steps, as MaxText's
+    `optimizer_memory_host_offload` places it in JAX's pinned host memory:
+    it leaves each device's memory and crosses the host link twice per
+    step (read for the update, written back) after the last backward, at
+    the hardware's `host_bandwidth`. "none": on the device.
   """
 
   tensor: int = 1
@@ -97,6 +105,7 @@ class ClusterConfig:
   sequence_parallel: bool = False
   recompute_every: int = 1
   context: int = 1
+  offload: str = "none"
 
   def __post_init__(self):
     for name in ("tensor", "pipeline", "data", "microbatch", "virtual_stages", "recompute_every",
@@ -153,6 +162,10 @@ class ClusterConfig:
           "tensor=1 has none; set tensor >= 2 or drop sequence_parallel.")
     for name in ("weights", "gradients"):
       object.__setattr__(self, name, _float_dtype(name, getattr(self, name)))
+    if self.offload not in OFFLOADS:
+      raise PlacementError(
+          f"ClusterConfig.offload must be one of {OFFLOADS}, got {self.offload!r}: "
+          "'optimizer' keeps the optimizer state in host memory, 'none' on the device.")
 
   @property
   def devices(self) -> int:
@@ -180,6 +193,16 @@ class ClusterConfig:
           f"({count}) to be a multiple of pipeline={self.pipeline}; change microbatch, data "
           "or global_batch.")
     return count * self.data
+
+
+def check_hardware(config: ClusterConfig, hardware: str | Hardware) -> None:
+  """A PlacementError where `config` states what `hardware` cannot price."""
+  hw = get_hardware(hardware)
+  if config.offload != "none" and hw.host_bandwidth is None:
+    raise PlacementError(
+        f"ClusterConfig.offload={config.offload!r}: hardware {hw.name!r} states no host "
+        "link bandwidth to price the offloaded state's transfers; give "
+        "Hardware(host_bandwidth=bytes/s per direction) or offload='none'.")
 
 
 def _float_dtype(name: str, value) -> str | None:
@@ -268,8 +291,9 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
   if config.gradients:
     gradients = graph_lib.itemsize(config.gradients) / held
     problem = dataclasses.replace(problem, gradients=gradients)
+  check_hardware(config, hw)
   problem = dataclasses.replace(problem, recompute_share=1 / config.recompute_every,
-                                context=config.context)
+                                context=config.context, offload=config.offload != "none")
   if config.shard_group is not None and config.shard_group < config.data:
     problem = dataclasses.replace(problem, shard_group=config.shard_group)
   costs = stage_costs.StageCosts(graph, problem)
@@ -287,7 +311,7 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
   if plan is None or not math.isfinite(plan.time):
     raise PlacementError(f"ClusterConfig {config} could not be priced over this layer graph.")
   return dataclasses.replace(plan, recompute_every=config.recompute_every,
-                             context=config.context)
+                             context=config.context, offload=config.offload)
 
 
-__all__ = ["SCHEDULES", "ClusterConfig", "price"]
+__all__ = ["OFFLOADS", "SCHEDULES", "ClusterConfig", "check_hardware", "price"]

@@ -308,6 +308,7 @@ class Placement:
   shard_group: int | None = None  # hybrid sharding: ZeRO within groups of this many replicas
   recompute_every: int = 1  # stages' recompute modes apply to every k-th layer
   context: int = 1  # of each stage's devices, how many split the sequence
+  offload: str = "none"  # "optimizer": its state in host memory between steps
 
   def __post_init__(self):
     if isinstance(self.virtual_stages, bool) or not isinstance(self.virtual_stages, int) or (
@@ -367,7 +368,7 @@ class Placement:
             "zero": self.zero, "devices": self.devices, "time": self.time,
             "virtual_stages": self.virtual_stages, "schedule": self.schedule,
             "shard_group": self.shard_group, "recompute_every": self.recompute_every,
-            "context": self.context,
+            "context": self.context, "offload": self.offload,
             "stages": [dataclasses.asdict(s) | {"layers": list(s.layers)} for s in self.stages]}
 
   @classmethod
@@ -377,7 +378,7 @@ class Placement:
                stages, int(data["devices"]), float(data["time"]),
                int(data.get("virtual_stages", 1)), data.get("schedule"),
                data.get("shard_group"), int(data.get("recompute_every", 1)),
-               int(data.get("context", 1)))
+               int(data.get("context", 1)), data.get("offload", "none"))
 
 
 __all__ = ["RECOMPUTE_MODES", "SCHEDULES", "JsonFile", "Layer", "LayerCost", "LayerGraph",

@@ -1,7 +1,7 @@
 """What a pipeline stage costs: time per microbatch, sync and memory.
 
 `StageCosts` prices layers run as one stage at a tensor-parallel width, a
-recompute mode, a ZeRO stage and a data-parallel degree; `Problem` is one
+recompute mode, a ZeRO stage and a data-parallel degree; `Problem` (`problem.py`) is one
 placement search's cluster, microbatches and resolved options (`problem`).
 Collectives are rings (`rings.Ring`) over the hardware's links, within a node on `link_*`
 and across nodes on `network_*`. Recompute is per layer: "full" keeps each
@@ -21,57 +21,8 @@ import math
 from typing import NamedTuple
 
 from automap._src.cluster.layer_graph import Layer, LayerGraph, PlacementError, Stage
-from automap._src.cluster.options import PlacementOptions, memory_limit, recompute_modes
+from automap._src.cluster.problem import SLICE, Problem, problem
 from automap._src.cluster.rings import Ring
-from automap._src.cost.hardware import Hardware, get_hardware
-
-SLICE = "slice"  # Problem.shard_group: ZeRO within each slice's replicas
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-  """One search: a graph's cluster and microbatches, with the options resolved
-  against the hardware."""
-
-  devices: int
-  microbatches: int
-  memory: float                 # bytes per device
-  hw: Hardware
-  optimizer: float              # bytes of optimizer state per parameter byte
-  zero: tuple[int, ...]         # ZeRO stages to try
-  recompute: tuple[str, ...]    # per stage, the modes tried
-  widths: tuple[int, ...] | None
-  stages: int | None
-  gradients: float = 1.0        # bytes of gradient per parameter byte
-  overlap: bool = True          # sync and ZeRO collectives beside compute
-  virtual_stages: int | None = 1  # None: interleaving searched where legal
-  overlap_tensor: bool = False  # tensor-parallel collectives beside the matmuls
-  recompute_stated: bool = True  # `recompute` as the options name it (else every mode)
-  # Hybrid sharding: ZeRO over groups of this many consecutive replicas,
-  # plain data parallelism across the groups (None: over every replica;
-  # SLICE: the replicas within one slice or node, as many as divide d).
-  shard_group: int | str | None = None
-  recompute_share: float = 1.0  # of a stage's layers its recompute mode applies to
-  context: int = 1  # devices of a stage its gradients' collectives span too (`cluster/context.py`)
-
-  def sharded_over(self, d: int, zero: int) -> int:
-    """Replicas a ZeRO stage shards over (and its collectives span) when
-    there are d of them: all d under ZeRO 0, which shards nothing."""
-    if self.shard_group is None or not zero:
-      return d
-    if self.shard_group == SLICE:
-      # Groups of whole pipelines that tile a slice, so none straddles two.
-      per_pipeline, node = self.devices // d, self.hw.devices_per_node
-      g = max(g for g in range(1, d + 1)
-              if g == 1 or (not d % g and not node % (g * per_pipeline)))
-      return d if g == 1 else g  # one replica a group shards nothing: plain
-    return min(self.shard_group, d)
-
-  def hybrid_group(self, d: int, zero: int) -> int | None:
-    """The shard group a plan of d replicas under this ZeRO stage records:
-    None where ZeRO spans every replica (or shards nothing)."""
-    g = self.sharded_over(d, zero)
-    return g if g < d else None
 
 
 class Totals(NamedTuple):
@@ -424,7 +375,8 @@ class StageCosts:
     g = self.problem.sharded_over(d, zero)
     shard = lambda level: g if zero >= level else 1  # noqa: E731
     o = self.problem
-    return params / shard(3) + o.gradients * params / shard(2) + o.optimizer * params / shard(1)
+    held = 0.0 if o.offload else o.optimizer * params / shard(1)
+    return params / shard(3) + o.gradients * params / shard(2) + held
 
   def memory_terms(self, members: int, t: int, mode: str, d: int,
                    zero: int) -> tuple[float, float]:
@@ -551,13 +503,18 @@ class StageCosts:
             2: ring.gather(c.params, *group), 3: 0.0}[zero]
     if zero and g < d:
       sync += ring.reduce(grads / g, *across)
+    # Offloaded optimizer state is read from the host for the update and
+    # written back, after the last backward: on the clock, per batch.
+    host = (2 * self.problem.optimizer * c.params / (g if zero >= 1 else 1)
+            / self.problem.hw.host_bandwidth if self.problem.offload else 0.0)
     if not self.problem.overlap:
-      return TimeParts(compute, transfers, zero_time, sync, zero_time, sync, tensor)
+      return TimeParts(compute, transfers, zero_time, sync + host, zero_time, sync + host, tensor)
     # Gathers run a layer ahead of the compute that reads them, reductions
     # a layer behind the backward that makes them; the sync only beside the
     # last microbatch's backward.
     return TimeParts(compute, transfers, exposed(zero_time, compute, c.layers),
-                      exposed(sync, c.backward + rebuild, c.layers), zero_time, sync, tensor)
+                     exposed(sync, c.backward + rebuild, c.layers) + host, zero_time,
+                     sync + host, tensor)
 
   def stage(self, members: int, t: int, mode: str, first: int, in_flight: float, d: int,
             per_pipeline: int, zero: int) -> Stage:
@@ -583,17 +540,6 @@ class StageCosts:
 
 def layer_indices(mask: int) -> list[int]:
   return [i for i in range(mask.bit_length()) if mask >> i & 1]
-
-
-def problem(devices, microbatches, hardware, options: PlacementOptions) -> Problem:
-  for name, value in (("devices", devices), ("microbatches", microbatches)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise PlacementError(f"{name} must be a positive int, got {value!r}.")
-  hw = get_hardware(hardware)
-  return Problem(devices, microbatches, memory_limit(options, hw), hw, options.optimizer_state,
-                  options.zero, recompute_modes("PlacementOptions", options.recompute),
-                  options.widths, options.stages, options.gradient_state, options.overlap,
-                  options.virtual_stages, options.overlap_tensor, options.recompute is not None)
 
 
 __all__ = ["SLICE", "Problem", "StageCosts", "exposed", "kept", "layer_indices", "problem",

@@ -37,6 +37,10 @@ def meshes(plan, devices) -> list[Mesh]:
         f"plan: recompute_every={p.recompute_every} (the recompute mode on every "
         f"{p.recompute_every}-th layer) is priced but not run; price the split with "
         "recompute_every=1 to run it.")
+  if p.offload != "none":
+    raise PlacementError(
+        f"plan: offload={p.offload!r} (optimizer state in host memory) is priced but not "
+        "run; price the split with offload='none' to run it.")
   if p.context > 1:
     raise PlacementError(
         f"plan: context parallelism (the sequence split over {p.context} devices of each "

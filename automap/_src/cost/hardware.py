@@ -53,6 +53,8 @@ class Hardware:
     the catalogue's are calibrated, see `calibration.py`).
   matmul_tile: the matrix unit's tile edge: a matmul's contracting and
     output-minor dims are padded to multiples of it (1: no padding).
+  host_bandwidth: the link to host memory, bytes/s per direction, which
+    state offloaded there crosses (None: no figure; offload is refused).
   """
 
   name: str
@@ -71,12 +73,14 @@ class Hardware:
   fuses_shared_producers: bool | None = None
   matmul_efficiency: float = 1.0
   matmul_tile: int = 1
+  host_bandwidth: float | None = None
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
-      if field.name in ("name", "platform", *_BEHAVIOURS):
-        continue
       value = getattr(self, field.name)
+      if field.name in ("name", "platform", *_BEHAVIOURS) or (
+          field.name == "host_bandwidth" and value is None):
+        continue
       # Latencies may be zero (an ideal fabric); nothing else may.
       least_ok = 0.0 if field.name.endswith("latency") else math.ulp(0.0)
       if (not isinstance(value, (int, float)) or isinstance(value, bool)
@@ -182,15 +186,20 @@ _SPECS: dict[str, Hardware] = {
     "tpu-v5p": Hardware(name="tpu-v5p", flops=459 * _T, fp32_flops=459 * _T,
                         hbm_bandwidth=2765 * _G, hbm_capacity=95 * _G,
                         link_bandwidth=2 * 90 * _G, devices_per_node=8960, **_TPU),
+    # Host links: PCIe Gen4 x16 on A100 (NVIDIA's datasheet: 64 GB/s both
+    # ways), Gen5 x16 on H100 and H200 (128 GB/s both ways).
     "a100": Hardware(name="a100", flops=312 * _T, fp32_flops=156 * _T,
                      hbm_bandwidth=2039 * _G, hbm_capacity=80 * _G,
-                     link_bandwidth=300 * _G, network_bandwidth=25 * _G, **_GPU),
+                     link_bandwidth=300 * _G, network_bandwidth=25 * _G,
+                     host_bandwidth=32 * _G, **_GPU),
     "h100": Hardware(name="h100", flops=989 * _T, fp32_flops=494 * _T,
                      hbm_bandwidth=3350 * _G, hbm_capacity=80 * _G,
-                     link_bandwidth=450 * _G, network_bandwidth=50 * _G, **_GPU),
+                     link_bandwidth=450 * _G, network_bandwidth=50 * _G,
+                     host_bandwidth=64 * _G, **_GPU),
     "h200": Hardware(name="h200", flops=989 * _T, fp32_flops=494 * _T,
                      hbm_bandwidth=4800 * _G, hbm_capacity=141 * _G,
-                     link_bandwidth=450 * _G, network_bandwidth=50 * _G, **_GPU),
+                     link_bandwidth=450 * _G, network_bandwidth=50 * _G,
+                     host_bandwidth=64 * _G, **_GPU),
     # A laptop-class CPU "device" (8 simulated devices share its cores and
     # memory): ~100 GFLOP/s of AVX2 per core pair, ~20 GB/s DRAM, copies
     # between simulated devices at memory speed.
