@@ -178,12 +178,14 @@ class Tracker:
     """The ops a resharded copy (`CostModel.copy_key`) is live across: its
     readers'; a step on the way to another copy for some readers, from the
     first reader to the last that keeps it (the first alone if none does);
-    on a breadth-first schedule (`Compiler.breadth_first`) an argument
-    gathered whole and read in the entry computation (not inside a loop or
-    branch) from the program's start, where the schedule makes it: every
-    FSDP weight's gather, the recomputation's too (XLA expands remat's
-    barriers before it schedules). Other copies are taken to be made by
-    their first reader, as compiled programs of Megatron layouts show."""
+    on a breadth-first schedule (`Compiler.breadth_first`) an argument's
+    all-gather, whole or in part, read in the entry computation (not inside
+    a loop or branch) from the program's start, where the schedule makes
+    it: every FSDP weight's gather, the recomputation's too (XLA expands
+    remat's barriers before it schedules), and the optimizer state's to its
+    update's layout. Other copies (permutes, all-to-alls) are taken to be
+    made by their first reader, as compiled programs of Megatron layouts
+    show."""
     model = self.model
     passing = self.passing.get(key)
     if passing:
@@ -201,11 +203,11 @@ class Tracker:
                       after: tuple[int, int] | None = None, last: bool = True) -> None:
     """Tracks a late reduction of op o. XLA combines the group's reductions
     into one collective after the last of them is produced, so each input
-    lives until then: a program output's unreduced input as a temporary of
-    its own from the producer, an intermediate's buffer past its last
-    reader. The combined collective makes every result at once, beside
-    its inputs; a sliced result whose readers precede it in
-    program order is then held there too. An op reduced over several
+    lives until then: in the op's own buffer (and its relabels') until
+    their last reader, then held; where the program's result takes that
+    buffer, as a temporary of its own from the op. The combined collective
+    makes every result at once, beside its inputs; a sliced result whose
+    readers precede it in program order is then held there too. An op reduced over several
     groups of axes reduces each group's result in the next (XLA chains
     them): a reduction `after` another group's holds its input from that
     group's collective; one not `last` hands its result on, held as the
