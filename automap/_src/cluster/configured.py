@@ -270,6 +270,7 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
   if not isinstance(graph, LayerGraph):
     raise TypeError(f"graph must be an automap.cluster.LayerGraph, got {type(graph).__name__}.")
   hw = get_hardware(hardware)
+  check_hardware(config, hw)
   devices = config.devices if devices is None else devices
   if isinstance(devices, bool) or not isinstance(devices, int) or devices < config.devices:
     raise PlacementError(
@@ -291,7 +292,6 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
   if config.gradients:
     gradients = graph_lib.itemsize(config.gradients) / held
     problem = dataclasses.replace(problem, gradients=gradients)
-  check_hardware(config, hw)
   problem = dataclasses.replace(problem, recompute_share=1 / config.recompute_every,
                                 context=config.context, offload=config.offload != "none")
   if config.shard_group is not None and config.shard_group < config.data:

@@ -370,13 +370,18 @@ class StageCosts:
     return sig
 
   def state_bytes(self, params: float, d: int, zero: int) -> float:
-    """Bytes per device of parameters, their gradients and optimizer state,
-    each sharded over the d replicas from its ZeRO stage on."""
+    """Bytes per device of parameters, their gradients and optimizer state
+    (none where it is offloaded to the host), each sharded over the d
+    replicas from its ZeRO stage on."""
     g = self.problem.sharded_over(d, zero)
     shard = lambda level: g if zero >= level else 1  # noqa: E731
     o = self.problem
-    held = 0.0 if o.offload else o.optimizer * params / shard(1)
+    held = 0.0 if o.offload else self.optimizer_bytes(params, d, zero)
     return params / shard(3) + o.gradients * params / shard(2) + held
+
+  def optimizer_bytes(self, params: float, d: int, zero: int) -> float:
+    """Bytes per device of optimizer state, sharded from ZeRO stage 1 on."""
+    return self.problem.optimizer * params / (self.problem.sharded_over(d, zero) if zero else 1)
 
   def memory_terms(self, members: int, t: int, mode: str, d: int,
                    zero: int) -> tuple[float, float]:
@@ -505,8 +510,8 @@ class StageCosts:
       sync += ring.reduce(grads / g, *across)
     # Offloaded optimizer state is read from the host for the update and
     # written back, after the last backward: on the clock, per batch.
-    host = (2 * self.problem.optimizer * c.params / (g if zero >= 1 else 1)
-            / self.problem.hw.host_bandwidth if self.problem.offload else 0.0)
+    host = (2 * self.optimizer_bytes(c.params, d, zero) / self.problem.hw.host_bandwidth
+            if self.problem.offload else 0.0)
     if not self.problem.overlap:
       return TimeParts(compute, transfers, zero_time, sync + host, zero_time, sync + host, tensor)
     # Gathers run a layer ahead of the compute that reads them, reductions

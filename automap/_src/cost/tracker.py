@@ -270,11 +270,13 @@ class Tracker:
     group = self.pending.get(key)
     if not group:
       return -1, []
-    rows = []
+    rows, ats = [], {}  # ats: each group chained after, its collective's op
     for o, (first, nbytes, end, early) in group.items():
       after = self.chained.get((key, o))
       if after is not None:
-        first = max(first, self.collective_at(after))
+        if after not in ats:
+          ats[after] = self.collective_at(after)
+        first = max(first, ats[after])
       rows.append((o, first, nbytes, end, early))
     return max(max(group), max(r[1] for r in rows)), rows
 
@@ -438,10 +440,13 @@ class Tracker:
     g, a = self.model.graph, self.model.analysis
     outputs = set(g.outputs)
     taken: dict[int, int] = {}
+    ats: dict[tuple[int, int], int] = {}  # each group's collective's op
     for (key, o), v in self.reduced.items():
       if o not in self.pending.get(key, ()):
         continue
-      at = self.collective_at(key)
+      if key not in ats:
+        ats[key] = self.collective_at(key)
+      at = ats[key]
       for _ in range(8):  # along same-shaped elementwise readers
         if v in outputs:
           taken[v] = min(taken.get(v, at), at)
