@@ -1,14 +1,16 @@
 """What a prior is worth to the search, on programs no policy trained on.
 
 Rows: train steps of held-out families (a T5-style encoder-decoder, a ViT,
-a mixture-of-experts layer, a jraph GraphNetwork, and a GPT deeper and
-wider than any trained) on meshes (4, 2), (2, 4) and (2, 2, 2); each
-(program, mesh) under two of the four settings {tpu-v4, h100} x {no memory
-limit, a limit at half of data parallelism's peak}, alternating, so every
-setting appears on every program (the MoE layer, cheap, under all four).
+a mixture-of-experts layer, a jraph GraphNetwork), of a sealed family added
+after the learned filter's corpus was drawn (a state-space model), and of
+a trained family at a larger size than any trained (a GPT deeper and wider,
+reported apart) on meshes (4, 2), (2, 4) and (2, 2, 2); each (program,
+mesh) under two of the four settings {tpu-v4, h100} x {no memory limit, a
+limit at half of data parallelism's peak}, alternating, so every setting
+appears on every program (the MoE layer, cheap, under all four).
 
-Two phases, each resumable and split into parts (`--part i/n` runs every
-n-th row); every row keeps its results in `benchmarks/policy_rows/<row>.json`
+Phases, each resumable and split into parts (`--part i/n` runs every n-th
+row); every row keeps its results in `benchmarks/policy_rows/<row>.json`
 and its two best plans' states in `<row>.npz`:
 
   fix     the row's targets, fixed before any prior runs: the best searched
@@ -19,21 +21,25 @@ and its two best plans' states in `<row>.npz`:
           `--ilp-seconds`, 0: none); then uniform priors on `--seeds` paired
           seeds. A row is hard when uniform needs a median of at least 30
           episodes to come within 1% of the best searched plan.
-  run     the same seeds with the one-step lookahead prior, the oracle
-          prior (the best searched plan's actions first) and the shipped
-          learned policy (`--methods`; "uniform" reruns uniform priors,
-          which must reach the target in the same episodes, to time them
-          beside the others).
+  run     the same seeds with each prior of `--methods`: the one-step
+          lookahead, the oracle (the best searched plan's actions first),
+          the shipped learned filter's scores alone, and the scores with
+          the lookahead beside them near the root. Each run first reruns
+          uniform priors (which must reach the target in the same episodes)
+          to time them beside the priors it measures. A final plan better
+          than the row's best known replaces it (the report rescores every
+          method's final plans against it).
   primitive
           the paper's own setting: tilings only, no tactics; episodes to
           the best expert's plan that fits, uniform priors against the
-          shipped policy (`--primitive-seeds` seeds).
+          learned filter (`--primitive-seeds` seeds).
   report  the tables and the summary (RESULTS.md).
 
 Per seed: episodes and wall seconds until the search's best plan is within
 1% of the best searched plan (and fits the limit), censored at `--cap`
 episodes; the final plan after 200 episodes and refinement, against the
-best-known plan.
+best-known plan. Every prior gets fresh state per seed (the filter's
+scores, the lookahead's cache), built inside the search's clock.
 
   python benchmarks/policy.py fix [--part 1/2] [--rows REGEX]
   python benchmarks/policy.py run [--part 1/2] [--rows REGEX] [--weights FILE]
@@ -74,7 +80,14 @@ PROGRAMS = {
     "moe": ("MoE 8x2048", zoo.moe),
     "graphnet": ("GraphNetwork 4k nodes", zoo.graph_network),
     "gpt8": ("GPT 8L h768", lambda: zoo.gpt(8, 768)),
+    "ssm": ("SSM 2L w256", zoo.ssm),
 }
+# What each program is to the learned filter: a family it never saw (held
+# out), one added after its corpus was drawn (sealed), or a trained family
+# at a larger size than any it trained on.
+FAMILY = {"t5": "held out", "vit": "held out", "moe": "held out", "graphnet": "held out",
+          "ssm": "sealed", "gpt8": "trained family, larger size"}
+UNSEEN = ("held out", "sealed")
 MESHES = ((4, 2), (2, 4), (2, 2, 2))
 AXES = {2: ("data", "model"), 3: ("data", "fsdp", "model")}
 # Two of the four settings per (program, mesh), alternating with the mesh.
@@ -82,7 +95,7 @@ SETTINGS = ((("tpu-v4", "none"), ("h100", "half")), (("h100", "none"), ("tpu-v4"
 # Programs cheap enough to take all four settings on every mesh.
 EVERY_SETTING = ("moe",)
 HARD = 30  # uniform's median episodes to the best searched plan, at least
-METHODS = ("uniform", "lookahead", "oracle", "policy")
+METHODS = ("uniform", "lookahead", "oracle", "learned", "learned+lookahead")
 # The lookahead prices every action of a node it expands (a tracker update
 # each, and the peak under a limit): it guides the root and its children,
 # uniform priors the rest.
@@ -192,24 +205,30 @@ def fix(row: dict, opts) -> dict:
 
 
 def policies(name: str, program: Program, data: dict, opts):
-  """(a maker of the method's policy for a seed, its MCTS settings). Each
-  seed gets a fresh learned policy (its featurizer and prior cache built
-  inside the search's clock); the lookahead's cache is shared by a row's
-  seeds (pricing every action of a node is what it costs: its seconds are
-  reported, not compared)."""
+  """(a maker of the method's (policy, deep policy) for a seed, its MCTS
+  settings). Every seed gets fresh policies: the learned filter's scores
+  and the lookahead's cache are built inside the search's clock."""
+  limit = data["memory_limit"]
   if name == "uniform":
-    return (lambda: None), mcts.MCTSSettings()
+    return (lambda: (None, None)), mcts.MCTSSettings()
   if name == "lookahead":
-    shared = baselines.LookaheadPolicy(program, data["memory_limit"])
-    return (lambda: shared), mcts.MCTSSettings(policy_depth=LOOKAHEAD_DEPTH)
+    return ((lambda: (baselines.LookaheadPolicy(program, limit), None)),
+            mcts.MCTSSettings(policy_depth=LOOKAHEAD_DEPTH))
   if name == "oracle":
     path = [decode(a) for a in data["best"]["path"]]
-    return (lambda: baselines.OraclePolicy(path)), mcts.MCTSSettings()
+    return (lambda: (baselines.OraclePolicy(path), None)), mcts.MCTSSettings()
   with warnings.catch_warnings():
     warnings.simplefilter("error", learned.PolicyWarning)
     shipped = learned.load(opts.weights)
-  return (lambda: learned.LearnedPolicy(shipped.params, shipped.width, shipped.rounds,
-                                        shipped.temperature)), mcts.MCTSSettings()
+  if name == "learned":
+    return (lambda: (shipped.with_limit(limit), None)), mcts.MCTSSettings()
+
+  def both():  # the filter everywhere, reweighed by the lookahead near the root
+    scores = shipped.with_limit(limit)
+    look = baselines.LookaheadPolicy(program, limit)
+    return baselines.ProductPolicy(scores, look, "learned+lookahead"), scores
+
+  return both, mcts.MCTSSettings(policy_depth=LOOKAHEAD_DEPTH)
 
 
 def run_row(row: dict, data: dict, opts) -> dict:
@@ -226,27 +245,51 @@ def run_row(row: dict, data: dict, opts) -> dict:
                          f"at {priced[1]:.6g} s, {data['best'][key][1]:.6g} s when it was "
                          "fixed; run `fix` again on this clock.")
   target = tuple(data["best"]["search"])
-  for name in opts.methods.split(","):
-    if (("uniform_timed" if name == "uniform" else name) in data["runs"]
-        and not opts.redo):
-      continue
+  todo = [m for m in opts.methods.split(",")
+          if m != "uniform" and (m not in data["runs"] or opts.redo)]
+  if not todo:
+    return data
+  # Uniform priors again, timed in this run beside the priors it runs.
+  uniform = measure(row, program, space, "uniform", data, target, opts)
+  fixed = data["runs"]["uniform"][:len(uniform)]
+  if [r.episodes for r in uniform] != [compare.Run.from_json(r).episodes for r in fixed]:
+    raise SystemExit(f"{row['id']}: uniform priors reached the target in other episodes "
+                     "than when the row was fixed: the search is not reproducible here.")
+  adopt(row, data, uniform, "uniform")
+  for name in todo:
     t0 = time.perf_counter()
-    make, settings = policies(name, program, data, opts)
-    runs = [compare.run(program, space, make(), s, target, limit, cap=opts.cap,
-                        settings=settings).to_json() for s in range(opts.seeds)]
-    if name == "uniform":  # timed again beside the others; its episodes are fixed
-      fixed = data["runs"]["uniform"][:len(runs)]
-      if [r[0] for r in runs] != [r[0] for r in fixed]:
-        raise SystemExit(f"{row['id']}: uniform priors reached the target in other "
-                         "episodes than when the row was fixed: the search is not "
-                         "reproducible here.")
-      name = "uniform_timed"
-    data["runs"][name] = runs
-    if name == "lookahead":
+    runs = measure(row, program, space, name, data, target, opts)
+    data["runs"][name] = [r.to_json() for r in runs]
+    data.setdefault("timed_with", {})[name] = [r.to_json() for r in uniform]
+    if "lookahead" in name:
       data.setdefault("settings", {})["lookahead_depth"] = LOOKAHEAD_DEPTH
     data["seconds"][name] = time.perf_counter() - t0
+    adopt(row, data, runs, name)
     save(data)
   return data
+
+
+def adopt(row: dict, data: dict, runs: list[compare.Run], name: str) -> None:
+  """A final plan better than the row's best known becomes it."""
+  for r in runs:
+    if r.final_state is not None and mcts.better(r.final, tuple(data["best"]["overall"])):
+      data["best"]["overall"], data["best"]["source"] = list(r.final), name
+      npz = os.path.join(ROWS_DIR, f"{row['id']}.npz")
+      with np.load(npz) as states:
+        kept = dict(states)
+      kept["overall"] = r.final_state
+      np.savez_compressed(npz, **kept)
+
+
+def measure(row: dict, program: Program, space: ActionSpace, name: str, data: dict,
+            target, opts) -> list[compare.Run]:
+  make, settings = policies(name, program, data, opts)
+  out = []
+  for s in range(opts.seeds):
+    policy, deep = make()
+    out.append(compare.run(program, space, policy, s, target, data["memory_limit"],
+                           cap=opts.cap, settings=settings, deep_policy=deep))
+  return out
 
 
 def primitive(row: dict, data: dict, opts) -> dict:
@@ -265,9 +308,9 @@ def primitive(row: dict, data: dict, opts) -> dict:
   if fits:
     tiles = ActionSpace(program, with_tactics=False)
     target = min(fits)
-    for name in ("uniform", "policy"):
+    for name in ("uniform", "learned"):
       make, settings = policies(name, program, data, opts)
-      out[name] = [compare.run(program, tiles, make(), s, target, limit, cap=opts.cap,
+      out[name] = [compare.run(program, tiles, make()[0], s, target, limit, cap=opts.cap,
                                final_episodes=None, settings=settings).to_json()
                    for s in range(opts.primitive_seeds)]
   data["primitive"] = out
@@ -284,26 +327,43 @@ def _median(runs: list[compare.Run], cap: int, what: str) -> float:
   return float(np.median([x if np.isfinite(x) else np.inf for x in xs]))
 
 
+def _row_runs(data: dict, seeds: int) -> tuple[dict, dict]:
+  """(method -> runs for episodes and finals, method -> uniform's runs timed
+  beside it), the first `seeds` seeds each."""
+  def of(xs):
+    return [compare.Run.from_json(r) for r in xs][:seeds]
+
+  runs = {m: of(data["runs"][m]) for m in METHODS if data["runs"].get(m) is not None}
+  timed = {m: of(xs) for m, xs in data.get("timed_with", {}).items()}
+  legacy = data["runs"].get("uniform_timed")
+  for m in runs:
+    if m not in timed and legacy and m != "uniform":
+      timed[m] = of(legacy)  # timed in an earlier run of this benchmark
+  return runs, timed
+
+
+def _geomean(logs: list[float]) -> float:
+  return float(np.exp(np.mean(logs))) if logs else float("nan")
+
+
+def _log_ratio(a: float, b: float) -> float:
+  return 0.0 if a == b else float(np.log(max(a, 1.0) / max(b, 1.0)))
+
+
 def report(opts) -> None:
-  """The per-row table, then per prior against uniform (over the rows it
-  ran on): on hard rows, the geometric mean of uniform's median episodes
-  over its, with a bootstrap 95% lower bound (seeds resampled per row),
-  and of the wall seconds; on every row, whether its median final plan is
-  over 0.5% worse than uniform's or fewer seeds reach the target; on easy
-  rows, the extra median episodes."""
-  others = METHODS[1:]
-  hard_ratios = {m: [] for m in others}
-  easy_extra = {m: [] for m in others}
-  worse = {m: 0 for m in others}
-  fewer = {m: 0 for m in others}
-  seconds = {m: [] for m in others}
-  done, hard_rows, no_fit = 0, 0, []
-  print("| row | best searched ms | best-known ms (from) | hard "
-        "| episodes to best searched, median: uniform "
-        "| lookahead | oracle | policy | seconds: uniform | lookahead | oracle | policy "
-        "| reached (of seeds): u / l / o / p | final / best-known: u / l / o / p |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  """The per-row table, then per prior against uniform on the hard rows of
+  families no policy trained on: the geometric mean of uniform's median
+  episodes over its, with 95% lower bounds from a bootstrap over seeds
+  and one over rows clustered by program; wall seconds against uniform
+  timed in the same run; against the lookahead where it needs 10 or more
+  episodes; per family; and every row's median final plan against the
+  best known and against uniform's."""
   cell = lambda x, f: "-" if x is None or not np.isfinite(x) else format(x, f)  # noqa: E731
+  table, no_fit = [], []
+  print("| row | family | best searched ms | best-known ms (from) | hard | episodes to best "
+        "searched, median: " + " | ".join(METHODS) + " | seconds: "
+        + " | ".join(METHODS) + " | final / best-known: " + " / ".join(METHODS) + " |")
+  print("|---|---|---|---|---|" + "---|" * (2 * len(METHODS) + 1))
   for row in rows():
     data = load(row["id"])
     if data is None:
@@ -311,101 +371,108 @@ def report(opts) -> None:
     if data["runs"].get("uniform") is None:
       no_fit.append(row["id"])
       continue
-    fixed = [compare.Run.from_json(r) for r in data["runs"]["uniform"]]
-    runs = {m: [compare.Run.from_json(r) for r in data["runs"][m]][:opts.seeds]
-            for m in METHODS if data["runs"].get(m) is not None}
-    timed = data["runs"].get("uniform_timed")
-    if timed:  # uniform's seconds as timed beside the others
-      runs["uniform"] = [compare.Run.from_json(r) for r in timed][:opts.seeds]
-    done += 1
-    best, overall = data["best"]["search"][1], data["best"]["overall"][1]
+    runs, timed = _row_runs(data, opts.seeds)
+    overall = data["best"]["overall"][1]
     med = {m: _median(rs, opts.cap, "episodes") for m, rs in runs.items()}
     sec = {m: _median(rs, opts.cap, "seconds") for m, rs in runs.items()}
-    reached = {m: sum(np.isfinite(r.episodes) for r in rs) for m, rs in runs.items()}
+    sec["uniform"] = float(np.median([_median(t, opts.cap, "seconds")
+                                      for t in timed.values()])) if timed else np.nan
     final = {m: float(np.median([r.final[1] if r.final[0] <= 0 else np.inf for r in rs]))
-             for m, rs in runs.items()}
-    hard = _median(fixed, opts.cap, "episodes") >= HARD  # on every seed fixed
-    hard_rows += hard
-    for m in others:
-      if m not in runs:
-        continue
-      if hard:
-        hard_ratios[m].append((runs["uniform"], runs[m]))
-        if timed or m != "policy":
-          seconds[m].append((sec["uniform"], sec[m]))
-      else:
-        easy_extra[m].append(med[m] - med["uniform"])
-      worse[m] += final[m] > final["uniform"] * 1.005
-      fewer[m] += reached[m] < reached["uniform"]
-    print(f"| {row['id']} | {best * 1e3:.3f} | {overall * 1e3:.3f} ({data['best']['source']}) | "
-          f"{'yes' if hard else 'no'} | "
+             / overall for m, rs in runs.items()}
+    # Hard on every seed fixed, not only those compared here.
+    hard = _median([compare.Run.from_json(r) for r in data["runs"]["uniform"]], opts.cap,
+                   "episodes") >= HARD
+    table.append(dict(row=row, runs=runs, timed=timed, med=med, final=final, hard=hard))
+    print(f"| {row['id']} | {FAMILY[row['program']]} | {data['best']['search'][1] * 1e3:.3f} | "
+          f"{overall * 1e3:.3f} ({data['best']['source']}) | {'yes' if hard else 'no'} | "
           + " | ".join(cell(med.get(m), ".0f") for m in METHODS) + " | "
           + " | ".join(cell(sec.get(m), ".2f") for m in METHODS) + " | "
-          + " / ".join(str(reached[m]) if m in runs else "-" for m in METHODS) + " | "
-          + " / ".join(cell(final[m] / overall if m in final else None, ".3f")
-                       for m in METHODS) + " |")
+          + " / ".join(cell(final.get(m), ".3f") for m in METHODS) + " |")
   print()
-  print(f"- rows measured: {done} of {len(rows())} ({hard_rows} hard: uniform's median >= "
-        f"{HARD} episodes over every fixed seed); no plan fits the limit: "
-        f"{', '.join(no_fit) or 'none'}")
+  unseen = [t for t in table if FAMILY[t["row"]["program"]] in UNSEEN]
+  hard = [t for t in unseen if t["hard"]]
+  print(f"- rows measured: {len(table)} of {len(rows())}; on families no policy trained on: "
+        f"{len(unseen)}, {len(hard)} hard (uniform's median >= {HARD} episodes); no plan "
+        f"fits the limit: {', '.join(no_fit) or 'none'}")
   rng = np.random.default_rng(0)
-  for m in others:
-    pairs = hard_ratios[m]
-    if not pairs:
+  for m in METHODS[1:]:
+    rows_m = [t for t in hard if m in t["runs"]]
+    if not rows_m:
       continue
-    point = _geomean_ratio(pairs, opts.cap)
-    boot = [_geomean_ratio([(_resample(u, rng), _resample(p, rng)) for u, p in pairs], opts.cap)
-            for _ in range(1000)]
-    s = np.array(seconds[m]).reshape(-1, 2)
-    ok = np.isfinite(s).all(axis=1) & (s > 0).all(axis=1)
-    wall = float(np.exp(np.mean(np.log(s[ok, 0] / s[ok, 1])))) if ok.any() else float("nan")
-    print(f"- {m}, {len(pairs)} hard rows: uniform / {m} episodes to the best searched plan, "
-          f"geometric mean {point:.2f}x (bootstrap 95% lower bound "
-          f"{np.quantile(boot, 0.025):.2f}x); wall seconds {wall:.2f}x over {int(ok.sum())} "
-          f"rows; final plan > 0.5% worse than uniform's on {worse[m]} rows, fewer seeds "
-          f"reaching on {fewer[m]}; easy rows: "
-          f"{np.mean(easy_extra[m]) if easy_extra[m] else 0:+.1f} episodes on average "
-          f"(max {max(easy_extra[m], default=0):+.0f})")
+    logs = [_log_ratio(t["med"]["uniform"], t["med"][m]) for t in rows_m]
+    point = _geomean(logs)
+    by_seed = [_geomean([_log_ratio(_median(_resample(t["runs"]["uniform"], rng), opts.cap,
+                                            "episodes"),
+                                    _median(_resample(t["runs"][m], rng), opts.cap,
+                                            "episodes")) for t in rows_m])
+               for _ in range(1000)]
+    programs = sorted({t["row"]["program"] for t in rows_m})
+    by_row = []
+    for _ in range(1000):
+      drawn = rng.choice(programs, len(programs))
+      by_row.append(_geomean([x for p in drawn for t, x in zip(rows_m, logs)
+                              if t["row"]["program"] == p]))
+    wall = [np.log(_median(t["timed"][m], opts.cap, "seconds")
+                   / _median(t["runs"][m], opts.cap, "seconds"))
+            for t in rows_m if m in t["timed"]]
+    wall = [w for w in wall if np.isfinite(w)]
+    deep = [t for t in rows_m if "lookahead" in t["med"] and t["med"]["lookahead"] >= 10]
+    vs_look = _geomean([_log_ratio(t["med"]["lookahead"], t["med"][m]) for t in deep])
+    print(f"- {m}, {len(rows_m)} hard unseen rows: uniform / {m} episodes to the best "
+          f"searched plan, geometric mean {point:.2f}x (95% lower bound: seeds "
+          f"{np.quantile(by_seed, 0.025):.2f}x, rows by program "
+          f"{np.quantile(by_row, 0.025):.2f}x); wall seconds {_geomean(wall):.2f}x over "
+          f"{len(wall)} rows (uniform timed in the same run); lookahead / {m} "
+          f"{vs_look:.2f}x on the {len(deep)} rows where the lookahead needs 10 or more")
+    for family in sorted({FAMILY[t["row"]["program"]] for t in table}):
+      for program in sorted({t["row"]["program"] for t in table
+                             if FAMILY[t["row"]["program"]] == family}):
+        fam = [t for t in table if t["row"]["program"] == program and t["hard"]
+               and m in t["runs"]]
+        if fam:
+          print(f"  - {program} ({family}), {len(fam)} hard rows: "
+                f"{_geomean([_log_ratio(t['med']['uniform'], t['med'][m]) for t in fam]):.2f}x")
+    measured = [t for t in table if m in t["final"]]
+    worst = max(measured, key=lambda t: t["final"][m])
+    print(f"  - final plan (median over seeds, 200 episodes and refinement) / best known: "
+          f"worst {worst['final'][m]:.3f} ({worst['row']['id']}), over 1.02 on "
+          f"{sum(t['final'][m] > 1.02 for t in measured)} of {len(measured)} rows, over 0.5% "
+          f"worse than uniform's on "
+          f"{sum(t['final'][m] > t['final']['uniform'] * 1.005 for t in measured)}")
+  finals = [t for t in table if "uniform" in t["final"]]
+  worst = max(finals, key=lambda t: t["final"]["uniform"])
+  print(f"- uniform's final plan / best known: worst {worst['final']['uniform']:.3f} "
+        f"({worst['row']['id']}), over 1.02 on "
+        f"{sum(t['final']['uniform'] > 1.02 for t in finals)} of {len(finals)} rows")
 
 
 def report_primitive(opts) -> None:
   print()
   print("Tilings only (no tactics): episodes to the best expert's plan, medians over seeds")
   print()
-  print("| row | best expert ms | uniform | policy | reached: uniform / policy |")
+  print("| row | best expert ms | uniform | learned | reached: uniform / learned |")
   print("|---|---|---|---|---|")
   ratios = []
   for row in rows():
     data = load(row["id"])
     p = None if data is None else data.get("primitive")
-    if not p or p.get("expert") is None or "policy" not in p:
+    if not p or p.get("expert") is None or "learned" not in p:
       continue
-    runs = {m: [compare.Run.from_json(r) for r in p[m]] for m in ("uniform", "policy")}
+    runs = {m: [compare.Run.from_json(r) for r in p[m]] for m in ("uniform", "learned")}
     med = {m: _median(rs, opts.cap, "episodes") for m, rs in runs.items()}
     reached = {m: sum(np.isfinite(r.episodes) for r in rs) for m, rs in runs.items()}
-    ratios.append(1.0 if med["uniform"] == med["policy"]
-                  else max(med["uniform"], 1) / max(med["policy"], 1))
+    ratios.append(1.0 if med["uniform"] == med["learned"]
+                  else max(med["uniform"], 1) / max(med["learned"], 1))
     print(f"| {row['id']} | {p['expert'][1] * 1e3:.3f} | {med['uniform']:.0f} "
-          f"| {med['policy']:.0f} | {reached['uniform']} / {reached['policy']} |")
+          f"| {med['learned']:.0f} | {reached['uniform']} / {reached['learned']} |")
   if ratios:
     print()
-    print(f"- uniform / policy episodes to the best expert's plan: median "
+    print(f"- uniform / learned episodes to the best expert's plan: median "
           f"{np.median(ratios):.2f}x over {len(ratios)} rows (censored at {opts.cap})")
 
 
 def _resample(runs: list, rng) -> list:
   return [runs[i] for i in rng.integers(len(runs), size=len(runs))]
-
-
-def _geomean_ratio(pairs, cap: int) -> float:
-  """Geometric mean over rows of uniform's median episodes over the
-  method's (censored runs at `cap`; a row where both start at the target
-  counts 1)."""
-  logs = []
-  for u, m in pairs:
-    a, b = _median(u, cap, "episodes"), _median(m, cap, "episodes")
-    logs.append(0.0 if a == b else np.log(max(a, 1.0) / max(b, 1.0)))
-  return float(np.exp(np.mean(logs)))
 
 
 def main() -> None:
@@ -414,7 +481,7 @@ def main() -> None:
   parser.add_argument("phase", choices=("fix", "run", "primitive", "report"))
   parser.add_argument("--part", default="1/1", help="i/n: every n-th row from the i-th")
   parser.add_argument("--rows", default=".*", help="a regex the row ids must match")
-  parser.add_argument("--seeds", type=int, default=20)
+  parser.add_argument("--seeds", type=int, default=10)
   parser.add_argument("--cap", type=int, default=1000)
   parser.add_argument("--primitive-seeds", type=int, default=10)
   parser.add_argument("--long-seeds", type=int, default=5)

@@ -201,6 +201,43 @@ def graph_network(nodes: int = 4096, edges: int = 16384, width: int = 128):
   return graph_net.make_train_step(nodes, edges, width, abstract=True)
 
 
+def ssm(layers: int = 2, width: int = 256, state: int = 16, expand: int = 2,
+        vocab: int = 1024, seq: int = 64, batch: int = 16):
+  """A state-space language model (S4D-style diagonal recurrences, gated
+  as Mamba gates them): per layer, the input projected to `expand` x
+  width channels and a gate; each channel runs `state` decaying modes
+  over time (`lax.scan`); their readout, gated, projected back."""
+  f32, inner = jnp.float32, expand * width
+  sds = lambda *shape: jax.ShapeDtypeStruct(shape, f32)  # noqa: E731
+  params = {"embed": sds(vocab, width), "head": sds(width, vocab),
+            "layers": [{"norm": sds(width), "w_in": sds(width, inner),
+                        "w_gate": sds(width, inner), "log_decay": sds(inner, state),
+                        "b": sds(inner, state), "c": sds(inner, state),
+                        "w_out": sds(inner, width)} for _ in range(layers)]}
+
+  def mix(p, x):  # [B, T, W] -> [B, T, W]
+    h = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6) * p["norm"]
+    u, gate = h @ p["w_in"], jax.nn.silu(h @ p["w_gate"])  # [B, T, I]
+    decay = jnp.exp(-jnp.exp(p["log_decay"]))  # [I, N]
+
+    def step(carry, u_t):  # carry [B, I, N], u_t [B, I]
+      carry = decay * carry + u_t[..., None] * p["b"]
+      return carry, (carry * p["c"]).sum(-1)
+
+    _, y = jax.lax.scan(step, jnp.zeros((batch, inner, state), f32), u.swapaxes(0, 1))
+    return x + (y.swapaxes(0, 1) * gate) @ p["w_out"]
+
+  def loss(params, tokens, targets):
+    x = params["embed"][tokens]
+    for p in params["layers"]:
+      x = mix(p, x)
+    logits = x @ params["head"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+  tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+  return _adam_step(loss, params, tokens, tokens)
+
+
 def catalogue(quick: bool = False) -> dict:
   """name -> builder of the quality benchmark's programs."""
   out = {"MLP 1024x4096": mlp, "GPT 2L h512": lambda: gpt(2), "ViT 4L w384": vit,

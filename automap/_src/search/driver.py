@@ -59,14 +59,16 @@ def policy_for(request: SearchOptions, program: Program) -> mcts.Policy | None:
   are imported only then)."""
   if request.policy == "uniform":
     return None
+  limit = request.resolved(program.hardware).memory_limit
+  limit = None if limit is None else float(limit)
   if request.policy == "lookahead":
     from automap._src.search.policy.baselines import LookaheadPolicy
 
-    limit = request.resolved(program.hardware).memory_limit
-    return LookaheadPolicy(program, None if limit is None else float(limit))
+    return LookaheadPolicy(program, limit)
   from automap._src.search.policy import learned
 
-  return learned.cached(None if request.policy == "learned" else request.policy)
+  shipped = learned.cached(None if request.policy == "learned" else request.policy)
+  return None if shipped is None else shipped.with_limit(limit)
 
 
 def run(program: Program, request: SearchOptions, policy: mcts.Policy | None = None) -> Found:

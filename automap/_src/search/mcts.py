@@ -74,8 +74,9 @@ class MCTSSettings:
   max_depth: int = 12
   widen: float = 2.0  # actions admitted = widen * sqrt(visits + 1)
   # Nodes at most this deep (actions from the root) take the policy's
-  # priors, deeper ones uniform ones (None: every node takes them); for
-  # priors that cost more per expansion than the search they save.
+  # priors, deeper ones the search's `deep_policy` (uniform unless given;
+  # None: every node takes the policy's); for priors that cost more per
+  # expansion than the search they save.
   policy_depth: int | None = None
 
 
@@ -117,10 +118,12 @@ class Search:
 
   def __init__(self, program: Program, space: ActionSpace,
                memory_limit: float | None, seed: int = 0,
-               policy: Policy | None = None, settings: MCTSSettings = MCTSSettings()):
+               policy: Policy | None = None, settings: MCTSSettings = MCTSSettings(),
+               deep_policy: Policy | None = None):
     self.program, self.space = program, space
     self.memory_limit = memory_limit
     self.policy = policy or UniformPolicy()
+    self.deep_policy = deep_policy or _UNIFORM
     self.settings = settings
     self.rng = np.random.default_rng(seed)
     self.state = program.initial_state()
@@ -151,7 +154,7 @@ class Search:
   def _expand(self, node: Node) -> None:
     actions = self.space.legal(node.state)
     depth = self.settings.policy_depth
-    policy = self.policy if depth is None or len(node.path) <= depth else _UNIFORM
+    policy = self.policy if depth is None or len(node.path) <= depth else self.deep_policy
     priors = np.asarray(policy.priors(self.space, node.state, actions), float)
     if priors.shape != (len(actions) + 1,) or (priors < 0).any():
       raise ValueError(

@@ -8,7 +8,10 @@
 - `OraclePolicy`: the actions of a known best plan first, in its order. The
   ceiling any prior can reach on a program whose best plan is known.
 
-Both mix in a uniform share, as a learned policy must: every action stays
+- `ProductPolicy`: two priors' product, for the learned filter with the
+  lookahead beside it.
+
+All mix in a uniform share, as a learned policy must: every action stays
 reachable whatever the prior says.
 """
 
@@ -126,4 +129,27 @@ class OraclePolicy:
     return None
 
 
-__all__ = ["EPSILON", "LookaheadPolicy", "OraclePolicy", "mix", "softmax"]
+class ProductPolicy:
+  """Two priors' agreement: their product over the node's actions,
+  renormalised and mixed with `EPSILON` uniform ("stop" at its uniform
+  share). With the learned filter and the lookahead, the filter's scores
+  reweighed by each action's priced step where the lookahead runs."""
+
+  def __init__(self, first, second, name: str = "product"):
+    self.first, self.second, self.name = first, second, name
+
+  def priors(self, space: ActionSpace, state: State,
+             actions: Sequence[Action]) -> np.ndarray:
+    k = len(actions)
+    if k == 0:
+      return np.ones(1)
+    a = np.asarray(self.first.priors(space, state, actions), float)[:k]
+    b = np.asarray(self.second.priors(space, state, actions), float)[:k]
+    stop = 1.0 / (k + 1)
+    return np.append((1 - stop) * mix(a * b), stop)
+
+  def value(self, space: ActionSpace, state: State) -> None:
+    return None
+
+
+__all__ = ["EPSILON", "LookaheadPolicy", "OraclePolicy", "ProductPolicy", "mix", "softmax"]

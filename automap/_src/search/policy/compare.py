@@ -44,6 +44,8 @@ class Run:
   seconds: float
   final: mcts.Score
   capped: float = float("nan")
+  # The final plan's state (not serialised: kept to update a best-known plan).
+  final_state: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
   @property
   def seconds_bound(self) -> float:
@@ -70,12 +72,14 @@ _REFINE_TRIES = 10
 def run(program: Program, space: ActionSpace, policy: mcts.Policy | None, seed: int,
         target: mcts.Score, memory_limit: float | None, *, cap: int = 1000,
         final_episodes: int | None = 200,
-        settings: mcts.MCTSSettings | None = None) -> Run:
+        settings: mcts.MCTSSettings | None = None,
+        deep_policy: mcts.Policy | None = None) -> Run:
   """Searches until the target is reached and `final_episodes` have run,
   or `cap` episodes have. `final_episodes=None`: no final plan (its score
-  is the search's best)."""
+  is the search's best). `deep_policy`: the priors below
+  `settings.policy_depth` (uniform unless given)."""
   search = mcts.Search(program, space, memory_limit, seed, policy=policy,
-                       settings=settings or mcts.MCTSSettings())
+                       settings=settings or mcts.MCTSSettings(), deep_policy=deep_policy)
   hit = (float("inf"), float("inf"))
   if within(search.best.score, target):
     hit = (0.0, time.perf_counter() - search.t0)
@@ -86,7 +90,7 @@ def run(program: Program, space: ActionSpace, policy: mcts.Policy | None, seed: 
       if within(search.best.score, target):
         hit = (float(search.episodes), time.perf_counter() - search.t0)
     capped = float("nan") if np.isfinite(hit[0]) else time.perf_counter() - search.t0
-    return Run(hit[0], hit[1], search.best.score, capped)
+    return Run(hit[0], hit[1], search.best.score, capped, search.best.state)
   while search.episodes < max(cap, final_episodes):
     if search.episodes == final_episodes:
       start = time.perf_counter()
@@ -103,11 +107,12 @@ def run(program: Program, space: ActionSpace, policy: mcts.Policy | None, seed: 
     capped = time.perf_counter() - search.t0 - refining
   if final is None:
     final = _refined(program, space, search, memory_limit, final_episodes)
-  return Run(hit[0], hit[1], final, capped)
+  return Run(hit[0], hit[1], final[1], capped, final[0])
 
 
-def _refined(program, space, search: mcts.Search, memory_limit, episodes: int) -> mcts.Score:
+def _refined(program, space, search: mcts.Search, memory_limit,
+             episodes: int) -> tuple[np.ndarray, mcts.Score]:
   seen = [(n.state, n.score) for n in search.table.values()]
-  _, score, _ = refine.refine_best(program, space.colour, seen, memory_limit, float("inf"),
-                                   _REFINE_TRIES * episodes)
-  return score
+  state, score, _ = refine.refine_best(program, space.colour, seen, memory_limit,
+                                       float("inf"), _REFINE_TRIES * episodes)
+  return state, score

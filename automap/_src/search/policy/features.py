@@ -1,4 +1,4 @@
-"""Graph features of a sharding state, for the learned policy.
+"""Graph features of a program under a sharding state, for the learned filter.
 
 The program is read at the grain the search acts on: one node per
 Weisfeiler-Lehman class of values (`groups.colours`: the same role in every
@@ -9,13 +9,11 @@ what its members are (bytes, rank, dtype, role, dims, the op that makes
 them), how the state lays them out (the share tiled per mesh axis and dim),
 and where time goes: the share of the step its members' producing ops
 spend computing and communicating, from the cost model's tracker. The
-actions are encoded beside the graph, each pointing at the group it tiles,
-with what it would touch: the group's share of compute and communication
-and how much of it is tiled already. Nothing encodes the action space's
-order: a prior learns what to try, not where the list puts it.
+decisions the network scores (`decisions.py`) sit beside the graph, each
+pointing at the group it tiles.
 
-Any change to what is computed here must bump SCHEMA: weights trained on
-one schema are meaningless on another.
+Any change to what is computed here or there must bump SCHEMA: weights
+trained on one schema are meaningless on another.
 """
 
 from __future__ import annotations
@@ -28,14 +26,13 @@ import numpy as np
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import graph as graph_lib
 from automap._src.ir import rules
-from automap._src.search.actions import Action, ActionSpace, Tactic, Tile
+from automap._src.search.actions import ActionSpace
 from automap._src.sharding.state import State
 
-SCHEMA = "automap-policy-features/2"
+SCHEMA = "automap-policy-filter/3"
 
 MAX_AXES = 3  # mesh axes described; more are folded into the last slot
 MAX_DIMS = 4  # dims described per value; more are folded into the last
-TACTICS = ("data-parallel", "megatron", "fsdp", "sequence")
 
 # Op categories, one-hot on edges and on each value's producer.
 _CATEGORIES = ("argument", "contraction", "elementwise", "reduction", "layout",
@@ -56,10 +53,7 @@ _LAYOUT_COLS = MAX_AXES * (MAX_DIMS + 1)
 NODE_FEATURES = _STATIC + 1 + _LAYOUT_COLS + 2
 EDGE_FEATURES = 4 + len(_CATEGORIES) + 3
 GLOBAL_FEATURES = MAX_AXES + 12
-# kind (tile, tactic, stop), dim, axes, axis size, tactic, group bytes and
-# members, and per state: the group's compute and comm shares, its share
-# tiled over the action's axis and along the action's dim.
-ACTION_FEATURES = 3 + (MAX_DIMS + 1) + MAX_AXES + 1 + len(TACTICS) + 2 + 4
+
 
 
 def category(prim: str) -> int:
@@ -91,9 +85,9 @@ class Features(NamedTuple):
   """One state as arrays (unpadded). Shapes: nodes [N, NODE_FEATURES] (one
   per class of values), edges [E, EDGE_FEATURES], senders/receivers [E],
   globals [GLOBAL_FEATURES], members [M, 3] (node, group, weight: the
-  share of the group's members in that class), actions [K + 1,
-  ACTION_FEATURES] (the legal actions, then "stop") with action_group
-  [K + 1] (-1: none)."""
+  share of the group's members in that class), actions [K, F] (the
+  decisions scored, `decisions.FEATURES` columns) with action_group [K]
+  (the group a decision tiles, -1: none)."""
 
   nodes: np.ndarray
   edges: np.ndarray
@@ -242,35 +236,9 @@ class Featurizer:
     m = np.bincount(self.charged_to[on], (before + after)[on], minlength=n) / total
     return c, m, float(compute.sum()) / total, float((before + after).sum()) / total
 
-  def action_row(self, action: Action | None, state: State, compute: np.ndarray,
-                 comm: np.ndarray) -> tuple[np.ndarray, int]:
-    f = np.zeros(ACTION_FEATURES, np.float32)
-    base = 3 + MAX_DIMS + 1
-    if action is None:  # stop
-      f[2] = 1
-      return f, -1
-    if isinstance(action, Tile):
-      f[0] = 1
-      f[3 + min(action.dim, MAX_DIMS)] = 1
-      f[base + min(action.axis, MAX_AXES - 1)] = 1
-      f[base + MAX_AXES] = self.axis_size[action.axis]
-      at = base + MAX_AXES + 1 + len(TACTICS)
-      f[at:at + 2] = self.group_feats[action.group]
-      members = self.group_members[action.group]
-      f[at + 2] = min(float(compute[members].sum()), 1.0)
-      f[at + 3] = min(float(comm[members].sum()), 1.0)
-      f[at + 4] = float((state[members, action.axis] >= 0).mean())
-      f[at + 5] = float((state[members] == action.dim).any(axis=1).mean())
-      return f, action.group
-    assert isinstance(action, Tactic)
-    f[1] = 1
-    for a in action.axes:
-      f[base + min(a, MAX_AXES - 1)] = 1
-      f[base + MAX_AXES] += self.axis_size[a]
-    f[base + MAX_AXES + 1 + TACTICS.index(action.name)] = 1
-    return f, -1
-
-  def __call__(self, state: State, actions: list[Action]) -> Features:
+  def __call__(self, state: State) -> Features:
+    """The graph under `state`; its actions are left empty ([0, 0]) for
+    the decisions to fill."""
     g = self.graph
     compute, comm, compute_share, comm_share = self.shares(state)
     per_value = np.zeros((g.num_values, NODE_FEATURES - _STATIC))
@@ -296,8 +264,6 @@ class Featurizer:
     glob[MAX_AXES + 9] = comm_share
     glob[MAX_AXES + 10] = math.log(max(t.step_time, 1e-30) / self.root_time)
     glob[MAX_AXES + 11] = float((state >= 0).any(axis=1).mean())
-    rows = [self.action_row(a, state, compute, comm) for a in actions]
-    rows.append(self.action_row(None, state, compute, comm))
     return Features(nodes, self.edges, self.senders, self.receivers, glob, self.members,
-                    len(self.space.groups), np.stack([r for r, _ in rows]),
-                    np.array([i for _, i in rows], np.int32))
+                    len(self.space.groups), np.zeros((0, 0), np.float32),
+                    np.zeros(0, np.int32))

@@ -1,14 +1,14 @@
-"""The learned policy: trained weights, their file, and the search's priors.
+"""The learned filter: trained weights, their file, and the search's priors.
 
 Weights live in one `.npz`: every parameter under its flattened path, and
-`__schema__`, `__width__`, `__rounds__`, `__temperature__`. The package ships one
+`__schema__`, `__width__`, `__rounds__`, `__temperature__`, `__epsilon__`
+(the uniform share, calibrated on held-out programs). The package ships one
 (`weights.npz`, loaded by default); a missing, unreadable or mismatched file
 falls back to uniform priors with a `PolicyWarning`, never an error.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import hashlib
 import io
@@ -24,32 +24,33 @@ import numpy as np
 from flax import traverse_util
 
 from automap._src.search.actions import Action, ActionSpace
+from automap._src.search.policy import decisions as decisions_lib
 from automap._src.search.policy import features as features_lib
 from automap._src.search.policy.network import Batch, PolicyNet, pad
 from automap._src.sharding.state import State
 
 DEFAULT_WEIGHTS = os.path.join(os.path.dirname(__file__), "weights.npz")
 
-# Past this many values a forward pass per expansion costs more than the
-# search it saves; the policy steps aside (uniform priors).
+# Past this many values describing the decisions (one priced step each)
+# costs more than the search it saves; the policy steps aside (uniform).
 MAX_VALUES = 50_000
 
-# Share of the priors kept uniform: every action stays reachable.
+# Share of the priors kept uniform where the weights do not say: every
+# action stays reachable.
 EPSILON = 0.1
-
-# States whose priors a policy keeps per program (least recently used out).
-CACHE = 4096
 
 
 class PolicyWarning(UserWarning):
   """The learned policy is unavailable; the search runs with uniform priors."""
 
 
-def save(path: str, params, width: int, rounds: int, temperature: float = 1.0) -> None:
+def save(path: str, params, width: int, rounds: int, temperature: float = 1.0,
+         epsilon: float = EPSILON) -> None:
   """Writes the weights; the same inputs give the same bytes."""
   flat = {"/".join(k): np.asarray(v) for k, v in traverse_util.flatten_dict(params).items()}
   arrays = dict(__schema__=np.array(features_lib.SCHEMA), __width__=np.array(width),
-                __rounds__=np.array(rounds), __temperature__=np.array(temperature), **flat)
+                __rounds__=np.array(rounds), __temperature__=np.array(temperature),
+                __epsilon__=np.array(epsilon), **flat)
   # Plain zip entries with fixed timestamps: reproducible byte for byte.
   with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
     for name in sorted(arrays):
@@ -87,9 +88,10 @@ def load(path: str | None = None) -> LearnedPolicy | None:
   try:
     width, rounds = int(arrays.pop("__width__")), int(arrays.pop("__rounds__"))
     temperature = float(arrays.pop("__temperature__"))
+    epsilon = float(arrays.pop("__epsilon__"))
     params = traverse_util.unflatten_dict({tuple(k.split("/")): jnp.asarray(v)
                                            for k, v in arrays.items()})
-    policy = LearnedPolicy(params, width, rounds, temperature)
+    policy = LearnedPolicy(params, width, rounds, temperature, epsilon)
     policy.check()
   except Exception as e:
     warnings.warn(PolicyWarning(
@@ -138,19 +140,34 @@ def network(width: int, rounds: int):
 
 
 class LearnedPolicy:
-  """`mcts.Policy` from trained weights: priors softmax(logits / T) over the
-  legal actions, mixed with `EPSILON` uniform ("stop" keeps its uniform
-  share); states valued by
-  the cost model (exact and cheap). A state's priors are computed once per
-  program (`CACHE` states kept), however many searches meet it."""
+  """`mcts.Policy` from trained weights: a learned filter.
 
-  def __init__(self, params, width: int, rounds: int, temperature: float = 1.0):
+  Before a search's first expansion, one forward pass over the program
+  scores every decision of its action space (`decisions.describe`); the
+  prior at any node is a lookup of those scores over its legal actions:
+  softmax(score / T), mixed with `epsilon` uniform, "stop" at its uniform
+  share. So no action is ever excluded, progressive widening admits
+  actions in score order, and no node runs the network. States are valued
+  by the cost model. `memory_limit` (bytes per device, or None) is the
+  search's: the decisions are described against it (`with_limit`).
+  """
+
+  name = "learned"
+
+  def __init__(self, params, width: int, rounds: int, temperature: float = 1.0,
+               epsilon: float = EPSILON, memory_limit: float | None = None):
     self.params, self.width, self.rounds = params, width, rounds
-    self.temperature = temperature
-    self.forwards = 0  # forward passes run
-    # One featurizer and prior cache per action space (built once per
-    # program searched), dropped with the space.
+    self.temperature, self.epsilon = temperature, epsilon
+    self.memory_limit = memory_limit
+    self.forwards = 0  # forward passes run: one per program searched
+    # Per action space (one per program searched): its decisions, their
+    # scores and each action's row, dropped with the space.
     self._spaces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+  def with_limit(self, memory_limit: float | None) -> LearnedPolicy:
+    """The same weights for searches under `memory_limit`."""
+    return LearnedPolicy(self.params, self.width, self.rounds, self.temperature,
+                         self.epsilon, memory_limit)
 
   def check(self) -> None:
     """Raises if the parameters do not fit the network."""
@@ -161,50 +178,56 @@ class LearnedPolicy:
       raise ValueError("parameter shapes differ from the network's")
     if not self.temperature > 0:
       raise ValueError(f"temperature must be positive, got {self.temperature}")
+    if not 0 < self.epsilon <= 1:
+      raise ValueError(f"epsilon must be in (0, 1], got {self.epsilon}")
 
   def forward(self, batch: Batch) -> np.ndarray:
     self.forwards += 1
     return np.asarray(network(self.width, self.rounds)(self.params, batch))
 
-  def _of(self, space: ActionSpace) -> tuple[features_lib.Featurizer, collections.OrderedDict]:
+  def scores(self, space: ActionSpace) -> tuple[decisions_lib.Decisions, np.ndarray]:
+    """The program's decisions and their scores [D], computed once."""
     entry = self._spaces.get(space)
     if entry is None:
-      entry = self._spaces[space] = (features_lib.Featurizer(space), collections.OrderedDict())
-    return entry
-
-  def featurizer(self, space: ActionSpace) -> features_lib.Featurizer:
-    return self._of(space)[0]
-
-  def logits(self, space: ActionSpace, state: State, actions: Sequence[Action]) -> np.ndarray:
-    """[len(actions) + 1] the network's logits (the last: "stop")."""
-    f = self.featurizer(space)(state, list(actions))
-    return self.forward(pad(f))[:len(actions) + 1]
+      dec = decisions_lib.describe(space, self.memory_limit, dp_peak(space))
+      logits = self.forward(batch_of(space, dec))[:len(dec.keys)]
+      rows = {a: row for row, acts in enumerate(dec.actions) for a in acts}
+      entry = self._spaces[space] = (dec, logits.astype(np.float64), rows)
+    return entry[0], entry[1]
 
   def priors(self, space: ActionSpace, state: State,
              actions: Sequence[Action]) -> np.ndarray:
     k = len(actions)
-    if space.program.graph.num_values > MAX_VALUES:
+    if k == 0 or space.program.graph.num_values > MAX_VALUES:
       return np.full(k + 1, 1.0 / (k + 1))
-    _, cache = self._of(space)
-    key = state.tobytes()
-    hit = cache.get(key)
-    if hit is not None and len(hit) == k + 1:
-      cache.move_to_end(key)
-      return hit
+    self.scores(space)
+    _, logits, rows = self._spaces[space]
+    z = logits[[rows[a] for a in actions]] / self.temperature
     # "stop" keeps a uniform share: a search that stops learns nothing, and
     # the best plan seen is kept whatever it explores.
     stop = 1.0 / (k + 1)
-    z = self.logits(space, state, actions)[:k] / self.temperature
     p = np.exp(z - z.max())
-    p = (1 - stop) * ((1 - EPSILON) * p / p.sum() + EPSILON / max(k, 1))
-    p = np.append(p, stop)
-    cache[key] = p
-    if len(cache) > CACHE:
-      cache.popitem(last=False)
-    return p
+    p = (1 - stop) * ((1 - self.epsilon) * p / p.sum() + self.epsilon / k)
+    return np.append(p, stop)
 
   def value(self, space: ActionSpace, state: State) -> None:
     return None
+
+
+def dp_peak(space: ActionSpace) -> float:
+  """Data parallelism's peak bytes per device on `space`'s program."""
+  from automap._src.cost.tracker import Tracker
+  from automap._src.search.tactics import expert_states
+
+  state = expert_states(space.program, space)["data parallel"]
+  return float(Tracker(space.program.model, state).peak_memory)
+
+
+def batch_of(space: ActionSpace, dec: decisions_lib.Decisions) -> Batch:
+  """The network's input: the program's classes of values at the start
+  state (`features.Featurizer`), with the decisions as its actions."""
+  f = features_lib.Featurizer(space)(space.program.initial_state())
+  return pad(f._replace(actions=dec.features, action_group=dec.group.astype(np.int32)))
 
 
 def _example_batch() -> Batch:
@@ -216,6 +239,6 @@ def _example_batch() -> Batch:
       senders=np.zeros(0, np.int32), receivers=np.zeros(0, np.int32),
       globals=np.zeros(F.GLOBAL_FEATURES, np.float32),
       members=np.zeros((0, 3), np.float32), num_groups=0,
-      actions=np.zeros((1, F.ACTION_FEATURES), np.float32),
+      actions=np.zeros((1, decisions_lib.FEATURES), np.float32),
       action_group=np.full(1, -1, np.int32))
   return pad(f)

@@ -4,7 +4,7 @@ values that scores the search's legal actions.
 Nodes, edges and globals are encoded to `width`, updated for `rounds`
 rounds of message passing (edges from their endpoints, nodes from what they
 receive and send, the global from every node and edge; residual, layer
-normalised), then each action (and "stop") gets a logit from its own
+normalised), then each decision the search can take gets a logit from its own
 features, the embedding of the group it tiles (its classes' embeddings
 weighted by their share of its members) and the global embedding. Inputs
 are padded to buckets (`pad`: powers of four), so one compiled function
@@ -88,7 +88,7 @@ class PolicyNet(nn.Module):
 
   @nn.compact
   def __call__(self, b: Batch) -> jax.Array:
-    """Returns the logits [K] of the actions and "stop" (padding at NEG)."""
+    """Returns the logits [K] of the decisions (padding at NEG)."""
     w = self.width
     g = b.graph
     nodes = _MLP(w, w, name="encode_nodes")(g.nodes)

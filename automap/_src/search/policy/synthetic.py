@@ -1,6 +1,8 @@
 """Random training programs for the policy: train steps of MLPs, GPT-style
-transformers, convolutional nets, recurrent nets (scanned GRU cells) and
-MLP-mixers, with varied widths and depths, on 8 devices as 1-3 axis meshes,
+transformers, convolutional nets, recurrent nets (scanned GRU cells),
+MLP-mixers, llama-style decoders (SwiGLU, grouped-query attention, a
+scanned stack), recommenders with large embedding tables and U-Nets, with
+varied widths and depths, on 8 devices as 1-3 axis meshes,
 on varied hardware, with or without a memory limit (a share of data
 parallelism's peak).
 
@@ -23,6 +25,8 @@ import optax
 
 from automap._src.models.gpt import GPTConfig
 from automap._src.models.gpt import make_train_step as gpt_train_step
+from automap._src.models.llama import LlamaConfig
+from automap._src.models.llama import train_step as llama_train_step
 
 MESHES = ((8, 1), (4, 2), (2, 4), (1, 8), (2, 2, 2))
 HARDWARE = ("tpu-v4", "tpu-v5e", "h100", "a100", "cpu")
@@ -167,13 +171,85 @@ def mixer(rng: np.random.Generator):
                                         _sds(batch, width))
 
 
-FAMILIES = (mlp, transformer, convnet, recurrent, mixer)
+def decoder(rng: np.random.Generator):
+  """A llama-style decoder (`models/llama.py`): SwiGLU MLPs, grouped-query
+  attention, rotary positions, RMSNorm, its layers one remat'd scan."""
+  heads = int(rng.choice([4, 8]))
+  embed = int(rng.choice([128, 256, 512]))
+  config = LlamaConfig(vocab=int(rng.choice([512, 2048, 8192])), embed=embed,
+                       mlp=embed * int(rng.choice([2, 3, 4])), heads=heads,
+                       kv_heads=int(rng.choice([k for k in (1, 2, 4) if heads % k == 0])),
+                       head_dim=embed // heads, layers=int(rng.integers(1, 5)),
+                       seq=int(rng.choice([32, 64, 128])), batch=int(rng.choice([8, 16, 32])))
+  fn, args = llama_train_step(config, constrained=False, abstract=True)
+  return f"decoder {config.layers}L e{embed}", fn, args
 
 
-def sample(rng: np.random.Generator) -> Sample:
-  """One random program on a random 8-device mesh and hardware; half
-  under a memory limit of 30-90% of data parallelism's peak."""
-  family = FAMILIES[int(rng.integers(len(FAMILIES)))]
+def embeddings(rng: np.random.Generator):
+  """A recommender (DLRM-like): sparse features looked up in large
+  embedding tables, dense features through an MLP, their pairwise dot
+  products, a top MLP."""
+  tables = int(rng.integers(2, 7))
+  dim = int(rng.choice([32, 64, 128]))
+  rows = [int(rng.choice([4096, 32768, 131072])) for _ in range(tables)]
+  batch, dense = int(rng.choice([128, 512, 2048])), int(rng.choice([13, 64]))
+  top = int(rng.choice([256, 512, 1024]))
+  params = {"tables": [_sds(r, dim) for r in rows],
+            "bottom": {"w1": _sds(dense, top), "w2": _sds(top, dim)},
+            "top": {"w1": _sds(dim + (tables + 1) ** 2, top), "w2": _sds(top, 1)}}
+
+  def loss(params, ids, x, y):
+    vecs = [t[ids[:, i]] for i, t in enumerate(params["tables"])]  # [B, dim] each
+    h = jax.nn.relu(x @ params["bottom"]["w1"]) @ params["bottom"]["w2"]
+    z = jnp.stack([h] + vecs, 1)  # [B, T + 1, dim]
+    pairs = jnp.einsum("btd,bsd->bts", z, z).reshape(batch, -1)
+    out = jax.nn.relu(jnp.concatenate([h, pairs], -1) @ params["top"]["w1"])
+    return optax.sigmoid_binary_cross_entropy((out @ params["top"]["w2"])[:, 0], y).mean()
+
+  return f"dlrm {tables}T d{dim}", *_adam_step(
+      loss, params, _sds(batch, tables, dtype=jnp.int32), _sds(batch, dense), _sds(batch))
+
+
+class _UNet(nn.Module):
+  channels: tuple[int, ...]
+
+  @nn.compact
+  def __call__(self, x):
+    skips = []
+    for c in self.channels:  # down: convolve, keep, halve
+      x = nn.relu(nn.Conv(c, (3, 3))(x))
+      skips.append(x)
+      x = x.reshape(x.shape[0], x.shape[1] // 2, 2, x.shape[2] // 2, 2, c).mean((2, 4))
+    x = nn.relu(nn.Conv(2 * self.channels[-1], (3, 3))(x))
+    for c, skip in zip(reversed(self.channels), reversed(skips)):  # up: double, join
+      x = jnp.repeat(jnp.repeat(x, 2, 1), 2, 2)
+      x = nn.relu(nn.Conv(c, (3, 3))(jnp.concatenate([x, skip], -1)))
+    return nn.Conv(3, (1, 1))(x)
+
+
+def unet(rng: np.random.Generator):
+  """A U-Net denoiser: convolutions down, up, and skip connections across."""
+  levels = int(rng.integers(1, 4))
+  base = int(rng.choice([16, 32, 64]))
+  size, batch = int(rng.choice([16, 32])), int(rng.choice([8, 16, 32]))
+  model = _UNet(tuple(base * 2 ** i for i in range(levels)))
+  x = _sds(batch, size, size, 3)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape))["params"])
+
+  def loss(params, x, y):
+    return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
+
+  return f"unet {levels}L c{base}", *_adam_step(loss, params, x, x)
+
+
+FAMILIES = (mlp, transformer, convnet, recurrent, mixer, decoder, embeddings, unet)
+
+
+def sample(rng: np.random.Generator, families=FAMILIES) -> Sample:
+  """One random program of `families` on a random 8-device mesh and
+  hardware; half under a memory limit of 30-90% of data parallelism's
+  peak."""
+  family = families[int(rng.integers(len(families)))]
   name, fn, args = family(rng)
   mesh = MESHES[int(rng.integers(len(MESHES)))]
   hw = HARDWARE[int(rng.integers(len(HARDWARE)))]

@@ -1,41 +1,40 @@
-"""Trains the policy network by expert iteration.
+"""Trains the learned filter on the best plans teachers know.
 
-Programs: `--programs` random train steps (`synthetic.py`: six families,
-1-3 axis meshes, five kinds of hardware, half under a memory limit); the
-last fifth are held out whole.
+Corpus: `--programs` random train steps (`synthetic.py`: eight families,
+1-3 axis meshes of 8 devices, five kinds of hardware, half under a memory
+limit). Per program, one example: the program's graph at the start state,
+its decisions with their features (`decisions.py`), and each decision's
+label, the share of the near-best plans that take it (`labels.py`). The
+examples are written one file a program under `--corpus`, so data
+generation runs in resumable parts (`--phase data --part i/n`) and the fit
+reads them all.
 
-Teacher: on each program, uniform MCTS with `--teacher-episodes` episodes
-finds a plan the search's actions reach; any later search that finds a
-better one replaces it (the best known).
-
-Rounds: in round r, a student search of `--episodes` episodes runs on each
-program (round 0: uniform priors; later: the current network, with
-Dirichlet noise at the root). Each node it expanded is an example: the
-target over its actions is each action's progress towards the best-known
-plan (the value layouts it gets right minus those it gets wrong, shared
-out over the actions that make progress; a state where none does is no
-example): a listwise target that says which tilings are in the best plan,
-not where the space's order puts them. After each round the network is
-trained on every example so far, and the held-out programs' cross-entropy
-and top-1 agreement are logged. At the end, MCTS with the trained priors
-and with uniform ones runs on `--compare` held-out programs, and the
-episodes each takes to the best-known plan are logged.
+Fit: the network (`network.PolicyNet`) gives each decision a logit; the
+loss is the per-decision binary cross-entropy against the labels plus a
+listwise cross-entropy between the softmax over the program's decisions
+and its labels normalised. The last `--held-out` share of programs is held
+out whole (`--leave-out FAMILY` holds out one family instead); every five
+epochs their losses are logged, with how much of the label mass the
+top-scored decisions carry beside the mean, and the parameters of the
+least held-out loss are kept. Then the uniform share mixed into the priors is
+calibrated on the held-out programs (the listwise likelihood of their
+labels), and the weights are written.
 
 The command is reproducible: the same arguments write the same weights,
 byte for byte.
 
-  python -m automap.policy.train [--programs 600] [--rounds 2] [--workers 2]
-      [--out automap/_src/search/policy/weights.npz] [--seed 0]
+  python -m automap.policy.train [--programs 600] [--workers 2]
+      [--phase all|data|fit] [--part 1/1] [--corpus DIR] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import multiprocessing
 import os
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -46,33 +45,27 @@ from automap._src.cost.hardware import get_hardware
 from automap._src.cost.program import Program
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace
-from automap._src.search import mcts
-from automap._src.search.actions import Action, ActionSpace
-from automap._src.search.policy import compare, learned, synthetic
-from automap._src.search.policy.features import Featurizer
+from automap._src.search.actions import ActionSpace
+from automap._src.search.policy import decisions, labels, learned, synthetic
+from automap._src.search.policy.features import SCHEMA, Features, Featurizer
 from automap._src.search.policy.network import Batch, PolicyNet, pad
 from automap._src.search.tactics import expert_states
 from automap._src.sharding.mesh import MeshSpec
-from automap._src.sharding.state import State
 
 AXES = ("data", "model", "seq")
-_NOISE = 0.25  # share of Dirichlet noise in a student's root priors
-_EXAMPLES = 8  # examples per program and round: its most visited nodes
+DEFAULT_CORPUS = os.path.join(os.path.expanduser("~"), ".cache", "automap", "policy-corpus")
+EPSILONS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5)  # the uniform shares calibration tries
+TOP = 5  # decisions whose label mass the held-out report counts
 
 
 @dataclasses.dataclass
 class Example:
+  """One program: its network input, labels [K padded] and family."""
+
   batch: Batch
-  target: np.ndarray  # [K padded] a distribution over the actions and "stop"
-  weight: float  # how much the search leaned on the state (its visits)
-
-
-@dataclasses.dataclass
-class Known:
-  """The best plan known on one program: its state and score."""
-
-  state: State
-  score: mcts.Score
+  labels: np.ndarray
+  family: str
+  index: int
 
 
 def sample_of(seed: int, index: int) -> synthetic.Sample:
@@ -95,83 +88,119 @@ def build(sample: synthetic.Sample) -> tuple[Program, ActionSpace, float | None]
   return program, space, limit
 
 
-def progress(space: ActionSpace, state: State, actions: list[Action], best: State) -> np.ndarray:
-  """[len(actions) + 1] each action's progress from `state` towards `best`:
-  the (value, axis) layouts it makes agree minus those it makes disagree
-  ("stop": 0)."""
-  out = np.zeros(len(actions) + 1)
-  work = state.copy()
-  for i, action in enumerate(actions):
-    changed = np.unique(space.apply(work, action))
-    if len(changed):
-      before = (state[changed] != best[changed]).sum()
-      out[i] = before - (work[changed] != best[changed]).sum()
-      work[changed] = state[changed]
-  return out
+def family_of(name: str) -> str:
+  return name.split(" ")[0]
 
 
-def target_of(gain: np.ndarray) -> np.ndarray | None:
-  """The listwise target: progress shared out over the actions that make
-  it; None when none does (the state is as close to the best plan as
-  adding tilings gets, and where to stop is the search's business)."""
-  t = np.maximum(gain, 0.0)
-  t[-1] = 0.0
-  return t / t.sum() if t.sum() > 0 else None
-
-
-def examples_of(seed: int, index: int, params, width: int, rounds: int,
-                known: Known | None, episodes: int, teacher_episodes: int,
-                round_: int) -> tuple[list[Example], Known]:
-  """One program's examples for a round, and its best-known plan after it."""
-  sample = sample_of(seed, index)
+def example_arrays(seed: int, index: int, teachers: labels.Teachers) -> dict:
+  """One program's example as plain arrays (what a corpus file holds)."""
+  name, *_ = sample = sample_of(seed, index)
   program, space, limit = build(sample)
-  if known is None:  # the teacher
-    teacher = mcts.Search(program, space, limit, seed + index)
-    result = teacher.run(teacher_episodes, float("inf"))
-    known = Known(result.state, result.score)
-  policy = None if params is None else learned.LearnedPolicy(params, width, rounds)
-  noise = 0.0 if policy is None else _NOISE
-  student = mcts.Search(program, space, limit, seed * 7919 + index * 31 + round_,
-                        policy=policy, settings=mcts.MCTSSettings(noise=noise))
-  result = student.run(episodes, float("inf"))
-  if mcts.better(result.score, known.score):
-    known = Known(result.state, result.score)
-  nodes = [n for n in student.table.values() if n.actions is not None and n.actions]
-  nodes.sort(key=lambda n: -n.total)
-  featurize = Featurizer(space)
-  out = []
-  for node in nodes:
-    t = target_of(progress(space, node.state, node.actions, known.state))
-    if t is None:
-      continue
-    batch = pad(featurize(node.state, node.actions))
-    target = np.zeros(len(batch.actions), np.float32)
-    target[:len(t)] = t
-    out.append(Example(batch, target, math.log2(2 + node.total)))
-    if len(out) == _EXAMPLES:
-      break
-  return out, known
+  dec = decisions.describe(space, limit, learned.dp_peak(space))
+  best = labels.near_best(labels.plans(program, space, limit, teachers, seed=index))
+  f = Featurizer(space)(program.initial_state())
+  return dict(nodes=f.nodes, edges=f.edges, senders=f.senders, receivers=f.receivers,
+              globals=f.globals, members=f.members, num_groups=np.array(f.num_groups),
+              actions=dec.features, action_group=dec.group.astype(np.int32),
+              labels=labels.labels(space, dec, best), family=np.array(family_of(name)),
+              plans=np.array(len(best)), schema=np.array(SCHEMA))
 
 
-def _loss(net: PolicyNet, params, batch: Batch, target, weight):
-  logits = net.apply({"params": params}, batch)
-  return weight * -(target * jax.nn.log_softmax(logits)).sum()
+def _path(corpus: str, index: int) -> str:
+  return os.path.join(corpus, f"{index:05d}.npz")
+
+
+def _write(job) -> int:
+  corpus, seed, index, teachers = job
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    arrays = example_arrays(seed, index, teachers)
+  tmp = _path(corpus, index) + ".tmp.npz"
+  np.savez_compressed(tmp, **arrays)
+  os.replace(tmp, _path(corpus, index))
+  return index
+
+
+def generate(corpus: str, seed: int, indices: list[int], teachers: labels.Teachers,
+             workers: int, log=print) -> None:
+  """Writes the examples of `indices` not yet in `corpus`."""
+  os.makedirs(corpus, exist_ok=True)
+  todo = [i for i in indices if not os.path.exists(_path(corpus, i))]
+  start = time.perf_counter()
+  jobs = [(corpus, seed, i, teachers) for i in todo]
+  if workers <= 1:
+    done = map(_write, jobs)
+  else:
+    pool = multiprocessing.get_context("spawn").Pool(workers)
+    done = pool.imap_unordered(_write, jobs)
+  for n, _ in enumerate(done, 1):
+    if n % 20 == 0 or n == len(todo):
+      log(f"[{time.perf_counter() - start:6.0f} s] {n}/{len(todo)} programs labelled")
+  if workers > 1:
+    pool.close()
+
+
+def load_example(corpus: str, index: int) -> Example:
+  with np.load(_path(corpus, index), allow_pickle=False) as d:
+    if str(d["schema"]) != SCHEMA:
+      raise SystemExit(f"{_path(corpus, index)} holds features {str(d['schema'])!r}, this "
+                       f"automap computes {SCHEMA!r}: regenerate the corpus.")
+    f = Features(d["nodes"], d["edges"], d["senders"], d["receivers"], d["globals"],
+                 d["members"], int(d["num_groups"]), d["actions"], d["action_group"])
+    batch = pad(f)
+    y = np.zeros(len(batch.actions), np.float32)
+    y[:len(d["labels"])] = d["labels"]
+    return Example(batch, y, str(d["family"]), index)
+
+
+def loss_fn(net: PolicyNet, params, batch: Batch, y):
+  """Per-decision binary cross-entropy plus the listwise cross-entropy of
+  the labels normalised, over the program's decisions."""
+  z = net.apply({"params": params}, batch)
+  mask = batch.action_mask
+  bce = jnp.where(mask, optax.sigmoid_binary_cross_entropy(z, y), 0.0).sum() / mask.sum()
+  target = y / jnp.maximum(y.sum(), 1e-9)
+  listwise = -(target * jax.nn.log_softmax(z)).sum()
+  return bce + listwise
 
 
 def evaluate(width: int, rounds: int, params, examples: list[Example]) -> dict:
-  """Mean cross-entropy, and how often the top action makes progress
-  (`top1`) beside how often the space's first action does (`first`, what
-  uniform priors try first)."""
-  apply = learned.network(width, rounds)  # compiled once per bucket, not per call
-  ce, hits, first = [], [], []
+  """Held-out losses, and the label mass of the `TOP` top-scored decisions
+  beside the mass `TOP` decisions carry on average."""
+  apply = learned.network(width, rounds)
+  bce, listwise, top, mean = [], [], [], []
   for ex in examples:
-    logits = np.asarray(apply(params, ex.batch), np.float64)
-    logp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
-    ce.append(float(-(ex.target * logp).sum()))
-    hits.append(ex.target[int(logits.argmax())] > 0)
-    first.append(ex.target[0] > 0)
-  return {"cross_entropy": float(np.mean(ce)), "top1": float(np.mean(hits)),
-          "first": float(np.mean(first))}
+    z = np.asarray(apply(params, ex.batch), np.float64)
+    k = int(ex.batch.action_mask.sum())
+    z, y = z[:k], ex.labels[:k].astype(np.float64)
+    p = 1 / (1 + np.exp(-z))
+    bce.append(float(-(y * np.log(p + 1e-12) + (1 - y) * np.log(1 - p + 1e-12)).mean()))
+    if y.sum() > 0:
+      t = y / y.sum()
+      logp = z - z.max() - np.log(np.exp(z - z.max()).sum())
+      listwise.append(float(-(t * logp).sum()))
+      top.append(float(t[np.argsort(-z, kind="stable")[:TOP]].sum()))
+      mean.append(min(TOP, k) / k)
+  return {"bce": float(np.mean(bce)), "listwise": float(np.mean(listwise)),
+          f"top{TOP}_mass": float(np.mean(top)), f"top{TOP}_mass_uniform": float(np.mean(mean))}
+
+
+def calibrate(width: int, rounds: int, params, examples: list[Example]) -> float:
+  """The uniform share whose mixed priors give the held-out programs'
+  labels the highest listwise likelihood."""
+  apply = learned.network(width, rounds)
+  rows = []
+  for ex in examples:
+    k = int(ex.batch.action_mask.sum())
+    z, y = np.asarray(apply(params, ex.batch), np.float64)[:k], ex.labels[:k]
+    if y.sum() > 0:
+      p = np.exp(z - z.max())
+      rows.append((p / p.sum(), y / y.sum()))
+  if not rows:
+    return learned.EPSILON
+  like = [np.mean([(t * np.log((1 - e) * p + e / len(p))).sum() for p, t in rows])
+          for e in EPSILONS]
+  return EPSILONS[int(np.argmax(like))]
 
 
 def _shape(ex: Example) -> tuple:
@@ -188,134 +217,120 @@ def minibatches(examples: list[Example], size: int, rng: np.random.Generator) ->
   return [out[i] for i in rng.permutation(len(out))]
 
 
-def train(examples: list[Example], held_out: list[Example], epochs: int, seed: int,
-          width: int = PolicyNet.width, rounds: int = PolicyNet.rounds,
-          learning_rate: float = 1e-3, params=None, batch_size: int = 16, log=print):
-  """Trains (from `params`, or fresh) on `examples` in minibatches of one
-  padded shape."""
+def fit(examples: list[Example], held_out: list[Example], epochs: int, seed: int,
+        width: int = PolicyNet.width, rounds: int = PolicyNet.rounds,
+        learning_rate: float = 1e-3, batch_size: int = 8, log=print, every: int = 5):
+  """Trains a fresh network on `examples`; returns (params, history): the
+  parameters of the evaluation (every `every` epochs) with the least
+  held-out loss, or the last where nothing is held out."""
   net = PolicyNet(width, rounds)
-  if params is None:
-    params = net.init(jax.random.key(seed), examples[0].batch)["params"]
-  optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(learning_rate))
+  params = net.init(jax.random.key(seed), examples[0].batch)["params"]
+  optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(learning_rate, 1e-4))
   opt_state = optimizer.init(params)
 
-  def loss_of(params, batch, target, weight):
-    per = jax.vmap(lambda b, t, w: _loss(net, params, b, t, w))(batch, target, weight)
-    return per.sum() / jnp.maximum((weight > 0).sum(), 1)  # padding weighs 0
+  def batch_loss(params, batch, y, weight):
+    per = jax.vmap(lambda b, t: loss_fn(net, params, b, t))(batch, y)
+    return (per * weight).sum() / jnp.maximum(weight.sum(), 1.0)
 
   @jax.jit
-  def step(params, opt_state, batch, target, weight):
-    loss, grads = jax.value_and_grad(loss_of)(params, batch, target, weight)
+  def step(params, opt_state, batch, y, weight):
+    loss, grads = jax.value_and_grad(batch_loss)(params, batch, y, weight)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
   rng = np.random.default_rng(seed)
-  mean = float(np.mean([ex.weight for ex in examples]))
   history = []
+  kept, least = None, np.inf
   for epoch in range(epochs):
     losses = []
     for ids in minibatches(examples, batch_size, rng):
       # Every minibatch of one size (repeats of its first, weighing 0), so
       # each padded shape compiles once.
       chosen = [examples[i] for i in ids] + [examples[ids[0]]] * (batch_size - len(ids))
-      weight = np.array([ex.weight / mean for ex in chosen], np.float32)
-      weight[len(ids):] = 0.0
+      weight = (np.arange(batch_size) < len(ids)).astype(np.float32)
       batch = jax.tree.map(lambda *xs: np.stack(xs), *[ex.batch for ex in chosen])
       params, opt_state, loss = step(params, opt_state, batch,
-                                     np.stack([ex.target for ex in chosen]), weight)
+                                     np.stack([ex.labels for ex in chosen]), weight)
       losses.append(float(loss))
     stats = {"epoch": epoch + 1, "train_loss": float(np.mean(losses))}
-    if held_out:
+    if held_out and ((epoch + 1) % every == 0 or epoch + 1 == epochs):
       stats |= {f"held_out_{k}": v for k, v in evaluate(width, rounds, params,
                                                         held_out).items()}
+      loss = stats["held_out_bce"] + stats["held_out_listwise"]
+      if loss < least:
+        kept, least = params, loss
     history.append(stats)
-    log("  " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
-                         for k, v in stats.items()))
+    if len(stats) > 2 or epoch == 0:
+      log("  " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in stats.items()))
+  if kept is not None:
+    best = min((h for h in history if "held_out_bce" in h),
+               key=lambda h: h["held_out_bce"] + h["held_out_listwise"])
+    log(f"  kept the parameters of epoch {best['epoch']} (least held-out loss)")
+    params = kept
   return params, history
 
 
-def search_effect(seed: int, indices: list[int], known: dict[int, Known],
-                  policy: mcts.Policy, episodes: int, log=print) -> dict:
-  """Episodes to within 1% of each program's best-known plan (censored at
-  `episodes`), uniform priors against `policy`, one seed each: the
-  geometric mean and median of uniform / policy over the programs."""
-  ratios = []
-  for i in indices:
-    program, space, limit = build(sample_of(seed, i))
-    took = {}
-    for label, p in (("uniform", None), ("policy", policy)):
-      run = compare.run(program, space, p, 0, known[i].score, limit, cap=episodes,
-                        final_episodes=min(episodes, 20))
-      took[label] = min(run.episodes, episodes)
-    ratios.append(max(took["uniform"], 1.0) / max(took["policy"], 1.0))
-    log(f"  program {i}: episodes to the best-known plan, uniform {took['uniform']:.0f}, "
-        f"policy {took['policy']:.0f}")
-  r = np.array(ratios)
-  return {"geomean": float(np.exp(np.log(r).mean())), "median": float(np.median(r)),
-          "programs": len(r)}
-
-
-def _work(job):
-  return examples_of(*job)
-
-
-def _numpy(tree):
-  return None if tree is None else jax.tree.map(np.asarray, tree)
+def split(examples: list[Example], held_out: float, leave_out: str | None
+          ) -> tuple[list[Example], list[Example]]:
+  """(train, held out): one family held out whole, or the last share of
+  the programs."""
+  if leave_out:
+    return ([e for e in examples if e.family != leave_out],
+            [e for e in examples if e.family == leave_out])
+  cut = round(len(examples) * (1 - held_out))
+  return examples[:cut], examples[cut:]
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--programs", type=int, default=600)
-  parser.add_argument("--rounds", type=int, default=2)
-  parser.add_argument("--round-programs", type=int, default=200,
-                      help="training programs a round after the first searches again")
-  parser.add_argument("--episodes", type=int, default=40, help="a student search's")
-  parser.add_argument("--teacher-episodes", type=int, default=300)
-  parser.add_argument("--epochs", type=int, default=3, help="per round")
+  parser.add_argument("--phase", choices=("all", "data", "fit"), default="all")
+  parser.add_argument("--part", default="1/1", help="i/n: every n-th program from the i-th")
+  parser.add_argument("--corpus", default=DEFAULT_CORPUS)
+  parser.add_argument("--teacher-seeds", type=int, default=labels.Teachers.seeds)
+  parser.add_argument("--teacher-episodes", type=int, default=labels.Teachers.episodes)
+  parser.add_argument("--epochs", type=int, default=30)
   parser.add_argument("--held-out", type=float, default=0.2)
-  parser.add_argument("--compare", type=int, default=12,
-                      help="held-out programs searched with and without the trained priors")
+  parser.add_argument("--leave-out", default=None,
+                      help="a family held out whole instead (e.g. decoder)")
   parser.add_argument("--workers", type=int, default=2)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default=learned.DEFAULT_WEIGHTS)
   args = parser.parse_args(argv)
   start = time.perf_counter()
-  width, depth = PolicyNet.width, PolicyNet.rounds
-  cut = round(args.programs * (1 - args.held_out))
-  train_ids, held_ids = list(range(cut)), list(range(cut, args.programs))
-  known: dict[int, Known] = {}
-  examples: dict[int, list[Example]] = {i: [] for i in range(args.programs)}
-  params = None
-  context = multiprocessing.get_context("spawn")
-  with context.Pool(args.workers) as pool:
-    for r in range(args.rounds):
-      ids = train_ids + held_ids if r == 0 else train_ids[:args.round_programs]
-      jobs = [(args.seed, i, _numpy(params), width, depth, known.get(i), args.episodes,
-               args.teacher_episodes, r) for i in ids]
-      for i, (ex, k) in zip(ids, pool.imap(_work, jobs, chunksize=4)):
-        examples[i] += ex
-        known[i] = k
-      train_set = [e for i in train_ids for e in examples[i]]
-      held = [e for i in held_ids for e in examples[i]]
-      print(f"[{time.perf_counter() - start:6.0f} s] round {r + 1}/{args.rounds}: searched "
-            f"{len(ids)} programs; training on {len(train_set)} examples, {len(held)} held "
-            "out", flush=True)
-      params, _ = train(train_set, held, args.epochs, args.seed + r, width, depth,
-                        params=params, log=lambda s: print(s, flush=True))
+  log = lambda s: print(s, flush=True)  # noqa: E731
+  corpus = os.path.join(args.corpus, f"seed{args.seed}")
+  if args.phase in ("all", "data"):
+    i, n = (int(x) for x in args.part.split("/"))
+    teachers = labels.Teachers(seeds=args.teacher_seeds, episodes=args.teacher_episodes)
+    generate(corpus, args.seed, list(range(args.programs))[i - 1::n], teachers,
+             args.workers, log)
+  if args.phase == "data":
+    return
+  missing = [i for i in range(args.programs) if not os.path.exists(_path(corpus, i))]
+  if missing:
+    raise SystemExit(f"{len(missing)} programs of the corpus are not labelled yet (the "
+                     f"first: {missing[0]}); run `--phase data` for them.")
+  examples = [load_example(corpus, i) for i in range(args.programs)]
+  train_set, held = split(examples, args.held_out, args.leave_out)
+  families = sorted({e.family for e in examples})
+  log(f"[{time.perf_counter() - start:6.0f} s] fitting on {len(train_set)} programs "
+      f"({', '.join(families)}), {len(held)} held out"
+      + (f" (the {args.leave_out} family)" if args.leave_out else ""))
+  width, rounds = PolicyNet.width, PolicyNet.rounds
+  params, _ = fit(train_set, held, args.epochs, args.seed, width, rounds, log=log)
+  epsilon = calibrate(width, rounds, params, held)
+  log(f"uniform share calibrated on the held-out programs: {epsilon}")
+  if held:
+    for family in sorted({e.family for e in held}):
+      stats = evaluate(width, rounds, params, [e for e in held if e.family == family])
+      log(f"  held out, {family}: " + ", ".join(f"{k}={v:.3f}" for k, v in stats.items()))
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  learned.save(args.out, params, width, depth)
-  print(f"wrote {args.out} ({os.path.getsize(args.out) / 1024:.0f} KiB) in "
-        f"{time.perf_counter() - start:.0f} s", flush=True)
-  if args.compare > 0 and held_ids:
-    print(f"searching {min(args.compare, len(held_ids))} held-out programs, uniform and "
-          f"trained priors, to their best-known plans", flush=True)
-    effect = search_effect(args.seed, held_ids[:args.compare], known,
-                           learned.LearnedPolicy(params, width, depth), 200,
-                           log=lambda s: print(s, flush=True))
-    print(f"episodes to the best-known plan, uniform / trained: geometric mean "
-          f"{effect['geomean']:.2f}x, median {effect['median']:.2f}x over "
-          f"{effect['programs']} held-out programs", flush=True)
+  learned.save(args.out, params, width, rounds, epsilon=epsilon)
+  log(f"wrote {args.out} ({os.path.getsize(args.out) / 1024:.0f} KiB) in "
+      f"{time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":
