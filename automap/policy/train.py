@@ -1,4 +1,4 @@
-"""`python -m automap.policy.train`: trains the search policy's weights."""
+"""`python -m automap.policy.train`: labels a corpus and trains the learned filter."""
 
 from automap._src.search.policy.train import main
 

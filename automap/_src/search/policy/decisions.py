@@ -72,7 +72,10 @@ class Decisions:
 
   keys: [D] decision keys; features: [D, FEATURES] float32; group: [D] the
   group a tiling acts on (-1 for a tactic); index: key -> row; actions:
-  per row, the actions of that decision (its equal-size axes).
+  per row, the actions of that decision (its equal-size axes); outcome:
+  [D] the id of the layouts its actions make from the start state (two
+  decisions of one outcome lay out the same values the same way: a tiling
+  of the batch's propagation class and data parallelism on that axis).
   """
 
   keys: tuple[Key, ...]
@@ -80,6 +83,7 @@ class Decisions:
   group: np.ndarray
   index: dict
   actions: tuple[tuple[Action, ...], ...]
+  outcome: np.ndarray
 
   def rows_of(self, space: ActionSpace, actions: list[Action]) -> np.ndarray:
     """[K] the row of each action's decision."""
@@ -133,6 +137,8 @@ class _Stepper:
     self.tracker = Tracker(space.program.model, self.state)
     self.base = self._measure()
     self.seen: dict[bytes, np.ndarray] = {}
+    self.ids: dict[bytes, int] = {}  # each distinct result, numbered
+    self.last = -1  # the id of the last step's result
 
   def _measure(self) -> np.ndarray:
     t = self.tracker
@@ -148,6 +154,7 @@ class _Stepper:
     self.space.apply(self.state, action)
     changed = np.flatnonzero((self.state != self.start).any(axis=1))
     key = changed.tobytes() + self.state[changed].tobytes()
+    self.last = self.ids.setdefault(key, len(self.ids))
     delta = self.seen.get(key)
     if delta is None:
       self.tracker.update(changed)
@@ -179,6 +186,8 @@ def describe(space: ActionSpace, memory_limit: float | None = None,
   for action in list(space.tactics) + list(space.tiles):
     actions.setdefault(key_of(space, action), []).append(action)
   keys = list(actions)
+  outcomes: dict[tuple, int] = {}
+  outcome = np.zeros(len(keys), np.int64)
   feats = np.zeros((len(keys), FEATURES))
   group = np.full(len(keys), -1, np.int64)
   for row, key in enumerate(keys):
@@ -212,9 +221,10 @@ def describe(space: ActionSpace, memory_limit: float | None = None,
       f[_GROUP + 1] = min(nbytes / arg_bytes, 1.0)
       f[_GROUP + 2] = min(nbytes / max(start_peak, 1.0), 4.0)
     # One step from the start, averaged over the decision's actions.
-    steps = []
+    steps, made = [], []
     for action in actions[key]:
       changed, delta = stepper.step(action)
+      made.append(stepper.last)
       steps.append([math.log2(len(changed) + 1) / 16,
                     float(g.nbytes[changed].sum()) / total_bytes,
                     math.log2(1 + max(delta[5], 0)) / 8,
@@ -226,6 +236,7 @@ def describe(space: ActionSpace, memory_limit: float | None = None,
                     delta[4],
                     float(len(changed) > 0)])
     f[_STEP:_STEP + _STEP_COLS] = np.mean(steps, axis=0)
+    outcome[row] = outcomes.setdefault(tuple(sorted(made)), len(outcomes))
   # Where each decision's change ranks among the program's.
   f = feats
   f[:, _RANKS] = _percentile(f[:, _STEP + 4])
@@ -241,7 +252,7 @@ def describe(space: ActionSpace, memory_limit: float | None = None,
   f[:, _SETTING + 5] = math.log2(mesh.num_devices) / 8
   return Decisions(tuple(keys), feats.astype(np.float32), group,
                    {k: i for i, k in enumerate(keys)},
-                   tuple(tuple(actions[k]) for k in keys))
+                   tuple(tuple(actions[k]) for k in keys), outcome)
 
 
 __all__ = ["FEATURES", "Decisions", "Key", "describe", "key_of"]

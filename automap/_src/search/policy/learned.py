@@ -171,7 +171,8 @@ class LearnedPolicy:
 
   def check(self) -> None:
     """Raises if the parameters do not fit the network."""
-    init = PolicyNet(self.width, self.rounds).init(jax.random.key(0), _example_batch())
+    net = PolicyNet(self.width, self.rounds)
+    init = jax.eval_shape(net.init, jax.random.key(0), _example_batch())
     want = jax.tree.map(jnp.shape, init["params"])
     got = jax.tree.map(jnp.shape, self.params)
     if want != got:
@@ -190,9 +191,9 @@ class LearnedPolicy:
     entry = self._spaces.get(space)
     if entry is None:
       dec = decisions_lib.describe(space, self.memory_limit, dp_peak(space))
-      logits = self.forward(batch_of(space, dec))[:len(dec.keys)]
+      logits = distinct(dec, self.forward(batch_of(space, dec))[:len(dec.keys)])
       rows = {a: row for row, acts in enumerate(dec.actions) for a in acts}
-      entry = self._spaces[space] = (dec, logits.astype(np.float64), rows)
+      entry = self._spaces[space] = (dec, logits, rows)
     return entry[0], entry[1]
 
   def priors(self, space: ActionSpace, state: State,
@@ -212,6 +213,22 @@ class LearnedPolicy:
 
   def value(self, space: ActionSpace, state: State) -> None:
     return None
+
+
+def distinct(dec: decisions_lib.Decisions, logits: np.ndarray) -> np.ndarray:
+  """[D] the scores with each outcome scored once: of decisions laying out
+  the same values the same way from the start, the best scored (the
+  space's first among equals) keeps its score and the others drop to the
+  least score, so widening admits distinct plans before repeats of one
+  (each repeat would cost an episode to find a state already known)."""
+  out = np.asarray(logits, np.float64).copy()
+  floor = out.min() if len(out) else 0.0
+  for o in np.unique(dec.outcome):
+    rows = np.flatnonzero(dec.outcome == o)
+    if len(rows) > 1:
+      keep = rows[np.argmax(out[rows])]
+      out[rows[rows != keep]] = floor
+  return out
 
 
 def dp_peak(space: ActionSpace) -> float:
