@@ -143,8 +143,11 @@ def test_donated_params_and_optimizer_state_are_updated_in_place():
   # Placed on the plan, the arguments reach the program as they are: donated.
   assert all(x.is_deleted() for x in jax.tree.leaves((params, opt_state)))
   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(expected)):
-    # Adam's first step, lr * g / |g|, shows summation order where g ~ 0.
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-5)
+    # Adam's first step, lr * g / (|g| + eps), shows summation order where
+    # g ~ eps: there two summation orders may differ by up to 2 lr (lr 1e-3).
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-3)
+    close = np.isclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=5e-5)
+    assert close.mean() >= 0.999
   with pytest.raises(TypeError, match="donate_argnums"):
     automap.partition(step, mesh=mesh((4, 2)), donate_argnums=("params",))
   g = automap.partition(step, mesh=mesh((4, 2)), hardware="cpu", donate_argnums=3)

@@ -139,7 +139,8 @@ def test_searches_take_the_lookahead_prior_on_request():
   m = jax.make_mesh((4, 2), ("data", "model"))
   guided = automap.search(mlp, x, w1, w2, mesh=m, budget=automap.Budget(episodes=12),
                           policy="lookahead")
-  uniform = automap.search(mlp, x, w1, w2, mesh=m, budget=automap.Budget(episodes=12))
+  uniform = automap.search(mlp, x, w1, w2, mesh=m, budget=automap.Budget(episodes=12),
+                           policy="uniform")
   assert guided.stats["policy"] == "lookahead" and uniform.stats["policy"] == "uniform"
   # A prior reorders the search; it never makes the plan found worse here,
   # where the best plan is one step from replication.

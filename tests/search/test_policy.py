@@ -339,3 +339,25 @@ def test_decisions_of_one_outcome_are_scored_once(gpt_space):
   alone = np.bincount(dec.outcome) == 1
   only = alone[dec.outcome]
   np.testing.assert_array_equal(scored[only], logits[only])
+
+
+def test_a_prior_whose_plans_all_overflow_is_retried_with_uniform_priors(gpt_space):
+  """A prior that only ever stops leaves the replicated start, over a limit
+  data parallelism meets: the driver searches again with uniform priors."""
+  from automap._src.search import driver
+
+  class Stopping:
+    def priors(self, space, state, actions):
+      return np.append(np.zeros(len(actions)), 1.0)
+
+    def value(self, space, state):
+      return None
+
+  program = gpt_space.program
+  start = Tracker(program.model, program.initial_state()).peak_memory
+  dp = Tracker(program.model, expert_states(program, gpt_space)["data parallel"]).peak_memory
+  assert dp < start
+  request = automap.SearchOptions(memory_limit=(dp + start) / 2,
+                                  budget=automap.Budget(episodes=30, progress=False))
+  found = driver.run_mcts(program, gpt_space, request, 60.0, Stopping())
+  assert found.stats["uniform_after"] > 0 and found.score[0] == 0

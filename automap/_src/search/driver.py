@@ -135,14 +135,28 @@ def run_mcts(program: Program, space: ActionSpace, request: SearchOptions,
            "actions": [space.describe(a) for a in result.path],
            "groups": len(space.groups)}
   start = time.perf_counter()
+  seen = [(n.state, n.score) for n in run.table.values()]
   state, score, moves = refine.refine_best(
-      program, space.colour, [(n.state, n.score) for n in run.table.values()],
-      request.memory_limit, seconds - (start - t0), _REFINE_TRIES * budget.episodes)
+      program, space.colour, seen, request.memory_limit, seconds - (start - t0),
+      _REFINE_TRIES * budget.episodes)
+  if policy is not None and score[0] > 0:
+    # Every plan the prior led to is over the memory limit: the same budget
+    # again with uniform priors, whose order tries the tactics first, and
+    # refinement over both searches' plans.
+    left = seconds - (time.perf_counter() - t0)
+    again = mcts.Search(program, space, request.memory_limit, request.seed)
+    again.run(budget.episodes, max(left, 0.0) * (1 - _REFINE_SHARE))
+    seen += [(n.state, n.score) for n in again.table.values()]
+    retried = refine.refine_best(program, space.colour, seen, request.memory_limit,
+                                 seconds - (time.perf_counter() - t0),
+                                 _REFINE_TRIES * budget.episodes)
+    stats["uniform_after"] = again.episodes
+    if mcts.better(retried[1], score):
+      state, score, moves = retried
   stats["refine_moves"] = moves
   return Found(state, score, stats,
                {"search": time.perf_counter() - t0, "to_best": result.seconds_to_best,
-               "refine": time.perf_counter() - start},
-               [(n.state, n.score) for n in run.table.values()])
+               "refine": time.perf_counter() - start}, seen)
 
 
 def from_user_layout(program: Program, space: ActionSpace, request: SearchOptions,

@@ -98,10 +98,11 @@ class SearchOptions:
   seed: the search's random seed (same inputs and seed, same plan).
   search: the backend, "mcts" (tree search over layer-group tilings and
     tactics, then refinement) or "ilp" (the exact per-op integer program).
-  policy: MCTS's priors, "uniform", "lookahead" (each action's change in
-    the priced step time and memory excess, at the root and its children),
-    "learned" (the shipped network) or the path of a weights file (stored
-    as an absolute path).
+  policy: MCTS's priors: "learned" (default: the shipped filter scores
+    every decision once per search, and each node's prior is a lookup of
+    those scores), "uniform", "lookahead" (each action's change in the
+    priced step time and memory excess, at the root and its children), or
+    the path of a weights file (stored as an absolute path).
   constraints: what to do with the program's own layout constraints
     (`with_sharding_constraint`, flax logical constraints): "keep" them as
     decisions the plan must respect, as `jax.jit` compiles them (default);
@@ -118,7 +119,7 @@ class SearchOptions:
   memory_limit: float | str | None = "device"
   seed: int = 0
   search: str = "mcts"
-  policy: str | os.PathLike = "uniform"
+  policy: str | os.PathLike = "learned"
   constraints: str = constraints_lib.KEEP
   start: str = "search"
   time_tolerance: float = 0.01

@@ -174,8 +174,8 @@ def describe(space: ActionSpace, memory_limit: float | None = None,
   g, mesh, hw = program.graph, program.mesh, program.hardware
   start = program.initial_state()
   stepper = _Stepper(space, start, memory_limit)
-  root_time = math.exp(stepper.base[0])
-  total_bytes = float(g.nbytes.sum())
+  root_time = max(math.exp(stepper.base[0]), 1e-30)
+  total_bytes = max(float(g.nbytes.sum()), 1.0)
   arg_bytes = max(float(g.nbytes[list(g.inputs)].sum()), 1.0)
   total_flops = max(float((g.flops * g.trips).sum()), 1.0)
   start_peak = math.exp(stepper.base[3])
@@ -235,7 +235,8 @@ def describe(space: ActionSpace, memory_limit: float | None = None,
                     delta[3],
                     delta[4],
                     float(len(changed) > 0)])
-    f[_STEP:_STEP + _STEP_COLS] = np.mean(steps, axis=0)
+    # Clipped: a program of next to no work makes ratios to it meaningless.
+    f[_STEP:_STEP + _STEP_COLS] = np.clip(np.mean(steps, axis=0), -16, 16)
     outcome[row] = outcomes.setdefault(tuple(sorted(made)), len(outcomes))
   # Where each decision's change ranks among the program's.
   f = feats

@@ -123,10 +123,10 @@ class Featurizer:
     col = 0
     per_value[:, col] = np.log2(g.nbytes.astype(np.float64) + 1) / 32
     col += 2  # the second: the class's member count
-    ranks = np.array([min(len(s), MAX_DIMS) for s in g.shapes])
+    ranks = np.array([min(len(s), MAX_DIMS) for s in g.shapes], np.int64)
     per_value[np.arange(n), col + ranks] = 1
     col += MAX_DIMS + 1
-    per_value[np.arange(n), col + np.array([_dtype_class(d) for d in g.dtypes])] = 1
+    per_value[np.arange(n), col + np.array([_dtype_class(d) for d in g.dtypes], np.int64)] = 1
     col += 4
     carried = set(space.experts.carried)
     outputs = {v for v in g.outputs if v >= 0}
@@ -143,7 +143,8 @@ class Featurizer:
       for d, size in enumerate(s[:MAX_DIMS]):
         per_value[v, col + d] = math.log2(size + 1) / 16
     col += MAX_DIMS
-    producer_cat = np.array([0 if p < 0 else category(g.prims[p]) for p in g.producer])
+    producer_cat = np.array([0 if p < 0 else category(g.prims[p]) for p in g.producer],
+                            np.int64)
     per_value[np.arange(n), col + producer_cat] = 1
     col += len(_CATEGORIES)
     grouped = [v for grp in space.groups for v in grp.members]
@@ -186,7 +187,7 @@ class Featurizer:
                                np.int64)
     self.state = program.initial_state()
     self.tracker = Tracker(program.model, self.state)
-    self.root_time = self.tracker.step_time
+    self.root_time = max(self.tracker.step_time, 1e-30)
 
   def _edges(self, g) -> None:
     """Operand -> result and back, between classes, alike ones merged

@@ -199,7 +199,7 @@ class LearnedPolicy:
   def priors(self, space: ActionSpace, state: State,
              actions: Sequence[Action]) -> np.ndarray:
     k = len(actions)
-    if k == 0 or space.program.graph.num_values > MAX_VALUES:
+    if k == 0 or not 0 < space.program.graph.num_values <= MAX_VALUES:
       return np.full(k + 1, 1.0 / (k + 1))
     self.scores(space)
     _, logits, rows = self._spaces[space]

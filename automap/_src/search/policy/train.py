@@ -315,7 +315,7 @@ def main(argv=None) -> None:
                      f"first: {missing[0]}); run `--phase data` for them.")
   examples = [load_example(corpus, i) for i in range(args.programs)]
   train_set, held = split(examples, args.held_out, args.leave_out)
-  families = sorted({e.family for e in examples})
+  families = sorted({e.family for e in train_set})
   log(f"[{time.perf_counter() - start:6.0f} s] fitting on {len(train_set)} programs "
       f"({', '.join(families)}), {len(held)} held out"
       + (f" (the {args.leave_out} family)" if args.leave_out else ""))
