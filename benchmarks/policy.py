@@ -155,8 +155,7 @@ def save(data: dict) -> None:
 def memory_limit(program: Program, space: ActionSpace, kind: str) -> float | None:
   if kind == "none":
     return None
-  dp = expert_states(program, space)["data parallel"]
-  return 0.5 * Tracker(program.model, dp).peak_memory
+  return 0.5 * learned.dp_peak(space)
 
 
 def fix(row: dict, opts) -> dict:

@@ -136,9 +136,8 @@ class _Stepper:
     self.state = start.copy()
     self.tracker = Tracker(space.program.model, self.state)
     self.base = self._measure()
-    self.seen: dict[bytes, np.ndarray] = {}
-    self.ids: dict[bytes, int] = {}  # each distinct result, numbered
-    self.last = -1  # the id of the last step's result
+    # Each distinct result: its number and [after - before] of the measures.
+    self.seen: dict[bytes, tuple[int, np.ndarray]] = {}
 
   def _measure(self) -> np.ndarray:
     t = self.tracker
@@ -149,21 +148,20 @@ class _Stepper:
     return np.array([math.log(max(t.step_time, 1e-30)), t.compute, t.comm_time,
                      math.log(max(peak, 1.0)), excess, len(t.ops_with_collectives())])
 
-  def step(self, action: Action) -> tuple[np.ndarray, np.ndarray]:
-    """(changed values, [after - before] of the measures)."""
+  def step(self, action: Action) -> tuple[np.ndarray, int, np.ndarray]:
+    """(changed values, the result's number, [after - before] of the
+    measures)."""
     self.space.apply(self.state, action)
     changed = np.flatnonzero((self.state != self.start).any(axis=1))
     key = changed.tobytes() + self.state[changed].tobytes()
-    self.last = self.ids.setdefault(key, len(self.ids))
-    delta = self.seen.get(key)
-    if delta is None:
+    if key not in self.seen:
       self.tracker.update(changed)
-      delta = self.seen[key] = self._measure() - self.base
+      self.seen[key] = (len(self.seen), self._measure() - self.base)
       self.state[changed] = self.start[changed]
       self.tracker.update(changed)
     else:
       self.state[changed] = self.start[changed]
-    return changed, delta
+    return (changed, *self.seen[key])
 
 
 def describe(space: ActionSpace, memory_limit: float | None = None,
@@ -223,8 +221,8 @@ def describe(space: ActionSpace, memory_limit: float | None = None,
     # One step from the start, averaged over the decision's actions.
     steps, made = [], []
     for action in actions[key]:
-      changed, delta = stepper.step(action)
-      made.append(stepper.last)
+      changed, result, delta = stepper.step(action)
+      made.append(result)
       steps.append([math.log2(len(changed) + 1) / 16,
                     float(g.nbytes[changed].sum()) / total_bytes,
                     math.log2(1 + max(delta[5], 0)) / 8,

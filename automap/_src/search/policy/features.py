@@ -55,7 +55,6 @@ EDGE_FEATURES = 4 + len(_CATEGORIES) + 3
 GLOBAL_FEATURES = MAX_AXES + 12
 
 
-
 def category(prim: str) -> int:
   if prim == "dot_general" or prim.startswith("conv"):
     return 1
@@ -177,11 +176,7 @@ class Featurizer:
       glob[MAX_AXES + 3 + i] = math.log2(x + 1) / 40
     glob[MAX_AXES + 6] = math.log2(float((g.flops * g.trips).sum()) + 1) / 50
     self.glob = glob
-    self.group_feats = [(math.log2(space.group_bytes(grp) + 1) / 40,
-                         math.log2(len(grp.members)) / 8) for grp in space.groups]
-    self.group_members = [np.asarray(grp.members, np.int64) for grp in space.groups]
     self.capacity = hw.hbm_capacity
-    self.axis_size = [math.log2(s) / 4 for s in mesh.axis_sizes]
     # The value each op's seconds are charged to: its first result.
     self.charged_to = np.array([next((r for r in res if r >= 0), -1) for res in g.results],
                                np.int64)

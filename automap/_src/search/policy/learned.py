@@ -23,10 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from automap._src.cost.tracker import Tracker
 from automap._src.search.actions import Action, ActionSpace
 from automap._src.search.policy import decisions as decisions_lib
 from automap._src.search.policy import features as features_lib
 from automap._src.search.policy.network import Batch, PolicyNet, pad
+from automap._src.search.tactics import expert_states
 from automap._src.sharding.state import State
 
 DEFAULT_WEIGHTS = os.path.join(os.path.dirname(__file__), "weights.npz")
@@ -186,23 +188,26 @@ class LearnedPolicy:
     self.forwards += 1
     return np.asarray(network(self.width, self.rounds)(self.params, batch))
 
-  def scores(self, space: ActionSpace) -> tuple[decisions_lib.Decisions, np.ndarray]:
-    """The program's decisions and their scores [D], computed once."""
+  def _entry(self, space: ActionSpace) -> tuple[decisions_lib.Decisions, np.ndarray, dict]:
+    """(decisions, their scores [D], each action's row), computed once."""
     entry = self._spaces.get(space)
     if entry is None:
       dec = decisions_lib.describe(space, self.memory_limit, dp_peak(space))
       logits = distinct(dec, self.forward(batch_of(space, dec))[:len(dec.keys)])
       rows = {a: row for row, acts in enumerate(dec.actions) for a in acts}
       entry = self._spaces[space] = (dec, logits, rows)
-    return entry[0], entry[1]
+    return entry
+
+  def scores(self, space: ActionSpace) -> tuple[decisions_lib.Decisions, np.ndarray]:
+    """The program's decisions and their scores [D], computed once."""
+    return self._entry(space)[:2]
 
   def priors(self, space: ActionSpace, state: State,
              actions: Sequence[Action]) -> np.ndarray:
     k = len(actions)
     if k == 0 or not 0 < space.program.graph.num_values <= MAX_VALUES:
       return np.full(k + 1, 1.0 / (k + 1))
-    self.scores(space)
-    _, logits, rows = self._spaces[space]
+    _, logits, rows = self._entry(space)
     z = logits[[rows[a] for a in actions]] / self.temperature
     # "stop" keeps a uniform share: a search that stops learns nothing, and
     # the best plan seen is kept whatever it explores.
@@ -233,9 +238,6 @@ def distinct(dec: decisions_lib.Decisions, logits: np.ndarray) -> np.ndarray:
 
 def dp_peak(space: ActionSpace) -> float:
   """Data parallelism's peak bytes per device on `space`'s program."""
-  from automap._src.cost.tracker import Tracker
-  from automap._src.search.tactics import expert_states
-
   state = expert_states(space.program, space)["data parallel"]
   return float(Tracker(space.program.model, state).peak_memory)
 

@@ -43,13 +43,11 @@ import optax
 
 from automap._src.cost.hardware import get_hardware
 from automap._src.cost.program import Program
-from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace
 from automap._src.search.actions import ActionSpace
 from automap._src.search.policy import decisions, labels, learned, synthetic
 from automap._src.search.policy.features import SCHEMA, Features, Featurizer
 from automap._src.search.policy.network import Batch, PolicyNet, pad
-from automap._src.search.tactics import expert_states
 from automap._src.sharding.mesh import MeshSpec
 
 AXES = ("data", "model", "seq")
@@ -74,18 +72,16 @@ def sample_of(seed: int, index: int) -> synthetic.Sample:
   return synthetic.sample(np.random.default_rng([seed, index]))
 
 
-def build(sample: synthetic.Sample) -> tuple[Program, ActionSpace, float | None]:
-  """The program, its action space and its memory limit in bytes."""
+def build(sample: synthetic.Sample) -> tuple[Program, ActionSpace, float | None, float]:
+  """The program, its action space, its memory limit and data
+  parallelism's peak, in bytes per device."""
   _, fn, args, shape, hw, share = sample
   program = Program.build(trace.trace(fn, args), MeshSpec(AXES[:len(shape)], shape),
                           get_hardware(hw))
   space = ActionSpace(program)
-  limit = None
-  if share is not None:
-    dp = expert_states(program, space)["data parallel"]
-    limit = max(share * Tracker(program.model, dp).peak_memory,
-                program.memory_lower_bound() * 1.01)
-  return program, space, limit
+  dp = learned.dp_peak(space)
+  limit = None if share is None else max(share * dp, program.memory_lower_bound() * 1.01)
+  return program, space, limit, dp
 
 
 def family_of(name: str) -> str:
@@ -95,8 +91,8 @@ def family_of(name: str) -> str:
 def example_arrays(seed: int, index: int, teachers: labels.Teachers) -> dict:
   """One program's example as plain arrays (what a corpus file holds)."""
   name, *_ = sample = sample_of(seed, index)
-  program, space, limit = build(sample)
-  dec = decisions.describe(space, limit, learned.dp_peak(space))
+  program, space, limit, dp = build(sample)
+  dec = decisions.describe(space, limit, dp)
   best = labels.near_best(labels.plans(program, space, limit, teachers, seed=index))
   f = Featurizer(space)(program.initial_state())
   return dict(nodes=f.nodes, edges=f.edges, senders=f.senders, receivers=f.receivers,
