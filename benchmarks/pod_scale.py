@@ -12,6 +12,9 @@ priced by the same model on the same mesh:
   tensor; on h100 the data axis crosses nodes, which makes it HSDP);
 - the search's experts: FSDP over every axis, and FSDP+TP (Megatron on the
   tensor axis, FSDP over the others).
+Rows ending "-unrolled" write the dense models' layers as HuggingFace's
+Flax Llama does: one `nn.remat`'d module per layer (flax's default
+prevent_cse), no scan; they should plan as their scanned twins do.
 A Mixtral 8x7B row (top-2 of 8 experts in every MLP, MaxText's einsum
 dispatch per sequence) plans on a (data, fsdp, expert) mesh; MaxText's
 rules put the experts over `expert` and the batch over every axis, and
@@ -66,13 +69,19 @@ ROWS = {
     "8x7b-256-tpu-v5p": ("8x7b", "tpu-v5p", (1, 32, 8)),
     "8x7b-1024-h100": ("8x7b", "h100", (4, 32, 8)),
 }
+# The dense rows' models unrolled, as HuggingFace's Flax Llama writes them:
+# one `nn.remat`'d module per layer, no scan. Priced beside their scanned
+# twins (the rows without the suffix).
+UNROLLED = "-unrolled"
+ROWS.update({name + UNROLLED: ROWS[name] for name in (
+    "8b-256-tpu-v5p", "8b-256-h100", "70b-1024-tpu-v5p", "70b-1024-h100")})
 AXES = ("data", "fsdp", "tensor")
 MOE_AXES = ("data", "fsdp", "expert")
 
 
-def config_of(model: str, devices: int) -> llama.LlamaConfig:
+def config_of(model: str, devices: int, unrolled: bool = False) -> llama.LlamaConfig:
   return llama.LlamaConfig(**dict(dict(vocab=VOCAB), seq=SEQ, batch=devices,
-                                  dtype=jnp.bfloat16, **SHAPES[model]))
+                                  dtype=jnp.bfloat16, unrolled=unrolled, **SHAPES[model]))
 
 
 def active_params(config: llama.LlamaConfig, params) -> float:
@@ -96,7 +105,7 @@ def model_flops(config: llama.LlamaConfig, params: float) -> float:
 def measure(name: str, seconds: float) -> dict:
   model, hardware, shape = ROWS[name]
   devices = math.prod(shape)
-  config = config_of(model, devices)
+  config = config_of(model, devices, name.endswith(UNROLLED))
   hw = automap.HARDWARE[hardware]
   mesh = jax.sharding.AbstractMesh(shape, MOE_AXES if config.experts else AXES)
   t0 = time.perf_counter()

@@ -23,8 +23,9 @@ _TIES = frozenset({"while_enter", "while_carry", "cond_result"})
 _CARRIES = frozenset({"while_carry"})
 
 
-def _real_ends(graph: Graph, dead: np.ndarray) -> np.ndarray:
-  """[V] each value's last reader that computes (ties aside), -1 for none.
+def _real_ends(graph: Graph, dead: np.ndarray, at: np.ndarray) -> np.ndarray:
+  """[V] each value's last reader that computes (ties aside), -1 for none,
+  as its place in the schedule (`at`).
   A carry tie reading a value as another carry's next one holds it (a
   swap: XLA copies)."""
   real = np.full(graph.num_values, -1, np.int64)
@@ -32,17 +33,18 @@ def _real_ends(graph: Graph, dead: np.ndarray) -> np.ndarray:
     for o, pos in graph.uses[v]:
       swap = graph.prims[o] in _CARRIES and pos == 1 and graph.operands[o][0] != v
       if not dead[o] and (graph.prims[o] not in _TIES or swap):
-        real[v] = max(real[v], o)
+        real[v] = max(real[v], at[o])
   return real
 
 
 def share_loop_buffers(graph: Graph, start: np.ndarray, end: np.ndarray,
                        temporary: np.ndarray, hostable: np.ndarray,
-                       dead: np.ndarray) -> None:
+                       dead: np.ndarray, at: np.ndarray | None = None) -> None:
   """Merges each group of tied temporaries XLA keeps in one buffer: its
   first member holds it from the group's first start to its last end
-  (where no result's buffer can host it), the others hold none."""
-  real = _real_ends(graph, dead)
+  (where no result's buffer can host it), the others hold none. Times are
+  places in the schedule, `at` (default: program order)."""
+  real = _real_ends(graph, dead, np.arange(graph.num_ops) if at is None else at)
   parent = np.arange(graph.num_values)
   members: dict[int, list[int]] = {}
 

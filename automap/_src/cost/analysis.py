@@ -169,7 +169,7 @@ def _expensive(graph: Graph, o: int, expensive: frozenset[str]) -> bool:
 
 
 def fused_liveness(graph: Graph, stored: np.ndarray, end: np.ndarray, dead: np.ndarray,
-                   resident: np.ndarray) -> np.ndarray:
+                   resident: np.ndarray, at: np.ndarray) -> np.ndarray:
   """[V] liveness ends once values that are never `stored` are accounted for.
 
   XLA recomputes such a value inside each of its readers' loops, so what it
@@ -177,7 +177,8 @@ def fused_liveness(graph: Graph, stored: np.ndarray, end: np.ndarray, dead: np.n
   held until the backward pass recomputes its fused `x - mean`. A reader
   that makes a result of the program updates its operands in the result's
   own buffer (a gradient in the new optimizer state) and holds nothing.
-  Ops are in dependency order, so one reverse pass follows fused chains.
+  Ops are in dependency order, so one reverse pass follows fused chains;
+  `at` places each op in the schedule.
   """
   end = end.copy()
   reach = np.full(graph.num_values, -1, np.int64)  # last op recomputing a fused value
@@ -192,7 +193,7 @@ def fused_liveness(graph: Graph, stored: np.ndarray, end: np.ndarray, dead: np.n
         if made and not stored[made].any():
           last = max(last, int(reach[made].max()))
         elif not resident[made].any():
-          last = max(last, r)
+          last = max(last, int(at[r]))
     reach[results] = last
     for v in graph.operands[o]:
       if v >= 0 and end[v] < last:
@@ -334,6 +335,63 @@ def dependencies(operands, results, num_values: int) -> Dependencies:
   return Dependencies(_padded(operands), _padded(results), succ_ptr, succ_idx, preds)
 
 
+# Ops that tie a loop or branch to its body: XLA's while or conditional
+# instruction, scheduled as one with the body.
+_TIES = frozenset({"scan_slice", "scan_stack", "scan_carry", "while_carry", "while_enter",
+                   "cond_result"})
+
+
+def breadth_first_positions(graph: Graph, stored: np.ndarray) -> np.ndarray:
+  """[O] each op's place in a breadth-first schedule of the entry computation.
+
+  XLA:CPU schedules its entry computation breadth-first (`BFScheduler`,
+  `CpuCompiler::CreateHloSchedule`): an instruction as soon as all its
+  operands are made, so the compiled sequence is sorted by depth, the
+  longest path from the parameters (checked on the compiled sequence of
+  unrolled remat'd stacks: depth never decreases along it). Depth is
+  counted in instructions XLA emits: one per stored value (a fusion's
+  elementwise ops are one), and a loop or branch, ties included, one
+  instruction whose body keeps its order. So work that reads only the
+  arguments and an early value runs early: a remat'd layer's recomputation
+  beside the forward pass, not just before its layer's backward, its
+  results held until that backward reads them. Ties keep program order.
+  """
+  n = graph.num_ops
+  if not n:
+    return np.zeros(0, np.int64)
+  control = np.array([graph.trips[o] > 1 or graph.regions[o] != 0 or graph.prims[o] in _TIES
+                      for o in range(n)], bool)
+  # Each op's unit: a run of control-flow ops is one instruction.
+  unit = np.arange(n)
+  for o in range(1, n):
+    if control[o] and control[o - 1]:
+      unit[o] = unit[o - 1]
+  ready = np.zeros(graph.num_values, np.int64)  # depth at which each value exists
+  depth = np.zeros(n, np.int64)
+  o = 0
+  while o < n:
+    end = o + 1
+    while end < n and unit[end] == unit[o]:
+      end += 1
+    members = range(o, end)
+    inside = {v for m in members for v in graph.results[m] if v >= 0}
+    outer = [ready[v] for m in members for v in graph.operands[m] if v >= 0 and v not in inside]
+    base = max(outer, default=0)
+    if end - o > 1:  # a loop: one instruction after its operands
+      depth[o:end] = base + 1
+      for v in inside:
+        ready[v] = base + 1
+    else:
+      made = [v for v in graph.results[o] if v >= 0]
+      depth[o] = base + (1 if stored[made].any() else 0) if made else base
+      ready[made] = depth[o]
+    o = end
+  order = np.lexsort((np.arange(n), depth))
+  positions = np.empty(n, np.int64)
+  positions[order] = np.arange(n)
+  return positions
+
+
 def remade_values(graph: Graph) -> np.ndarray:
   """[V] bool values XLA makes anew in whatever layout a reader wants (an
   iota, a broadcast constant scalar, an uninitialised array): reading one in
@@ -354,7 +412,9 @@ class Analysis:
   Shape letters: V values, O ops, N results of the program that it makes,
   M members per op (its operands, results and stored broadcasts; padded by
   repeating the first, so ops of one class pad alike), R result slots per
-  op. Times are op indices, from 0 to `program_end` (= O).
+  op. Times are places in the compiler's schedule of the entry computation,
+  from 0 to `program_end` (= O): `at` maps ops to them (op indices, or a
+  breadth-first order, `breadth_first_positions`).
 
   A value lives from `start` (the op making it; 0 for an input) to `end`
   (its last reader, or the last reader of a fused value made from it; the
@@ -367,6 +427,7 @@ class Analysis:
   """
 
   program_end: int
+  at: np.ndarray  # [O] int64 each op's place in the schedule
   start: np.ndarray  # [V] int64
   end: np.ndarray  # [V] int64
   is_input: np.ndarray  # [V] bool: arguments and constants
@@ -396,13 +457,20 @@ class Analysis:
 
   @classmethod
   def of(cls, graph: Graph, fuses_shared_producers: bool = True,
-         expensive: frozenset[str] = frozenset()) -> Analysis:
+         expensive: frozenset[str] = frozenset(), breadth_first: bool = False) -> Analysis:
     """The analysis of `graph` under a compiler that does (or does not)
-    fuse shared producers into reductions (`Compiler.fuses_shared_producers`)
-    and never duplicates `expensive` ops (`Compiler.expensive`)."""
+    fuse shared producers into reductions (`Compiler.fuses_shared_producers`),
+    never duplicates `expensive` ops (`Compiler.expensive`) and schedules
+    in program order or `breadth_first` (`Compiler.breadth_first`)."""
     program_end = graph.num_ops
-    start = np.where(graph.producer >= 0, graph.producer, 0).astype(np.int64)
-    end = np.maximum(graph.last_use.astype(np.int64), start)
+    stored, wide = materialized(graph, fuses_shared_producers, expensive)
+    at = (breadth_first_positions(graph, stored) if breadth_first
+          else np.arange(graph.num_ops, dtype=np.int64))
+    start = np.where(graph.producer >= 0, at[graph.producer], 0).astype(np.int64)
+    end = start.copy()
+    for v, uses in enumerate(graph.uses):
+      for o, _ in uses:
+        end[v] = max(end[v], at[o])
     outs = [v for v in graph.outputs if v >= 0]
     end[outs] = program_end
     is_input = graph.kind != graph_lib.INTERMEDIATE
@@ -419,13 +487,12 @@ class Analysis:
     made_dead = np.zeros(graph.num_values, bool)
     for o in np.flatnonzero(dead):
       made_dead[[v for v in graph.results[o] if v >= 0]] = True
-    stored, wide = materialized(graph, fuses_shared_producers, expensive)
     temporary = stored & ~resident & ~made_dead
     looped = np.array([graph.trips[o] > 1 or graph.prims[o].startswith(("scan_", "while_"))
                        for o in range(graph.num_ops)], bool)
     hostable = temporary & ~np.append(looped, False)[graph.producer]
-    end = fused_liveness(graph, stored, end, dead, resident)
-    aliasing.share_loop_buffers(graph, start, end, temporary, hostable, dead)
+    end = fused_liveness(graph, stored, end, dead, resident, at)
+    aliasing.share_loop_buffers(graph, start, end, temporary, hostable, dead, at)
     free = remade_values(graph)
     copies, readers = fusion_copies(graph, stored, dead)
     dot_readers = contraction_readers(graph, dead)
@@ -453,7 +520,7 @@ class Analysis:
     touch_ptr[1:] = np.cumsum([len(t) for t in touching])
     touch_idx = np.concatenate(touching) if touching else np.zeros(0, np.int64)
     return cls(
-        program_end=program_end, start=start, end=end, is_input=is_input,
+        program_end=program_end, at=at, start=start, end=end, is_input=is_input,
         resident=resident, results_made=made, results_made_at=start[made], dead=dead,
         unread=unread,
         late=late_ops(graph), wide=wide, stored=stored, copies=copies,

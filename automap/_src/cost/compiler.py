@@ -34,9 +34,15 @@ class Compiler:
     `cpu_compiler.cc`); XLA:GPU combines all-gathers and reduce-scatters
     too (`gpu_compiler.cc`); XLA:TPU's pipeline is not public and is taken
     to do as XLA:GPU does. No backend combines collective-permutes.
-  combine_bytes, combine_count: the most bytes and collectives one combined
-    collective takes (XLA:CPU: no byte limit, 256; XLA:GPU: 30 MiB,
-    `kDefaultAllReduceCombineThreshold`, and 256).
+  combine_bytes, combine_count: the most result bytes and collectives one
+    combined collective takes (XLA:CPU: no byte limit, 256; XLA:GPU: 30 MiB,
+    `kDefaultAllReduceCombineThreshold` and its all-gather and
+    reduce-scatter twins in `collective_utils.h`, and 256). The combiners
+    (`CombineInstructionsByKey`) walk the program in order and close a group
+    at either limit, so a late reduction's input is held until its group's
+    collective (`Tracker.windows`): on XLA:CPU every gradient until the last
+    is made; on XLA:GPU windows of 30 MiB of results, which for a
+    reduce-scatter over n devices hold n times that of unreduced gradients.
   expensive: the elementwise primitives XLA's fusion never duplicates: one
     whose computation several fusions read is stored once, not recomputed
     in each (`InstructionFusion::IsExpensive`, which XLA:CPU's fusion uses
@@ -65,10 +71,21 @@ class Compiler:
     public; it is taken to run both collectives in place.
   breadth_first: whether the entry computation is scheduled breadth-first,
     each op as soon as its operands are made (XLA:CPU's default
-    `BFScheduler`, `CpuCompiler::CreateHloSchedule`), so a resharded copy
-    is made right after what it copies: every FSDP weight's gather at the
-    program's start. XLA:TPU and XLA:GPU schedule to hide latency under a
-    memory limit and are taken to make a copy where it is first read.
+    `BFScheduler`, `CpuCompiler::CreateHloSchedule`; Kahn's order with a
+    FIFO queue, no memory model), so buffers live by that order
+    (`analysis.breadth_first_positions`): a resharded copy is made right
+    after what it copies (every FSDP weight's gather at the program's
+    start), and a remat'd layer's recomputation runs beside the forward
+    pass, its results held until the layer's backward reads them. XLA:GPU
+    schedules from the least-peak of its memory schedulers
+    (`DefaultMemoryScheduler`) with the latency-hiding scheduler on top,
+    which tracks memory pressure against the device's memory and keeps a
+    buffer from its collective's start to its last reader
+    (`gpu_hlo_schedule.cc`, `latency_hiding_scheduler.cc`); XLA:TPU is
+    taken to do the same. Both are priced in program order: a copy made
+    where it is first read and freed after its last, a remat'd layer
+    recomputed just before its backward (its optimization barrier stays
+    until after scheduling on XLA:GPU, `RunPostSchedulingPipelines`).
   """
 
   name: str

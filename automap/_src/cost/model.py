@@ -186,7 +186,8 @@ class CostModel:
         4 if self.compiler.reduce_in_f32 and size == 2 and graph_lib.is_float(d) else size
         for size, d in zip(self.itemsize, graph.dtypes)])
     a = self.analysis = Analysis.of(
-        graph, self.compiler.fuses_shared_producers, self.compiler.expensive)
+        graph, self.compiler.fuses_shared_producers, self.compiler.expensive,
+        self.compiler.breadth_first)
     # The analysis's arrays the search and the reports read off the model.
     self.start, self.end, self.resident, self.temporary = a.start, a.end, a.resident, a.temporary
     self.dead, self.late, self.free, self.op_class = a.dead, a.late, a.free, a.op_class

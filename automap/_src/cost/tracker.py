@@ -96,9 +96,9 @@ class Tracker:
     """Per op, its current cost."""
     return [self.model.memo.entries[i] for i in self.op_ids]
 
-  def _add_live(self, ops: list[int], nbytes: float) -> None:
-    """Adds `nbytes` to the timeline from the first of `ops` to the last."""
-    self.live[min(ops):max(ops) + 1] += nbytes
+  def _add_live(self, times: list[int], nbytes: float) -> None:
+    """Adds `nbytes` to the timeline from the first of `times` to the last."""
+    self.live[min(times):max(times) + 1] += nbytes
 
   def _swap_collectives(self, ops: np.ndarray, old: np.ndarray, new: np.ndarray) -> None:
     """Swaps the collectives of `ops` from entries `old` (none if empty) to
@@ -175,29 +175,32 @@ class Tracker:
       self.seconds[kind, mask] += sign * seconds
 
   def copy_span(self, key: tuple, readers: list[int]) -> list[int]:
-    """The ops a resharded copy (`CostModel.copy_key`) is live across: its
-    readers'; a step on the way to another copy for some readers, from the
-    first reader to the last that keeps it (the first alone if none does);
-    on a breadth-first schedule (`Compiler.breadth_first`) an argument's
-    all-gather, whole or in part, read in the entry computation (not inside
-    a loop or branch) from the program's start, where the schedule makes
-    it: every FSDP weight's gather, the recomputation's too (XLA expands
-    remat's barriers before it schedules), and the optimizer state's to its
+    """The times (places in the schedule) a resharded copy
+    (`CostModel.copy_key`) is live across: its readers'; a step on the way
+    to another copy for some readers, from the first reader to the last
+    that keeps it (the first alone if none does);
+    on a breadth-first schedule (`Compiler.breadth_first`) an all-gather,
+    whole or in part, read in the entry computation (not inside a loop or
+    branch) from when what it gathers is made, where the schedule makes it:
+    every FSDP weight's gather at the program's start (a stacked weight's
+    slices' once sliced), the recomputation's too (XLA expands remat's
+    barriers before it schedules), and the optimizer state's to its
     update's layout. Other copies (permutes, all-to-alls) are taken to be
     made by their first reader, as compiled programs of Megatron layouts
     show."""
-    model = self.model
+    model, at = self.model, self.model.analysis.at
     passing = self.passing.get(key)
     if passing:
       kept = list(readers)
       for o in passing:
         kept.remove(o)
-      readers = [min(readers), *kept]
+      readers = [min(readers, key=at.__getitem__), *kept]
+    times = at[readers].tolist()
     value, kind, loop, region = key[0], key[1], key[5], key[6]
     if (not model.compiler.breadth_first or loop >= 0 or region or kind != ALL_GATHER
-        or not model.analysis.is_input[value] or (model.graph.trips[readers] > 1).any()):
-      return readers
-    return [*readers, 0]
+        or (model.graph.trips[readers] > 1).any()):
+      return times
+    return [*times, int(model.analysis.start[value])]
 
   def _track_combined(self, o: int, kind: int, mask: int, nbytes: float, sign: int,
                       after: tuple[int, int] | None = None, last: bool = True) -> None:
@@ -225,6 +228,7 @@ class Tracker:
       return
     if after is not None:
       self.chained[((kind, mask), o)] = after
+    wire = nbytes  # the collective's result bytes, what combiners limit
     if kind == REDUCE_SCATTER:
       nbytes *= model.group_size[mask]
     else:  # Buffers at the value's own dtype, however wide the wire.
@@ -236,7 +240,7 @@ class Tracker:
 
     # Follow the result through ops that only relabel it (XLA makes them
     # bitcasts or folds them into the collective's readers).
-    held_from = int(a.end[v]) + 1 if a.temporary[v] else o
+    held_from = int(a.end[v]) + 1 if a.temporary[v] else int(a.at[o])
     while len(model.graph.uses[v]) == 1:
       reader = model.graph.uses[v][0][0]
       if model.graph.prims[reader] not in _RELABELS or len(model.graph.results[reader]) != 1:
@@ -244,55 +248,82 @@ class Tracker:
       v = model.graph.results[reader][0]
       if not sliced(v) and a.temporary[v]:
         held_from = int(a.end[v]) + 1
-    # Sliced (here or by a relabel), the whole reduced result is a temporary
-    # of its own beside the inputs at the collective; unsliced, a result can
-    # take the buffer of what its readers make (an output, updated in place).
+    # Sliced (here or by a relabel), the reduced result is a temporary of its
+    # own beside the inputs at the collective: the whole sum of an all-reduce,
+    # a reduce-scatter's tile; unsliced, a result can take the buffer of what
+    # its readers make (an output, updated in place).
     if not last:
       early, end = 0.0, 1 << 62
     elif sliced(v):
-      early, end = nbytes, -1
+      early, end = (wire if kind == REDUCE_SCATTER else nbytes), -1
     else:
       early, end = 0.0, int(a.end[model.graph.results[o][0]])
     # The input is the reduced op's own buffer (its footprint, as computed),
     # then the unsliced relabels' that are temporaries, each until its last
     # reader, then held for the collective; where none is (a result of the
     # program takes the buffer), a temporary of its own from the op.
-    group[o] = (held_from, nbytes, end, early)
+    group[o] = (held_from, nbytes, end, early, wire)
     if last and not early:
       self.reduced[(kind, mask), o] = v
 
   def held_inputs(self, key: tuple[int, int]
-                  ) -> tuple[int, list[tuple[int, int, float, int, float]]]:
-    """(op of the combined collective, [(op, first op held, bytes, last
-    reader of its result, result bytes held at the collective)]) of the
-    late reductions of `key`: an input is held from `first` to the
-    collective, one chained after another group's from that group's."""
+                  ) -> list[tuple[int, int, float, int, float, int]]:
+    """[(op, first time held, bytes, time of the last reader of its result,
+    result bytes held at the collective, time of the collective)] of the
+    late reductions of `key`: an input is held from `first` to the combined
+    collective that reduces it (`windows`), one chained after another
+    group's from that group's."""
     group = self.pending.get(key)
     if not group:
-      return -1, []
-    rows, ats = [], {}  # ats: each group chained after, its collective's op
-    for o, (first, nbytes, end, early) in group.items():
+      return []
+    windows, before = self.windows(key), {}
+    rows = []
+    for o, (first, nbytes, end, early, _) in group.items():
       after = self.chained.get((key, o))
       if after is not None:
-        if after not in ats:
-          ats[after] = self.collective_at(after)
-        first = max(first, ats[after])
-      rows.append((o, first, nbytes, end, early))
-    return max(max(group), max(r[1] for r in rows)), rows
+        if after not in before:
+          before[after] = self.windows(after)
+        first = max(first, before[after].get(o, -1))
+      rows.append((o, first, nbytes, end, early, windows[o]))
+    return rows
 
-  def collective_at(self, key: tuple[int, int], depth: int = 0) -> int:
-    """The op after which the combined collective of `key` runs: its last
-    input's, or later where an input is another group's result."""
+  def windows(self, key: tuple[int, int], depth: int = 0) -> dict[int, int]:
+    """{op: time of the combined collective that reduces it} for the late
+    reductions of `key`. XLA's combiners (`CombineInstructionsByKey`) walk
+    the schedule and close a group where the next collective would take it
+    past the compiler's byte or count limit (`Compiler.combine_bytes`,
+    `combine_count`); one over the byte limit runs alone. A group runs
+    after its last input is made, or later where an input is another
+    group's result (chained). XLA:CPU has no byte limit: one group holds
+    every gradient until the last is made; XLA:GPU's 30 MiB reduces them as
+    the backward pass makes them."""
     group = self.pending.get(key)
     if not group:
-      return -1
-    at = max(group)
-    if depth < 4:
-      for o in group:
-        after = self.chained.get((key, o))
-        if after is not None:
-          at = max(at, self.collective_at(after, depth + 1))
-    return at
+      return {}
+    at, compiler = self.model.analysis.at, self.model.compiler
+    ready = {}
+    for o in group:
+      ready[o] = int(at[o])
+      after = self.chained.get((key, o))
+      if after is not None and depth < 4:
+        ready[o] = max(ready[o], self.windows(after, depth + 1).get(o, -1))
+    out: dict[int, int] = {}
+    members: list[int] = []
+    total = 0.0
+    for o in sorted(group, key=lambda o: (ready[o], o)):
+      size = group[o][4]
+      if size > compiler.combine_bytes:
+        out[o] = ready[o]
+        continue
+      if members and (total + size > compiler.combine_bytes
+                      or len(members) >= compiler.combine_count):
+        out.update(dict.fromkeys(members, ready[members[-1]]))
+        members, total = [], 0.0
+      members.append(o)
+      total += size
+    if members:
+      out.update(dict.fromkeys(members, ready[members[-1]]))
+    return out
 
   def _redraw_combined(self) -> None:
     """Redraws the memory held by the groups `_track_combined` changed, and
@@ -300,18 +331,22 @@ class Tracker:
     if not self.dirty:
       return
     dirty = self.dirty | {key for (key, _), after in self.chained.items() if after in self.dirty}
+    n = len(self.live)
     for key in dirty:
       old = self.pending_live.pop(key, None)
       if old is not None:
         self.live -= old
-      last, rows = self.held_inputs(key)
-      held = [(first, nbytes) for _, first, nbytes, _, _ in rows if first <= last]
-      if held:
-        starts = np.array([a for a, _ in held], np.int64)
-        new = np.cumsum(np.bincount(starts, np.array([b for _, b in held]),
-                                    len(self.live)))
-        new[last + 1:] = 0.0
-        new[last] += sum(out for _, _, _, end, out in rows if end < last)
+      rows = self.held_inputs(key)
+      held = np.array([(first, at, nbytes) for _, first, nbytes, _, _, at in rows
+                       if first <= at]).reshape(-1, 3)
+      if len(held):
+        steps = np.zeros(n + 1)
+        np.add.at(steps, held[:, 0].astype(np.int64), held[:, 2])
+        np.add.at(steps, held[:, 1].astype(np.int64) + 1, -held[:, 2])
+        new = np.cumsum(steps[:n])
+        for _, _, _, end, early, at in rows:
+          if end < at:
+            new[at] += early
         self.pending_live[key] = new
         self.live += new
     self.dirty.clear()
@@ -393,8 +428,7 @@ class Tracker:
     a = self.model.analysis
     values = np.flatnonzero((self.footprint > 0) & a.hostable)
     held = [(first, last, nbytes) for key in self.pending
-            for last, rows in (self.held_inputs(key),)
-            for _, first, nbytes, _, _ in rows if first <= last]
+            for _, first, nbytes, _, _, last in self.held_inputs(key) if first <= last]
     trips, regions = self.model.graph.trips, self.model.graph.regions
     held += [(min(span), max(span), key[4]) for key, readers in self.reshards.items()
              if not regions[readers].any() and (trips[readers] == 1).all()
@@ -440,13 +474,13 @@ class Tracker:
     g, a = self.model.graph, self.model.analysis
     outputs = set(g.outputs)
     taken: dict[int, int] = {}
-    ats: dict[tuple[int, int], int] = {}  # each group's collective's op
+    ats: dict[tuple[int, int], dict[int, int]] = {}  # each group's `windows`
     for (key, o), v in self.reduced.items():
       if o not in self.pending.get(key, ()):
         continue
       if key not in ats:
-        ats[key] = self.collective_at(key)
-      at = ats[key]
+        ats[key] = self.windows(key)
+      at = ats[key][o]
       for _ in range(8):  # along same-shaped elementwise readers
         if v in outputs:
           taken[v] = min(taken.get(v, at), at)

@@ -39,6 +39,10 @@ class LlamaConfig:
   experts: int = 0  # X: a mixture of this many experts in each MLP (Mixtral's), 0 for dense
   top_k: int = 2  # experts per token
   capacity_factor: float = 1.25  # slots per expert and sequence, over an even share
+  # The layers as HuggingFace's Flax Llama writes them (one `nn.remat`'d
+  # module per layer, `layers_0`...), not one `nn.scan` over stacked weights.
+  unrolled: bool = False
+  fsdp: tuple[str, ...] = ("fsdp",)  # mesh axes the weights' embed dim is split over
 
 
 # MaxText's rules (base.yml) for the axes this mesh may have, in order of
@@ -65,8 +69,9 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-def rules_for(mesh) -> tuple[tuple[str, Any], ...]:
-  """`RULES` without the mesh axes `mesh` lacks (a Mesh or AbstractMesh).
+def rules_for(mesh, fsdp: tuple[str, ...] = ("fsdp",)) -> tuple[tuple[str, Any], ...]:
+  """`RULES` without the mesh axes `mesh` lacks (a Mesh or AbstractMesh),
+  the weights' embed dim over the mesh axes `fsdp` (MaxText's "fsdp").
 
   flax would emit a missing axis into the PartitionSpec; a rule left with
   no axis is dropped, so its logical axis stays unsharded.
@@ -74,6 +79,8 @@ def rules_for(mesh) -> tuple[tuple[str, Any], ...]:
   have = set(mesh.axis_names)
   out = []
   for name, axes in RULES:
+    if name == "embed":
+      axes = fsdp
     if axes is None:
       out.append((name, None))
       continue
@@ -223,10 +230,15 @@ class Decoder(nn.Module):
     x = nn.with_logical_constraint(
         x, ("activation_batch", "activation_length", "activation_embed"))
     policy = getattr(jax.checkpoint_policies, c.remat_policy)
-    layer = nn.remat(DecoderLayer, prevent_cse=False, policy=policy)
-    x, _ = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                   length=c.layers, metadata_params={nn.PARTITION_NAME: "layers"})(
-                       c, name="layers")(x, None)
+    if c.unrolled:  # flax's default prevent_cse, as HuggingFace's layers take it
+      layer = nn.remat(DecoderLayer, policy=policy)
+      for i in range(c.layers):
+        x, _ = layer(c, name=f"layers_{i}")(x, None)
+    else:
+      x, _ = nn.scan(nn.remat(DecoderLayer, prevent_cse=False, policy=policy),
+                     variable_axes={"params": 0}, split_rngs={"params": True},
+                     length=c.layers, metadata_params={nn.PARTITION_NAME: "layers"})(
+                         c, name="layers")(x, None)
     x = RMSNorm(c.dtype, name="decoder_norm")(x)
     logits = _dense(c.vocab, -1, ("embed", "vocab"), c.dtype, "logits_dense")(x)
     return nn.with_logical_constraint(
@@ -266,7 +278,7 @@ def train_step(config: LlamaConfig, seed: int = 0, constrained: bool = True,
         logits.astype(jnp.float32), batch["targets"]).mean()
 
   def step_fn(params, opt_state, batch):
-    rules = rules_for(jax.sharding.get_abstract_mesh()) if constrained else ()
+    rules = rules_for(jax.sharding.get_abstract_mesh(), config.fsdp) if constrained else ()
     with nn.logical_axis_rules(rules):
       loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -281,7 +293,7 @@ def param_specs(config: LlamaConfig, mesh) -> tuple[Any, Any, P]:
 
   Adam's moments are laid out as the parameters; its step count replicated.
   """
-  model, rules = Decoder(config), rules_for(mesh)
+  model, rules = Decoder(config), rules_for(mesh, config.fsdp)
   tokens = jax.ShapeDtypeStruct((config.batch, config.seq), jnp.int32)
   boxed = jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)["params"]
   is_spec = lambda x: isinstance(x, P)

@@ -98,8 +98,7 @@ def layers(program, tracker: Tracker) -> tuple[LayerRow, ...]:
       if min(span) <= peak <= max(span):
         temporary[of_op[min(readers)]] += key[4]
     for key in tracker.pending:
-      last, rows = tracker.held_inputs(key)
-      for o, first, nbytes, end, early in rows:
+      for o, first, nbytes, end, early, last in tracker.held_inputs(key):
         if first <= peak <= last:
           temporary[of_op[o]] += nbytes
         if peak == last and end < last:
