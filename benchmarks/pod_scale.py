@@ -26,12 +26,21 @@ MFU (6 x parameters x tokens plus causal attention, over the device's
 peak), and peak GB per device against the device's capacity; a layout
 over capacity is marked and its MFU not counted.
 
+`--twins` instead prices one layout of the 70B-width decoder unrolled and
+scanned at 20, 40 and 80 layers (MaxText's rules with the weights FSDP over
+(data, fsdp) and Megatron over tensor, activations pinned, on an abstract
+(16, 16, 4) mesh, 1,024 sequences of 2,048 tokens): predicted step and
+peak of each form on tpu-v5p and h100, and the unrolled form's peak with
+XLA's collective combiners off, which attributes what is left between them.
+
   python benchmarks/pod_scale.py [--only ROW ...] [--seconds 60]
+  python benchmarks/pod_scale.py --twins [--layers 20 40 80]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 import warnings
@@ -40,6 +49,7 @@ import jax
 import jax.numpy as jnp
 
 import automap
+from automap._src.cost.model import CostModel
 from automap._src.cost.tracker import Tracker
 from automap._src.models import llama
 from automap._src.plan import planner
@@ -143,12 +153,50 @@ def cell(result: dict, key: str) -> str:
   return (f"{step:.2f} s, {peak / 1e9:.1f} GB" + (" (over)" if over else f", MFU {mfu:.0%}"))
 
 
+def twins(layers: tuple[int, ...]) -> None:
+  """The `--twins` table: one layout, the stack unrolled and scanned."""
+  mesh = jax.sharding.AbstractMesh((16, 16, 4), AXES)
+  print("| layers | hardware | unrolled | scanned | peak unrolled / scanned "
+        "| unrolled, combiners off |")
+  print("|---|---|---|---|---|---|")
+  for n in layers:
+    for hardware in ("tpu-v5p", "h100"):
+      priced = {}
+      for unrolled in (True, False):
+        config = dataclasses.replace(config_of("70b", 1024, unrolled), layers=n,
+                                     fsdp=("data", "fsdp"))
+        specs, opt, batch = llama.param_specs(config, mesh)
+        with jax.sharding.use_abstract_mesh(mesh):
+          step, args = llama.train_step(config, abstract=True)
+          program = planner.build_program(step, args, mesh, hardware)
+        flat = jax.tree.leaves((specs, opt, {"inputs": batch, "targets": batch}),
+                               is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        state = program.state_from_specs(flat)
+        priced[unrolled] = Tracker(program.model, state).cost()
+        if unrolled:  # XLA's combiners off: every reduction when it is made
+          apart = dataclasses.replace(program.model.compiler, combine_bytes=0.0)
+          model = CostModel(program.graph, program.mesh, program.model.hw, apart)
+          priced["apart"] = Tracker(model, state).cost()
+      u, t = priced[True], priced[False]
+      print(f"| {n} | {hardware} | {u.step_time:.2f} s, {u.peak_memory / 2**30:.1f} GiB "
+            f"| {t.step_time:.2f} s, {t.peak_memory / 2**30:.1f} GiB "
+            f"| {u.peak_memory / t.peak_memory:.2f}x "
+            f"| {priced['apart'].peak_memory / 2**30:.1f} GiB "
+            f"({priced['apart'].peak_memory / t.peak_memory:.2f}x) |", flush=True)
+
+
 def main():
   parser = argparse.ArgumentParser()
+  parser.add_argument("--twins", action="store_true",
+                      help="the 70B-width stack unrolled and scanned, one layout")
+  parser.add_argument("--layers", type=int, nargs="*", default=[20, 40, 80])
   parser.add_argument("--only", nargs="*", default=list(ROWS), choices=list(ROWS))
   parser.add_argument("--seconds", type=float, default=60.0, help="search budget per row")
   opts = parser.parse_args()
   warnings.simplefilter("ignore", automap.SearchWarning)
+  if opts.twins:
+    twins(tuple(opts.layers))
+    return
   columns = ("automap", "MaxText rules", "FSDP", "FSDP+TP", "EP+DP")
   print("| row | parameters | plan s | " + " | ".join(columns) + " | kept |")
   print("|---|---|---|" + "---|" * len(columns) + "---|")

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import automap
 from automap._src.cost import analysis as analysis_lib
+from automap._src.cost import combiners
 from automap._src.cost import compiler as compiler_lib
 from automap._src.cost.model import CostModel
 from automap._src.cost.tracker import Tracker
@@ -183,3 +184,13 @@ def test_evaluate_prices_the_unrolled_stack_on_the_cpu_spec():
   with jax.set_mesh(MESH):
     cost = automap.evaluate(step, *args, mesh=MESH, in_shardings=specs, hardware="cpu")
   assert cost.peak_memory == pytest.approx(priced(step, args, specs)[0])
+
+
+def test_combiners_close_a_window_at_their_limits_and_run_it_after_its_last_input():
+  ready = {1: 5, 2: 7, 3: 9, 4: 12, 5: 13}  # op: time its input is made
+  size = {1: 4.0, 2: 4.0, 3: 4.0, 4: 20.0, 5: 1.0}  # op: result bytes
+  small = dataclasses.replace(compiler_lib.XLA_GPU, combine_bytes=10.0)
+  assert combiners.windows(ready, size, small) == {1: 7, 2: 7, 3: 9, 4: 12, 5: 13}
+  few = dataclasses.replace(compiler_lib.XLA_GPU, combine_bytes=100.0, combine_count=2)
+  assert combiners.windows(ready, size, few) == {1: 7, 2: 7, 3: 12, 4: 12, 5: 13}
+  assert set(combiners.windows(ready, size, compiler_lib.XLA_CPU).values()) == {13}

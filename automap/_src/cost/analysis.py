@@ -466,7 +466,7 @@ class Analysis:
     stored, wide = materialized(graph, fuses_shared_producers, expensive)
     at = (breadth_first_positions(graph, stored) if breadth_first
           else np.arange(graph.num_ops, dtype=np.int64))
-    start = np.where(graph.producer >= 0, at[graph.producer], 0).astype(np.int64)
+    start = np.where(graph.producer >= 0, np.append(at, 0)[graph.producer], 0).astype(np.int64)
     end = start.copy()
     for v, uses in enumerate(graph.uses):
       for o, _ in uses:

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from automap._src.cost import kernels, overlap
+from automap._src.cost import combiners, kernels, overlap
 from automap._src.cost.collectives import ALL_GATHER, ALL_REDUCE, KINDS, REDUCE_SCATTER
 from automap._src.cost.memo import OpCost
 from automap._src.cost.model import Cost, CostModel
@@ -307,23 +307,7 @@ class Tracker:
       after = self.chained.get((key, o))
       if after is not None and depth < 4:
         ready[o] = max(ready[o], self.windows(after, depth + 1).get(o, -1))
-    out: dict[int, int] = {}
-    members: list[int] = []
-    total = 0.0
-    for o in sorted(group, key=lambda o: (ready[o], o)):
-      size = group[o][4]
-      if size > compiler.combine_bytes:
-        out[o] = ready[o]
-        continue
-      if members and (total + size > compiler.combine_bytes
-                      or len(members) >= compiler.combine_count):
-        out.update(dict.fromkeys(members, ready[members[-1]]))
-        members, total = [], 0.0
-      members.append(o)
-      total += size
-    if members:
-      out.update(dict.fromkeys(members, ready[members[-1]]))
-    return out
+    return combiners.windows(ready, {o: group[o][4] for o in group}, compiler)
 
   def _redraw_combined(self) -> None:
     """Redraws the memory held by the groups `_track_combined` changed, and
@@ -493,52 +477,9 @@ class Tracker:
     return taken
 
   def combined_away(self) -> dict[tuple[int, int], int]:
-    """{(kind, axes mask): how many collectives XLA's combiners merge away}.
-
-    XLA's combiners (`CombineInstructionsByKey`) merge collectives of one
-    kind, axes and element type in program order while none depends on
-    another in the group, up to the compiler's byte and count limits: the
-    independent collectives at each depth of dependency, counted in
-    collectives of the same key upstream, become one (dq, dk and dv's
-    all-reduces; a step's gradient reductions). Collectives inside loops
-    and branches are left apart (each computation combines its own)."""
-    model, g = self.model, self.model.graph
-    compiler = model.compiler
-    emitted: dict[tuple[int, int], dict[int, float]] = {}  # key -> {op: bytes}
-    for o in np.flatnonzero(model.memo.has_comms[self.op_ids]).tolist():
-      if g.trips[o] > 1 or g.regions[o]:
-        continue
-      for kind, mask, nbytes, _, position, *_ in model.memo.entries[self.op_ids[o]].comms:
-        if position < 0 and kind in compiler.combines:
-          made = [v for v in g.results[o] if v >= 0]
-          dtype = str(g.dtypes[made[0]]) if made else ""
-          ops = emitted.setdefault((kind, mask, dtype), {})
-          ops[o] = ops.get(o, 0.0) + nbytes
-    away: dict[tuple[int, int], int] = {}
-    for (kind, mask, _), ops in emitted.items():
-      depth = np.zeros(g.num_values, np.int64)  # same-key collectives upstream
-      groups: dict[int, list[float]] = {}  # depth -> [bytes, count] of the open group
-      merged = 0
-      for o in range(min(ops), g.num_ops):
-        up = max((int(depth[v]) for v in g.operands[o] if v >= 0), default=0)
-        if o in ops:
-          up += 1
-          nbytes, group = ops[o], groups.get(up)
-          if nbytes > compiler.combine_bytes:
-            pass  # never combined
-          elif (group is None or group[1] >= compiler.combine_count
-                or group[0] + nbytes > compiler.combine_bytes):
-            groups[up] = [nbytes, 1]
-          else:
-            group[0] += nbytes
-            group[1] += 1
-            merged += 1
-        for v in g.results[o]:
-          if v >= 0:
-            depth[v] = up
-      if merged:
-        away[(kind, mask)] = away.get((kind, mask), 0) + merged
-    return away
+    """{(kind, axes mask): how many collectives XLA's combiners merge away}
+    (`combiners.merged_away`)."""
+    return combiners.merged_away(self.model, self.op_ids)
 
   def comm_traffic(self) -> float:
     """HBM bytes the collectives read and write, per device: each reads its
