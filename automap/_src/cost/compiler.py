@@ -43,6 +43,12 @@ class Compiler:
     collective (`Tracker.windows`): on XLA:CPU every gradient until the last
     is made; on XLA:GPU windows of 30 MiB of results, which for a
     reduce-scatter over n devices hold n times that of unreduced gradients.
+  holds_combined: whether a combined group's inputs are priced held until
+    its collective, as the public combiners above hold them. XLA:TPU's
+    pipeline is not public, nor whether its combiners or its async
+    collective fusion hold an unrolled stack's gradients: each late
+    reduction is priced reduced as it is made, the bound its scanned twin
+    (reduced inside the loop) reaches.
   expensive: the elementwise primitives XLA's fusion never duplicates: one
     whose computation several fusions read is stored once, not recomputed
     in each (`InstructionFusion::IsExpensive`, which XLA:CPU's fusion uses
@@ -100,6 +106,7 @@ class Compiler:
   major_collective_dims: bool = False
   tuple_all_to_all: bool = False
   breadth_first: bool = False
+  holds_combined: bool = True
 
 
 # jax primitives `InstructionFusion::IsExpensive` deems expensive (those the
@@ -113,7 +120,7 @@ _GPU_COMBINE_BYTES = 30 * 2**20
 XLA_TPU = Compiler("xla:tpu", reduce_scatter=True, reduce_in_f32=False,
                    fuses_shared_producers=True, combines=_GATHERS_AND_REDUCTIONS,
                    combine_bytes=_GPU_COMBINE_BYTES, async_collectives=True,
-                   expensive=_EXPENSIVE)
+                   expensive=_EXPENSIVE, holds_combined=False)
 XLA_GPU = Compiler("xla:gpu", reduce_scatter=True, reduce_in_f32=False,
                    fuses_shared_producers=True, combines=_GATHERS_AND_REDUCTIONS,
                    combine_bytes=_GPU_COMBINE_BYTES, async_collectives=True,

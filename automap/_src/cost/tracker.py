@@ -296,7 +296,8 @@ class Tracker:
     after its last input is made, or later where an input is another
     group's result (chained). XLA:CPU has no byte limit: one group holds
     every gradient until the last is made; XLA:GPU's 30 MiB reduces them as
-    the backward pass makes them."""
+    the backward pass makes them; on XLA:TPU each is priced reduced as made
+    (`Compiler.holds_combined`)."""
     group = self.pending.get(key)
     if not group:
       return {}
@@ -307,6 +308,8 @@ class Tracker:
       after = self.chained.get((key, o))
       if after is not None and depth < 4:
         ready[o] = max(ready[o], self.windows(after, depth + 1).get(o, -1))
+    if not compiler.holds_combined:
+      return ready
     return combiners.windows(ready, {o: group[o][4] for o in group}, compiler)
 
   def _redraw_combined(self) -> None:
