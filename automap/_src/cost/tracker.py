@@ -179,15 +179,16 @@ class Tracker:
     """The times (places in the schedule) a resharded copy
     (`CostModel.copy_key`) is live across: its readers'; a step on the way
     to another copy for some readers, from the first reader to the last
-    that keeps it (the first alone if none does); on a breadth-first
-    schedule (`Compiler.breadth_first`) an all-gather, whole or in part,
-    read in the entry computation (not inside a loop or branch) from when
-    what it gathers is made, where the schedule makes it: every FSDP
-    weight's gather at the program's start (a stacked weight's slices' once
-    sliced), the recomputation's too (XLA expands remat's barriers before
-    it schedules), and the optimizer state's to its update's layout. Other
-    copies (permutes, all-to-alls) are taken to be made by their first
-    reader, as compiled programs of Megatron layouts show."""
+    that keeps it (the first alone if none does);
+    on a breadth-first schedule (`Compiler.breadth_first`) an all-gather,
+    whole or in part, read in the entry computation (not inside a loop or
+    branch) from when what it gathers is made, where the schedule makes it:
+    every FSDP weight's gather at the program's start (a stacked weight's
+    slices' once sliced), the recomputation's too (XLA expands remat's
+    barriers before it schedules), and the optimizer state's to its
+    update's layout. Other copies (permutes, all-to-alls) are taken to be
+    made by their first reader, as compiled programs of Megatron layouts
+    show."""
     model, at = self.model, self.model.analysis.at
     passing = self.passing.get(key)
     if passing:
@@ -288,10 +289,9 @@ class Tracker:
       elif first > windows[o] and self._waited_for(o):
         # Its own buffer outlives the collective (its readers wait for it on
         # a breadth-first schedule): held until then is what the input holds
-        # beyond that buffer (a sliced result's tile).
-        v = model.graph.results[o][0]
-        own = model.memo.footprint[self.op_ids[o], 0] if model.analysis.temporary[v] else 0.0
-        first, nbytes = int(at[o]), max(nbytes - float(own), 0.0)
+        # beyond the tile that buffer keeps.
+        first, nbytes = int(at[o]), max(
+            nbytes - model.local_bytes(self.state, model.graph.results[o][0]), 0.0)
       rows.append((o, first, nbytes, end, early, windows[o]))
     return rows
 
