@@ -337,12 +337,11 @@ def dependencies(operands, results, num_values: int) -> Dependencies:
 
 # Ops that tie a loop or branch to its body: XLA's while or conditional
 # instruction, scheduled as one with the body.
-TIES = frozenset({"scan_slice", "scan_stack", "scan_carry", "while_carry", "while_enter",
+_TIES = frozenset({"scan_slice", "scan_stack", "scan_carry", "while_carry", "while_enter",
                    "cond_result"})
 
 
-def breadth_first_positions(graph: Graph, stored: np.ndarray,
-                            late: np.ndarray | None = None) -> np.ndarray:
+def breadth_first_positions(graph: Graph, stored: np.ndarray) -> np.ndarray:
   """[O] each op's place in a breadth-first schedule of the entry computation.
 
   XLA:CPU schedules its entry computation breadth-first (`BFScheduler`,
@@ -356,40 +355,17 @@ def breadth_first_positions(graph: Graph, stored: np.ndarray,
   arguments and an early value runs early: a remat'd layer's recomputation
   beside the forward pass, not just before its layer's backward, its
   results held until that backward reads them. Ties keep program order.
-
-  A `late` contraction's result (a gradient, `late_ops`) is reduced by the
-  one all-reduce XLA:CPU's combiner makes of them all, after the last is
-  made: what reads it (the optimizer's update) waits for that.
   """
   n = graph.num_ops
   if not n:
     return np.zeros(0, np.int64)
-  control = np.array([graph.trips[o] > 1 or graph.regions[o] != 0 or graph.prims[o] in TIES
+  control = np.array([graph.trips[o] > 1 or graph.regions[o] != 0 or graph.prims[o] in _TIES
                       for o in range(n)], bool)
   # Each op's unit: a run of control-flow ops is one instruction.
   unit = np.arange(n)
   for o in range(1, n):
     if control[o] and control[o - 1]:
       unit[o] = unit[o - 1]
-  depth = _depths(graph, stored, unit, {})
-  if late is not None:  # the combined reduction after the last late contraction
-    combined = [o for o in range(n) if late[o] and any(graph.rules[o].reduction)
-                and not control[o]]
-    if combined:
-      after = int(depth[combined].max()) + 1
-      depth = _depths(graph, stored, unit, {v: after for o in combined
-                                            for v in graph.results[o] if v >= 0})
-  order = np.lexsort((np.arange(n), depth))
-  positions = np.empty(n, np.int64)
-  positions[order] = np.arange(n)
-  return positions
-
-
-def _depths(graph: Graph, stored: np.ndarray, unit: np.ndarray,
-            reduced: dict[int, int]) -> np.ndarray:
-  """[O] each op's depth in instructions (`breadth_first_positions`), the
-  values in `reduced` read no earlier than the depth given."""
-  n = graph.num_ops
   ready = np.zeros(graph.num_values, np.int64)  # depth at which each value exists
   depth = np.zeros(n, np.int64)
   o = 0
@@ -409,12 +385,11 @@ def _depths(graph: Graph, stored: np.ndarray, unit: np.ndarray,
       made = [v for v in graph.results[o] if v >= 0]
       depth[o] = base + (1 if stored[made].any() else 0) if made else base
       ready[made] = depth[o]
-    for m in members:
-      for v in graph.results[m]:
-        if v in reduced:
-          ready[v] = max(ready[v], reduced[v])
     o = end
-  return depth
+  order = np.lexsort((np.arange(n), depth))
+  positions = np.empty(n, np.int64)
+  positions[order] = np.arange(n)
+  return positions
 
 
 def remade_values(graph: Graph) -> np.ndarray:
@@ -489,8 +464,7 @@ class Analysis:
     in program order or `breadth_first` (`Compiler.breadth_first`)."""
     program_end = graph.num_ops
     stored, wide = materialized(graph, fuses_shared_producers, expensive)
-    late = late_ops(graph)
-    at = (breadth_first_positions(graph, stored, late) if breadth_first
+    at = (breadth_first_positions(graph, stored) if breadth_first
           else np.arange(graph.num_ops, dtype=np.int64))
     start = np.where(graph.producer >= 0, np.append(at, 0)[graph.producer], 0).astype(np.int64)
     end = start.copy()
@@ -549,7 +523,7 @@ class Analysis:
         program_end=program_end, at=at, start=start, end=end, is_input=is_input,
         resident=resident, results_made=made, results_made_at=start[made], dead=dead,
         unread=unread,
-        late=late, wide=wide, stored=stored, copies=copies,
+        late=late_ops(graph), wide=wide, stored=stored, copies=copies,
         readers=readers, dot_readers=dot_readers,
         temporary=temporary, hostable=hostable,
         free=free, loop_made=loop_made, loop_read=loop_read, loop_fused=loop_fused,

@@ -18,7 +18,6 @@ from collections.abc import Iterable
 import numpy as np
 
 from automap._src.cost import combiners, kernels, overlap
-from automap._src.cost.analysis import TIES as _TIES
 from automap._src.cost.collectives import ALL_GATHER, ALL_REDUCE, KINDS, REDUCE_SCATTER
 from automap._src.cost.memo import OpCost
 from automap._src.cost.model import Cost, CostModel
@@ -278,7 +277,6 @@ class Tracker:
     if not group:
       return []
     windows, before = self.windows(key), {}
-    model, at = self.model, self.model.analysis.at
     rows = []
     for o, (first, nbytes, end, early, _) in group.items():
       after = self.chained.get((key, o))
@@ -286,22 +284,8 @@ class Tracker:
         if after not in before:
           before[after] = self.windows(after)
         first = max(first, before[after].get(o, -1))
-      elif first > windows[o] and self._waited_for(o):
-        # Its own buffer outlives the collective (its readers wait for it on
-        # a breadth-first schedule): held until then is what the input holds
-        # beyond the tile that buffer keeps.
-        first, nbytes = int(at[o]), max(
-            nbytes - model.local_bytes(self.state, model.graph.results[o][0]), 0.0)
       rows.append((o, first, nbytes, end, early, windows[o]))
     return rows
-
-  def _waited_for(self, o: int) -> bool:
-    """Whether op o's readers wait for its combined reduction in the
-    schedule (`analysis.breadth_first_positions`: a contraction outside
-    loops, on a breadth-first schedule)."""
-    g = self.model.graph
-    return (self.model.compiler.breadth_first and any(g.rules[o].reduction)
-            and g.trips[o] == 1 and not g.regions[o] and g.prims[o] not in _TIES)
 
   def windows(self, key: tuple[int, int], depth: int = 0) -> dict[int, int]:
     """{op: time of the combined collective that reduces it} for the late
