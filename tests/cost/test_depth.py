@@ -54,6 +54,7 @@ def priced(step, args, specs, hardware="cpu", compiler=None) -> tuple[float, Tra
   return tracker.peak_memory, tracker
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("unrolled", [True, False], ids=["unrolled", "scanned"])
 def test_a_remat_stack_is_priced_as_xla_cpu_allocates_it(unrolled):
   """Within 15% of the compiled allocation (arguments, results and
@@ -64,6 +65,7 @@ def test_a_remat_stack_is_priced_as_xla_cpu_allocates_it(unrolled):
   assert peak == pytest.approx(compiled, rel=0.15)
 
 
+@pytest.mark.heavy
 def test_in_program_order_the_unrolled_stack_would_be_underpriced():
   """The breadth-first schedule is what makes the unrolled stack cost what
   it does on XLA:CPU: priced in program order, it comes out well under."""
