@@ -39,12 +39,12 @@ def _real_ends(graph: Graph, dead: np.ndarray, at: np.ndarray) -> np.ndarray:
 
 def share_loop_buffers(graph: Graph, start: np.ndarray, end: np.ndarray,
                        temporary: np.ndarray, hostable: np.ndarray,
-                       dead: np.ndarray, at: np.ndarray | None = None) -> None:
+                       dead: np.ndarray, at: np.ndarray) -> None:
   """Merges each group of tied temporaries XLA keeps in one buffer: its
   first member holds it from the group's first start to its last end
   (where no result's buffer can host it), the others hold none. Times are
-  places in the schedule, `at` (default: program order)."""
-  real = _real_ends(graph, dead, np.arange(graph.num_ops) if at is None else at)
+  places in the schedule, `at`."""
+  real = _real_ends(graph, dead, at)
   parent = np.arange(graph.num_values)
   members: dict[int, list[int]] = {}
 

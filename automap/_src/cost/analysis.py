@@ -337,8 +337,7 @@ def dependencies(operands, results, num_values: int) -> Dependencies:
 
 # Ops that tie a loop or branch to its body: XLA's while or conditional
 # instruction, scheduled as one with the body.
-_TIES = frozenset({"scan_slice", "scan_stack", "scan_carry", "while_carry", "while_enter",
-                   "cond_result"})
+_TIES = graph_lib.CARRIES | {"scan_slice", "scan_stack", "while_enter"}
 
 
 def breadth_first_positions(graph: Graph, stored: np.ndarray) -> np.ndarray:
@@ -467,10 +466,11 @@ class Analysis:
     at = (breadth_first_positions(graph, stored) if breadth_first
           else np.arange(graph.num_ops, dtype=np.int64))
     start = np.where(graph.producer >= 0, np.append(at, 0)[graph.producer], 0).astype(np.int64)
-    end = start.copy()
-    for v, uses in enumerate(graph.uses):
-      for o, _ in uses:
-        end[v] = max(end[v], at[o])
+    end = start.copy()  # then each value's last reader in the schedule
+    readers = [(v, o) for v, uses in enumerate(graph.uses) for o, _ in uses]
+    if readers:
+      v, o = np.array(readers, np.int64).T
+      np.maximum.at(end, v, at[o])
     outs = [v for v in graph.outputs if v >= 0]
     end[outs] = program_end
     is_input = graph.kind != graph_lib.INTERMEDIATE
