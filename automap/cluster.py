@@ -2,37 +2,37 @@
 microbatches and recompute for a whole cluster, and the accelerator
 co-search around it."""
 
-from automap._src.cluster.accelerator import AREA_BUDGET as AREA_BUDGET
-from automap._src.cluster.accelerator import TPU_V4_LIKE as TPU_V4_LIKE
-from automap._src.cluster.accelerator import Accelerator as Accelerator
-from automap._src.cluster.accelerator import AcceleratorError as AcceleratorError
+from automap._src.cluster.accelerator.chip import AREA_BUDGET as AREA_BUDGET
+from automap._src.cluster.accelerator.chip import TPU_V4_LIKE as TPU_V4_LIKE
+from automap._src.cluster.accelerator.chip import Accelerator as Accelerator
+from automap._src.cluster.accelerator.chip import AcceleratorError as AcceleratorError
+from automap._src.cluster.accelerator.cosearch import AcceleratorPlan as AcceleratorPlan
+from automap._src.cluster.accelerator.cosearch import search_accelerator as search_accelerator
+from automap._src.cluster.accelerator.options import CoSearchOptions as CoSearchOptions
+from automap._src.cluster.accelerator.passes import Workload as Workload
 from automap._src.cluster.cluster_plan import ClusterPlan as ClusterPlan
 from automap._src.cluster.cluster_plan import ReplicatedWeightsWarning as ReplicatedWeightsWarning
 from automap._src.cluster.cluster_plan import plan_cluster as plan_cluster
 from automap._src.cluster.cluster_plan import price_cluster as price_cluster
-from automap._src.cluster.configured import ClusterConfig as ClusterConfig
-from automap._src.cluster.configured import price as price_placement
-from automap._src.cluster.cosearch import AcceleratorPlan as AcceleratorPlan
-from automap._src.cluster.cosearch import search_accelerator as search_accelerator
-from automap._src.cluster.executor import PipelineState as PipelineState
-from automap._src.cluster.executor import PipelineStep as PipelineStep
-from automap._src.cluster.layer_graph import Layer as Layer
-from automap._src.cluster.layer_graph import LayerCost as LayerCost
-from automap._src.cluster.layer_graph import LayerGraph as LayerGraph
-from automap._src.cluster.layer_graph import Placement as Placement
-from automap._src.cluster.layer_graph import PlacementError as PlacementError
-from automap._src.cluster.layer_graph import Shared as Shared
-from automap._src.cluster.layer_graph import Stage as Stage
-from automap._src.cluster.options import ClusterOptions as ClusterOptions
-from automap._src.cluster.options import CoSearchOptions as CoSearchOptions
-from automap._src.cluster.options import PlacementOptions as PlacementOptions
-from automap._src.cluster.passes import Workload as Workload
-from automap._src.cluster.pipeline import PipelineError as PipelineError
-from automap._src.cluster.pipeline import pipelined as pipelined
-from automap._src.cluster.pipeline import pipelined_loss as pipelined_loss
-from automap._src.cluster.pipeline_schedule import Timetable as Timetable
-from automap._src.cluster.pipeline_schedule import timetable as timetable
-from automap._src.cluster.placement import place as place
+from automap._src.cluster.execute.executor import PipelineState as PipelineState
+from automap._src.cluster.execute.executor import PipelineStep as PipelineStep
+from automap._src.cluster.execute.pipeline import PipelineError as PipelineError
+from automap._src.cluster.execute.pipeline import pipelined as pipelined
+from automap._src.cluster.execute.pipeline import pipelined_loss as pipelined_loss
+from automap._src.cluster.placement.configured import ClusterConfig as ClusterConfig
+from automap._src.cluster.placement.configured import price as price_placement
+from automap._src.cluster.placement.dp import place as place
+from automap._src.cluster.placement.options import ClusterOptions as ClusterOptions
+from automap._src.cluster.placement.options import PlacementOptions as PlacementOptions
+from automap._src.cluster.profile.layer_graph import Layer as Layer
+from automap._src.cluster.profile.layer_graph import LayerCost as LayerCost
+from automap._src.cluster.profile.layer_graph import LayerGraph as LayerGraph
+from automap._src.cluster.profile.layer_graph import Placement as Placement
+from automap._src.cluster.profile.layer_graph import PlacementError as PlacementError
+from automap._src.cluster.profile.layer_graph import Shared as Shared
+from automap._src.cluster.profile.layer_graph import Stage as Stage
+from automap._src.cluster.schedule.timetable import Timetable as Timetable
+from automap._src.cluster.schedule.timetable import timetable as timetable
 
 __all__ = (
     "AREA_BUDGET",

@@ -27,11 +27,12 @@ import optax
 
 import automap
 from automap import Budget
-from automap._src.cluster import layers as layers_lib
-from automap._src.cluster.layer_graph import LayerGraph, PlacementError
-from automap._src.cluster.options import PlacementOptions
-from automap._src.cluster.placement import place_any
+from automap._src.cluster.placement.dp import place_any
+from automap._src.cluster.placement.options import PlacementOptions
+from automap._src.cluster.profile import layers as layers_lib
+from automap._src.cluster.profile.layer_graph import LayerGraph, PlacementError
 from automap._src.models.gpt import GPT, GPTConfig
+from automap._src.plan import planner
 
 # name: (layers, hidden, heads, seq, vocab, global batch, baseline (p, d, t))
 MODELS = {
@@ -67,7 +68,7 @@ def block_profile(name: str, hardware: str, episodes: int,
                   sizes: tuple[int, ...]) -> layers_lib.Profile:
   """Layer costs of the 2-block model of the named shape at each microbatch size."""
   loss, params, batch = block_model(name)
-  search = layers_lib.sharding_search(Budget(episodes=episodes, seconds=120, progress=False))
+  search = planner.searcher(Budget(episodes=episodes, seconds=120, progress=False))
   return layers_lib.measure(loss, params, batch, widths=WIDTHS,
                             hardware=automap.HARDWARE[hardware], search=search, sizes=sizes)
 

@@ -71,13 +71,13 @@ from jax.sharding import PartitionSpec as P
 
 import automap
 from automap import cluster
-from automap._src.cluster import context as context_lib
-from automap._src.cluster import layers as layers_lib
-from automap._src.cluster.configured import price
-from automap._src.cluster.layer_graph import PlacementError
-from automap._src.cluster.layers import Profile
-from automap._src.cluster.options import PlacementOptions
-from automap._src.cluster.placement import place_any
+from automap._src.cluster.placement.configured import price
+from automap._src.cluster.placement.dp import place_any
+from automap._src.cluster.placement.options import PlacementOptions
+from automap._src.cluster.profile import context as context_lib
+from automap._src.cluster.profile import layers as layers_lib
+from automap._src.cluster.profile.layer_graph import PlacementError
+from automap._src.cluster.profile.layers import Profile
 from automap._src.cost import calibration
 from automap._src.cost.program import Program
 from automap._src.ir import trace as trace_lib

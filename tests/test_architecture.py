@@ -8,9 +8,13 @@ import pathlib
 import automap
 
 ROOT = pathlib.Path(automap.__file__).resolve().parent
-# The packages under automap/_src/, in pipeline order: a module imports only
-# from its own package or those before it.
-ORDER = ("models", "ir", "sharding", "cost", "search", "plan", "run", "cluster", "cli")
+# The packages (and the two front-door modules) under automap/_src/, in
+# pipeline order: a module imports only from its own package or those before it.
+ORDER = ("models", "ir", "sharding", "cost", "search", "plan", "run", "api", "partitioned",
+         "cluster", "cli")
+# The cluster planner's sub-packages, likewise; the modules at cluster/'s top
+# (`cluster_plan`) come after them all.
+CLUSTER = ("profile", "schedule", "placement", "execute", "accelerator")
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -44,6 +48,25 @@ def test_no_import_runs_back_up_the_pipeline():
   modules = _modules()
   back = [(a, b) for a, found in _imports(modules).items() for b, _ in found
           if _package(a) and _package(b) and ORDER.index(_package(b)) > ORDER.index(_package(a))]
+  assert not back
+
+
+def _cluster_rank(module: str) -> int | None:
+  """Where `module` sits in the cluster planner's order: its sub-package's
+  index, len(CLUSTER) for cluster/'s top modules, None outside cluster/."""
+  parts = module.split(".")
+  if parts[:3] != ["automap", "_src", "cluster"] or len(parts) < 4:
+    return None
+  return CLUSTER.index(parts[3]) if parts[3] in CLUSTER else len(CLUSTER)
+
+
+def test_the_cluster_planner_runs_profile_to_accelerator():
+  modules = _modules()
+  assert {m.split(".")[3] for m in modules if _cluster_rank(m) is not None
+          and _cluster_rank(m) < len(CLUSTER)} == set(CLUSTER)
+  back = [(a, b) for a, found in _imports(modules).items() for b, _ in found
+          if _cluster_rank(a) is not None and _cluster_rank(b) is not None
+          and _cluster_rank(b) > _cluster_rank(a)]
   assert not back
 
 

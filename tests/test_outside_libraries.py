@@ -20,7 +20,8 @@ import pytest
 from helpers import mesh, saved_dot_outputs
 
 import automap
-from automap._src.cluster import layers as layers_lib
+from automap._src.cluster.profile import layers as layers_lib
+from automap._src.plan import planner
 
 os.environ.setdefault("KERAS_BACKEND", "jax")  # before keras is first imported
 pytest.importorskip("equinox")
@@ -89,7 +90,7 @@ def test_dots_policy_keeps_what_jax_saves_of_huggingface_gpt2():
     saved = saved_dot_outputs(loss, model.params, tokens, tokens)
     profile = layers_lib.measure(loss, model.params, (tokens, tokens), widths=[1],
                                  hardware=automap.HARDWARE["cpu"],
-                                 search=layers_lib.sharding_search(None))
+                                 search=planner.searcher(None))
   assert len(saved) == 9
   dots = {layer.name: layer.widths[1].dots for layer in profile.at(2).layers}
   f32 = 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -11,7 +12,6 @@ import numpy as np
 from automap._src.cost.hardware import Hardware, get_hardware, on_mesh
 from automap._src.cost.model import Cost
 from automap._src.cost.tracker import Tracker
-from automap._src.ir import trace as trace_lib
 from automap._src.plan import cache as cache_lib
 from automap._src.plan import planner
 from automap._src.plan.plan import Plan
@@ -27,8 +27,8 @@ AnyMesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
 
 def search(fn: Callable, *args, mesh: AnyMesh | None = None, devices: int | None = None,
            hardware: str | Hardware = "tpu-v4", options: SearchOptions | None = None,
-           cache: bool | str | os.PathLike = False, names=None, layout=None,
-           layout_rules=None, **search_options) -> Plan:
+           cache: bool | str | os.PathLike = False, names: Any = None, layout: Any = None,
+           layout_rules: Any = None, **search_options: Any) -> Plan:
   """Plans `fn(*args)` without running it.
 
   Args:
@@ -56,9 +56,18 @@ def search(fn: Callable, *args, mesh: AnyMesh | None = None, devices: int | None
     layout_rules: (logical, mesh axes) pairs for logical names in `layout`,
       else flax's rules active now.
 
+    **search_options: `SearchOptions` fields, as keywords.
+
   Returns:
     The `automap.Plan`: argument and result PartitionSpecs, the predicted
     `Cost` on the clock the search minimised, yardsticks and statistics.
+
+  Raises:
+    TypeError: neither or both of `mesh` and `devices`, or an option of the
+      wrong type.
+    ValueError: `devices` not a positive integer, or an option out of range.
+    automap.MeshError: a mesh or a stated layout that does not fit the program.
+    automap.MemoryLimitError: no plan fits `memory_limit`.
   """
   if (mesh is None) == (devices is None):
     raise TypeError("search takes exactly one of mesh= (a jax.sharding.Mesh) "
@@ -67,7 +76,7 @@ def search(fn: Callable, *args, mesh: AnyMesh | None = None, devices: int | None
   if mesh is not None:
     folder = cache_lib.resolve(cache)
     spec = MeshSpec.of(mesh)  # Checked before the trace uses it.
-    traced = trace_lib.trace(fn, args, mesh, names=names)
+    traced = planner.trace(fn, args, mesh, names=names)
     return planner.plan(traced, spec, on_mesh(get_hardware(hardware), mesh), request,
                         None if folder is None else cache_lib.PlanCache(folder),
                         planner.read_layout(traced, args, spec, layout, layout_rules, request),
@@ -75,18 +84,19 @@ def search(fn: Callable, *args, mesh: AnyMesh | None = None, devices: int | None
   if (not isinstance(devices, (int, np.integer)) or isinstance(devices, bool)
       or devices < 1):
     raise ValueError(f"devices must be a positive integer, got {devices!r}.")
-  traced = trace_lib.trace(fn, args, names=names)
+  traced = planner.trace(fn, args, names=names)
   return planner.plan_on_devices(traced, args, devices, get_hardware(hardware), request,
                                  layout, layout_rules)
 
 
-def evaluate(fn: Callable, *args, mesh: AnyMesh, in_shardings=None,
+def evaluate(fn: Callable, *args: Any, mesh: AnyMesh, in_shardings: Any = None,
              hardware: str | Hardware = "tpu-v4", constraints: str = "keep",
-             names=None, layout_rules=None) -> Cost:
+             names: Any = None, layout_rules: Any = None) -> Cost:
   """Cost of a hand-written strategy under the same cost model.
 
   Args:
-    fn, *args: the step and its arguments (leaves may be ShapeDtypeStructs).
+    fn: the step.
+    *args: its arguments (leaves may be ShapeDtypeStructs).
     mesh: the mesh the layout names axes of.
     in_shardings: a pytree (or prefix) of PartitionSpecs for the arguments;
       None takes the layout the arguments state, as `jax.jit` does (flax
@@ -97,10 +107,16 @@ def evaluate(fn: Callable, *args, mesh: AnyMesh, in_shardings=None,
     constraints: "keep" prices the program's own constraints as XLA
       compiles them (values they name laid out so, the rest propagated);
       "ignore" as if it had none.
-    names, layout_rules: as for `search`.
+    names: as for `search`.
+    layout_rules: as for `search`.
 
   Returns:
     The `automap.Cost` of the layout, on the clock the searches minimise.
+
+  Raises:
+    ValueError: `constraints` neither "keep" nor "ignore".
+    automap.MeshError: `in_shardings` or the stated layout does not fit
+      the arguments or the mesh.
   """
   if constraints not in ("keep", "ignore"):
     raise ValueError(
@@ -119,13 +135,14 @@ def evaluate(fn: Callable, *args, mesh: AnyMesh, in_shardings=None,
   return Tracker(program.model, state).cost()
 
 
-def verify(plan: Plan, fn: Callable, *args, mesh: jax.sharding.Mesh | None = None,
-           check_numerics: bool = True, names=None) -> verify_lib.Report:
+def verify(plan: Plan, fn: Callable, *args: Any, mesh: jax.sharding.Mesh | None = None,
+           check_numerics: bool = True, names: Any = None) -> verify_lib.Report:
   """Compiles `plan` for `fn(*args)` and compares it with the prediction.
 
   Args:
     plan: an `automap.Plan` of `fn` for these arguments' signature.
-    fn, *args: the step and concrete arguments.
+    fn: the step.
+    *args: its concrete arguments.
     mesh: the mesh to compile on (default: one of the plan's shape made of
       the local devices).
     check_numerics: also run the partitioned and the unpartitioned step and
@@ -136,5 +153,8 @@ def verify(plan: Plan, fn: Callable, *args, mesh: jax.sharding.Mesh | None = Non
     An `automap.Report`: compiled collectives (kind, bytes, mesh axes) and
     memory against the prediction re-priced for the platform compiled on
     (XLA:CPU never forms reduce-scatters), and the largest numeric errors.
+
+  Raises:
+    automap.PlanError: the plan was made for another signature or mesh shape.
   """
   return verify_lib.verify(plan, fn, args, mesh, check_numerics, names)

@@ -112,7 +112,7 @@ class Partitioned:
       t0 = time.perf_counter()
       # Once a trace needed numbers static, they are static for every call,
       # so a key and the program it finds agree on what the numbers are.
-      traced = trace_lib.trace(fn, args, self.mesh, numbers=None if self._numbers else False,
+      traced = planner.trace(fn, args, self.mesh, numbers=None if self._numbers else False,
                                names=self.names)
       if not traced.numbers_traced:  # The program reads its numbers concretely.
         self._numbers = False

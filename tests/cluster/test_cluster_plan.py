@@ -11,9 +11,10 @@ import pytest
 import automap
 from automap import cluster
 from automap._src.cli import main as cli
-from automap._src.cluster import layers as layers_lib
+from automap._src.cluster.profile import layers as layers_lib
 from automap._src.cost.tracker import Tracker
 from automap._src.models import gpt
+from automap._src.plan import planner
 
 CONFIG = gpt.GPTConfig(vocab=256, seq=32, hidden=64, heads=4, layers=4)
 BUDGET = automap.Budget(episodes=12, seconds=20, progress=False)
@@ -65,7 +66,7 @@ def test_wider_tensor_parallel_groups_step_faster():
                            fp32_flops=2e12, link_latency=1e-6)
 
   profile = layers_lib.measure(loss, params, (batch,), widths=[1, 4], hardware=hw,
-                               search=layers_lib.sharding_search(BUDGET), sizes=[16])
+                               search=planner.searcher(BUDGET), sizes=[16])
   one, four = profile.graphs[8][1], profile.graphs[8][4]
   # The layers' seconds add up to the cost model's serial step time of the
   # searched sharding (the cluster model overlaps collectives itself),

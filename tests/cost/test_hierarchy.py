@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import automap
-from automap._src.cluster.rings import Ring
+from automap._src.cluster.placement.rings import Ring
 from automap._src.cost.collectives import ALL_GATHER, ALL_REDUCE, ring_seconds, staged_seconds
 from automap._src.cost.model import CostModel
 from automap._src.ir import graph as graph_lib

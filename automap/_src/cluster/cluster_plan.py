@@ -17,16 +17,17 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from automap._src.cluster import configured
-from automap._src.cluster import layers as layers_lib
-from automap._src.cluster.configured import ClusterConfig
-from automap._src.cluster.executor import PipelineStep
-from automap._src.cluster.layer_graph import JsonFile, Placement, PlacementError
-from automap._src.cluster.options import ClusterOptions, memory_limit
-from automap._src.cluster.pipeline_schedule import timetable
-from automap._src.cluster.placement import place_any
+from automap._src.cluster.execute.executor import PipelineStep
+from automap._src.cluster.placement import configured
+from automap._src.cluster.placement.configured import ClusterConfig
+from automap._src.cluster.placement.dp import place_any
+from automap._src.cluster.placement.options import ClusterOptions, memory_limit
+from automap._src.cluster.profile import layers as layers_lib
+from automap._src.cluster.profile.layer_graph import JsonFile, Placement, PlacementError
+from automap._src.cluster.schedule.timetable import timetable
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.ir import graph as graph_lib
+from automap._src.plan import planner
 from automap._src.plan.explain import format_bytes
 from automap._src.search.request import with_keywords
 
@@ -247,7 +248,7 @@ def plan_cluster(loss_fn: Callable, params, *batch, devices: int, global_batch: 
         f"microbatches must be sizes that divide global_batch={global_batch}, "
         f"got {microbatches!r}.")
   profile = layers_lib.measure(loss_fn, params, batch, widths=widths, hardware=hw,
-                               search=layers_lib.sharding_search(options.budget, options.seed),
+                               search=planner.searcher(options.budget, options.seed),
                                sizes=microbatches, fused_attention=options.fused_attention)
   t1 = time.perf_counter()
   placement, i = place_any(
@@ -319,7 +320,7 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
   # of their parameters and gradients: the search has the memory for that.
   limit = memory_limit(options, hw)
   share = config.pipeline * ((config.shard_group or config.data) if config.zero == 3 else 1)
-  search = layers_lib.sharding_search(options.budget, options.seed,
+  search = planner.searcher(options.budget, options.seed,
                                       None if math.isinf(limit) else limit * share)
   width = config.width
   profile = layers_lib.measure(loss_fn, params, batch, widths=[width], hardware=hw,

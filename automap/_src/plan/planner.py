@@ -2,19 +2,24 @@
 
 Every caller that turns a step into a plan goes through here: the public
 API (`search`, `partition`, the `devices=` mesh choice), evaluation of a
-stated layout, cluster planning's per-width plans, policy training and the
-benchmarks.
+stated layout, cluster planning's per-width searches (`searcher`,
+`state_on`), policy training and the benchmarks. `run` is the library's one
+call of the search driver.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from automap._src.cost.hardware import Hardware, get_hardware, on_mesh
 from automap._src.cost.program import Program
 from automap._src.ir import constraints as constraints_lib
+from automap._src.ir import graph as graph_lib
 from automap._src.ir import trace as trace_lib
 from automap._src.plan import build
 from automap._src.plan import cache as cache_lib
@@ -46,7 +51,7 @@ def build_program(fn: Callable, args: tuple, mesh, hardware: str | Hardware,
     The `Program`: its graph, cost model and pins.
   """
   spec = MeshSpec.of(mesh)  # Checked before the trace uses it.
-  traced = trace_lib.trace(fn, args, mesh, names=names)
+  traced = trace(fn, args, mesh, names=names)
   return Program.build(traced, spec, on_mesh(get_hardware(hardware), mesh),
                        (hints or Hints()).fixed,
                        constraints=constraints)
@@ -120,7 +125,7 @@ def plan(traced: trace_lib.Traced, mesh: MeshSpec, hardware: Hardware,
                                  in_tree=traced.in_tree, out_tree=traced.out_tree)
   request = request.resolved(hardware)
   program = program_for(traced, mesh, hardware, request, layout, explicit)
-  found = build.plan_of(program, driver.run(program, request), request.memory_limit)
+  found = build.plan_of(program, run(program, request), request.memory_limit)
   if store is not None:
     store.store(k, found)
   return found
@@ -152,11 +157,108 @@ def plan_on_devices(traced: trace_lib.Traced, args: tuple, devices: int,
       program.check_layout()
     except MeshError:
       program = program.without_layout()
-    found = driver.run(program, share)
+    found = run(program, share)
     if best is None or found.score < best[1].score:
       best = (program, found)
   return build.plan_of(*best, request.memory_limit)
 
 
-__all__ = ["AXIS_NAMES", "build_program", "plan", "plan_on_devices", "program_for",
-           "read_layout"]
+def run(program: Program, request: SearchOptions, policy=None) -> driver.Found:
+  """The search `request` asks for on `program` (`driver.run`), its
+  memory_limit resolved against the program's hardware first."""
+  return driver.run(program, request.resolved(program.hardware), policy)
+
+
+def trace(fn: Callable, args: tuple, mesh=None, **options) -> trace_lib.Traced:
+  """`fn(*args)` traced (on `mesh` where given): the first step of every
+  plan. `options` as `ir.trace.trace` takes them (`names`, `numbers`)."""
+  return trace_lib.trace(fn, args, mesh, **options)
+
+
+def searcher(budget: Budget | None, seed: int = 0,
+             memory_limit: float | str | None = "device") -> Callable[[Program], np.ndarray]:
+  """`search(program) -> state`: the sharding search's plan under `budget`
+  and `memory_limit` (bytes per device for the whole traced step, as
+  `SearchOptions` reads it), or everything whole on one device. Its `key`
+  says what `state_on`'s cache keys the search by."""
+  request = SearchOptions(budget=budget, seed=seed, memory_limit=memory_limit)
+
+  def search(program: Program) -> np.ndarray:
+    if program.mesh.num_devices == 1:
+      return program.initial_state()
+    return run(program, request).state
+
+  search.key = (budget, seed, memory_limit)
+  return search
+
+
+# Searched states by (program digest, mesh, hardware, search, pins):
+# pricing several splits of one model (price_cluster per config,
+# plan_cluster beside it) searches each width once, and alike (a wall-clock
+# budget would not). Only states are kept: the program is built from each
+# call's trace, whose name scopes the digest does not cover.
+SEARCHED: OrderedDict[tuple, np.ndarray] = OrderedDict()
+SEARCHED_MAX = 16
+
+
+def state_on(traced: trace_lib.Traced, mesh: MeshSpec, hardware: Hardware,
+             search: Callable[[Program], np.ndarray], *, graph: graph_lib.Graph | None = None,
+             pins: Sequence = (), pinned_by: str = "", reuse: np.ndarray | None = None,
+             key: tuple = ()) -> tuple[Program, np.ndarray]:
+  """(program, state) of `traced` on `mesh`: `search`'s state, or `reuse`
+  (a state searched at another batch size) where it divides the shapes.
+
+  Args:
+    traced, graph: the traced step and its graph (`trace`; built if None).
+    mesh, hardware: where it runs.
+    search: `searcher`'s callable, or any program -> state; one with a
+      `key` is cached in `SEARCHED` under it, `key` and the mesh.
+    pins: (value, PartitionSpec) the search keeps, `pinned_by` naming why.
+    reuse: a state to take instead of searching where it fits.
+    key: what else the state depends on (the caller's choices).
+
+  Returns:
+    The program (with `pins`) and its state.
+  """
+  program = Program.build(traced, mesh, hardware, graph=graph)
+  if pins:
+    program = program.with_pins(list(pins), pinned_by)
+  cache = None
+  if getattr(search, "key", None) is not None:
+    cache = (traced.fingerprint(), mesh, hardware, search.key, *key)
+    try:
+      hash(cache)
+    except TypeError:  # an unhashable hardware: no cache
+      cache = None
+  if cache is not None and cache in SEARCHED:
+    SEARCHED.move_to_end(cache)
+    return program, SEARCHED[cache].copy()
+  if reuse is not None and divides_shapes(program, reuse):
+    return program, reuse
+  state = search(program)
+  if cache is not None:
+    SEARCHED[cache] = state.copy()
+    while len(SEARCHED) > SEARCHED_MAX:
+      SEARCHED.popitem(last=False)
+  return program, state
+
+
+def divides_shapes(program: Program, state: np.ndarray) -> bool:
+  """Whether every tiled dimension of `state` divides on `program`'s shapes."""
+  g, sizes = program.graph, program.mesh.axis_sizes
+  if state.shape[0] != g.num_values:
+    return False
+  for v, a in zip(*np.nonzero(state >= 0)):
+    if g.shapes[v][state[v, a]] % sizes[a]:
+      return False
+  return True
+
+
+def plan_of_state(program: Program, state: np.ndarray) -> Plan:
+  """The `Plan` of a state found for `program` (`state_on`)."""
+  return build.make_plan(program, state, {})
+
+
+__all__ = ["AXIS_NAMES", "SEARCHED", "build_program", "divides_shapes", "plan", "plan_of_state",
+           "plan_on_devices", "program_for", "read_layout", "run", "searcher", "state_on",
+           "trace"]

@@ -21,8 +21,7 @@ from automap._src.cost.compiler import PLATFORMS, XLA_TPU, compiler_for
 from automap._src.cost.model import KINDS, Cost
 from automap._src.cost.program import Program
 from automap._src.cost.tracker import Tracker
-from automap._src.ir import trace as trace_lib
-from automap._src.plan import build
+from automap._src.plan import build, planner
 from automap._src.plan.errors import PlanError
 from automap._src.plan.plan import Plan
 from automap._src.run import apply as apply_lib
@@ -173,7 +172,7 @@ def verify(plan: Plan, fn: Callable, args: tuple, mesh=None,
       plan.mesh.axis_sizes, plan.mesh.axis_names)
   if MeshSpec.of(mesh) != plan.mesh:
     raise MeshError(f"mesh {MeshSpec.of(mesh)} differs from the plan's {plan.mesh}.")
-  traced = trace_lib.trace(fn, args, mesh, names=names)
+  traced = planner.trace(fn, args, mesh, names=names)
   if traced.fingerprint() != plan.fingerprint:
     raise PlanError(
         "the plan was made for a different program (fingerprint "

@@ -20,7 +20,12 @@ from automap._src.ir import constraints as constraints_lib
 from automap._src.search import front as front_lib
 from automap._src.search import ilp, mcts, refine
 from automap._src.search.actions import ActionSpace
-from automap._src.search.request import MemoryLimitError, SearchOptions, SearchWarning
+from automap._src.search.request import (
+  MemoryLimitError,
+  SearchOptions,
+  SearchWarning,
+  bytes_per_device,
+)
 from automap._src.search.tactics import expert_states
 from automap._src.sharding import propagation_kernels as kernels
 from automap._src.sharding.state import State
@@ -59,8 +64,7 @@ def policy_for(request: SearchOptions, program: Program) -> mcts.Policy | None:
   are imported only then)."""
   if request.policy == "uniform":
     return None
-  limit = request.resolved(program.hardware).memory_limit
-  limit = None if limit is None else float(limit)
+  limit = bytes_per_device(request.memory_limit, program.hardware)
   if request.policy == "lookahead":
     from automap._src.search.policy.baselines import LookaheadPolicy
 

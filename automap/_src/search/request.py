@@ -75,6 +75,15 @@ class Budget:
 
 SEARCHES = ("mcts", "ilp")
 DEVICE = "device"  # memory_limit: the hardware's capacity
+
+
+def bytes_per_device(memory_limit: float | str | None, hardware) -> float | None:
+  """A memory_limit as bytes per device: `hardware.hbm_capacity` for
+  "device", None (no limit) for None, else the number given. The one place
+  "device" becomes bytes, for the sharding search and the cluster planners."""
+  if memory_limit is None:
+    return None
+  return float(hardware.hbm_capacity if memory_limit == DEVICE else memory_limit)
 STARTS = ("search", "your layout")
 
 
@@ -173,7 +182,7 @@ class SearchOptions:
     """These options with memory_limit="device" as `hardware`'s capacity."""
     if self.memory_limit != DEVICE:
       return self
-    return dataclasses.replace(self, memory_limit=float(hardware.hbm_capacity))
+    return dataclasses.replace(self, memory_limit=bytes_per_device(self.memory_limit, hardware))
 
   def policy_id(self) -> str:
     """What the policy's priors depend on: none, or its weights' digest."""
@@ -215,5 +224,5 @@ def with_keywords(cls: type, options, keywords: dict, function: str):
   return options
 
 
-__all__ = ["SEARCHES", "Budget", "Hints", "MemoryLimitError", "SearchOptions",
-           "SearchWarning", "with_keywords"]
+__all__ = ["DEVICE", "SEARCHES", "Budget", "Hints", "MemoryLimitError", "SearchOptions",
+           "SearchWarning", "bytes_per_device", "with_keywords"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from automap._src.cluster.layer_graph import SCHEDULES, PlacementError
+from automap._src.cluster.profile.layer_graph import SCHEDULES, PlacementError
 
 
 @dataclasses.dataclass(frozen=True, order=True)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from ortools.sat.python import cp_model
 
-from automap._src.cluster.accelerator import (
+from automap._src.cluster.accelerator.chip import (
   Accelerator,
   AcceleratorError,
   Op,

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from automap._src.cluster import accelerator as acc_lib
-from automap._src.cluster import scheduling as scheduling_lib
-from automap._src.cluster.accelerator import (
+from automap._src.cluster.accelerator import chip as acc_lib
+from automap._src.cluster.accelerator import scheduling as scheduling_lib
+from automap._src.cluster.accelerator.chip import (
   AREA_BUDGET,
   TPU_V4_LIKE,
   Accelerator,
@@ -20,7 +20,11 @@ from automap._src.cluster.accelerator import (
   Op,
   latency,
 )
-from automap._src.cluster.scheduling import schedule, schedule_latencies, schedule_layers
+from automap._src.cluster.accelerator.scheduling import (
+  schedule,
+  schedule_latencies,
+  schedule_layers,
+)
 
 MiB = 2**20
 

@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from automap._src.cluster import accelerator as acc_lib
-from automap._src.cluster import layers as layers_lib
-from automap._src.cluster.layer_graph import LayerGraph
+from automap._src.cluster.accelerator import chip as acc_lib
+from automap._src.cluster.profile import layers as layers_lib
+from automap._src.cluster.profile.layer_graph import LayerGraph
 from automap._src.cost.hardware import Hardware
 from automap._src.plan import report
 

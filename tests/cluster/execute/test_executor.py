@@ -18,7 +18,7 @@ import pytest
 
 import automap
 from automap import cluster
-from automap._src.cluster import placement as placement_lib
+from automap._src.cluster.placement import dp as placement_lib
 from automap._src.models import gpt, zoo
 
 GPT = gpt.GPTConfig(vocab=64, seq=8, hidden=32, heads=2, layers=4)  # tied embeddings

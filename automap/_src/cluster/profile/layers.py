@@ -23,24 +23,27 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from automap._src.cluster import context as context_lib
-from automap._src.cluster.layer_graph import Layer, LayerCost, LayerGraph, PlacementError, Shared
+from automap._src.cluster.profile import context as context_lib
+from automap._src.cluster.profile.layer_graph import (
+  Layer,
+  LayerCost,
+  LayerGraph,
+  PlacementError,
+  Shared,
+)
 from automap._src.cost.hardware import Hardware
 from automap._src.cost.program import Program
 from automap._src.ir import graph as graph_lib
-from automap._src.ir import trace as trace_lib
 from automap._src.ir.factor_rule import UNSHARDABLE
 from automap._src.ir.naming import UNSCOPED, containers, is_backward, layer_of, layer_runs
-from automap._src.plan import build, report
-from automap._src.search import driver
-from automap._src.search.request import SearchOptions
+from automap._src.plan import planner, report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,23 +236,6 @@ def policy_rerun(g, cut: LayerCut, needed: np.ndarray,
   return saved, rerun
 
 
-def sharding_search(budget, seed: int = 0,
-                    memory_limit: float | str | None = "device") -> Callable[[Program], np.ndarray]:
-  """`search(program) -> state` for `measure`: the sharding search's plan
-  under `budget` (an automap.Budget) and `memory_limit` (bytes per device
-  for the whole traced step, as `automap.SearchOptions` reads it), or
-  everything whole on one device."""
-  request = SearchOptions(budget=budget, seed=seed, memory_limit=memory_limit)
-
-  def search(program: Program) -> np.ndarray:
-    if program.mesh.num_devices == 1:
-      return program.initial_state()
-    return driver.run(program, request).state
-
-  search.key = (budget, seed, memory_limit)  # what `measure`'s cache keys the search by
-  return search
-
-
 def replicated_share(program: Program, state: np.ndarray, params_count: int) -> float:
   """Share of the parameters' bytes a plan leaves whole on every device."""
   g = program.graph
@@ -257,15 +243,6 @@ def replicated_share(program: Program, state: np.ndarray, params_count: int) -> 
   total = float(sum(g.nbytes[v] for v in params))
   whole = float(sum(g.nbytes[v] for v in params if (state[v] < 0).all()))
   return whole / total if total else 0.0
-
-
-# Searched states by (program digest, width, hardware, search): pricing
-# several splits of one model (price_cluster per config, plan_cluster beside
-# it) searches each width once, and alike (a wall-clock budget would not).
-# Only states are kept: the program is built from each call's trace, whose
-# name scopes (what layers are named by) the digest does not cover.
-_SEARCHED: OrderedDict[tuple, np.ndarray] = OrderedDict()
-_SEARCHED_MAX = 16
 
 
 def sequence_layouts(g, params_count: int, width: int) -> list[tuple[int, PartitionSpec]]:
@@ -302,45 +279,24 @@ def sequence_layouts(g, params_count: int, width: int) -> list[tuple[int, Partit
 def _searched(traced, t: int, hardware: Hardware, search, example: np.ndarray | None,
               params_count: int = 0, sequence_parallel: bool = False, graph=None,
               context: int = 1):
-  """(program, state) of `traced` (its `graph`, where built) on a width-t
-  mesh: the search's, or `example` (a state searched at another batch size)
-  where it divides; with `sequence_parallel`, the activations
+  """(program, state) of `traced` (its `graph`) on a width-t mesh
+  (`planner.state_on`): with `sequence_parallel`, the activations
   `sequence_layouts` names pinned. With `context` > 1 the mesh is ("context",
   "model") of (context, t / context), the tensor group minor (within a
   node), the batch's sequence pinned over "context", the rest searched."""
   model = t // context
-  program = Program.build(traced, context_lib.stage_mesh(t, context), hardware, graph=graph)
   pins = []
   if sequence_parallel and model > 1:
-    pins += sequence_layouts(program.graph, params_count, model)
+    pins += sequence_layouts(graph, params_count, model)
   if context > 1:
-    g = program.graph
-    pins = [(v, PartitionSpec(None, (context_lib.CONTEXT, "model") if g.shapes[v][1] % t == 0
+    pins = [(v, PartitionSpec(None, (context_lib.CONTEXT, "model") if graph.shapes[v][1] % t == 0
                               else "model")) for v, _ in pins]
-    pins += [(v, PartitionSpec(None, context_lib.CONTEXT)) for v in g.inputs[params_count:]
-             if g.rank(v) >= 2 and g.shapes[v][1] % context == 0]
-  if pins:
-    program = program.with_pins(pins, "context parallelism" if context > 1 else
-                                "sequence parallelism")
-  key = None
-  if getattr(search, "key", None) is not None:
-    key = (traced.fingerprint(), t, hardware, search.key, sequence_parallel and model > 1,
-           context)
-    try:
-      hash(key)
-    except TypeError:  # an unhashable hardware: no cache
-      key = None
-  if key is not None and key in _SEARCHED:
-    _SEARCHED.move_to_end(key)
-    return program, _SEARCHED[key].copy()
-  if example is not None and _divides_shapes(program, example):
-    return program, example
-  state = search(program)
-  if key is not None:
-    _SEARCHED[key] = state.copy()
-    while len(_SEARCHED) > _SEARCHED_MAX:
-      _SEARCHED.popitem(last=False)
-  return program, state
+    pins += [(v, PartitionSpec(None, context_lib.CONTEXT)) for v in graph.inputs[params_count:]
+             if graph.rank(v) >= 2 and graph.shapes[v][1] % context == 0]
+  return planner.state_on(
+      traced, context_lib.stage_mesh(t, context), hardware, search, graph=graph, pins=pins,
+      pinned_by="context parallelism" if context > 1 else "sequence parallelism",
+      reuse=example, key=(sequence_parallel and model > 1,))
 
 
 def fused_attention_ops(g, cut: LayerCut, scores: np.ndarray) -> np.ndarray:
@@ -531,17 +487,6 @@ def outline(g, params_count: int, widths: Sequence[int]) -> LayerGraph:
                     layer_edges(g, cut))
 
 
-def _divides_shapes(program: Program, state: np.ndarray) -> bool:
-  """Whether every tiled dimension of `state` divides on `program`'s shapes."""
-  g, sizes = program.graph, program.mesh.axis_sizes
-  if state.shape[0] != g.num_values:
-    return False
-  for v, a in zip(*np.nonzero(state >= 0)):
-    if g.shapes[v][state[v, a]] % sizes[a]:
-      return False
-  return True
-
-
 def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int],
             hardware: Hardware, search: Callable[[Program], np.ndarray],
             sizes: Sequence[int] = (), fused_attention: bool = False,
@@ -570,7 +515,7 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
   example = found.pop()
   params_count = len(jax.tree.leaves(params))
   grad = jax.value_and_grad(loss_fn)
-  traced = trace_lib.trace(grad, (params, *batch))
+  traced = planner.trace(grad, (params, *batch))
   g = graph_lib.build(traced)  # one graph per trace, for every width
   if check is not None:
     check(outline(g, params_count, widths))
@@ -583,14 +528,14 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
       resized = jax.tree.map(
           lambda x, n=size: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype) if np.ndim(x) else x,
           batch)
-      traced = trace_lib.trace(grad, (params, *resized))
+      traced = planner.trace(grad, (params, *resized))
       g = graph_lib.build(traced)
     for t in widths:
       program, state = _searched(traced, t, hardware, search, searched.get(t), params_count,
                                  sequence_parallel, g, context)
       if size == example:
         searched[t] = state
-        plan = build.make_plan(program, state, {})
+        plan = planner.plan_of_state(program, state)
         specs[t] = {p: str(tuple(s)) for p, s in zip(plan.in_paths, plan.in_specs)}
       programs[(size, t)] = (program, state)
     graphs[size] = layer_graphs({t: programs[(size, t)] for t in widths}, params_count,

@@ -24,10 +24,10 @@ import math
 import re
 from collections.abc import Sequence
 
-from automap._src.cluster import stage_costs
-from automap._src.cluster.layer_graph import LayerGraph, Placement, PlacementError
-from automap._src.cluster.options import PlacementOptions
-from automap._src.cluster.stage_costs import Problem, StageCosts
+from automap._src.cluster.placement import stage_costs
+from automap._src.cluster.placement.options import PlacementOptions
+from automap._src.cluster.placement.stage_costs import Problem, StageCosts
+from automap._src.cluster.profile.layer_graph import LayerGraph, Placement, PlacementError
 from automap._src.cost.hardware import Hardware
 from automap._src.search.request import with_keywords
 

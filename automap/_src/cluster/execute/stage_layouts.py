@@ -19,7 +19,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from automap._src.cluster.layer_graph import PlacementError
+from automap._src.cluster.profile.layer_graph import PlacementError
 
 DATA, TENSOR = "data", "tensor"
 

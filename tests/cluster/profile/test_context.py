@@ -12,8 +12,9 @@ from jax.sharding import Mesh
 
 import automap
 from automap import cluster
-from automap._src.cluster import layers as layers_lib
+from automap._src.cluster.profile import layers as layers_lib
 from automap._src.models.gpt import GPTConfig
+from automap._src.plan import planner
 
 BUDGET = automap.Budget(episodes=2, seconds=10, progress=False)
 
@@ -26,7 +27,7 @@ def gpt_step(seq: int = 64):
 def context_profile(loss, params, batch):
   """The step profiled on 4 devices, all of one context group."""
   return layers_lib.measure(loss, params, batch, widths=[4], hardware=automap.HARDWARE["a100"],
-                            search=layers_lib.sharding_search(BUDGET), context=4)
+                            search=planner.searcher(BUDGET), context=4)
 
 
 def test_a_stage_is_tensor_times_context_devices():
@@ -72,7 +73,7 @@ def test_weight_gradients_are_reduced_over_the_context_group_once_per_batch():
   # As Megatron-LM and Llama 3 run it: the context group's partial weight
   # gradients are accumulated over the microbatches and reduced with the
   # sync, so one replica still syncs, and a microbatch carries no reduction.
-  from automap._src.cluster import context as context_lib
+  from automap._src.cluster.profile import context as context_lib
 
   loss, params, batch = gpt_step()
   program, state = context_profile(loss, params, batch).programs[(4, 4)]

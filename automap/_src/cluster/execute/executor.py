@@ -59,9 +59,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from automap._src.cluster import cut as cut_lib
-from automap._src.cluster import pipeline_schedule, stage_layouts
-from automap._src.cluster.layer_graph import PlacementError
+from automap._src.cluster.execute import cut as cut_lib
+from automap._src.cluster.execute import stage_layouts
+from automap._src.cluster.profile.layer_graph import PlacementError
+from automap._src.cluster.schedule import timetable as pipeline_schedule
 from automap._src.ir.trace import path_str
 
 DATA = stage_layouts.DATA
@@ -580,7 +581,7 @@ class PipelineStep:
     `(list of run_check.StageCheck, new state)` (compiled collectives over
     the tensor and data axes, bytes received from other stages, peak
     memory; measured and predicted)."""
-    from automap._src.cluster import run_check
+    from automap._src.cluster.execute import run_check
 
     return run_check.check(self, state, *batch)
 

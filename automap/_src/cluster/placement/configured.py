@@ -16,16 +16,16 @@ import math
 
 import jax.numpy as jnp
 
-from automap._src.cluster import placement as placement_lib
-from automap._src.cluster import stage_costs
-from automap._src.cluster.layer_graph import (
+from automap._src.cluster.placement import dp as placement_lib
+from automap._src.cluster.placement import stage_costs
+from automap._src.cluster.placement.options import PlacementOptions
+from automap._src.cluster.profile.layer_graph import (
   RECOMPUTE_MODES,
   SCHEDULES,
   LayerGraph,
   Placement,
   PlacementError,
 )
-from automap._src.cluster.options import PlacementOptions
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.ir import graph as graph_lib
 from automap._src.search.request import with_keywords

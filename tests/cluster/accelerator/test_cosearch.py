@@ -11,12 +11,12 @@ import pytest
 
 import automap
 from automap import cluster
-from automap._src.cluster import accelerator as acc_lib
-from automap._src.cluster import cosearch, pass_times, scheduling
-from automap._src.cluster import layers as layers_lib
-from automap._src.cluster import passes as passes_lib
+from automap._src.cluster.accelerator import chip as acc_lib
+from automap._src.cluster.accelerator import cosearch, pass_times, scheduling
+from automap._src.cluster.accelerator import passes as passes_lib
 from automap._src.cost.hardware import get_hardware
 from automap._src.models import gpt
+from automap._src.plan import planner
 
 CONFIG = gpt.GPTConfig(vocab=256, seq=32, hidden=64, heads=4, layers=2)
 BUDGET = automap.Budget(episodes=8, seconds=10, progress=False)
@@ -121,7 +121,7 @@ def test_bad_arguments():
 
 @pytest.fixture(scope="module")
 def profiled():
-  search = layers_lib.sharding_search(BUDGET)
+  search = planner.searcher(BUDGET)
   return passes_lib.profile_workload(gpt_workload(depth=6), get_hardware("tpu-v4"), (1, 2),
                                      (2, 4), search)
 

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from automap._src.cluster import accelerator as acc_lib
-from automap._src.cluster import layers as layers_lib
-from automap._src.cluster import scheduling
-from automap._src.cluster.layer_graph import LayerCost, LayerGraph
-from automap._src.cluster.passes import LayerPass, ProfiledWorkload
+from automap._src.cluster.accelerator import chip as acc_lib
+from automap._src.cluster.accelerator import scheduling
+from automap._src.cluster.accelerator.passes import LayerPass, ProfiledWorkload
+from automap._src.cluster.profile import layers as layers_lib
+from automap._src.cluster.profile.layer_graph import LayerCost, LayerGraph
 
 
 class PassBounds:

@@ -1,4 +1,4 @@
-"""Options objects of the cluster planners: `place`, `plan_cluster`, `search_accelerator`.
+"""Options objects of the cluster planners: `place` and `plan_cluster`.
 
 Each planner takes its few essential arguments (the model, the devices, the
 hardware) directly and its tuning knobs in one frozen dataclass that
@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import types
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from automap._src.cluster.accelerator import Accelerator
-from automap._src.cluster.layer_graph import RECOMPUTE_MODES, PlacementError
-from automap._src.search.request import DEVICE, Budget
+from automap._src.cluster.profile.layer_graph import RECOMPUTE_MODES, PlacementError
+from automap._src.search.request import DEVICE, Budget, bytes_per_device
 
 # Optimizer state per parameter byte, in the parameters' dtype.
 OPTIMIZERS: Mapping[str, float] = types.MappingProxyType(
@@ -35,7 +33,7 @@ def _memory_limit(owner: str, value) -> None:
         "or 'device' for the hardware's hbm_capacity, None for no limit.")
 
 
-def _optimizer(owner: str, value) -> None:
+def check_optimizer(owner: str, value) -> None:
   if isinstance(value, str):
     if value.lower() not in OPTIMIZERS:
       raise PlacementError(
@@ -47,7 +45,7 @@ def _optimizer(owner: str, value) -> None:
         f"per parameter byte) or a name in {sorted(OPTIMIZERS)}, got {value!r}.")
 
 
-def _zero(owner: str, value) -> tuple:
+def check_zero(owner: str, value) -> tuple:
   """The ZeRO stages as a tuple (an int is one stage)."""
   try:
     stages = (value,) if isinstance(value, int) else tuple(value)
@@ -81,12 +79,10 @@ def recompute_modes(owner: str, value) -> tuple[str, ...]:
 
 
 def memory_limit(options, hw) -> float:
-  """Bytes per device a planner holds plans to: the options' memory_limit,
-  the hardware's hbm_capacity for "device", unbounded for None (as
-  `SearchOptions.memory_limit` reads them)."""
-  if options.memory_limit is None:
-    return math.inf
-  return float(hw.hbm_capacity if options.memory_limit == DEVICE else options.memory_limit)
+  """Bytes per device a planner holds plans to: the options' memory_limit as
+  `SearchOptions` reads it (`bytes_per_device`), unbounded (inf) for None."""
+  limit = bytes_per_device(options.memory_limit, hw)
+  return math.inf if limit is None else limit
 
 
 def _flag(owner: str, name: str, value) -> None:
@@ -102,7 +98,7 @@ def _virtual_stages(owner: str, value) -> None:
         f"{value!r}.")
 
 
-def _positive_ints(owner: str, name: str, value, integral: type = int) -> tuple[int, ...]:
+def positive_ints(owner: str, name: str, value, integral: type = int) -> tuple[int, ...]:
   """`value` as a non-empty tuple of ints >= 1 (instances of `integral`, not bools)."""
   try:
     items = tuple(value)
@@ -121,7 +117,7 @@ def _optional_count(owner: str, name: str, value) -> None:
         f"{owner}.{name} must be None (searched) or a positive int, got {value!r}.")
 
 
-def _budget(owner: str, value) -> None:
+def check_budget(owner: str, value) -> None:
   # TypeError, as the sharding search itself raises for a bad budget.
   if value is not None and not isinstance(value, Budget):
     raise TypeError(
@@ -129,7 +125,7 @@ def _budget(owner: str, value) -> None:
         f"{value!r}; e.g. automap.Budget(episodes=20, seconds=30).")
 
 
-def _seed(owner: str, value) -> None:
+def check_seed(owner: str, value) -> None:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
     raise TypeError(f"{owner}.seed must be a non-negative integer, got {value!r}.")
 
@@ -139,8 +135,8 @@ def _check_placement_fields(options) -> None:
   `zero` as a tuple."""
   owner = type(options).__name__
   _memory_limit(owner, options.memory_limit)
-  _optimizer(owner, options.optimizer)
-  object.__setattr__(options, "zero", _zero(owner, options.zero))
+  check_optimizer(owner, options.optimizer)
+  object.__setattr__(options, "zero", check_zero(owner, options.zero))
   recompute_modes(owner, options.recompute)
   _flag(owner, "mixed_precision", options.mixed_precision)
   _flag(owner, "overlap", options.overlap)
@@ -202,7 +198,7 @@ class PlacementOptions:
     owner = type(self).__name__
     _check_placement_fields(self)
     if self.widths is not None:
-      object.__setattr__(self, "widths", _positive_ints(owner, "widths", self.widths))
+      object.__setattr__(self, "widths", positive_ints(owner, "widths", self.widths))
     _optional_count(owner, "data_parallel", self.data_parallel)
     _optional_count(owner, "stages", self.stages)
     _flag(owner, "hybrid", self.hybrid)
@@ -263,9 +259,9 @@ class ClusterOptions:
     _flag(owner, "hybrid", self.hybrid)
     for name in ("widths", "microbatches"):
       if getattr(self, name) is not None:
-        object.__setattr__(self, name, _positive_ints(owner, name, getattr(self, name)))
-    _budget(owner, self.budget)
-    _seed(owner, self.seed)
+        object.__setattr__(self, name, positive_ints(owner, name, getattr(self, name)))
+    check_budget(owner, self.budget)
+    check_seed(owner, self.seed)
 
   def placement(self, widths: Sequence[int]) -> PlacementOptions:
     """The placement's options, over the `widths` the step was profiled at."""
@@ -276,101 +272,6 @@ class ClusterOptions:
                             overlap_tensor=self.overlap_tensor, hybrid=self.hybrid)
 
 
-@dataclasses.dataclass(frozen=True)
-class CoSearchOptions:
-  """How `automap.cluster.search_accelerator` may search architectures and placements.
-
-  baseline: the architecture scores are relative to (None: TPU_V4_LIKE);
-    its area is the default area budget.
-  space: Accelerator field -> candidate values (None: cosearch.SPACE); other
-    fields as `baseline`.
-  widths: tensor-parallel widths to profile and place.
-  microbatches: microbatch sizes to profile and place (each must divide
-    every workload's global_batch).
-  optimizer, zero: as in PlacementOptions.
-  schedule_seconds: CP-SAT time limit per distinct layer pass.
-  bucket: width of the area buckets, as a share of the area budget; the
-    search stops at the first bucket (below the largest) that improves nothing.
-  gap: stop once no bound beats the best list-scheduled score by more than
-    this share (0: every point that might win is list-scheduled).
-  finalists: how many of the best list-scheduled points CP-SAT schedules.
-  budget: the sharding search's budget per width (None: 20 episodes, 30 s).
-  progress: show a progress bar (None: only when stderr is a terminal).
-  seed: the sharding search's seed.
-  """
-
-  baseline: Accelerator | None = None
-  space: Mapping[str, tuple] | None = None
-  widths: tuple[int, ...] = (1, 2, 4, 8)
-  microbatches: tuple[int, ...] = (1, 2, 4, 8)
-  optimizer: str | float = "adam"
-  zero: tuple[int, ...] = ZERO_STAGES
-  schedule_seconds: float = 2.0
-  bucket: float = 0.1
-  gap: float = 0.01
-  finalists: int = 3
-  budget: Budget | None = None
-  progress: bool | None = None
-  seed: int = 0
-
-  def __post_init__(self):
-    owner = type(self).__name__
-    if self.baseline is not None and not isinstance(self.baseline, Accelerator):
-      raise TypeError(
-          f"{owner}.baseline must be an automap.cluster.Accelerator or None (TPU_V4_LIKE), got "
-          f"{type(self.baseline).__name__}.")
-    # An empty space has always meant the default grid.
-    object.__setattr__(self, "space", _space(owner, self.space) if self.space else None)
-    for name in ("widths", "microbatches"):
-      object.__setattr__(self, name,
-                         _positive_ints(owner, name, getattr(self, name), numbers.Integral))
-    _optimizer(owner, self.optimizer)
-    object.__setattr__(self, "zero", _zero(owner, self.zero))
-    for name, least, strict in (("schedule_seconds", 0.0, False), ("bucket", 0.0, True),
-                                ("gap", 0.0, False)):
-      value = getattr(self, name)
-      if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-          or not math.isfinite(value) or value < least or (strict and value == least)):
-        raise PlacementError(
-            f"{owner}.{name} must be a finite number {'>' if strict else '>='} {least:g}, "
-            f"got {value!r}; the default is "
-            f"{getattr(CoSearchOptions, name)!r}.")
-    if (isinstance(self.finalists, bool) or not isinstance(self.finalists, int)
-        or self.finalists < 0):
-      raise PlacementError(
-          f"{owner}.finalists must be an int >= 0 (points CP-SAT schedules), got "
-          f"{self.finalists!r}; the default is 3.")
-    if self.progress not in (None, True, False):
-      raise PlacementError(
-          f"{owner}.progress must be True, False or None (when stderr is a terminal), "
-          f"got {self.progress!r}.")
-    _budget(owner, self.budget)
-    _seed(owner, self.seed)
-
-
-def _space(owner: str, space) -> Mapping[str, tuple]:
-  """The grid as a read-only mapping of field -> tuple of values."""
-  fields = [f.name for f in dataclasses.fields(Accelerator)]
-  if not isinstance(space, Mapping):
-    raise PlacementError(
-        f"{owner}.space must map Accelerator fields to candidate values, got "
-        f"{type(space).__name__}; e.g. {{'tensor_units': (4, 8), 'array': (64, 128)}}.")
-  out = {}
-  for name, values in space.items():
-    if name not in fields:
-      raise PlacementError(
-          f"{owner}.space: {name!r} is not an Accelerator field; the fields are {fields}.")
-    try:
-      values = () if isinstance(values, str) else tuple(values)
-    except TypeError:
-      values = ()
-    if not values:
-      raise PlacementError(
-          f"{owner}.space[{name!r}] must be a non-empty sequence of candidate values, got "
-          f"{space[name]!r}.")
-    out[name] = values
-  return types.MappingProxyType(out)
-
-
-__all__ = ["OPTIMIZERS", "ZERO_STAGES", "ClusterOptions", "CoSearchOptions", "PlacementOptions",
+__all__ = ["OPTIMIZERS", "ZERO_STAGES", "ClusterOptions", "PlacementOptions", "check_budget",
+           "check_optimizer", "check_seed", "check_zero", "positive_ints",
            "memory_limit", "recompute_modes"]

@@ -7,7 +7,7 @@ import pytest
 
 import automap
 from automap import cluster
-from automap._src.cluster import stage_costs
+from automap._src.cluster.placement import stage_costs
 from automap.cluster import Layer, LayerCost, LayerGraph
 
 GiB = 2**30

@@ -10,10 +10,12 @@ from helpers import abstract_gpt_loss, saved_dot_outputs
 
 import automap
 from automap import cluster
-from automap._src.cluster import layers as layers_lib
-from automap._src.cluster import placement, stage_costs
+from automap._src.cluster.placement import dp as placement
+from automap._src.cluster.placement import stage_costs
+from automap._src.cluster.profile import layers as layers_lib
 from automap._src.ir.naming import is_backward
 from automap._src.models.gpt import Block, GPTConfig
+from automap._src.plan import planner
 from automap.cluster import Layer, LayerCost, LayerGraph
 
 GiB = 2**30
@@ -214,7 +216,7 @@ def test_zero_3_gathers_one_parameter_array_at_a_time():
     LayerCost(forward=1.0, backward=2.0, params=1e9, activations=0.0, largest_param=2e9)
   loss, params, batch = gpt_step()
   profile = layers_lib.measure(loss, params, batch, widths=[1], hardware=automap.HARDWARE["a100"],
-                               search=layers_lib.sharding_search(None))
+                               search=planner.searcher(None))
   cost = {layer.name: layer.widths[1] for layer in profile.at(4).layers}["block_0"]
   assert cost.largest_param == 64 * 256 * 4  # the MLP's [64, 256] float32 kernels
   assert cost.largest_param < cost.params
@@ -344,7 +346,7 @@ def test_dots_policy_keeps_what_jax_saves():
   jax_bytes = sum(saved)
   loss, params, batch = gpt_step()
   profile = layers_lib.measure(loss, params, batch, widths=[1], hardware=automap.HARDWARE["a100"],
-                               search=layers_lib.sharding_search(None))
+                               search=planner.searcher(None))
   costs = {layer.name: layer.widths[1] for layer in profile.at(4).layers}
   for name in ("block_0", "block_1"):
     assert costs[name].dots == jax_bytes
@@ -358,7 +360,7 @@ def test_fused_attention_stashes_no_scores_and_prices_their_flops():
   scores."""
   loss, params, batch = gpt_step()
   hw = automap.HARDWARE["a100"]
-  search = layers_lib.sharding_search(None)
+  search = planner.searcher(None)
   plain = layers_lib.measure(loss, params, batch, widths=[1], hardware=hw, search=search)
   fused = layers_lib.measure(loss, params, batch, widths=[1], hardware=hw, search=search,
                              fused_attention=True)
@@ -414,7 +416,7 @@ def test_a_tied_embedding_is_held_once_by_the_stage_that_reads_it_twice():
   profile records it as shared, and a stage holding both holds it once."""
   loss, params, batch = gpt_step()
   profile = layers_lib.measure(loss, params, batch, widths=[1], hardware=automap.HARDWARE["cpu"],
-                               search=layers_lib.sharding_search(None))
+                               search=planner.searcher(None))
   graph = profile.at(4)
   (tied,) = graph.shared
   embedding = params["embed"]["embedding"]
@@ -436,10 +438,10 @@ def test_pricing_several_splits_of_one_model_searches_each_width_once(monkeypatc
   budget and memory: a second split at the same width reuses it (and
   prices alike)."""
   searched = []
-  run = layers_lib.driver.run
-  monkeypatch.setattr(layers_lib.driver, "run",
+  run = planner.run
+  monkeypatch.setattr(planner, "run",
                       lambda program, request: searched.append(program) or run(program, request))
-  monkeypatch.setattr(layers_lib, "_SEARCHED", type(layers_lib._SEARCHED)())
+  monkeypatch.setattr(planner, "SEARCHED", type(planner.SEARCHED)())
   loss, params, batch = gpt_step()
   budget = automap.Budget(episodes=4)
   plans = []

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from automap._src.cluster.pipeline import PipelineError, pipelined, pipelined_loss
+from automap._src.cluster.execute.pipeline import PipelineError, pipelined, pipelined_loss
 
 WIDTH, HIDDEN = 16, 32
 # Layer dim on 'stage', Megatron split of the hidden dim on 'model'.

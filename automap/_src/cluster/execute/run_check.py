@@ -37,7 +37,7 @@ from collections import Counter
 import jax
 import numpy as np
 
-from automap._src.cluster.stage_layouts import DATA, TENSOR
+from automap._src.cluster.execute.stage_layouts import DATA, TENSOR
 from automap._src.run import compiled as compiled_lib
 
 

@@ -26,14 +26,20 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from automap._src.cluster import accelerator as acc_lib
-from automap._src.cluster import layers as layers_lib
-from automap._src.cluster.layer_graph import JsonFile, Placement, PlacementError
-from automap._src.cluster.options import CoSearchOptions, PlacementOptions
-from automap._src.cluster.pass_times import PassBounds, PassTimes
-from automap._src.cluster.passes import ProfiledWorkload, Workload, all_passes, profile_workload
-from automap._src.cluster.placement import place_any
+from automap._src.cluster.accelerator import chip as acc_lib
+from automap._src.cluster.accelerator.options import CoSearchOptions
+from automap._src.cluster.accelerator.pass_times import PassBounds, PassTimes
+from automap._src.cluster.accelerator.passes import (
+  ProfiledWorkload,
+  Workload,
+  all_passes,
+  profile_workload,
+)
+from automap._src.cluster.placement.dp import place_any
+from automap._src.cluster.placement.options import PlacementOptions
+from automap._src.cluster.profile.layer_graph import JsonFile, Placement, PlacementError
 from automap._src.cost.hardware import Hardware, get_hardware
+from automap._src.plan import planner
 from automap._src.search.request import Budget, with_keywords
 
 # The grid: each field's candidate values.
@@ -249,7 +255,7 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
       raise PlacementError(
           f"microbatches {tuple(microbatches)} must divide workload {w.name!r}'s global_batch "
           f"{w.global_batch}.")
-  search = layers_lib.sharding_search(
+  search = planner.searcher(
       options.budget or Budget(episodes=20, seconds=30, progress=False), options.seed)
   profiled = [profile_workload(w, hw, options.widths, microbatches, search) for w in workloads]
   placing = PlacementOptions(optimizer=options.optimizer, zero=options.zero)

@@ -20,9 +20,9 @@ import functools
 import math
 from typing import NamedTuple
 
-from automap._src.cluster.layer_graph import Layer, LayerGraph, PlacementError, Stage
-from automap._src.cluster.problem import SLICE, Problem, problem
-from automap._src.cluster.rings import Ring
+from automap._src.cluster.placement.problem import SLICE, Problem, problem
+from automap._src.cluster.placement.rings import Ring
+from automap._src.cluster.profile.layer_graph import Layer, LayerGraph, PlacementError, Stage
 
 
 class Totals(NamedTuple):

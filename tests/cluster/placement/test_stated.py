@@ -9,11 +9,12 @@ from helpers import abstract_gpt_loss, assert_stage_compiles_as_priced
 
 import automap
 from automap import cluster
-from automap._src.cluster import layers as layers_lib
-from automap._src.cluster import placement
+from automap._src.cluster.placement import dp as placement
+from automap._src.cluster.profile import layers as layers_lib
 from automap._src.ir import graph as graph_lib
 from automap._src.ir import trace as trace_lib
 from automap._src.models.gpt import GPTConfig
+from automap._src.plan import planner
 from automap.cluster import Layer, LayerCost, LayerGraph
 
 
@@ -61,8 +62,8 @@ def test_a_split_the_blocks_cannot_carry_is_refused_before_any_search(monkeypatc
   def no_search(program, request):
     raise AssertionError("searched before the split was checked")
 
-  monkeypatch.setattr(layers_lib.driver, "run", no_search)
-  monkeypatch.setattr(layers_lib, "_SEARCHED", type(layers_lib._SEARCHED)())
+  monkeypatch.setattr(planner, "run", no_search)
+  monkeypatch.setattr(planner, "SEARCHED", type(planner.SEARCHED)())
   loss, params, batch = gpt_step(4)
   config = cluster.ClusterConfig(pipeline=4, virtual_stages=2, schedule="interleaved", tensor=2)
   with pytest.raises(cluster.PlacementError, match="fewer blocks than pipeline=4 x virtual"):
@@ -162,7 +163,7 @@ def test_sequence_parallelism_splits_the_activations_between_the_matmuls():
 
   profile = layers_lib.measure(loss, params, batch, widths=[2],
                                hardware=automap.HARDWARE["a100"],
-                               search=layers_lib.sharding_search(BUDGET),
+                               search=planner.searcher(BUDGET),
                                sequence_parallel=True)
   program, state = profile.programs[(4, 2)]
   pinned = layers_lib.sequence_layouts(program.graph, len(jax.tree.leaves(params)), 2)
@@ -217,16 +218,16 @@ def test_the_width_search_has_the_memory_of_a_devices_share(monkeypatch):
   over 2 replicas half of their state again: the per-width search of the
   whole traced step is held to the capacity times that share."""
   limits = []
-  run = layers_lib.driver.run
-  monkeypatch.setattr(layers_lib.driver, "run", lambda program, request: limits.append(
+  run = planner.run
+  monkeypatch.setattr(planner, "run", lambda program, request: limits.append(
       request.memory_limit) or run(program, request))
-  monkeypatch.setattr(layers_lib, "_SEARCHED", type(layers_lib._SEARCHED)())
+  monkeypatch.setattr(planner, "SEARCHED", type(planner.SEARCHED)())
   loss, params, batch = gpt_step(4)
   budget = automap.Budget(episodes=2, progress=False)
   for config, share in ((cluster.ClusterConfig(tensor=2, pipeline=2), 2),
                         (cluster.ClusterConfig(tensor=2, pipeline=2, data=2, zero=3), 4),
                         (cluster.ClusterConfig(tensor=2, pipeline=2, data=2, zero=1), 2)):
-    layers_lib._SEARCHED.clear()
+    planner.SEARCHED.clear()
     cluster.price_cluster(loss, params, *batch, config=config, global_batch=8,
                           hardware="a100", budget=budget, memory_limit=1e6)
     assert limits[-1] == share * 1e6

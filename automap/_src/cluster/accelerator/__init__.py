@@ -1,0 +1,1 @@
+"""Accelerator co-search: the chip's architecture searched with its placement."""

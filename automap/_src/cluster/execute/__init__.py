@@ -1,0 +1,1 @@
+"""Execution: cutting a program into stages and running a plan."""

@@ -1,0 +1,1 @@
+"""Placement: pricing stages and choosing the cluster's layout."""

@@ -1,0 +1,1 @@
+"""Profiling: a program's layers and what each costs."""

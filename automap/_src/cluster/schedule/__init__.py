@@ -1,0 +1,1 @@
+"""Pipeline schedules: the order each stage runs its work in."""
