@@ -1,14 +1,14 @@
 """Tracker: the running cost of one state, refreshed after each action.
 
-It sums the memoised op costs of `model.CostModel` into step time,
-collective totals and a memory timeline, and re-sums only what an action
-changes. Peak memory is counted as XLA's `memory_analysis` counts it:
-arguments and results for the whole program, plus the peak over program
-order of the temporaries alive (producer to last reader) that fusion
-leaves in memory. It reads the model through its public surface:
-`memo`'s per-entry arrays, `analysis`'s per-value and per-op arrays,
-`entry_ids`, `copy_key`, `latency`, `local_bytes`, `value_bytes`, and the
-mesh tables `masks`, `group_size`, `sizes`, `itemsize`, `reduced_itemsize`.
+It sums the memoised op costs of `model.CostModel` into step time and
+collective totals, and re-sums only what an action changes; the memory the
+state holds is its `timeline.Timeline`, told of each change here. Peak
+memory is counted as XLA's `memory_analysis` counts it: arguments and
+results for the whole program, plus the peak over program order of the
+temporaries alive that fusion leaves in memory. It reads the model through
+its public surface: `memo`'s per-entry arrays, `analysis`'s per-op arrays,
+`entry_ids`, `copy_key`, `combined`, `latency`, `relayout_time`,
+`compiler`, and the mesh tables `masks`, `group_size`.
 """
 
 from __future__ import annotations
@@ -21,26 +21,18 @@ from automap._src.cost import combiners, kernels, overlap
 from automap._src.cost.collectives import ALL_GATHER, ALL_REDUCE, KINDS, REDUCE_SCATTER
 from automap._src.cost.memo import OpCost
 from automap._src.cost.model import Cost, CostModel
+from automap._src.cost.timeline import Timeline
 from automap._src.sharding.state import State
-
-# Ops that change only an array's type or labels, not its elements' order in
-# a way XLA needs a copy for.
-_RELABELS = frozenset({"reshape", "transpose", "convert_element_type", "copy", "name",
-                       "squeeze", "expand_dims"})
-
-# Most classes of result buffers `Tracker.peak` matches temporaries to.
-_CLASSES = 64
 
 
 class Tracker:
   """A running cost of a state, refreshed incrementally after actions.
 
-  Memory is a timeline over op indices of the temporaries alive: each
-  intermediate's buffer from producer to last reader, and each resharded
-  copy of an operand from its first to its last reader (XLA computes one
-  copy per value and layout and reuses it, forward and backward). Compute,
-  FLOPs and buffers are updated as array operations over the ops an action
-  touches; only ops with collectives are visited one by one.
+  The clock (compute and collective seconds, how much of the latter
+  compute hides) and the collective totals are kept here; the memory, a
+  timeline over op indices of the temporaries alive, in `timeline`.
+  Compute, FLOPs and buffers are updated as array operations over the ops
+  an action touches; only ops with collectives are visited one by one.
   """
 
   def __init__(self, model: CostModel, state: State):
@@ -54,51 +46,27 @@ class Tracker:
     # resharded copy's once (a result's are its op's traffic and time);
     # their seconds are compute's.
     self.relaid = 0.0
-    # Late collectives per kind and axes, combined into one (`analysis.late_ops`),
-    # and the inputs they hold: (kind, mask) -> {op: (first op held, bytes,
-    # last reader of its result, result bytes held at the collective)},
-    # and their share of the memory timeline. An op reduced over two groups
-    # of axes feeds the first combined collective's result to the second:
-    # `chained` maps (key, op) of the second to the first's key.
+    # Late collectives per kind and axes, combined into one (`analysis.late_ops`);
+    # the inputs they hold are the timeline's.
     self.combined = np.zeros((len(KINDS), model.masks), np.int64)
-    self.pending: dict[tuple[int, int], dict[int, tuple[int, float, int, float]]] = {}
-    self.chained: dict[tuple[tuple[int, int], int], tuple[int, int]] = {}
-    # (key, op) -> the reduced value an unsliced combined result ends in
-    # (after relabels), which its elementwise readers update in place.
-    self.reduced: dict[tuple[tuple[int, int], int], int] = {}
-    self.pending_live: dict[tuple[int, int], np.ndarray] = {}
-    self.dirty: set[tuple[int, int]] = set()
-    # A resharded copy (`CostModel.copy_key`) -> its readers, and the
-    # seconds, relaid bytes and their seconds charged for it.
-    self.reshards: dict[tuple, list[int]] = {}
-    self.passing: dict[tuple, list[int]] = {}  # readers a copy is a step on the way for
+    # A resharded copy (`CostModel.copy_key`) -> the seconds, relaid bytes
+    # and their seconds charged for it (its readers are the timeline's).
     self.charged: dict[tuple, tuple[float, float, float]] = {}
-    local = model.value_bytes(state)
-    a = model.analysis
-    self.held = np.where(a.resident, local, 0.0)  # [V] resident bytes
-    self.resident = float(self.held.sum())
-    self.args = float(self.held[a.is_input].sum())
+    self.timeline = Timeline(model, state)
     ops = np.arange(g.num_ops)
     self.op_ids = model.entry_ids(state, ops) if g.num_ops else np.zeros(0, np.int64)
     self._scratch = np.zeros(g.num_ops, bool)  # `kernels.gather`'s scratch
     self.compute = float(model.memo.time[self.op_ids].sum())
     self.flops = float(model.memo.flops[self.op_ids].sum())
-    # [V] footprint of each temporary, and the timeline they make.
-    self.footprint = np.zeros(g.num_values)
-    self.live = np.zeros(g.num_ops + 1)
     none = np.zeros(0, np.int64)
     self._swap_collectives(ops, none, self.op_ids)
-    self._set_footprints(ops, self.op_ids)
+    self.timeline.set_footprints(ops, self.op_ids)
     self._exposed: float | None = None  # `exposed_comm_time`, until the next update
 
   @property
   def ops(self) -> list[OpCost]:
     """Per op, its current cost."""
     return [self.model.memo.entries[i] for i in self.op_ids]
-
-  def _add_live(self, times: list[int], nbytes: float) -> None:
-    """Adds `nbytes` to the timeline from the first of `times` to the last."""
-    self.live[min(times):max(times) + 1] += nbytes
 
   def _swap_collectives(self, ops: np.ndarray, old: np.ndarray, new: np.ndarray) -> None:
     """Swaps the collectives of `ops` from entries `old` (none if empty) to
@@ -118,7 +86,7 @@ class Tracker:
       if len(old):
         self._count_collectives(o, memo.entries[old[i]], -1)
       self._count_collectives(o, memo.entries[new[i]], 1)
-    self._redraw_combined()
+    self.timeline.redraw_combined()
 
   def _count_collectives(self, o: int, c: OpCost, sign: int) -> None:
     """Adds (sign 1) or removes (-1) the collectives of op o's cost c."""
@@ -133,27 +101,8 @@ class Tracker:
     for i, (kind, mask, nbytes, seconds, position, target, relaid) in enumerate(c.comms):
       if position >= 0:  # A reshard of an operand: one copy for all its readers.
         key = self.model.copy_key(o, position, kind, mask, target, nbytes)
-        readers = self.reshards.get(key)
-        if readers:
-          self._add_live(self.copy_span(key, readers), -nbytes)
-        passing = self.passing.setdefault(key, []) if i != last_step[position] else None
-        if sign > 0:
-          readers = readers or []
-          readers.append(o)
-          self.reshards[key] = readers
-          if passing is not None:
-            passing.append(o)
-        else:
-          readers.remove(o)
-          if passing is not None:
-            passing.remove(o)
-          if not readers:
-            del self.reshards[key]
-        if not self.passing.get(key, True):
-          del self.passing[key]
-        if readers:
-          self._add_live(self.copy_span(key, readers), nbytes)
-        if sign > 0 and len(readers) == 1:
+        readers = self.timeline.read_copy(key, o, nbytes, sign, i != last_step[position])
+        if sign > 0 and readers == 1:
           # The copy costs what its first reader priced it at (readers inside
           # a loop price it per step); the same amount is refunded with it.
           copying = self.model.relayout_time(relaid) * int(self.model.graph.trips[o])
@@ -169,180 +118,10 @@ class Tracker:
       if position < 0 and self.model.combined(o, kind):
         self.combined[kind, mask] += sign
         seconds -= self.model.latency[kind, mask]
-        self._track_combined(o, kind, mask, nbytes, sign, first, i == chain[-1])
+        self.timeline.track_combined(o, kind, mask, nbytes, sign, first, i == chain[-1])
         if i in chain:
           first = (kind, mask)
       self.seconds[kind, mask] += sign * seconds
-
-  def copy_span(self, key: tuple, readers: list[int]) -> list[int]:
-    """The times (places in the schedule) a resharded copy
-    (`CostModel.copy_key`) is live across: its readers'; a step on the way
-    to another copy for some readers, from the first reader to the last
-    that keeps it (the first alone if none does);
-    on a breadth-first schedule (`Compiler.breadth_first`) an all-gather,
-    whole or in part, read in the entry computation (not inside a loop or
-    branch) from when what it gathers is made, where the schedule makes it:
-    every FSDP weight's gather at the program's start (a stacked weight's
-    slices' once sliced), the recomputation's too (XLA expands remat's
-    barriers before it schedules), and the optimizer state's to its
-    update's layout. Other copies (permutes, all-to-alls) are taken to be
-    made by their first reader, as compiled programs of Megatron layouts
-    show."""
-    model, at = self.model, self.model.analysis.at
-    passing = self.passing.get(key)
-    if passing:
-      kept = list(readers)
-      for o in passing:
-        kept.remove(o)
-      readers = [min(readers, key=at.__getitem__), *kept]
-    times = at[readers].tolist()
-    value, kind, loop, region = key[0], key[1], key[5], key[6]
-    if (not model.compiler.breadth_first or loop >= 0 or region or kind != ALL_GATHER
-        or (model.graph.trips[readers] > 1).any()):
-      return times
-    return [*times, int(model.analysis.start[value])]
-
-  def _track_combined(self, o: int, kind: int, mask: int, nbytes: float, sign: int,
-                      after: tuple[int, int] | None = None, last: bool = True) -> None:
-    """Tracks a late reduction of op o. XLA combines the group's reductions
-    into one collective after the last of them is produced, so each input
-    lives until then: in the op's own buffer (and its relabels') until
-    their last reader, then held; where the program's result takes that
-    buffer, as a temporary of its own from the op. The combined collective
-    makes every result at once, beside its inputs; a sliced result whose
-    readers precede it in program order is then held there too. An op reduced over several
-    groups of axes reduces each group's result in the next (XLA chains
-    them): a reduction `after` another group's holds its input from that
-    group's collective; one not `last` hands its result on, held as the
-    next one's input."""
-    model, a = self.model, self.model.analysis
-    v = model.graph.results[o][0] if model.graph.results[o] else -1
-    if kind not in (ALL_REDUCE, REDUCE_SCATTER) or v < 0:
-      return
-    group = self.pending.setdefault((kind, mask), {})
-    self.dirty.add((kind, mask))
-    if sign < 0:
-      del group[o]
-      self.chained.pop(((kind, mask), o), None)
-      self.reduced.pop(((kind, mask), o), None)
-      return
-    if after is not None:
-      self.chained[((kind, mask), o)] = after
-    wire = nbytes  # the collective's result bytes, what combiners limit
-    if kind == REDUCE_SCATTER:
-      nbytes *= model.group_size[mask]
-    else:  # Buffers at the value's own dtype, however wide the wire.
-      nbytes *= model.itemsize[v] / model.reduced_itemsize[v]
-    elements = nbytes / model.itemsize[v]
-
-    def sliced(v: int) -> bool:  # stored smaller than reduced
-      return elements > model.local_bytes(self.state, v) / model.itemsize[v] * (1 + 1e-9)
-
-    # Follow the result through ops that only relabel it (XLA makes them
-    # bitcasts or folds them into the collective's readers).
-    held_from = int(a.end[v]) + 1 if a.temporary[v] else int(a.at[o])
-    while len(model.graph.uses[v]) == 1:
-      reader = model.graph.uses[v][0][0]
-      if model.graph.prims[reader] not in _RELABELS or len(model.graph.results[reader]) != 1:
-        break
-      v = model.graph.results[reader][0]
-      if not sliced(v) and a.temporary[v]:
-        held_from = int(a.end[v]) + 1
-    # Sliced (here or by a relabel), the reduced result is a temporary of its
-    # own beside the inputs at the collective: the whole sum of an all-reduce,
-    # a reduce-scatter's tile; unsliced, a result can take the buffer of what
-    # its readers make (an output, updated in place).
-    if not last:
-      early, end = 0.0, 1 << 62
-    elif sliced(v):
-      early, end = (wire if kind == REDUCE_SCATTER else nbytes), -1
-    else:
-      early, end = 0.0, int(a.end[model.graph.results[o][0]])
-    # The input is the reduced op's own buffer (its footprint, as computed),
-    # then the unsliced relabels' that are temporaries, each until its last
-    # reader, then held for the collective; where none is (a result of the
-    # program takes the buffer), a temporary of its own from the op.
-    group[o] = (held_from, nbytes, end, early, wire)
-    if last and not early:
-      self.reduced[(kind, mask), o] = v
-
-  def held_inputs(self, key: tuple[int, int]
-                  ) -> list[tuple[int, int, float, int, float, int]]:
-    """[(op, first time held, bytes, time of the last reader of its result,
-    result bytes held at the collective, time of the collective)] of the
-    late reductions of `key`: an input is held from `first` to the combined
-    collective that reduces it (`windows`), one chained after another
-    group's from that group's."""
-    group = self.pending.get(key)
-    if not group:
-      return []
-    windows, before = self.windows(key), {}
-    rows = []
-    for o, (first, nbytes, end, early, _) in group.items():
-      after = self.chained.get((key, o))
-      if after is not None:
-        if after not in before:
-          before[after] = self.windows(after)
-        first = max(first, before[after].get(o, -1))
-      rows.append((o, first, nbytes, end, early, windows[o]))
-    return rows
-
-  def windows(self, key: tuple[int, int], depth: int = 0) -> dict[int, int]:
-    """{op: time of the combined collective that reduces it} for the late
-    reductions of `key`. XLA's combiners (`CombineInstructionsByKey`) walk
-    the schedule and close a group where the next collective would take it
-    past the compiler's byte or count limit (`Compiler.combine_bytes`,
-    `combine_count`); one over the byte limit runs alone. A group runs
-    after its last input is made, or later where an input is another
-    group's result (chained). XLA:CPU has no byte limit: one group holds
-    every gradient until the last is made; XLA:GPU's 30 MiB reduces them as
-    the backward pass makes them; on XLA:TPU each is priced reduced as made
-    (`Compiler.holds_combined`)."""
-    group = self.pending.get(key)
-    if not group:
-      return {}
-    at, compiler = self.model.analysis.at, self.model.compiler
-    ready = {}
-    for o in group:
-      ready[o] = int(at[o])
-      after = self.chained.get((key, o))
-      if after is not None and depth < 4:
-        ready[o] = max(ready[o], self.windows(after, depth + 1).get(o, -1))
-    if not compiler.holds_combined:
-      return ready
-    return combiners.windows(ready, {o: group[o][4] for o in group}, compiler)
-
-  def _redraw_combined(self) -> None:
-    """Redraws the memory held by the groups `_track_combined` changed, and
-    by those chained after them."""
-    if not self.dirty:
-      return
-    dirty = self.dirty | {key for (key, _), after in self.chained.items() if after in self.dirty}
-    n = len(self.live)
-    for key in dirty:
-      old = self.pending_live.pop(key, None)
-      if old is not None:
-        self.live -= old
-      rows = self.held_inputs(key)
-      held = np.array([(first, at, nbytes) for _, first, nbytes, _, _, at in rows
-                       if first <= at]).reshape(-1, 3)
-      if len(held):
-        steps = np.zeros(n + 1)
-        np.add.at(steps, held[:, 0].astype(np.int64), held[:, 2])
-        np.add.at(steps, held[:, 1].astype(np.int64) + 1, -held[:, 2])
-        new = np.cumsum(steps[:n])
-        for _, _, _, end, early, at in rows:
-          if end < at:
-            new[at] += early
-        self.pending_live[key] = new
-        self.live += new
-    self.dirty.clear()
-
-  def _set_footprints(self, ops: np.ndarray, ids: np.ndarray) -> None:
-    """Sets the footprints of the results of `ops` to those of entries `ids`."""
-    a = self.model.analysis
-    kernels.set_footprints(ops, ids, a.result_table, self.model.memo.footprint, a.temporary,
-                           self.footprint, a.start, a.end, self.live)
 
   def update(self, changed: Iterable[int]) -> None:
     """Re-costs the ops around `changed` values of `self.state`."""
@@ -358,10 +137,8 @@ class Tracker:
     self.compute += time
     self.flops += flops
     self._swap_collectives(ops, old, new)
-    self._set_footprints(ops, new)
-    self.resident, self.args = kernels.resize_residents(
-        changed, a.resident, state, model.sizes, model.graph.nbytes, self.held, a.is_input,
-        self.resident, self.args)
+    self.timeline.set_footprints(ops, new)
+    self.timeline.resize_residents(changed)
 
   def ops_with_collectives(self) -> np.ndarray:
     """[n] the ops whose current cost includes a collective or a reshard."""
@@ -385,99 +162,6 @@ class Tracker:
     if not self.model.compiler.async_collectives:
       return self.serial_step_time
     return self.compute + self.exposed_comm_time()
-
-  @property
-  def peak_memory(self) -> float:
-    return self.resident + self.peak()[0]
-
-  def peak_bound(self) -> float:
-    """An upper bound of `peak_memory` without the buffer matching: every
-    temporary held apart (a limit it meets needs no more work)."""
-    return self.resident + (max(float(self.live.max()), 0.0) if len(self.live) else 0.0)
-
-  def peak(self) -> tuple[float, int]:
-    """(bytes of temporaries at the memory peak, op index of the peak).
-
-    Before a result of the program is made, its buffer holds temporaries
-    that fit in it and die before it is made, one at a time (XLA's buffer
-    assignment shares live-out allocations), so a temporary with such a
-    host costs nothing extra (`kernels.hosted_at`).
-    """
-    if not len(self.live):
-      return 0.0, 0
-    net, t = kernels.peak_after_hosting(self.live, *self._hosting())
-    return max(float(net), 0.0), int(t)
-
-  def _hostable_temporaries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(first op, last op, bytes) of the temporary buffers a result's buffer
-    may hold: values outside loops, the inputs of combined reductions held
-    until the collective, and resharded copies read outside loops."""
-    a = self.model.analysis
-    values = np.flatnonzero((self.footprint > 0) & a.hostable)
-    held = [(first, last, nbytes) for key in self.pending
-            for _, first, nbytes, _, _, last in self.held_inputs(key) if first <= last]
-    trips, regions = self.model.graph.trips, self.model.graph.regions
-    held += [(min(span), max(span), key[4]) for key, readers in self.reshards.items()
-             if not regions[readers].any() and (trips[readers] == 1).all()
-             for span in (self.copy_span(key, readers),)]
-    first, last, nbytes = (np.array(x).reshape(-1) for x in zip(*held)) if held else (
-        np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
-    return (np.concatenate([a.start[values], first.astype(np.int64)]),
-            np.concatenate([a.end[values], last.astype(np.int64)]),
-            np.concatenate([self.footprint[values], nbytes.astype(np.float64)]))
-
-  def _hosting(self) -> tuple[np.ndarray, ...]:
-    """(start, end, bytes, class) of the temporaries a result buffer may
-    hold, and (op made at, class) of those buffers, for `kernels.hosted_at`:
-    classes of buffer sizes, largest first."""
-    a = self.model.analysis
-    sizes = self.held[a.results_made]
-    ascending = np.unique(sizes)
-    if len(ascending) > _CLASSES:  # a geometric grid, rounded down
-      sizes = np.exp2(np.floor(np.log2(np.maximum(sizes, 1.0)) * 8) / 8)
-      ascending = np.unique(sizes)
-    m = len(ascending)
-    slot = m - 1 - np.searchsorted(ascending, sizes)  # classes largest first
-    start, end, foot = self._hostable_temporaries()
-    fits = m - np.searchsorted(ascending, foot, side="left")  # classes a buffer fits
-    temps = np.flatnonzero((foot > 0) & (fits > 0))
-    made = a.results_made_at.copy()
-    taken = self.taken_by_reductions()
-    if taken:
-      at = {int(v): i for i, v in enumerate(a.results_made)}
-      for v, op in taken.items():
-        if v in at:
-          made[at[v]] = min(made[at[v]], op)
-      order = np.argsort(made, kind="stable")
-      made, slot = made[order], slot[order]
-    return start[temps], end[temps], foot[temps], fits[temps] - 1, made, slot
-
-  def taken_by_reductions(self) -> dict[int, int]:
-    """{result of the program: op from which its buffer is taken} for the
-    results an optimizer's elementwise update makes in place from a
-    combined reduction's result: the collective writes the buffer the
-    update then overwrites (XLA shares a dying operand's buffer with an
-    elementwise fusion's result), so it holds nothing before."""
-    g, a = self.model.graph, self.model.analysis
-    outputs = set(g.outputs)
-    taken: dict[int, int] = {}
-    ats: dict[tuple[int, int], dict[int, int]] = {}  # each group's `windows`
-    for (key, o), v in self.reduced.items():
-      if o not in self.pending.get(key, ()):
-        continue
-      if key not in ats:
-        ats[key] = self.windows(key)
-      at = ats[key][o]
-      for _ in range(8):  # along same-shaped elementwise readers
-        if v in outputs:
-          taken[v] = min(taken.get(v, at), at)
-          break
-        nxt = [r for u, _ in g.uses[v] if a.late[u] for r in g.results[u]
-               if r >= 0 and g.shapes[r] == g.shapes[v]]
-        if not nxt:
-          break
-        v = nxt[-1]
-    return taken
 
   def combined_away(self) -> dict[tuple[int, int], int]:
     """{(kind, axes mask): how many collectives XLA's combiners merge away}
@@ -515,7 +199,7 @@ class Tracker:
     model, memo, a = self.model, self.model.memo, self.model.analysis
     compute = memo.time[self.op_ids].astype(np.float64)
     before, after = np.zeros(len(compute)), np.zeros(len(compute))
-    for key, readers in self.reshards.items():
+    for key, readers in self.timeline.reshards.items():
       seconds, _, copying = self.charged[key]
       first = min(readers)
       before[first] += seconds
@@ -527,6 +211,72 @@ class Tracker:
                           memo.comm_mask, memo.comm_seconds, memo.comm_after, a.late, combines,
                           model.latency, after)
     return compute, before, after
+
+  # -- the memory timeline's, for its readers (`timeline.Timeline`) -------
+
+  @property
+  def peak_memory(self) -> float:
+    return self.timeline.peak_memory
+
+  def peak_bound(self) -> float:
+    """An upper bound of `peak_memory` (`Timeline.peak_bound`)."""
+    return self.timeline.peak_bound()
+
+  def peak(self) -> tuple[float, int]:
+    """(bytes of temporaries at the memory peak, op index of the peak)."""
+    return self.timeline.peak()
+
+  @property
+  def live(self) -> np.ndarray:
+    """[O + 1] bytes of temporaries alive at each op index."""
+    return self.timeline.live
+
+  @property
+  def footprint(self) -> np.ndarray:
+    """[V] bytes of each temporary."""
+    return self.timeline.footprint
+
+  @property
+  def held(self) -> np.ndarray:
+    """[V] bytes of each resident buffer (arguments, results)."""
+    return self.timeline.held
+
+  @property
+  def reshards(self) -> dict[tuple, list[int]]:
+    """A resharded copy (`CostModel.copy_key`) -> its readers."""
+    return self.timeline.reshards
+
+  @property
+  def passing(self) -> dict[tuple, list[int]]:
+    """A resharded copy -> the readers it is a step on the way for."""
+    return self.timeline.passing
+
+  @property
+  def pending(self) -> dict[tuple[int, int], dict[int, tuple]]:
+    """(kind, mask) -> the inputs its combined late reductions hold."""
+    return self.timeline.pending
+
+  @property
+  def chained(self) -> dict[tuple[tuple[int, int], int], tuple[int, int]]:
+    """(key, op) of a late reduction -> the key of the one it follows."""
+    return self.timeline.chained
+
+  def copy_span(self, key: tuple, readers: list[int]) -> list[int]:
+    """The times a resharded copy is live across (`Timeline.copy_span`)."""
+    return self.timeline.copy_span(key, readers)
+
+  def held_inputs(self, key: tuple[int, int]
+                  ) -> list[tuple[int, int, float, int, float, int]]:
+    """The inputs the late reductions of `key` hold (`Timeline.held_inputs`)."""
+    return self.timeline.held_inputs(key)
+
+  def windows(self, key: tuple[int, int]) -> dict[int, int]:
+    """{op: time of the combined collective that reduces it} (`Timeline.windows`)."""
+    return self.timeline.windows(key)
+
+  def taken_by_reductions(self) -> dict[int, int]:
+    """Results made in place from a combined reduction's (`Timeline.taken_by_reductions`)."""
+    return self.timeline.taken_by_reductions()
 
   def cost(self) -> Cost:
     names = self.model.mesh.axis_names
@@ -542,7 +292,7 @@ class Tracker:
         step_time=self.step_time, compute_time=float(self.compute),
         comm_time=self.comm_time, flops=float(self.flops),
         comm_bytes=comm_bytes, comm_count=comm_count,
-        peak_memory=self.peak_memory, argument_memory=self.args,
+        peak_memory=self.peak_memory, argument_memory=self.timeline.args,
         comm_seconds=comm_seconds,
         memory_traffic=(float(self.model.memo.traffic[self.op_ids].sum()) + self.comm_traffic()
                         + self.relaid),
