@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+  import jax
 
 _COLLECTIVE = re.compile(
     r"\s(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|"
@@ -34,11 +37,14 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
 class Collective:
   """One collective of the compiled program, per device.
 
-  kind: all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute.
-  nbytes: bytes of its result on one device.
-  axes: mesh axes its replica groups span.
-  trips: times it runs per call: the known trip counts of the while loops
-    around it multiplied (1 outside loops, or where XLA does not know one).
+  Attributes:
+    kind: "all-reduce", "all-gather", "reduce-scatter", "all-to-all" or
+      "collective-permute" (an asynchronous `-start` counts as its kind).
+    nbytes: bytes of its result on one device.
+    axes: mesh axes its replica groups span (empty: a group of one device).
+    line: its instruction in the HLO text, stripped.
+    trips: times it runs per call: the known trip counts of the while loops
+      around it multiplied (1 outside loops, or where XLA does not know one).
   """
 
   kind: str
@@ -135,9 +141,23 @@ def _loop_trips(lines: list[str]) -> dict[str, int]:
   return {name: trips(name) for name in parent}
 
 
-def collectives(hlo_text: str, mesh) -> list[Collective]:
+def collectives(hlo_text: str, mesh: jax.sharding.Mesh) -> list[Collective]:
   """Every collective in compiled HLO text, with its mesh axes and how many
-  times it runs per call (`Collective.trips`)."""
+  times it runs per call (`Collective.trips`).
+
+  Args:
+    hlo_text: the partitioned program's HLO, `compiled.as_text()` of a
+      `jax.stages.Compiled`.
+    mesh: the mesh it was compiled on; replica groups are read back as the
+      axes of this mesh whose coordinates vary within a group.
+
+  Returns:
+    One `Collective` per collective instruction, in the text's order.
+
+  Raises:
+    ValueError: a replica group names a device `mesh` lacks (the program
+      was compiled on another mesh).
+  """
   found = []
   lines = hlo_text.splitlines()
   loops = _loop_trips(lines)
@@ -157,13 +177,34 @@ def collectives(hlo_text: str, mesh) -> list[Collective]:
 
 
 def summarize(found: list[Collective]) -> dict[tuple[str, tuple[str, ...]], float]:
+  """Result bytes per device summed by (kind, mesh axes), as
+  `automap.Report.compiled_comm_bytes` and `automap.Cost.comm_bytes` key them.
+
+  Args:
+    found: collectives, as `collectives` returns them.
+
+  Returns:
+    {(kind, axes): bytes}; each collective counted once (its `trips` not
+    multiplied in).
+  """
   out: dict[tuple[str, tuple[str, ...]], float] = {}
   for c in found:
     out[(c.kind, c.axes)] = out.get((c.kind, c.axes), 0) + c.nbytes
   return out
 
 
-def compiled_memory(compiled) -> tuple[float, Any]:
+def compiled_memory(compiled: jax.stages.Compiled) -> tuple[float, Any]:
+  """Bytes per device the compiled program allocates: arguments, results
+  (less those aliased to arguments) and temporaries, from XLA's
+  `memory_analysis()`.
+
+  Args:
+    compiled: a compiled program (`jax.jit(f).lower(...).compile()`).
+
+  Returns:
+    (bytes, the `memory_analysis()` object); (nan, None) where the backend
+    gives no analysis.
+  """
   stats = compiled.memory_analysis()
   if stats is None:
     return float("nan"), None
