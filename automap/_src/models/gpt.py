@@ -22,6 +22,25 @@ import optax
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
+  """The shape of a `GPT`; the defaults are a small 2-layer GPT-2.
+
+  Attributes:
+    vocab: V, token ids 0..V-1.
+    seq: S, the longest sequence (learned positions).
+    hidden: H, the residual width.
+    heads: N, query heads.
+    layers: blocks.
+    mlp_ratio: F = mlp_ratio * H where `mlp` is 0.
+    dtype: the dense layers' compute dtype (parameters stay float32).
+    scan_layers: the blocks as one `nn.scan` over stacked parameters.
+    mlp: F; 0: mlp_ratio * hidden.
+    gated: SwiGLU: silu(x W_gate) * (x W_up), then W_out.
+    kv_heads: K; 0: heads (multi-head attention).
+    tied: the output head reads the embedding table.
+    head_size: D; 0: hidden // heads (heads * D need not be hidden).
+    parallel: attention and MLP read one norm, summed (GPT-J, PaLM).
+  """
+
   vocab: int = 256
   seq: int = 32
   hidden: int = 64
@@ -29,20 +48,22 @@ class GPTConfig:
   layers: int = 2
   mlp_ratio: int = 4
   dtype: Any = jnp.float32
-  scan_layers: bool = False  # blocks as one `nn.scan` over stacked parameters
-  mlp: int = 0  # F; 0: mlp_ratio * hidden
-  gated: bool = False  # SwiGLU: silu(x W_gate) * (x W_up), then W_out
-  kv_heads: int = 0  # K; 0: heads (multi-head attention)
-  tied: bool = True  # the output head reads the embedding table
-  head_size: int = 0  # D; 0: hidden // heads (heads * D need not be hidden)
-  parallel: bool = False  # attention and MLP read one norm, summed (GPT-J, PaLM)
+  scan_layers: bool = False
+  mlp: int = 0
+  gated: bool = False
+  kv_heads: int = 0
+  tied: bool = True
+  head_size: int = 0
+  parallel: bool = False
 
   @property
   def head_dim(self) -> int:
+    """D: `head_size`, else hidden // heads."""
     return self.head_size or self.hidden // self.heads
 
   @property
   def mlp_width(self) -> int:
+    """F: `mlp`, else mlp_ratio * hidden."""
     return self.mlp or self.mlp_ratio * self.hidden
 
 
@@ -102,6 +123,15 @@ class _ScannedBlock(nn.Module):
 
 
 class GPT(nn.Module):
+  """A GPT-style decoder: token and learned position embeddings, `layers`
+  pre-norm blocks (causal attention, then the MLP, or both on one norm:
+  `parallel`), a final LayerNorm and the output head. Called on tokens
+  [B, S] int32, it gives logits [B, S, V].
+
+  Attributes:
+    config: its shape.
+  """
+
   config: GPTConfig
 
   @nn.compact
@@ -127,8 +157,20 @@ def make_train_step(
     config: GPTConfig, batch: int, learning_rate: float = 1e-3,
     abstract: bool = False,
 ) -> tuple[Callable, tuple]:
-  """Returns `(train_step, (params, opt_state, batch))` with real arrays, or
-  with `jax.ShapeDtypeStruct`s if `abstract` (nothing is materialised)."""
+  """An Adam train step of a `GPT` on next-token cross-entropy.
+
+  Args:
+    config: the model's shape.
+    batch: B, sequences per step.
+    learning_rate: Adam's.
+    abstract: arguments as `jax.ShapeDtypeStruct`s (nothing materialised,
+      any size), else concrete (random tokens, initialised parameters).
+
+  Returns:
+    `(train_step, (params, opt_state, batch))`: `train_step(params,
+    opt_state, batch) -> (params, opt_state, loss)`, batch a dict of
+    "inputs" and "targets", [B, S] int32 each.
+  """
   model = GPT(config)
   optimizer = optax.adam(learning_rate)
 
@@ -152,14 +194,26 @@ def make_train_step(
   return train_step, jax.eval_shape(init) if abstract else init()
 
 
-def megatron_specs(args, data: str | None = "data", model: str | None = "model"):
-  """The expert layout of `make_train_step`'s arguments (a prefix pytree).
+def megatron_specs(args: Any, data: str | tuple[str, ...] | None = "data",
+                   model: str | None = "model") -> Any:
+  """The expert layout of a GPT train step's arguments.
 
   Megatron tensor parallelism over `model`: query/key/value and the MLP's
   first layer split by columns (heads, hidden units), attention output and
   the MLP's second layer by rows; the batch over `data`. Adam's moments follow
-  their parameters. `model=None` gives pure data parallelism, `data=None`
-  pure Megatron.
+  their parameters.
+
+  Args:
+    args: `(params, opt_state, batch)` of the GPT train step (arrays or
+      ShapeDtypeStructs).
+    data: the mesh axis (or axes) the batch is split over; None: pure
+      Megatron.
+    model: the mesh axis of the tensor parallelism; None: pure data
+      parallelism.
+
+  Returns:
+    A PartitionSpec per leaf of `args`, in its structure, as `jax.jit`'s
+    in_shardings and `automap.evaluate` take them.
   """
   from jax.sharding import PartitionSpec as P
 

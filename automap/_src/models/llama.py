@@ -25,24 +25,46 @@ from automap._src.models import moe
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-  vocab: int = 1024  # V
-  embed: int = 256  # E
-  mlp: int = 512  # F
-  heads: int = 8  # N
-  kv_heads: int = 4  # K, divides N
-  head_dim: int = 32  # D, even (rotary pairs)
-  layers: int = 4  # L
-  seq: int = 128  # S
-  batch: int = 16  # B
+  """The shape of the llama decoder `train_step` builds.
+
+  Attributes:
+    vocab: V.
+    embed: E, the residual width.
+    mlp: F, the SwiGLU MLP's (or each expert's) hidden width.
+    heads: N, query heads.
+    kv_heads: K, key/value heads; divides N.
+    head_dim: D; even (rotary pairs).
+    layers: L.
+    seq: S, tokens per sequence.
+    batch: B, sequences per step.
+    dtype: the compute dtype (weights stay float32).
+    remat_policy: a name in `jax.checkpoint_policies`, the layers' remat.
+    experts: X: a mixture of this many experts in each MLP (Mixtral's);
+      0 for dense.
+    top_k: experts per token.
+    capacity_factor: slots per expert and sequence, over an even share.
+    unrolled: the layers as HuggingFace's Flax Llama writes them (one
+      `nn.remat`'d module per layer, `layers_0`...), not one `nn.scan`
+      over stacked weights.
+    fsdp: the mesh axes the weights' embed dim is split over.
+  """
+
+  vocab: int = 1024
+  embed: int = 256
+  mlp: int = 512
+  heads: int = 8
+  kv_heads: int = 4
+  head_dim: int = 32
+  layers: int = 4
+  seq: int = 128
+  batch: int = 16
   dtype: Any = jnp.float32
-  remat_policy: str = "nothing_saveable"  # a name in jax.checkpoint_policies
-  experts: int = 0  # X: a mixture of this many experts in each MLP (Mixtral's), 0 for dense
-  top_k: int = 2  # experts per token
-  capacity_factor: float = 1.25  # slots per expert and sequence, over an even share
-  # The layers as HuggingFace's Flax Llama writes them (one `nn.remat`'d
-  # module per layer, `layers_0`...), not one `nn.scan` over stacked weights.
+  remat_policy: str = "nothing_saveable"
+  experts: int = 0
+  top_k: int = 2
+  capacity_factor: float = 1.25
   unrolled: bool = False
-  fsdp: tuple[str, ...] = ("fsdp",)  # mesh axes the weights' embed dim is split over
+  fsdp: tuple[str, ...] = ("fsdp",)
 
 
 # MaxText's rules (base.yml) for the axes this mesh may have, in order of
@@ -251,15 +273,30 @@ def _optimizer() -> optax.GradientTransformation:
 
 def train_step(config: LlamaConfig, seed: int = 0, constrained: bool = True,
                abstract: bool = False) -> tuple[Callable, tuple]:
-  """(step_fn, (params, opt_state, batch)) with small concrete arrays, or
-  with `abstract` jax.ShapeDtypeStructs (any size: nothing is allocated).
+  """An AdamW train step of a MaxText-style llama decoder, its layout the
+  user's: logical axis names on the weights, constraints on the activations.
 
-  step_fn(params, opt_state, batch) -> (params, opt_state, loss) takes plain
-  arrays; batch is {"inputs", "targets"}: [B, S] int32, targets the next
-  tokens. The constraints bind to the mesh the caller traces under
-  (`with jax.set_mesh(mesh): jax.jit(step_fn)...`, Auto axis types); with
-  none in context they are no-ops, as they are with `constrained=False`
-  (no rules: the same step without a layout of its own).
+  The constraints bind to the mesh the caller traces under (`with
+  jax.set_mesh(mesh): jax.jit(step_fn)...`, Auto axis types); with none in
+  context they are no-ops.
+
+  Args:
+    config: the decoder's shape.
+    seed: of the initial weights and the tokens.
+    constrained: the activations' constraints resolved by MaxText's rules;
+      False: none (the same step without a layout of its own).
+    abstract: arguments as `jax.ShapeDtypeStruct`s (any size: nothing is
+      allocated), else small concrete arrays.
+
+  Returns:
+    `(step_fn, (params, opt_state, batch))`: `step_fn(params, opt_state,
+    batch) -> (params, opt_state, loss)` on plain arrays; batch is
+    {"inputs", "targets"}, [B, S] int32, targets the next tokens.
+
+  Raises:
+    AttributeError: `config.remat_policy` names nothing in
+      `jax.checkpoint_policies`.
+    TypeError: `config.kv_heads` does not divide `config.heads`.
   """
   model, optimizer = Decoder(config), _optimizer()
   k_init, k_data = jax.random.split(jax.random.key(seed))
@@ -288,10 +325,24 @@ def train_step(config: LlamaConfig, seed: int = 0, constrained: bool = True,
   return step_fn, (params, opt_state, batch)
 
 
-def param_specs(config: LlamaConfig, mesh) -> tuple[Any, Any, P]:
-  """(params, opt_state, batch) PartitionSpecs from the logical names.
+def param_specs(config: LlamaConfig, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
+                ) -> tuple[Any, Any, P]:
+  """The layout the decoder is written with: its logical names resolved on
+  `mesh` by MaxText's rules.
 
-  Adam's moments are laid out as the parameters; its step count replicated.
+  Args:
+    config: the decoder's shape.
+    mesh: the mesh; rules naming axes it lacks are dropped.
+
+  Returns:
+    PartitionSpecs `(params, opt_state, batch)`: the parameters' pytree,
+    Adam's state (moments laid out as the parameters, its step count
+    replicated), and one spec for each [B, S] batch array.
+
+  Raises:
+    AttributeError: `config.remat_policy` names nothing in
+      `jax.checkpoint_policies`.
+    TypeError: `config.kv_heads` does not divide `config.heads`.
   """
   model, rules = Decoder(config), rules_for(mesh, config.fsdp)
   tokens = jax.ShapeDtypeStruct((config.batch, config.seq), jnp.int32)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +28,18 @@ Params = dict[str, jax.Array]
 
 
 def capacity(tokens: int, experts: int, k: int, factor: float = 1.25) -> int:
-  """Slots per expert for `tokens` (one group) routed to `k` of `experts`,
-  `factor` over an even share (GShard's capacity factor)."""
+  """Slots per expert and group: GShard's capacity factor over an even share.
+
+  Args:
+    tokens: tokens in one group.
+    experts: X.
+    k: experts each token is routed to.
+    factor: the capacity factor: slots over an even share of the
+      `tokens * k` assignments.
+
+  Returns:
+    C, at least 1; assignments past it are dropped.
+  """
   return max(1, math.ceil(tokens * k * factor / experts))
 
 
@@ -112,11 +123,33 @@ def init(experts: int, width: int, hidden: int, dtype=jnp.float32, seed: int = 0
 
 def make_train_step(dispatch: str = "einsum", experts: int = 8, width: int = 256,
                     hidden: int = 512, groups: int = 16, group_size: int = 64, k: int = 2,
-                    capacity_factor: float = 1.25, layers: int = 1, dtype=jnp.float32,
-                    abstract: bool = False, seed: int = 0):
-  """An AdamW step `(params, opt_state, x, y) -> (params, opt_state, loss)`
-  of `layers` residual MoE layers regressing y from x (both [G, S, M]),
-  and its arguments (ShapeDtypeStructs if `abstract`)."""
+                    capacity_factor: float = 1.25, layers: int = 1, dtype: Any = jnp.float32,
+                    abstract: bool = False, seed: int = 0) -> tuple[Callable, tuple]:
+  """An AdamW step of residual mixture-of-experts layers as libraries write
+  them: top-k routing per group, capacity slots, SwiGLU experts.
+
+  Args:
+    dispatch: "einsum" (GShard's one-hot dispatch and combine) or "sorted"
+      (each group's assignments sorted by expert and gathered).
+    experts: X.
+    width: M, the model width.
+    hidden: H, each expert's hidden width.
+    groups: G, groups (batch rows) per step.
+    group_size: S, tokens per group.
+    k: experts each token is routed to.
+    capacity_factor: slots per expert and group over an even share.
+    layers: MoE layers, each added to its input.
+    dtype: of the parameters and data.
+    abstract: arguments as `jax.ShapeDtypeStruct`s, else concrete.
+    seed: of the parameters (layer i from seed + i) and the data.
+
+  Returns:
+    `(step, (params, opt_state, x, y))`: `step(params, opt_state, x, y) ->
+    (params, opt_state, loss)` regresses y from x, both [G, S, M].
+
+  Raises:
+    ValueError: `dispatch` is neither "einsum" nor "sorted".
+  """
   if dispatch not in DISPATCH:
     raise ValueError(f"make_train_step: dispatch must be one of {sorted(DISPATCH)}, "
                      f"got {dispatch!r}.")
