@@ -14,8 +14,11 @@ every fusion that reads it (a fused producer duplicated into several runs
 in each), and a dot whose operands XLA's dot decomposition transposes reads
 a copy (`analysis.materialized`, `fusion_copies`, `canonical_copies`).
 
-Costs are memoised per op class and layout (`Memo`); `tracker.Tracker`
-sums them over a program and `analysis` says which buffers XLA keeps.
+The class holds the mesh's and hardware's tables and the collectives'
+prices; `layouts` derives an op's layout, `reshard` its reshards and
+`pricing` the rest of its price. Costs are memoised per op class and layout
+(`Memo`); `tracker.Tracker` sums them over a program and `analysis` says
+which buffers XLA keeps.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ import math
 
 import numpy as np
 
-from automap._src.cost import halo, layouts, partial_sums, reshard
-from automap._src.cost.analysis import Analysis, canonical_copies
+from automap._src.cost import halo, layouts, pricing, reshard
+from automap._src.cost.analysis import Analysis
 from automap._src.cost.collectives import (
   ALL_GATHER,
   ALL_REDUCE,
@@ -42,7 +45,6 @@ from automap._src.cost.compiler import Compiler
 from automap._src.cost.hardware import Hardware
 from automap._src.cost.memo import Memo, OpCost
 from automap._src.ir import graph as graph_lib
-from automap._src.ir import rules
 from automap._src.ir.graph import Graph
 from automap._src.sharding.mesh import MeshSpec
 from automap._src.sharding.state import UNSHARDED, State
@@ -129,12 +131,6 @@ class Cost:
         comm_seconds={(k, tuple(a)): t for k, a, t in d.get("comm_seconds", ())},
         memory_traffic=d.get("memory_traffic", 0.0),
         exposed_comm_time=d.get("exposed_comm_time", -1.0))
-
-
-# Contractions: XLA's dot partitioner handles their partial sums.
-_CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
-# Ops whose fusions read only the part of their first operand they return.
-_SLICING = frozenset({"slice", "dynamic_slice", "gather", "scan_slice"})
 
 
 class CostModel:
@@ -351,202 +347,8 @@ class CostModel:
     return entry
 
   def price(self, state: State, o: int) -> OpCost:
-    """Cost of op o under `state`, priced afresh (not memoised)."""
-    g, sizes = self.graph, self.mesh.axis_sizes
-    rule = g.rules[o]
-    operands, results = g.operands[o], g.results[o]
-    if self.dead[o]:
-      return OpCost(0.0, 0.0, [], {}, (0.0,) * len(results),
-                    tuple(None if v < 0 else tuple(int(d) for d in state[v]) for v in results),
-                    0.0)
-    num_axes = len(sizes)
-    comms: list[tuple[int, int, float, float, int, int, float]] = []
-    factor_of_axis, scatters, wants = self.layout(state, o)
-    reducing = g.prims[o] in rules.REDUCTIONS
-    # Operands: gather or exchange what the factor layout does not match.
-    # HBM bytes as XLA's fusions move them: stored operands read once per
-    # fusion the op runs in, stored results written; fused values never.
-    traffic = 0.0
-    # HBM bytes of the copies laying its results' collectives' buffers out
-    # (`relayout_bytes`), fusions of their own beside the op's.
-    relaid = 0.0
-    stored, copies = self.analysis.stored, int(self.analysis.copies[o])
-    reshards = {}
-    reads = [0.0] * len(operands)
-    once = 0.0  # stored operands' bytes, read once
-    for p, (v, want_row) in enumerate(zip(operands, wants)):
-      if want_row is None:
-        continue
-      have, local = state[v], self.local_bytes(state, v)
-      if g.prims[o] == "scan_slice" and any(int(d) == 0 for d in have):
-        # XLA makes only the step dim whole before the loop (its axes moved
-        # to the dims they are wanted on where those are free, else
-        # gathered); the rest of the reshard happens to each step's slice.
-        held = {int(d) for d in have if int(d) > 0}
-        whole = [int(d) if int(d) != 0 else
-                 int(w) if int(w) > 0 and int(w) not in held else UNSHARDED
-                 for d, w in zip(have, want_row)]
-        local = self.transition(comms, have, whole, local, p)
-        inner: list = []
-        steps = g.shapes[v][0]
-        # Each step reads its slice (a loop body is counted once).
-        once += self.transition(inner, whole, want_row, local / steps, p)
-        comms += [(k, m, b, sec * steps, q, t, r) for k, m, b, sec, q, t, r in inner]
-      else:
-        # Its collectives carry their relaid buffers' bytes: XLA lays out
-        # one resharded copy for all its readers (the tracker counts it so).
-        fused = (bool(self.analysis.loop_made[v]), bool(self.analysis.loop_read[v]))
-        read = self.transition([] if self.free[v] else comms, have, want_row, local, p,
-                               g.shapes[v], fused)
-        reads[p] = read
-        if p == 0 and g.prims[o] in _SLICING:  # a fusion reads only the slice
-          read = min(read, self.local_bytes(state, results[0]))
-        if stored[v]:
-          # In the layout the op wants (a reshard's collectives' own bytes
-          # are the tracker's, once per copy). A fused-away operand read
-          # resharded is taken to stay fused (XLA writes it for the
-          # collective): so an op's price is that of its operands' layouts,
-          # as the exact solver prices strategies.
-          once += read
-      if any(int(state[v, a]) != w for a, w in enumerate(want_row)):
-        reshards[p] = tuple(want_row)
-    if copies > 1:
-      # A fused producer is duplicated into each fusion that reads it,
-      # reading its operands in each, unless storing its result once
-      # moves fewer bytes (what XLA's fusion cost model weighs).
-      made = sum(self.local_bytes(state, v) for v in results if v >= 0)
-      traffic += min(once * copies, made * (1 + copies))
-    else:
-      traffic += once
-    if g.prims[o] == "dot_general":
-      tiles = [tuple(n // math.prod(sizes[a] for a in range(num_axes) if w[a] == d)
-                     for d, n in enumerate(shape)) if w is not None else shape
-               for shape, w in zip(g.operand_shapes[o][:2], wants[:2])]
-      for p, copied in enumerate(canonical_copies(rule, tiles)):
-        if copied:
-          # A copy into the decomposed dot's layout: it reads the operand
-          # and writes the copy, once for the dots that read the value.
-          traffic += 2 * reads[p] / max(int(self.analysis.dot_readers[operands[p]]), 1)
-    for window in rule.windows:
-      axes = [a for a in range(num_axes) if factor_of_axis[a] == window.factor]
-      made = results[window.result]
-      # XLA drops a slice nothing reads.
-      if axes and operands[window.operand] >= 0 and made >= 0 and not self.analysis.unread[made]:
-        # The halos arrive in buffers of their own, read by the op.
-        traffic += self.exchange_halos(comms, o, window, axes, wants[window.operand])
-    # Results: combine partial sums, then match the result's own layout.
-    footprint, naturals = [], []
-    for r, v in enumerate(results):
-      if v < 0:
-        footprint.append(0.0)
-        naturals.append(None)
-        continue
-      before_results = len(comms)
-      reduce_mask = scatter_mask = 0
-      natural = [UNSHARDED] * num_axes
-      for a in range(num_axes):
-        f = factor_of_axis[a]
-        if f >= 0 and rule.reduction[f]:
-          if state[v, a] >= 0 and (scatters[a] or not reducing):
-            scatter_mask |= 1 << a
-          else:
-            reduce_mask |= 1 << a
-        elif f >= 0:
-          natural[a] = rule.dim_of(len(rule.operands) + r, f)
-      natural_bytes = float(g.nbytes[v]) / math.prod(
-          sizes[a] for a in range(num_axes) if natural[a] >= 0)
-      made = natural_bytes  # the partial result the op makes
-      widen = self.reduced_itemsize[v] / self.itemsize[v]
-      grouped = False  # the dot partitioner grouped devices on the contraction
-      if scatter_mask and not self.compiler.reduce_scatter and g.prims[o] in _CONTRACTIONS:
-        # No reduce-scatter: XLA's dot partitioner all-reduces and slices
-        # (`partial_sums.finish`: as XLA:CPU compiles it, `P('data',
-        # 'model')` from a contraction over both is two whole all-reduces).
-        natural_bytes, made = partial_sums.finish(
-            self, comms, natural, state[v], scatter_mask, reduce_mask, natural_bytes,
-            float(g.nbytes[v]), widen)
-        scatter_mask, grouped = 0, True
-      elif scatter_mask and not self.compiler.reduce_scatter:
-        # Other reductions all-reduce the whole partial result over every
-        # axis at once, then keep this device's tile.
-        reduce_mask |= scatter_mask
-        scatter_mask = 0
-      # One all-reduce per reduced factor (XLA reduces dim by dim), over
-      # every axis that tiles it; after a contraction grouped on the axes
-      # its result is scattered over, what the others hold partial is one
-      # all-reduce over all of them (as XLA:CPU compiles it).
-      by_factor: dict[int, int] = {}
-      for a in range(num_axes):
-        if reduce_mask >> a & 1:
-          f = -1 if grouped else factor_of_axis[a]
-          by_factor[f] = by_factor.get(f, 0) | 1 << a
-      for mask in by_factor.values():
-        if g.prims[o] in rules.ARG_REDUCTIONS:
-          # No all-reduce combines (value, index) pairs: XLA all-gathers
-          # both partial results over the axes and reduces them again.
-          gathered = natural_bytes * self.group_size[mask]
-          values = gathered * self.reduced_itemsize[operands[0]] / self.itemsize[v]
-          self.emit(comms, ALL_GATHER, mask, gathered)
-          self.emit(comms, ALL_GATHER, mask, values)
-          made = max(made, gathered + values)
-        else:
-          self.emit(comms, ALL_REDUCE, mask, natural_bytes * widen)
-      if scatter_mask:
-        for a in range(num_axes):
-          if scatter_mask >> a & 1:
-            natural[a] = state[v, a]
-        natural_bytes /= self.group_size[scatter_mask]
-        self.emit(comms, REDUCE_SCATTER, scatter_mask, natural_bytes)
-      made_here = len(comms) == before_results  # else by this result's reductions
-      moved = len(comms)
-      self.transition(comms, natural, state[v], natural_bytes, -1, g.shapes[v],
-                      (made_here and bool(self.analysis.loop_fused[o]),
-                       bool(self.analysis.loop_read[v])))
-      relaid += sum(c[6] for c in comms[moved:])
-      if len(comms) > before_results:
-        traffic += made  # the partial result, for its collectives to finish
-      elif stored[v]:
-        traffic += self.local_bytes(state, v)
-      naturals.append(tuple(int(d) for d in natural))
-      foot = max(made, self.local_bytes(state, v))
-      if stored[v] and made > self.local_bytes(state, v):
-        # Made whole and sliced by each reader: every fusion reading it
-        # reads the whole buffer (XLA's bytes accessed).
-        traffic += (made - self.local_bytes(state, v)) * int(self.analysis.readers[v])
-      w = self.analysis.wide[v]
-      if w >= 0:  # and its broadcast, in the reader's layout and its own dtype
-        foot += self.local_bytes(state, w) * self.itemsize[v] / self.itemsize[w]
-      footprint.append(foot)
-    tiles = 1
-    for a in range(num_axes):
-      if factor_of_axis[a] >= 0:
-        tiles *= sizes[a]
-    flops = float(g.flops[o]) / tiles
-    if g.prims[o] in ("dot_general", "conv_general_dilated"):
-      itemsize = int(self.itemsize[operands[0]]) if operands[0] >= 0 else 4
-      contracted = minor = 0.0
-      if g.prims[o] == "dot_general" and flops > 0:
-        # In the layout the op computes in: its output's elements and minor
-        # dim per device, the contracted size from its FLOPs (2 per MAC).
-        shape, natural = g.shapes[results[0]], naturals[0]
-        elements, minor = float(np.prod(shape)), float(shape[-1]) if len(shape) else 1.0
-        for a in range(num_axes):
-          if natural[a] >= 0:
-            elements /= sizes[a]
-            if natural[a] == len(shape) - 1:
-              minor /= sizes[a]
-        contracted = flops / (2 * elements)
-      peak = self.hw.matmul_rate(itemsize, contracted, minor)
-    else:  # vector units: an order of magnitude below the matrix units
-      peak = self.hw.fp32_flops / 16
-    # A roofline per op, its traffic the fusions' (`traffic` above).
-    time = max(flops / peak, traffic / self.hw.hbm_bandwidth) + self.relayout_time(relaid)
-    trips = int(g.trips[o])
-    if trips > 1:  # A scan body's op: every step pays; the program holds one copy.
-      time, flops = time * trips, flops * trips
-      comms = [(k, m, b, sec * trips, p, t, r) for k, m, b, sec, p, t, r in comms]
-    return OpCost(time, flops, comms, reshards, tuple(footprint), tuple(naturals),
-                  traffic + relaid)
+    """Cost of op o under `state`, priced afresh (not memoised; `pricing.price`)."""
+    return pricing.price(self, state, o)
 
   # -- whole state ---------------------------------------------------------
 
