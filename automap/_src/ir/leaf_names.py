@@ -20,6 +20,8 @@ takes that argument's name, so the state a step carries still pairs up.
 
 from __future__ import annotations
 
+import inspect
+import types
 from collections.abc import Sequence
 
 import jax
@@ -110,10 +112,28 @@ def _mirrors(tree, paths: Sequence[str], containers, taken: set[int]) -> dict[in
   return out
 
 
+_MISSING = object()
+
+
+def _stored(x, name: str):
+  """`x.name` where it is stored on the object (its `__dict__`, a slot or a
+  plain class attribute), else `_MISSING`. Never runs the user's code: a
+  property or `__getattr__` may raise (an unbound penzai `ParameterSlot`'s
+  `.value` does) or compute."""
+  try:
+    found = inspect.getattr_static(x, name, _MISSING)
+    if isinstance(found, types.MemberDescriptorType):  # a slot
+      return found.__get__(x, type(x))
+  except Exception:  # noqa: BLE001 (an unfilled slot, or a metaclass's own lookup)
+    return _MISSING
+  return _MISSING if hasattr(type(found), "__get__") else found
+
+
 def _labelled(x) -> bool:
   """A pytree node its library names itself: penzai's parameter and state
-  values carry their `label` beside their `value`."""
-  return isinstance(getattr(x, "label", None), str) and hasattr(x, "value")
+  values carry their `label` beside their `value` (a variable's slot,
+  standing in for one, has no value and is not named)."""
+  return isinstance(_stored(x, "label"), str) and _stored(x, "value") is not _MISSING
 
 
 def library_names(args):
