@@ -1,5 +1,5 @@
 """Other people's model code: train steps written with HuggingFace Flax,
-equinox, haiku, keras 3, flax linen and nnx layers (`automap/_src/models/outside_steps.py`), each
+equinox, haiku, keras 3, flax linen and nnx layers (`tests/outside_steps.py`), each
 on a 2-axis (4, 2) and a 3-axis (2, 2, 2) mesh of 8 CPU devices.
 
 Per step and mesh: whether automap plans and runs it first try; the
@@ -21,24 +21,23 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import sys
 import time
 import warnings
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The steps are the tests' fixtures (`tests/outside_steps.py`), which import
+# each library only when its step is built.
+sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import outside_steps  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
 import automap  # noqa: E402
-from automap._src.cost.hardware import get_hardware  # noqa: E402
-from automap._src.models import outside_steps  # noqa: E402
-from automap._src.run import apply as apply_lib  # noqa: E402
-from automap._src.run import referee as referee_lib  # noqa: E402
-from automap._src.run.compiled import (  # noqa: E402
-  collectives,
-)
+from automap import referee as referee_lib  # noqa: E402
 
 MESHES = {(4, 2): ("data", "model"), (2, 2, 2): ("data", "fsdp", "model")}
 EXPERTS = ("data parallel", "Megatron + DP", "FSDP")
@@ -46,7 +45,7 @@ HARDWARE = "tpu-v4"
 
 
 def measure(step, shape, names, episodes: int) -> dict:
-  hw = get_hardware(HARDWARE)
+  hw = automap.HARDWARE[HARDWARE]
   mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
   row = {"step": step.name, "library": step.library, "family": step.family,
          "mesh": "x".join(map(str, shape))}
@@ -68,7 +67,7 @@ def measure(step, shape, names, episodes: int) -> dict:
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     experts, traced = referee_lib.expert_specs(step, mesh, hw)
-    mine = apply_lib.compile_with_plan(traced, mesh, plan, step.args)
+    mine = referee_lib.compile_plan(traced, mesh, plan, step.args)
     judged = {"automap": referee_lib.referee(mine, mesh, hw)}
     predicted = {"automap": plan.cost}
     expert_errors = {}  # each expert's (comm, peak) relative error, priced as `evaluate` does
@@ -76,7 +75,7 @@ def measure(step, shape, names, episodes: int) -> dict:
       compiled = referee_lib.compile_layout(traced, mesh, specs, step.args)
       judged[name] = referee_lib.referee(compiled, mesh, hw)
       predicted[name] = cost
-      xla = sum(c.nbytes for c in collectives(compiled.as_text(), mesh))
+      xla = sum(c.nbytes for c in referee_lib.collectives(compiled.as_text(), mesh))
       expert_errors[name] = (
           abs(on_cpu.total_comm_bytes - xla) / xla if xla else float(on_cpu.total_comm_bytes > 0),
           abs(on_cpu.peak_memory - judged[name]["peak"]) / judged[name]["peak"])

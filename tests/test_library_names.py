@@ -147,7 +147,7 @@ def test_penzai_parameters_are_named_by_their_labels():
   """penzai's pytree paths leave its labels out (`0/7/value/data_array`);
   automap names each parameter, and the moments that mirror it, by label."""
   pytest.importorskip("penzai")
-  from automap._src.models import outside_steps
+  import outside_steps
 
   step = outside_steps.penzai_transformer(outside_steps.TINY)
   step_p = automap.partition(step.fn, mesh=mesh((4, 2)), hardware="cpu", budget=BUDGET,

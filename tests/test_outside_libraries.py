@@ -1,6 +1,6 @@
 """Train steps written with other libraries' own model code run first try.
 
-Steps of `automap/_src/models/outside_steps.py` at its TINY size: a HuggingFace Flax
+Steps of `outside_steps.py` at its TINY size: a HuggingFace Flax
 GPT-2 with its tied head, equinox (the whole model as the argument,
 activation functions static) and keras 3 (`stateless_call` on lists, named
 by `names=`). Each is partitioned and run, checked against the
@@ -29,9 +29,10 @@ pytest.importorskip("haiku")
 pytest.importorskip("keras")
 pytest.importorskip("transformers")
 
-from automap._src.models import outside_steps  # noqa: E402
-from automap._src.run import referee as outside  # noqa: E402  (the compiled-program referee)
-from automap._src.run.compiled import collectives, compiled_memory  # noqa: E402
+import outside_steps  # noqa: E402
+
+from automap import referee  # noqa: E402
+from automap.referee import collectives, compiled_memory  # noqa: E402
 
 M = mesh((4, 2))
 # The three calling conventions apart from flax's own: HF's model objects
@@ -60,9 +61,9 @@ def test_outside_train_step_runs_first_try_and_prices_the_experts_as_compiled(bu
     # XLA propagates it): predicted bytes are the compiled ones, and peaks
     # within the memory model's bound (temporaries live in the buffers of
     # results made after they die, as XLA's buffer assignment places them).
-    experts, traced = outside.expert_specs(step, M, automap.HARDWARE["cpu"])
+    experts, traced = referee.expert_specs(step, M, automap.HARDWARE["cpu"])
     for name, (specs, _, predicted) in experts.items():
-      compiled = outside.compile_layout(traced, M, specs, step.args)
+      compiled = referee.compile_layout(traced, M, specs, step.args)
       found = sum(c.nbytes for c in collectives(compiled.as_text(), M))
       assert predicted.total_comm_bytes == pytest.approx(found, rel=0.05), name
       assert predicted.total_comm_bytes > 0

@@ -1,4 +1,6 @@
-"""Train steps written with other libraries' own model code.
+"""Train steps written with other libraries' own model code: fixtures of
+test_outside_libraries.py and test_library_names.py, and the programs of
+`benchmarks/outside.py`.
 
 Each builder returns a `Step`: an AdamW train step `(params, opt_state,
 batch) -> (params, opt_state, loss)` as that library's users write it, and
