@@ -24,13 +24,18 @@ from automap._src.cluster.placement.configured import price as price_placement
 from automap._src.cluster.placement.dp import place as place
 from automap._src.cluster.placement.options import ClusterOptions as ClusterOptions
 from automap._src.cluster.placement.options import PlacementOptions as PlacementOptions
+from automap._src.cluster.placement.placed import Placement as Placement
+from automap._src.cluster.placement.placed import Stage as Stage
 from automap._src.cluster.profile.layer_graph import Layer as Layer
 from automap._src.cluster.profile.layer_graph import LayerCost as LayerCost
 from automap._src.cluster.profile.layer_graph import LayerGraph as LayerGraph
-from automap._src.cluster.profile.layer_graph import Placement as Placement
 from automap._src.cluster.profile.layer_graph import PlacementError as PlacementError
 from automap._src.cluster.profile.layer_graph import Shared as Shared
-from automap._src.cluster.profile.layer_graph import Stage as Stage
+from automap._src.cluster.schedule.schedules import Schedule as Schedule
+from automap._src.cluster.schedule.schedules import get as get_schedule
+from automap._src.cluster.schedule.schedules import names as schedule_names
+from automap._src.cluster.schedule.schedules import register as register_schedule
+from automap._src.cluster.schedule.schedules import unregister as unregister_schedule
 from automap._src.cluster.schedule.timetable import Timetable as Timetable
 from automap._src.cluster.schedule.timetable import timetable as timetable
 
@@ -53,17 +58,22 @@ __all__ = (
     "PlacementError",
     "PlacementOptions",
     "ReplicatedWeightsWarning",
+    "Schedule",
     "Shared",
     "Stage",
     "TPU_V4_LIKE",
     "Timetable",
     "Workload",
+    "get_schedule",
     "pipelined",
     "pipelined_loss",
     "place",
     "plan_cluster",
     "price_cluster",
     "price_placement",
+    "register_schedule",
+    "schedule_names",
     "search_accelerator",
     "timetable",
+    "unregister_schedule",
 )

@@ -22,8 +22,10 @@ from automap._src.cluster.placement import configured
 from automap._src.cluster.placement.configured import ClusterConfig
 from automap._src.cluster.placement.dp import place_any
 from automap._src.cluster.placement.options import ClusterOptions, memory_limit
+from automap._src.cluster.placement.placed import Placement
 from automap._src.cluster.profile import layers as layers_lib
-from automap._src.cluster.profile.layer_graph import JsonFile, Placement, PlacementError
+from automap._src.cluster.profile.layer_graph import JsonFile, PlacementError
+from automap._src.cluster.schedule import schedules
 from automap._src.cluster.schedule.timetable import timetable
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.ir import graph as graph_lib
@@ -152,8 +154,8 @@ class ClusterPlan(JsonFile):
     """The plan, stage by stage; `against`: another plan of the same step
     (the planner's beside a stated split) summarised after it."""
     p = self.placement
-    schedule = {"gpipe": "GPipe", "1f1b": "1F1B"}.get(
-        p.schedule, f"interleaved 1F1B x{p.virtual_stages}")
+    run = schedules.get(p.schedule)
+    schedule = run.title + (f" x{p.virtual_stages}" if run.chunked else "")
     comm = p.communication
     mfu = "" if math.isnan(self.mfu) else f", MFU {self.mfu:.1%}"
     limit = "" if math.isinf(self.memory_limit) else (

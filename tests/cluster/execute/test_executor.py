@@ -18,7 +18,6 @@ import pytest
 
 import automap
 from automap import cluster
-from automap._src.cluster.placement import dp as placement_lib
 from automap._src.models import gpt, zoo
 
 GPT = gpt.GPTConfig(vocab=64, seq=8, hidden=32, heads=2, layers=4)  # tied embeddings
@@ -219,8 +218,8 @@ def test_the_timetable_is_the_schedule_the_cluster_model_prices(schedule, stages
   # (M + (S - 1) / v) * (time per microbatch) is 2 M v + 2 (S - 1) slots.
   assert table.slots == 2 * microbatches * virtual + 2 * (stages - 1)
   for s in range(stages):
-    assert table.in_flight(s) == placement_lib.in_flight(s, stages, virtual, microbatches,
-                                                         schedule)
+    assert table.in_flight(s) == cluster.get_schedule(schedule).in_flight(
+        s, stages, microbatches, virtual)
   # Every dependency is met: a forward after the previous chunk's, a backward
   # after its own forward and the next chunk's backward.
   slot = {(w.phase, w.chunk, w.microbatch): w.slot for w in table.in_order()}

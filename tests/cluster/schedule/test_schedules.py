@@ -10,7 +10,6 @@ from helpers import abstract_gpt_loss, saved_dot_outputs
 
 import automap
 from automap import cluster
-from automap._src.cluster.placement import dp as placement
 from automap._src.cluster.placement import stage_costs
 from automap._src.cluster.profile import layers as layers_lib
 from automap._src.ir.naming import is_backward
@@ -102,7 +101,8 @@ def test_interleaving_shrinks_the_bubble_by_the_chunks_per_stage():
   # Memory: Megatron-LM's warm-up, (S - i - 1) * 2 + (v - 1) * S + 1 chunks, 1/v each.
   assert [s.in_flight for s in woven.stages] == [2.5, 1.5]
   assert woven.stages[0].memory == pytest.approx(2 * 4e9 + 2.5 * 4 * 0.5e9)
-  assert placement.in_flight(0, 4, 2, 8) == pytest.approx(4 + 3 / 2)  # p + (p - 1) / v
+  interleaved = cluster.get_schedule("interleaved")
+  assert interleaved.in_flight(0, 4, 8, 2) == pytest.approx(4 + 3 / 2)  # p + (p - 1) / v
 
 
 def test_the_search_interleaves_only_where_it_pays_and_is_legal():
@@ -248,7 +248,8 @@ def test_configurations_that_do_not_fit_the_batch_or_cluster_say_how():
   with pytest.raises(cluster.PlacementError, match=r"fewer blocks than pipeline=5"):
     cluster.price_placement(graph, cluster.ClusterConfig(pipeline=5), global_batch=5,
                             hardware=flat())
-  with pytest.raises(cluster.PlacementError, match=r"multiple of pipeline=2"):
+  with pytest.raises(cluster.PlacementError, match=r"3 microbatches per replica and "
+                     r"pipeline=2 stages, the interleaved schedule needs .* multiple of"):
     cluster.price_placement(graph, cluster.ClusterConfig(
         pipeline=2, schedule="interleaved", virtual_stages=2), global_batch=3, hardware=flat())
   with pytest.raises(cluster.PlacementError, match=r"tensor=2: layers .* not priced"):

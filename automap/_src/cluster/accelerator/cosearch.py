@@ -37,7 +37,8 @@ from automap._src.cluster.accelerator.passes import (
 )
 from automap._src.cluster.placement.dp import place_any
 from automap._src.cluster.placement.options import PlacementOptions
-from automap._src.cluster.profile.layer_graph import JsonFile, Placement, PlacementError
+from automap._src.cluster.placement.placed import Placement
+from automap._src.cluster.profile.layer_graph import JsonFile, PlacementError
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.plan import planner
 from automap._src.search.request import Budget, with_keywords

@@ -31,7 +31,8 @@ from typing import Any
 import jax
 from jax.extend import core as jex
 
-from automap._src.cluster.profile.layer_graph import Placement, PlacementError
+from automap._src.cluster.placement.placed import Placement
+from automap._src.cluster.profile.layer_graph import PlacementError
 from automap._src.ir.naming import containers, layer_of, layer_runs
 from automap._src.ir.walk import INLINE
 

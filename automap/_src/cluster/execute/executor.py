@@ -62,6 +62,7 @@ from jax.sharding import PartitionSpec as P
 from automap._src.cluster.execute import cut as cut_lib
 from automap._src.cluster.execute import stage_layouts
 from automap._src.cluster.profile.layer_graph import PlacementError
+from automap._src.cluster.schedule import schedules
 from automap._src.cluster.schedule import timetable as pipeline_schedule
 from automap._src.ir.trace import path_str
 
@@ -98,9 +99,10 @@ class PipelineStep:
     self.S, self.v, self.d = len(p.stages), p.virtual_stages, p.data_parallel
     self.M, self.zero = p.microbatches, p.zero
     self.schedule = schedule or p.schedule
-    if self.schedule == "gpipe" and self.v != 1:
+    if not schedules.get(self.schedule).chunked and self.v != 1:
       raise PlacementError(
-          f"schedule: 'gpipe' runs one chunk per stage; this plan has {self.v} (interleaved).")
+          f"schedule: {self.schedule!r} runs one chunk per stage; this plan has {self.v} "
+          f"({p.schedule}).")
     self.timetable = pipeline_schedule.timetable(self.schedule, self.S, self.M, self.v)
     self.meshes = stage_layouts.meshes(plan, devices)
     self.treedef = jax.tree.structure(params)

@@ -31,13 +31,16 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from automap._src.cluster.schedule import schedules
 from automap._src.run.apply import auto_mesh
 
 Params = Any  # a pytree of arrays; stacked: every leaf [L, ...]
 LayerFn = Callable[[Params, jax.Array], jax.Array]  # (one layer's params, [b, ...]) -> [b, ...]
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]  # ([b, ...] out, [b, ...] target) -> []
 
-SCHEDULES = ("gpipe", "1f1b")
+# The registered schedules (`schedules.names()`) these shard_map pipelines
+# implement; a cluster plan's executor runs every one.
+IMPLEMENTED = ("gpipe", "1f1b")
 
 
 class PipelineError(ValueError):
@@ -94,7 +97,7 @@ def pipelined_loss(layer_fn: LayerFn, loss_fn: LossFn, *, mesh: Mesh, microbatch
   """
   stages = _stages(mesh, stage_axis)
   _check_microbatches(microbatches)
-  _check_schedule(schedule, SCHEDULES)
+  _check_schedule(schedule, IMPLEMENTED)
   run = pipelined(layer_fn, mesh=mesh, microbatches=microbatches, stage_axis=stage_axis,
                   remat=remat)
 
@@ -272,8 +275,14 @@ def _check_microbatches(microbatches: int) -> None:
 
 
 def _check_schedule(schedule: str, allowed: tuple[str, ...]) -> None:
-  if schedule not in allowed:
-    raise PipelineError(f"schedule: expected one of {allowed}, got {schedule!r}.")
+  if schedule in allowed:
+    return
+  if schedule in schedules.names():
+    raise PipelineError(
+        f"schedule: expected one of {allowed}, got {schedule!r}, a registered schedule these "
+        "pipelines of identical layers do not implement; a cluster plan runs it "
+        f"(`ClusterPlan.train_step(..., schedule={schedule!r})`).")
+  raise PipelineError(f"schedule: expected one of {allowed}, got {schedule!r}.")
 
 
 def _check_args(layer_fn: LayerFn, stacked_params: Params, x: jax.Array, stages: int,

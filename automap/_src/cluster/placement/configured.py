@@ -19,13 +19,9 @@ import jax.numpy as jnp
 from automap._src.cluster.placement import dp as placement_lib
 from automap._src.cluster.placement import stage_costs
 from automap._src.cluster.placement.options import PlacementOptions
-from automap._src.cluster.profile.layer_graph import (
-  RECOMPUTE_MODES,
-  SCHEDULES,
-  LayerGraph,
-  Placement,
-  PlacementError,
-)
+from automap._src.cluster.placement.placed import Placement
+from automap._src.cluster.profile.layer_graph import RECOMPUTE_MODES, LayerGraph, PlacementError
+from automap._src.cluster.schedule import schedules
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.ir import graph as graph_lib
 from automap._src.search.request import with_keywords
@@ -124,18 +120,17 @@ class ClusterConfig:
           f"ClusterConfig.recompute_every={self.recompute_every} recomputes every k-th layer, "
           "but recompute='none' recomputes nothing; set recompute='full', 'selective' or "
           "'dots'.")
-    if self.schedule not in SCHEDULES:
+    chunked = schedules.get(self.schedule, "ClusterConfig.schedule").chunked
+    if not chunked and self.virtual_stages != 1:
       raise PlacementError(
-          f"ClusterConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}.")
-    if self.schedule != "interleaved" and self.virtual_stages != 1:
+          f"ClusterConfig.virtual_stages={self.virtual_stages} needs schedule="
+          f"{schedules.spelt(schedules.names(chunked=True))}; {self.schedule!r} runs one chunk "
+          "per stage.")
+    if chunked and (self.virtual_stages < 2 or self.pipeline < 2):
       raise PlacementError(
-          f"ClusterConfig.virtual_stages={self.virtual_stages} needs schedule='interleaved'; "
-          f"{self.schedule!r} runs one chunk per stage.")
-    if self.schedule == "interleaved" and (self.virtual_stages < 2 or self.pipeline < 2):
-      raise PlacementError(
-          "ClusterConfig.schedule='interleaved' needs virtual_stages >= 2 and pipeline >= 2, "
+          f"ClusterConfig.schedule={self.schedule!r} needs virtual_stages >= 2 and pipeline >= 2, "
           f"got virtual_stages={self.virtual_stages}, pipeline={self.pipeline}; use "
-          "schedule='1f1b' for one chunk per stage.")
+          f"schedule={schedules.DEFAULT!r} for one chunk per stage.")
     if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
       raise PlacementError(f"ClusterConfig.zero must be a ZeRO stage 0-3, got {self.zero!r}.")
     g = self.shard_group
@@ -187,11 +182,12 @@ class ClusterConfig:
           f"per microbatch step does not divide global_batch={global_batch}; choose a "
           f"microbatch and data width whose product divides it.")
     count = global_batch // per_step
-    if self.schedule == "interleaved" and count % self.pipeline:
+    missing = schedules.get(self.schedule).unmet(self.pipeline, count, self.virtual_stages)
+    if missing:
       raise PlacementError(
-          f"ClusterConfig: the interleaved schedule needs microbatches per replica "
-          f"({count}) to be a multiple of pipeline={self.pipeline}; change microbatch, data "
-          "or global_batch.")
+          f"ClusterConfig: with {count} microbatches per replica and pipeline={self.pipeline} "
+          f"stages, the {self.schedule} schedule needs {missing}; change microbatch, data or "
+          "global_batch.")
     return count * self.data
 
 
@@ -314,4 +310,4 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
                              context=config.context, offload=config.offload)
 
 
-__all__ = ["OFFLOADS", "SCHEDULES", "ClusterConfig", "check_hardware", "price"]
+__all__ = ["OFFLOADS", "ClusterConfig", "check_hardware", "price"]

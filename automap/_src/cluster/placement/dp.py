@@ -26,8 +26,10 @@ from collections.abc import Sequence
 
 from automap._src.cluster.placement import stage_costs
 from automap._src.cluster.placement.options import PlacementOptions
+from automap._src.cluster.placement.placed import Placement
 from automap._src.cluster.placement.stage_costs import Problem, StageCosts
-from automap._src.cluster.profile.layer_graph import LayerGraph, Placement, PlacementError
+from automap._src.cluster.profile.layer_graph import LayerGraph, PlacementError
+from automap._src.cluster.schedule import schedules
 from automap._src.cost.hardware import Hardware
 from automap._src.search.request import with_keywords
 
@@ -95,7 +97,8 @@ def _best_at(graph: LayerGraph, costs: StageCosts, downs: list[int], d: int, zer
   single_level = costs.single_level
   for k in range(len(graph.layers)):
     after: dict[int, list[tuple]] = {}
-    # This stage's microbatches in flight; the head's stages keep more.
+    # This stage's microbatches in flight under 1F1B (`schedules.ONE_F_ONE_B`:
+    # min(S - s, m) with k stages after it); the head's stages keep more.
     in_flight, ahead = min(k + 1, m), min(k + 2, m)
     for rest, front in fronts[k].items():
       least_used = min(f[0] for f in front)
@@ -356,27 +359,6 @@ def chunks(graph: LayerGraph, count: int) -> list[int] | None:
   return masks
 
 
-def in_flight(stage: int, stages: int, virtual: int, microbatches: int,
-              schedule: str = "1f1b") -> float:
-  """Microbatches whose activations stage `stage` (0-based) holds at its
-  peak, as a share of the stage's layers: under GPipe every microbatch (all
-  forwards before the backwards); under 1F1B min(S - i, m) plainly;
-  interleaved, Megatron-LM's warm-up of (S - i - 1) * 2 + (v - 1) * S
-  chunk-microbatches plus the one in its backward, each 1/v of the stage;
-  every forward first where there are as many microbatches as stages
-  (Megatron-LM's `forward_backward_pipelining_with_interleaving`: all
-  warm-up when num_microbatches == pipeline_parallel_size). The orders are
-  `pipeline_schedule.orders`."""
-  if schedule == "gpipe":
-    return float(microbatches)
-  if virtual == 1:
-    return float(min(stages - stage, microbatches))
-  if microbatches == stages:
-    return float(microbatches)
-  held = (stages - stage - 1) * 2 + (virtual - 1) * stages + 1
-  return min(microbatches * virtual, held) / virtual
-
-
 def uniform(costs: StageCosts, masks: list[int], *, data_parallel: int, stages: int,
             virtual: int, width: int, zero: int, fits: bool = True,
             schedule: str | None = None) -> Placement | None:
@@ -384,13 +366,16 @@ def uniform(costs: StageCosts, masks: list[int], *, data_parallel: int, stages: 
   stage c mod S, each stage on `width` devices, replicated `data_parallel`
   ways; per stage the fastest allowed recompute mode that fits in memory
   (with `fits` False: the fastest, fitting or not). None where no mode of
-  some stage fits or a stage's layers lack the width. schedule: "gpipe",
-  "1f1b" or "interleaved" (None: 1F1B, interleaved where v > 1); GPipe takes
-  1F1B's time and holds every microbatch."""
+  some stage fits or a stage's layers lack the width. schedule: a
+  registered schedule's name (None: 1F1B, interleaved where v > 1); each
+  stage holds what it keeps in flight (`Schedule.in_flight`), and every
+  schedule takes (m + (S - 1) / v) of the slowest stage's time per
+  microbatch (GPipe: 1F1B's time, every microbatch held)."""
   o = costs.problem
   d, S, v, t = data_parallel, stages, virtual, width
   m = o.microbatches // d
   per_pipeline = S * t
+  sched = schedules.get(schedule or schedules.default(v))
   chosen = []
   for s in range(S):
     members = 0
@@ -398,7 +383,7 @@ def uniform(costs: StageCosts, masks: list[int], *, data_parallel: int, stages: 
       members |= masks[s + k * S]
     if t not in costs.widths(members):
       return None
-    held = in_flight(s, S, v, m, schedule or "1f1b")
+    held = sched.in_flight(s, S, m, v)
     options = []
     for mode in o.recompute:
       memory = costs.memory(members, t, mode, held, d, zero)
@@ -414,7 +399,7 @@ def uniform(costs: StageCosts, masks: list[int], *, data_parallel: int, stages: 
   total = (m + (S - 1) / v) * t_max + max(c[4] for c in chosen)
   built = tuple(costs.stage(members, t, mode, s * t, held, d, per_pipeline, zero)
                 for s, (members, mode, held, _, _) in enumerate(chosen))
-  return Placement(d, m, zero, built, per_pipeline * d, total, v, schedule,
+  return Placement(d, m, zero, built, per_pipeline * d, total, v, sched.name,
                    o.hybrid_group(d, zero))
 
 

@@ -20,9 +20,10 @@ import functools
 import math
 from typing import NamedTuple
 
+from automap._src.cluster.placement.placed import Stage
 from automap._src.cluster.placement.problem import SLICE, Problem, problem
 from automap._src.cluster.placement.rings import Ring
-from automap._src.cluster.profile.layer_graph import Layer, LayerGraph, PlacementError, Stage
+from automap._src.cluster.profile.layer_graph import Layer, LayerGraph, PlacementError
 
 
 class Totals(NamedTuple):

@@ -1,24 +1,15 @@
-"""Pipeline schedules: which stage runs which microbatch's forward or backward, when.
+"""The timetable: a pipeline schedule's orders list-scheduled into slots.
 
-A schedule is an order per stage (what the stage runs, one piece of work after
-another) and the slots a list schedule gives it: every piece of work takes one
-slot, and starts in the first slot after its stage is free and its inputs are
-made (a chunk's forward after the previous chunk's forward of that
-microbatch, its backward after the next chunk's backward and its own
-forward). The cluster model prices exactly these orders: a stage's peak of
-microbatches in flight (`placement.in_flight`) is the most forwards it has run
-whose backward it has not, and the bubble (S - 1) / v of a stage's time per
-microbatch is the idle slots of this timetable on equal stages.
-
-Orders (S stages, M microbatches, v chunks per stage; model chunk c = k * S + s
-runs on stage s as its k-th chunk):
-- "gpipe": every forward, then every backward.
-- "1f1b" (PipeDream-Flush): stage s runs min(S - s - 1, M) forwards, then
-  alternates one forward and one backward, then the remaining backwards.
-- "interleaved" (Narayanan et al. 2021, Megatron-LM's order): forwards go
-  through S microbatches of chunk 0, then the same S of chunk 1, ..., before
-  the next S microbatches; backwards likewise from the last chunk; stage s warms
-  up with (S - s - 1) * 2 + (v - 1) * S forwards (all of them when M == S).
+A schedule (`schedules.Schedule`) gives each stage an order, what it runs one
+piece of work after another; the list schedule gives every piece of work one
+slot, the first after its stage is free and its inputs are made (a chunk's
+forward after the previous chunk's forward of that microbatch, its backward
+after the next chunk's backward and its own forward). The cluster model
+prices exactly these orders: a stage's peak of microbatches in flight
+(`Schedule.in_flight`) is the most forwards it has run whose backward it has
+not, and the bubble (S - 1) / v of a stage's time per microbatch is the idle
+slots of this timetable on equal stages. The executor issues the work in
+the timetable's order.
 """
 
 from __future__ import annotations
@@ -26,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from automap._src.cluster.profile.layer_graph import SCHEDULES, PlacementError
+from automap._src.cluster.profile.layer_graph import PlacementError
+from automap._src.cluster.schedule import schedules
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -69,11 +61,7 @@ class Timetable:
   def in_flight(self, stage: int) -> float:
     """The most chunk-microbatches stage `stage` holds between a forward and
     its backward, in stage shares (a chunk is 1 / v of the stage)."""
-    held = most = 0
-    for w in self.work[stage]:
-      held += 1 if w.phase == "forward" else -1
-      most = max(most, held)
-    return most / self.virtual
+    return schedules.peak_held((w.phase for w in self.work[stage]), self.virtual)
 
   def idle(self, stage: int) -> int:
     """Slots stage `stage` waits between its first and last piece of work,
@@ -97,42 +85,9 @@ class Timetable:
 
 def orders(schedule: str, stages: int, microbatches: int,
            virtual: int = 1) -> list[list[tuple[str, int, int]]]:
-  """Per stage, its (phase, chunk, microbatch) in the order it runs them."""
-  S, M, v = stages, microbatches, virtual
-  if schedule not in SCHEDULES:
-    raise PlacementError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
-  for name, value in (("stages", S), ("microbatches", M), ("virtual", v)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise PlacementError(f"{name} must be a positive int, got {value!r}.")
-  if schedule != "interleaved" and v != 1:
-    raise PlacementError(f"schedule {schedule!r} runs one chunk per stage, got virtual={v}.")
-  if schedule == "interleaved" and M % S:
-    raise PlacementError(
-        f"the interleaved schedule needs microbatches ({M}) to be a multiple of stages ({S}).")
-  result = []
-  for s in range(S):
-    if schedule == "gpipe":
-      result.append([("forward", s, m) for m in range(M)] + [("backward", s, m) for m in range(M)])
-      continue
-    total = M * v
-
-    def at(k: int, phase: str, s: int = s) -> tuple[str, int, int]:
-      group = k % (S * v)
-      local = group // S if phase == "forward" else v - 1 - group // S
-      return phase, local * S + s, (k // (S * v)) * S + k % S
-
-    if v == 1:
-      warm = min(S - s - 1, M)
-    else:
-      warm = total if M == S else min((S - s - 1) * 2 + (v - 1) * S, total)
-    order = [at(k, "forward") for k in range(warm)]
-    f, b = warm, 0
-    while f < total:
-      order += [at(f, "forward"), at(b, "backward")]
-      f, b = f + 1, b + 1
-    order += [at(k, "backward") for k in range(b, total)]
-    result.append(order)
-  return result
+  """Per stage, its (phase, chunk, microbatch) in the order it runs them:
+  the registered schedule's (`Schedule.orders`)."""
+  return schedules.get(schedule).orders(stages, microbatches, virtual)
 
 
 def timetable(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Timetable:
@@ -174,4 +129,4 @@ def _needs(phase: str, chunk: int, microbatch: int, chunks: int) -> Sequence[tup
   return needs
 
 
-__all__ = ["SCHEDULES", "Timetable", "Work", "orders", "timetable"]
+__all__ = ["Timetable", "Work", "orders", "timetable"]
