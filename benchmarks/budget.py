@@ -21,7 +21,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
 import automap  # noqa: E402
-from automap._src.models.gpt import GPTConfig, make_train_step  # noqa: E402
+from automap.zoo import GPTConfig, gpt_train_step  # noqa: E402
 
 
 def main():
@@ -30,7 +30,7 @@ def main():
   parser.add_argument("--ilp-seconds", type=float, nargs="*", default=[10.0, 30.0])
   opts = parser.parse_args()
   config = GPTConfig(vocab=512, seq=128, hidden=512, heads=8, layers=24)
-  step, args = make_train_step(config, batch=32, abstract=True)
+  step, args = gpt_train_step(config, batch=32, abstract=True)
   mesh = jax.sharding.AbstractMesh((4, 2), ("data", "model"))
   print("| search | budget s | search s (median of 3) | MCTS episodes | over budget |")
   print("|---|---|---|---|---|")

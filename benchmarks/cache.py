@@ -19,7 +19,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
 import automap  # noqa: E402
-from automap._src.models.gpt import GPTConfig, make_train_step  # noqa: E402
+from automap.zoo import GPTConfig, gpt_train_step  # noqa: E402
 
 
 def main():
@@ -32,7 +32,7 @@ def main():
   with tempfile.TemporaryDirectory() as folder:
     for layers in args_.layers:
       config = GPTConfig(vocab=512, seq=128, hidden=512, heads=8, layers=layers)
-      step, args = make_train_step(config, batch=32, abstract=True)
+      step, args = gpt_train_step(config, batch=32, abstract=True)
       runs = []
       for _ in range(2):
         f = automap.partition(step, mesh=mesh, cache=folder)

@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import automap  # noqa: E402
-from automap._src.models import zoo as programs  # noqa: E402
+from automap import zoo as programs  # noqa: E402
 
 SNAPSHOT = os.path.join(os.path.dirname(__file__), "clock_snapshot.json")
 MESHES = {(8,): ("data",), (4, 2): ("data", "model"), (2, 4): ("data", "model"),
@@ -47,10 +47,8 @@ def _programs() -> dict:
 
 
 def _gpt(layers: int, hidden: int):
-  from automap._src.models.gpt import GPTConfig, make_train_step
-
-  config = GPTConfig(vocab=256, seq=32, hidden=hidden, heads=4, layers=layers)
-  return make_train_step(config, batch=8, abstract=True)
+  config = programs.GPTConfig(vocab=256, seq=32, hidden=hidden, heads=4, layers=layers)
+  return programs.gpt_train_step(config, batch=8, abstract=True)
 
 
 def rows():

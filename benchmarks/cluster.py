@@ -28,11 +28,10 @@ import optax
 import automap
 from automap import Budget
 from automap._src.cluster.placement.dp import place_any
-from automap._src.cluster.placement.options import PlacementOptions
 from automap._src.cluster.profile import layers as layers_lib
-from automap._src.cluster.profile.layer_graph import LayerGraph, PlacementError
-from automap._src.models.gpt import GPT, GPTConfig
 from automap._src.plan import planner
+from automap.cluster import LayerGraph, PlacementError, PlacementOptions
+from automap.zoo import GPT, GPTConfig
 
 # name: (layers, hidden, heads, seq, vocab, global batch, baseline (p, d, t))
 MODELS = {

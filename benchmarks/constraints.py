@@ -32,12 +32,12 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import automap  # noqa: E402
-from automap._src.models import llama  # noqa: E402
-from automap._src.run.compiled import collectives, compiled_memory, summarize  # noqa: E402
+from automap import zoo  # noqa: E402
+from automap.referee import collectives, compiled_memory, summarize  # noqa: E402
 
 CONFIGS = {
-    "llama, remat nothing": llama.LlamaConfig(),
-    "llama, remat dots": llama.LlamaConfig(remat_policy="dots_with_no_batch_dims_saveable"),
+    "llama, remat nothing": zoo.LlamaConfig(),
+    "llama, remat dots": zoo.LlamaConfig(remat_policy="dots_with_no_batch_dims_saveable"),
 }
 MESHES = {(4, 2): ("fsdp", "tensor"), (2, 2, 2): ("data", "fsdp", "tensor")}
 
@@ -46,12 +46,12 @@ def error(predicted: float, compiled: float) -> float:
   return (predicted - compiled) / max(compiled, 1.0)
 
 
-def measure(config: llama.LlamaConfig, shape: tuple[int, ...]) -> dict:
+def measure(config: zoo.LlamaConfig, shape: tuple[int, ...]) -> dict:
   """Predicted and compiled costs of the user's layout, and the loss's error."""
   names = MESHES[shape]
   mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
-  step, args = llama.train_step(config)
-  specs = llama.param_specs(config, mesh)
+  step, args = zoo.llama_train_step(config)
+  specs = zoo.llama_param_specs(config, mesh)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                            is_leaf=lambda x: isinstance(x, P))
   with jax.set_mesh(mesh):  # the constraints bind to this mesh at trace time
@@ -65,11 +65,11 @@ def measure(config: llama.LlamaConfig, shape: tuple[int, ...]) -> dict:
           "loss_error": abs(float(loss) - float(expected)) / abs(float(expected))}
 
 
-def modes(config: llama.LlamaConfig, episodes: int) -> None:
+def modes(config: zoo.LlamaConfig, episodes: int) -> None:
   """automap's plan of the step in each constraints mode, compiled."""
   mesh = jax.make_mesh((4, 2), MESHES[(4, 2)], axis_types=(AxisType.Auto,) * 2)
-  step, args = llama.train_step(config)
-  bare, _ = llama.train_step(config, constrained=False)
+  step, args = zoo.llama_train_step(config)
+  bare, _ = zoo.llama_train_step(config, constrained=False)
   budget = automap.Budget(episodes=episodes, seconds=600)
   print("| program | mode | step ms predicted | peak MiB predicted | your layout ms "
         "| comm MiB compiled | comm error | max rel. numeric error |")

@@ -2,9 +2,9 @@
 
 Mixture-of-experts train steps drawn at random (seeded) from the ways
 libraries write the layer: GShard's einsum dispatch and a sort-and-gather
-one (`automap/_src/models/moe.py`, tokens in groups, top-k of X experts
+one (`automap.zoo.moe_train_step`, tokens in groups, top-k of X experts
 with capacity per group), and Switch's ungrouped one-hot dispatch
-(`zoo.moe`, top-1); 4 to 16 experts, widths 64 to 256, capacity factors
+(`automap.zoo.moe`, top-1); 4 to 16 experts, widths 64 to 256, capacity factors
 1 to 2, one or two layers. On three 8-device meshes ((data, expert),
 (expert,) and (data, fsdp, expert)), each step is planned by
 `automap.search` for tpu-v4 and compiled, beside expert parallelism
@@ -12,7 +12,7 @@ written by hand (the experts over `expert`, their optimizer state with
 them, the batch over every axis, the rest replicated; argument shardings
 only, XLA propagating the rest) and the same layout with its dispatch
 pinned (automap's EP+DP yardstick). All three are judged on the compiled
-program alone (`run/referee.py`: XLA's FLOPs and bytes at the hardware's
+program alone (`automap.referee`: XLA's FLOPs and bytes at the hardware's
 peaks, a ring per compiled collective, the compiled peak). A plan is
 beaten when a rival is both faster and smaller.
 
@@ -32,11 +32,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
 import automap  # noqa: E402
-from automap._src.cost.hardware import get_hardware  # noqa: E402
-from automap._src.models import moe, zoo  # noqa: E402
+from automap import referee, zoo  # noqa: E402
 from automap._src.plan import build, planner  # noqa: E402
-from automap._src.run import apply as apply_lib  # noqa: E402
-from automap._src.run import referee  # noqa: E402
 from automap._src.search import tactics  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
 
@@ -53,17 +50,17 @@ def draw(rng: np.random.Generator) -> tuple[str, object, tuple]:
   factor = float(rng.choice([1.0, 1.25, 2.0]))
   if form == "switch":
     tokens = int(rng.choice([256, 512, 1024]))
-    slots = moe.capacity(tokens, experts, 1, factor)
+    slots = zoo.moe_capacity(tokens, experts, 1, factor)
     step, abstract = zoo.moe(experts=experts, width=width, hidden=hidden, tokens=tokens,
                              capacity=slots)
     return (f"switch X{experts} M{width} H{hidden} T{tokens} C{slots}", step,
             zoo.materialize(abstract))
   k, layers = int(rng.choice([1, 2])), int(rng.choice([1, 2]))
   groups, size = int(rng.choice([8, 16])), int(rng.choice([32, 64]))
-  step, args = moe.make_train_step(form, experts=experts, width=width, hidden=hidden,
-                                   groups=groups, group_size=size, k=k,
-                                   capacity_factor=factor, layers=layers,
-                                   seed=int(rng.integers(99)))
+  step, args = zoo.moe_train_step(form, experts=experts, width=width, hidden=hidden,
+                                  groups=groups, group_size=size, k=k,
+                                  capacity_factor=factor, layers=layers,
+                                  seed=int(rng.integers(99)))
   return (f"{form} X{experts} k{k} M{width} H{hidden} G{groups}x{size} cf{factor} L{layers}",
           step, args)
 
@@ -74,14 +71,14 @@ def judge(step, args, mesh, hw) -> dict:
                         budget=automap.Budget(episodes=100, seconds=60))
   program = planner.build_program(step, args, mesh, hw)
   out = {"automap": referee.referee(
-      apply_lib.compile_with_plan(program.traced, mesh, plan, args), mesh, hw)}
+      referee.compile_plan(program.traced, mesh, plan, args), mesh, hw)}
   states = tactics.expert_states(program, ActionSpace(program))
   if "EP+DP" in states:
     pinned = build.make_plan(program, states["EP+DP"], {})
     out["EP by hand"] = referee.referee(
         referee.compile_layout(program.traced, mesh, list(pinned.in_specs), args), mesh, hw)
     out["EP pinned"] = referee.referee(
-        apply_lib.compile_with_plan(program.traced, mesh, pinned, args), mesh, hw)
+        referee.compile_plan(program.traced, mesh, pinned, args), mesh, hw)
   return out
 
 
@@ -91,7 +88,7 @@ def main():
   parser.add_argument("--seed", type=int, default=0)
   opts = parser.parse_args()
   warnings.simplefilter("ignore")
-  hw = get_hardware(HARDWARE)
+  hw = automap.HARDWARE[HARDWARE]
   rng = np.random.default_rng(opts.seed)
   rivals = ("EP by hand", "EP pinned")
   print("| program | mesh | automap us, MiB | EP by hand us, MiB | EP pinned us, MiB "

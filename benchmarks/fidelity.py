@@ -43,14 +43,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import automap  # noqa: E402
-from automap._src.models import llama, moe  # noqa: E402
-from automap._src.models import zoo as programs  # noqa: E402
-from automap._src.models.zoo import gpt_step, loss_and_grads  # noqa: E402
+from automap import zoo  # noqa: E402
 from automap._src.plan import build as plan_build  # noqa: E402
 from automap._src.plan import planner  # noqa: E402
-from automap._src.run.compiled import compiled_memory  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
 from automap._src.search.tactics import expert_states  # noqa: E402
+from automap.referee import compiled_memory  # noqa: E402
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 NAMES = ("data", "model", "seq", "expert")
@@ -63,12 +61,12 @@ DEPTH = {8: (2, 2, 2), 32: (4, 4, 2), 64: (4, 8, 2)}
 
 def cases(quick: bool):
   """(program name, fn, args, meshes)."""
-  step, args = gpt_step()
-  grads_fn, grads_args = loss_and_grads(args)
-  # Mixtures of experts, both dispatches (`models/moe.py`), top-2 of 8.
-  experts = [(f"MoE {d} 8x128", *moe.make_train_step(
+  step, args = zoo.gpt_step()
+  grads_fn, grads_args = zoo.loss_and_grads(args)
+  # Mixtures of experts, both dispatches (`zoo.moe_train_step`), top-2 of 8.
+  experts = [(f"MoE {d} 8x128", *zoo.moe_train_step(
       d, experts=8, width=64, hidden=128, groups=2 * DEVICES, group_size=32))
-      for d in sorted(moe.DISPATCH)]
+      for d in ("einsum", "sorted")]
   if DEVICES != 8:
     yield "GPT train step", step, args, SCALED[DEVICES]
     yield "GPT loss+grads", grads_fn, grads_args, SCALED[DEVICES]
@@ -79,9 +77,9 @@ def cases(quick: bool):
   if quick:
     return
   yield "GPT loss+grads", grads_fn, grads_args, MESHES
-  for name, build in programs.small().items():
+  for name, build in zoo.small().items():
     fn, abstract = build()
-    yield name, fn, programs.materialize(abstract), [(4, 2), (2, 2, 2)]
+    yield name, fn, zoo.materialize(abstract), [(4, 2), (2, 2, 2)]
   for name, fn, moe_args in experts:
     yield name, fn, moe_args, [(4, 2), (2, 4), (2, 2, 2)]
 
@@ -113,11 +111,11 @@ def depth(layers: tuple[int, ...]) -> None:
   errors = []
   for n in layers:
     for unrolled in (True, False):
-      config = llama.LlamaConfig(vocab=1024, embed=512, mlp=1536, heads=8, kv_heads=4,
-                                 head_dim=64, layers=n, seq=128, batch=2 * DEVICES,
-                                 unrolled=unrolled, fsdp=("data", "fsdp"))
-      step, args = llama.train_step(config, abstract=True)
-      params, opt, batch = llama.param_specs(config, mesh)
+      config = zoo.LlamaConfig(vocab=1024, embed=512, mlp=1536, heads=8, kv_heads=4,
+                               head_dim=64, layers=n, seq=128, batch=2 * DEVICES,
+                               unrolled=unrolled, fsdp=("data", "fsdp"))
+      step, args = zoo.llama_train_step(config, abstract=True)
+      params, opt, batch = zoo.llama_param_specs(config, mesh)
       specs = (params, opt, {"inputs": batch, "targets": batch})
       shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs,
                                is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))

@@ -71,18 +71,16 @@ from jax.sharding import PartitionSpec as P
 
 import automap
 from automap import cluster
-from automap._src.cluster.placement.configured import price
 from automap._src.cluster.placement.dp import place_any
-from automap._src.cluster.placement.options import PlacementOptions
 from automap._src.cluster.profile import context as context_lib
 from automap._src.cluster.profile import layers as layers_lib
-from automap._src.cluster.profile.layer_graph import PlacementError
 from automap._src.cluster.profile.layers import Profile
 from automap._src.cost import calibration
 from automap._src.cost.program import Program
 from automap._src.ir import trace as trace_lib
-from automap._src.models.gpt import GPT, GPTConfig
 from automap._src.sharding.mesh import MeshSpec
+from automap.cluster import PlacementError, PlacementOptions
+from automap.zoo import GPT, GPTConfig
 
 DATA = pathlib.Path(__file__).with_name("measured_runs.json")
 # Sources whose runs used a fused (flash) attention kernel, and where they say
@@ -448,10 +446,11 @@ def priced(row: dict, profiles: dict[tuple[bool, bool], Profile],
   for (key, prof), config in itertools.product(profiles.items(), candidates(row)):
     graph = prof.at(config.microbatch).repeat("block_1", depth - 1)
     try:
-      plan = price(graph, config, global_batch=row["parallel"]["global_batch"], hardware=hw,
-                   devices=max(row["devices"], config.devices), optimizer="adam",
-                   mixed_precision=True, overlap_tensor=row["source"] in OVERLAP_TENSOR,
-                   overlap=sync_overlapped(row))
+      plan = cluster.price_placement(
+          graph, config, global_batch=row["parallel"]["global_batch"], hardware=hw,
+          devices=max(row["devices"], config.devices), optimizer="adam",
+          mixed_precision=True, overlap_tensor=row["source"] in OVERLAP_TENSOR,
+          overlap=sync_overlapped(row))
     except PlacementError:
       continue
     memory = max(s.memory for s in plan.stages)

@@ -32,16 +32,14 @@ import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import optax  # noqa: E402
 
 import automap  # noqa: E402
-from automap import cluster  # noqa: E402
-from automap._src.models import gpt, zoo  # noqa: E402
+from automap import cluster, zoo  # noqa: E402
 
 BATCH = 32
-GPT = gpt.GPTConfig(vocab=256, seq=32, hidden=128, heads=4, layers=8)
+GPT = zoo.GPTConfig(vocab=256, seq=32, hidden=128, heads=4, layers=8)
 TX = optax.adam(1e-3)
 
 
@@ -49,45 +47,8 @@ def gpt_model():
   return zoo.gpt_loss(GPT, BATCH)
 
 
-class DecoderBlock(nn.Module):
-  @nn.compact
-  def __call__(self, x, memory):
-    x = x + nn.SelfAttention(num_heads=4)(nn.RMSNorm()(x))
-    x = x + nn.MultiHeadDotProductAttention(num_heads=4)(nn.RMSNorm()(x), memory)
-    return x + nn.Dense(x.shape[-1])(nn.relu(nn.Dense(4 * x.shape[-1])(nn.RMSNorm()(x))))
-
-
-class EncoderBlock(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    x = x + nn.SelfAttention(num_heads=4)(nn.RMSNorm()(x))
-    return x + nn.Dense(x.shape[-1])(nn.relu(nn.Dense(4 * x.shape[-1])(nn.RMSNorm()(x))))
-
-
-class EncoderDecoder(nn.Module):
-  @nn.compact
-  def __call__(self, src, tgt):
-    embed = nn.Embed(256, 128, name="embed")
-    enc = embed(src)
-    for i in range(4):
-      enc = EncoderBlock(name=f"enc_{i}")(enc)
-    dec = embed(tgt)
-    for i in range(4):
-      dec = DecoderBlock(name=f"dec_{i}")(dec, enc)
-    return embed.attend(nn.RMSNorm(name="norm")(dec))
-
-
 def encoder_decoder_model():
-  model = EncoderDecoder()
-  src = jax.random.randint(jax.random.key(1), (BATCH, 32), 0, 256)
-  tgt = jax.random.randint(jax.random.key(2), (BATCH, 32), 0, 256)
-  params = model.init(jax.random.key(0), src, tgt)
-
-  def loss(params, src, tgt):
-    return optax.softmax_cross_entropy_with_integer_labels(model.apply(params, src, tgt),
-                                                           tgt).mean()
-
-  return loss, params, (src, tgt)
+  return zoo.encoder_decoder_loss(layers=4, width=128, vocab=256, seq=32, batch=BATCH)
 
 
 # name: (model, ClusterConfig fields, schedule run (None: the plan's))

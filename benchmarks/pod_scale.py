@@ -1,8 +1,8 @@
 """Pod scale, predicted: llama-style models at full depth on 256 to 8,192 devices.
 
-Each row traces a MaxText-style llama decoder (`models/llama.py`: scanned
-layers rematerialised with nothing saved, bfloat16 compute, float32
-weights and AdamW) from `jax.ShapeDtypeStruct`s at the 8B, 70B or 405B
+Each row traces a MaxText-style llama decoder (`automap.zoo.llama_train_step`:
+scanned layers rematerialised with nothing saved, bfloat16 compute,
+float32 weights and AdamW) from `jax.ShapeDtypeStruct`s at the 8B, 70B or 405B
 shape and full depth, one 2,048-token sequence per device, and plans it
 with `automap.search` on an abstract (data, fsdp, tensor) mesh of tpu-v5p
 or h100: nothing is compiled and no device is needed. Beside the plan,
@@ -49,9 +49,9 @@ import jax
 import jax.numpy as jnp
 
 import automap
+from automap import zoo
 from automap._src.cost.model import CostModel
 from automap._src.cost.tracker import Tracker
-from automap._src.models import llama
 from automap._src.plan import planner
 from automap._src.search import tactics
 from automap._src.search.actions import ActionSpace
@@ -89,12 +89,12 @@ AXES = ("data", "fsdp", "tensor")
 MOE_AXES = ("data", "fsdp", "expert")
 
 
-def config_of(model: str, devices: int, unrolled: bool = False) -> llama.LlamaConfig:
-  return llama.LlamaConfig(**dict(dict(vocab=VOCAB), seq=SEQ, batch=devices,
-                                  dtype=jnp.bfloat16, unrolled=unrolled, **SHAPES[model]))
+def config_of(model: str, devices: int, unrolled: bool = False) -> zoo.LlamaConfig:
+  return zoo.LlamaConfig(**dict(dict(vocab=VOCAB), seq=SEQ, batch=devices,
+                                dtype=jnp.bfloat16, unrolled=unrolled, **SHAPES[model]))
 
 
-def active_params(config: llama.LlamaConfig, params) -> float:
+def active_params(config: zoo.LlamaConfig, params) -> float:
   """Parameters each token runs through: of the experts' weights, top_k of
   `experts`."""
   total = 0.0
@@ -104,7 +104,7 @@ def active_params(config: llama.LlamaConfig, params) -> float:
   return total
 
 
-def model_flops(config: llama.LlamaConfig, params: float) -> float:
+def model_flops(config: zoo.LlamaConfig, params: float) -> float:
   """FLOPs of one step: 6 per active parameter per token, plus causal
   attention (12 x layers x heads x head_dim x seq^2 per sequence, halved)."""
   tokens = config.batch * config.seq
@@ -119,7 +119,7 @@ def measure(name: str, seconds: float) -> dict:
   hw = automap.HARDWARE[hardware]
   mesh = jax.sharding.AbstractMesh(shape, MOE_AXES if config.experts else AXES)
   t0 = time.perf_counter()
-  step, args = llama.train_step(config, constrained=False, abstract=True)
+  step, args = zoo.llama_train_step(config, constrained=False, abstract=True)
   plan = automap.search(step, *args, mesh=mesh, hardware=hw,
                         budget=automap.Budget(episodes=10**6, seconds=seconds, progress=False))
   took = time.perf_counter() - t0
@@ -128,9 +128,9 @@ def measure(name: str, seconds: float) -> dict:
   out = {"automap": (plan.cost.step_time, plan.cost.peak_memory), "plan_s": took,
          "kept": plan.stats.get("kept", "search"), "flops": flops, "devices": devices,
          "hw": hw, "params": params}
-  specs, opt, batch = llama.param_specs(config, mesh)
+  specs, opt, batch = zoo.llama_param_specs(config, mesh)
   with jax.sharding.use_abstract_mesh(mesh):
-    written, written_args = llama.train_step(config, constrained=True, abstract=True)
+    written, written_args = zoo.llama_train_step(config, constrained=True, abstract=True)
     cost = automap.evaluate(written, *written_args, mesh=mesh, hardware=hw,
                             in_shardings=(specs, opt, {"inputs": batch, "targets": batch}))
   out["MaxText rules"] = (cost.step_time, cost.peak_memory)
@@ -165,9 +165,9 @@ def twins(layers: tuple[int, ...]) -> None:
       for unrolled in (True, False):
         config = dataclasses.replace(config_of("70b", 1024, unrolled), layers=n,
                                      fsdp=("data", "fsdp"))
-        specs, opt, batch = llama.param_specs(config, mesh)
+        specs, opt, batch = zoo.llama_param_specs(config, mesh)
         with jax.sharding.use_abstract_mesh(mesh):
-          step, args = llama.train_step(config, abstract=True)
+          step, args = zoo.llama_train_step(config, abstract=True)
           program = planner.build_program(step, args, mesh, hardware)
         flat = jax.tree.leaves((specs, opt, {"inputs": batch, "targets": batch}),
                                is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))

@@ -60,11 +60,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import numpy as np  # noqa: E402
 
-from automap._src.cost.hardware import get_hardware  # noqa: E402
+import automap  # noqa: E402
+from automap import zoo  # noqa: E402
 from automap._src.cost.program import Program  # noqa: E402
 from automap._src.cost.tracker import Tracker  # noqa: E402
 from automap._src.ir import trace  # noqa: E402
-from automap._src.models import zoo  # noqa: E402
 from automap._src.search import ilp, mcts, refine  # noqa: E402
 from automap._src.search.actions import ActionSpace, Tactic, Tile  # noqa: E402
 from automap._src.search.policy import baselines, compare, learned  # noqa: E402
@@ -118,7 +118,7 @@ def build(row: dict) -> tuple[Program, ActionSpace]:
   step, args = PROGRAMS[row["program"]][1]()
   shape = tuple(row["mesh"])
   program = Program.build(trace.trace(step, args), MeshSpec(AXES[len(shape)], shape),
-                          get_hardware(row["hardware"]))
+                          automap.HARDWARE[row["hardware"]])
   return program, ActionSpace(program)
 
 

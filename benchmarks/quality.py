@@ -1,6 +1,6 @@
 """Plan quality: automap (MCTS and ILP) against the hand-written experts.
 
-For train steps of several model families (`automap/_src/models/zoo.py`) on five 8-device
+For train steps of several model families (`automap.zoo.catalogue`) on five 8-device
 meshes and two hardware specs: predicted step time of data parallelism,
 Megatron (tensor parallel on the last mesh axis of size > 1), Megatron + data
 parallelism on the other axes, FSDP (batch and every parameter and moment
@@ -25,14 +25,14 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import numpy as np  # noqa: E402
 
-from automap._src.cost.hardware import get_hardware  # noqa: E402
+import automap  # noqa: E402
+from automap import Budget, SearchOptions  # noqa: E402
+from automap import zoo as programs  # noqa: E402
 from automap._src.cost.program import Program  # noqa: E402
 from automap._src.cost.tracker import Tracker  # noqa: E402
 from automap._src.ir import trace  # noqa: E402
-from automap._src.models import zoo as programs  # noqa: E402
 from automap._src.search import driver, tactics  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
-from automap._src.search.request import Budget, SearchOptions  # noqa: E402
 from automap._src.sharding.mesh import MeshSpec  # noqa: E402
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8), (2, 2, 2)]
@@ -84,7 +84,7 @@ def main():
     for shape in meshes:
       mesh = MeshSpec(NAMES[:len(shape)], shape)
       for hw in hardware:
-        program = Program.build(traced, mesh, get_hardware(hw))
+        program = Program.build(traced, mesh, automap.HARDWARE[hw])
         r = row(program, opts.ilp_seconds if hw == "tpu-v4" else None, opts.episodes)
         best = min((e for e in tactics.EXPERTS if e in r), key=lambda e: r[e][0])
         ms = lambda k, r=r: f"{r[k][0] * 1e3:.3f}" if k in r else "-"  # noqa: E731

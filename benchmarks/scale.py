@@ -27,12 +27,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import automap  # noqa: E402
-from automap._src.cost import hardware
 from automap._src.cost.program import Program  # noqa: E402
 from automap._src.cost.tracker import Tracker  # noqa: E402
 from automap._src.ir import graph, trace  # noqa: E402
-from automap._src.models.gpt import GPTConfig, make_train_step  # noqa: E402
-from automap._src.sharding.mesh import MeshSpec
+from automap._src.sharding.mesh import MeshSpec  # noqa: E402
+from automap.zoo import GPTConfig, gpt_train_step  # noqa: E402
 
 MESH = (("data", "model"), (4, 2))
 COLUMNS = {"trace_s": "trace", "build_s": "graph build", "full_eval_s": "full evaluation",
@@ -51,10 +50,9 @@ def candidate_actions(prog) -> list[tuple[int, int, int]]:
 def load_kernels() -> None:
   """Loads the compiled kernels (from numba's disk cache, else compiling
   them) on a one-layer step, so the first timed size does not pay it."""
-  step, args = make_train_step(GPTConfig(vocab=64, seq=8, hidden=32, heads=2, layers=1),
-                               batch=8, abstract=True)
-  prog = Program.build(trace.trace(step, args), MeshSpec(*MESH),
-                       hardware.get_hardware("tpu-v4"))
+  step, args = gpt_train_step(GPTConfig(vocab=64, seq=8, hidden=32, heads=2, layers=1),
+                              batch=8, abstract=True)
+  prog = Program.build(trace.trace(step, args), MeshSpec(*MESH), automap.HARDWARE["tpu-v4"])
   state = prog.initial_state()
   tracker = Tracker(prog.model, state)
   v, d, a = candidate_actions(prog)[0]
@@ -63,7 +61,7 @@ def load_kernels() -> None:
 
 def measure(layers: int, actions: int, seconds: float) -> dict:
   config = GPTConfig(vocab=512, seq=128, hidden=512, heads=8, layers=layers)
-  step, args = make_train_step(config, batch=32, abstract=True)
+  step, args = gpt_train_step(config, batch=32, abstract=True)
   t = time.perf_counter()
   traced = trace.trace(step, args)
   t_trace = time.perf_counter() - t
@@ -71,7 +69,7 @@ def measure(layers: int, actions: int, seconds: float) -> dict:
   g = graph.build(traced)
   t_build = time.perf_counter() - t
   mesh = MeshSpec(*MESH)
-  prog = Program.build(traced, mesh, hardware.get_hardware("tpu-v4"))
+  prog = Program.build(traced, mesh, automap.HARDWARE["tpu-v4"])
   state = prog.initial_state()
   t = time.perf_counter()
   tracker = Tracker(prog.model, state)

@@ -21,15 +21,15 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from automap._src.cost.hardware import get_hardware  # noqa: E402
+import automap  # noqa: E402
 from automap._src.cost.program import Program  # noqa: E402
 from automap._src.cost.tracker import Tracker  # noqa: E402
 from automap._src.ir import trace  # noqa: E402
-from automap._src.models.gpt import GPTConfig, make_train_step, megatron_specs  # noqa: E402
 from automap._src.search import mcts  # noqa: E402
 from automap._src.search.actions import ActionSpace  # noqa: E402
 from automap._src.sharding.mesh import MeshSpec  # noqa: E402
 from automap._src.sharding.state import flat_specs  # noqa: E402
+from automap.zoo import GPTConfig, gpt_train_step, megatron_specs  # noqa: E402
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8), (2, 2, 2)]
 NAMES = ("data", "model", "seq")
@@ -61,7 +61,7 @@ def experts(args, mesh: MeshSpec) -> dict:
 
 
 def run(traced, args, mesh: MeshSpec, patterns, episodes: int, target: float) -> dict:
-  program = Program.build(traced, mesh, get_hardware("tpu-v4"))
+  program = Program.build(traced, mesh, automap.HARDWARE["tpu-v4"])
   t = time.perf_counter()
   space = ActionSpace(program, patterns)
   search = mcts.Search(program, space, None, seed=0)
@@ -112,11 +112,11 @@ def main():
   print("|---|---|---|---|---|---|---|---|---|---|")
   for layers in args_.layers:
     config = GPTConfig(vocab=512, seq=128, hidden=512, heads=8, layers=layers)
-    step, args = make_train_step(config, batch=32, abstract=True)
+    step, args = gpt_train_step(config, batch=32, abstract=True)
     traced = trace.trace(step, args)
     for shape in MESHES:
       mesh = MeshSpec(NAMES[:len(shape)], shape)
-      program = Program.build(traced, mesh, get_hardware("tpu-v4"))
+      program = Program.build(traced, mesh, automap.HARDWARE["tpu-v4"])
       costs = {}
       for name, specs in experts(args, mesh).items():
         state = program.state_from_specs(flat_specs(specs, args))
