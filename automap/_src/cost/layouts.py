@@ -36,83 +36,15 @@ def derive(model, state: State, o: int) -> tuple[list[int], list[bool], list]:
   windowed = {w.factor for w in rule.windows}
   slicing = bool(windowed) and g.prims[o] in ("slice", "split") and (
       model.tiles(state, operands[0]) > max(model.tiles(state, v) for v in results))
-  first_result = len(rule.operands)
   for a in range(num_axes):
-    res_f = UNSHARDED
-    for r, v in enumerate(results):
-      d = state[v, a] if v >= 0 else -1
-      if d >= 0 and rule.results[r][d] >= 0:
-        res_f = _factor_on(model, state, o, first_result + r, v, a)
-        if res_f >= 0:
-          break
-    op_fs = []
-    for p, v in enumerate(operands):
-      if v >= 0 and rule.operands[p] is not None:
-        d = state[v, a]
-        if d >= 0 and rule.operands[p][d] >= 0:
-          f = _factor_on(model, state, o, p, v, a)
-          if f >= 0:
-            op_fs.append(f)
-    reductions = [f for f in op_fs if rule.reduction[f]]
-    if res_f in rule.moved:
-      res_f = _moved_factor(model, state, o, a)
-    f = UNSHARDED
-    if g.prims[o] in rules.REDUCTIONS:
-      # XLA reduces each device's tile as the operand holds it, combines
-      # the partial sums over the reduced dims' axes, then reshards the
-      # (smaller) result to its own layout: it never reshards the operand
-      # to the result's (`SpmdPartitioningVisitor::HandleReduce`).
-      res_f, reductions = UNSHARDED, []
-      if op_fs:
-        f = op_fs[0]
-        scatter[a] = bool(rule.reduction[f]) and g.prims[o] not in rules.ARG_REDUCTIONS and any(
-            v >= 0 and state[v, a] >= 0 for v in results)
-    elif g.prims[o] == "scan_stack":
-      # The loop stacks each step's result in the layout the body made
-      # it in; the stacked result is resharded after the loop.
-      res_f = op_fs[0] if op_fs else UNSHARDED
-    if res_f >= 0:
-      f = res_f
-      if res_f not in op_fs and reductions:
-        f, scatter[a] = reductions[0], True
-    elif reductions:
-      f = max(set(reductions), key=reductions.count)
-    elif slicing and windowed.intersection(op_fs):
-      # A slice of an operand with more tiles than its result is made in
-      # the operand's layout, then resharded (XLA's HandleSlice).
-      f = min(windowed.intersection(op_fs))
+    f, scatter[a] = _axis_factor(model, state, o, a, windowed, slicing)
     if f >= 0 and rule.sizes[f] % (factor_tiles[f] * sizes[a]) == 0:
       factor_of_axis[a] = f
       factor_tiles[f] *= sizes[a]
     else:
       scatter[a] = False
-  # Scattering a partial sum over axis a into a result dim already tiled by
-  # a more minor axis b would need the tiles reordered; the partitioner
-  # computes that dim without b instead (b's operands are gathered).
-  # A reduction keeps b and all-reduces over a instead, then reshards.
-  for a in range(num_axes):
-    if not scatter[a]:
-      continue
-    for r, v in enumerate(results):
-      d = state[v, a] if v >= 0 else -1
-      if d < 0:
-        continue
-      for b in range(a + 1, num_axes):
-        if g.prims[o] in rules.REDUCTIONS and factor_of_axis[b] == rule.results[r][d]:
-          scatter[a] = False
-        elif state[v, b] == d and factor_of_axis[b] == rule.results[r][d]:
-          factor_of_axis[b] = UNSHARDED
-  for member, e, minor in rule.minor:
-    # A compound dim's minor factor is tiled only under a whole major
-    # factor, by axes after the major's (mesh order); else not at all.
-    major = rule.member_dims(member)[e]
-    on_major = [a for a in range(num_axes) if factor_of_axis[a] == major]
-    on_minor = [a for a in range(num_axes) if factor_of_axis[a] == minor]
-    if on_minor and (math.prod(sizes[a] for a in on_major) != rule.sizes[major]
-                     or max(on_major) > min(on_minor)):
-      for a in on_minor:
-        factor_of_axis[a] = UNSHARDED
-        scatter[a] = False
+  _keep_tile_order(model, state, o, factor_of_axis, scatter)
+  _minor_under_major(model, o, factor_of_axis, scatter)
   wants = []
   if g.prims[o] in LOOKUPS:
     factor_of_axis, scatter = _cheapest_lookup(model, state, o, factor_of_axis, scatter)
@@ -123,6 +55,104 @@ def derive(model, state: State, o: int) -> tuple[list[int], list[bool], list]:
       continue
     wants.append([rule.dim_of(p, f) if f >= 0 else UNSHARDED for f in factor_of_axis])
   return factor_of_axis, scatter, wants
+
+
+def _axis_factor(model, state: State, o: int, a: int, windowed: set[int],
+                 slicing: bool) -> tuple[int, bool]:
+  """The factor op o would have axis a tile (or UNSHARDED), and whether its
+  partial result would be scattered over a, before `derive` checks that the
+  factor's size takes the axis: the result's factor, unless it needs the
+  operands' reduction instead; else the operands' most common reduction
+  factor; else, slicing, a windowed factor of its operand's."""
+  g = model.graph
+  rule = g.rules[o]
+  operands, results = g.operands[o], g.results[o]
+  scatter = False
+  res_f = UNSHARDED
+  for r, v in enumerate(results):
+    d = state[v, a] if v >= 0 else -1
+    if d >= 0 and rule.results[r][d] >= 0:
+      res_f = _factor_on(model, state, o, len(rule.operands) + r, v, a)
+      if res_f >= 0:
+        break
+  op_fs = []
+  for p, v in enumerate(operands):
+    if v >= 0 and rule.operands[p] is not None:
+      d = state[v, a]
+      if d >= 0 and rule.operands[p][d] >= 0:
+        f = _factor_on(model, state, o, p, v, a)
+        if f >= 0:
+          op_fs.append(f)
+  reductions = [f for f in op_fs if rule.reduction[f]]
+  if res_f in rule.moved:
+    res_f = _moved_factor(model, state, o, a)
+  f = UNSHARDED
+  if g.prims[o] in rules.REDUCTIONS:
+    # XLA reduces each device's tile as the operand holds it, combines
+    # the partial sums over the reduced dims' axes, then reshards the
+    # (smaller) result to its own layout: it never reshards the operand
+    # to the result's (`SpmdPartitioningVisitor::HandleReduce`).
+    res_f, reductions = UNSHARDED, []
+    if op_fs:
+      f = op_fs[0]
+      scatter = bool(rule.reduction[f]) and g.prims[o] not in rules.ARG_REDUCTIONS and any(
+          v >= 0 and state[v, a] >= 0 for v in results)
+  elif g.prims[o] == "scan_stack":
+    # The loop stacks each step's result in the layout the body made
+    # it in; the stacked result is resharded after the loop.
+    res_f = op_fs[0] if op_fs else UNSHARDED
+  if res_f >= 0:
+    f = res_f
+    if res_f not in op_fs and reductions:
+      f, scatter = reductions[0], True
+  elif reductions:
+    f = max(set(reductions), key=reductions.count)
+  elif slicing and windowed.intersection(op_fs):
+    # A slice of an operand with more tiles than its result is made in
+    # the operand's layout, then resharded (XLA's HandleSlice).
+    f = min(windowed.intersection(op_fs))
+  return f, scatter
+
+
+def _keep_tile_order(model, state: State, o: int, factor_of_axis: list[int],
+                     scatter: list[bool]) -> None:
+  """Scattering a partial sum over axis a into a result dim already tiled
+  by a more minor axis b would need the tiles reordered; the partitioner
+  computes that dim without b instead (b's operands are gathered). A
+  reduction keeps b and all-reduces over a instead, then reshards. In
+  place."""
+  g = model.graph
+  rule = g.rules[o]
+  num_axes = len(factor_of_axis)
+  for a in range(num_axes):
+    if not scatter[a]:
+      continue
+    for r, v in enumerate(g.results[o]):
+      d = state[v, a] if v >= 0 else -1
+      if d < 0:
+        continue
+      for b in range(a + 1, num_axes):
+        if g.prims[o] in rules.REDUCTIONS and factor_of_axis[b] == rule.results[r][d]:
+          scatter[a] = False
+        elif state[v, b] == d and factor_of_axis[b] == rule.results[r][d]:
+          factor_of_axis[b] = UNSHARDED
+
+
+def _minor_under_major(model, o: int, factor_of_axis: list[int], scatter: list[bool]) -> None:
+  """A compound dim's minor factor is tiled only under a whole major
+  factor, by axes after the major's (mesh order); else not at all. In
+  place."""
+  rule, sizes = model.graph.rules[o], model.mesh.axis_sizes
+  num_axes = len(sizes)
+  for member, e, minor in rule.minor:
+    major = rule.member_dims(member)[e]
+    on_major = [a for a in range(num_axes) if factor_of_axis[a] == major]
+    on_minor = [a for a in range(num_axes) if factor_of_axis[a] == minor]
+    if on_minor and (math.prod(sizes[a] for a in on_major) != rule.sizes[major]
+                     or max(on_major) > min(on_minor)):
+      for a in on_minor:
+        factor_of_axis[a] = UNSHARDED
+        scatter[a] = False
 
 def _factor_on(model, state: State, o: int, member: int, v: int, a: int) -> int:
   """The factor axis a tiles on value v, member `member` of op o: its
