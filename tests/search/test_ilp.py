@@ -234,7 +234,7 @@ def test_a_reductions_strategy_is_its_operands_layout_as_priced():
 @pytest.mark.parametrize("layouts", ["data parallel", "megatron", "fsdp"])
 def test_linear_overlap_model_is_checked_against_the_schedule(layouts):
   """On tpu-v4 the solver minimises a linear model of the overlapped
-  schedule (`_Formulation._overlap`): compute + blocking communication +
+  schedule (`StepTime.objective`): compute + blocking communication +
   what of the hideable communication compute cannot cover. On the expert
   layouts of a GPT step it lies within 30% of the schedule `Tracker`
   prices, never above the serial sum; on XLA:CPU it is the serial sum."""

@@ -8,7 +8,7 @@ collectives, priced by `CostModel` on a state in which its members sit in
 the strategy's layouts (late collectives pay their latency once per kind
 and axes, as XLA combines them); per value and layout its readers want,
 one reshard (`CostModel.transition`); overlapped where XLA overlaps
-(`_Formulation._overlap`). An op may take only the strategy `CostModel`
+(`ilp_time.StepTime.objective`). An op may take only the strategy `CostModel`
 derives from its operands' stored layouts, so the objective is the plan's
 step time as `Tracker` prices it, except at gathers and scatters, whose
 route XLA picks by the layouts their operands arrive in (`layouts.derive`).
@@ -37,10 +37,10 @@ from automap._src.cost.program import Program
 from automap._src.cost.tracker import Tracker
 from automap._src.ir import rules
 from automap._src.ir.groups import colours
+from automap._src.search.ilp_time import PICOSECONDS, StepTime, value_of
 from automap._src.search.strategies import Layout, StrategyPricer, layouts, op_classes
 from automap._src.sharding.state import UNSHARDED, State, empty_state
 
-PICOSECONDS = 1e12
 # Lazy memory rounds: a point is added per round where the solution peaks
 # above the limit.
 _MEMORY_ROUNDS = 8
@@ -106,28 +106,29 @@ class _Formulation:
               for c, o in reps.items()}
     for xs in self.x.values():
       m.AddExactlyOne(xs)
-    count = np.bincount(self.cls, minlength=len(reps))
-    # Seconds by variable: in all, of which compute, of which communication
-    # that compute can hide (`_overlap`).
-    terms: list[tuple[cp_model.IntVar, int]] = []
-    compute: list[tuple[cp_model.IntVar, int]] = []
-    hidden: list[tuple[cp_model.IntVar, int]] = []
-    late: dict[tuple[int, int], list] = {}
-    for c, xs in self.x.items():
-      for x, s in zip(xs, self.strategies[c]):
-        terms.append((x, _picoseconds(s.seconds * count[c])))
-        compute.append((x, _picoseconds(s.compute * count[c])))
-        hidden.append((x, _picoseconds(s.hidden * count[c])))
-        for key in s.late:
-          late.setdefault(key, []).append(x)
-    for (kind, mask), xs in late.items():
-      terms.append((self._any(xs, f"latency{kind}_{mask}"),
-                    _picoseconds(program.model.latency[kind, mask])))
-      hidden.append(terms[-1])
-    # Arguments (and constants): a layout each, shared by equal colours.
-    if colour is None:
-      colour = np.arange(g.num_values)
-    self.inputs: dict[int, tuple[list[Layout], list]] = {}
+    # Seconds by variable (`ilp_time`), added as the variables they read are made.
+    self.step_time = StepTime(self)
+    self.step_time.add_ops(np.bincount(self.cls, minlength=len(reps)))
+    self.inputs = self._arguments(np.arange(g.num_values) if colour is None else colour)
+    self._lits: dict[tuple, cp_model.IntVar] = {}
+    self._consistent()
+    self._tie_carried()
+    self.step_time.add_reshards(pricer)
+    self.objective = self.step_time.objective()
+    self.time = sum(x * k for x, k in self.objective)
+    # Ties (equal step times) go to the plan holding fewer bytes of
+    # arguments and results per device: 1 ps per KiB, far below any step.
+    held = self.memory(None)
+    self.tie_max = sum(k for _, k in held.values()) // 1024
+    m.Minimize(self.time + sum(x * (k // 1024) for x, k in held.values()))
+    self.points: list[int] = []
+    self.variables = len(m.Proto().variables)
+
+  def _arguments(self, colour: np.ndarray) -> dict[int, tuple[list[Layout], list]]:
+    """Arguments (and constants): a layout each, shared by equal colours
+    [V]; a pinned one a constant. {value: (its layouts, their variables)}."""
+    g, program, m = self.graph, self.program, self.model
+    inputs: dict[int, tuple[list[Layout], list]] = {}
     by_colour: dict[int, tuple[list[Layout], list]] = {}
     for v in range(g.num_values):
       if g.producer[v] >= 0:
@@ -143,71 +144,22 @@ class _Formulation:
           m.AddExactlyOne(xs)
           by_colour[key] = (rows, xs)
         rows, xs = by_colour[key]
-      self.inputs[v] = (rows, xs)
-    self._lits: dict[tuple, cp_model.IntVar] = {}
-    self._consistent()
-    # Carried state (parameters, optimizer moments) comes back in the layout
-    # it came in, as the next step reads it.
+      inputs[v] = (rows, xs)
+    return inputs
+
+  def _tie_carried(self) -> None:
+    """Carried state (parameters, optimizer moments) comes back in the
+    layout it came in, as the next step reads it."""
     tied = set()
-    for v, u in program.carried_pairs():
-      if (key := (self._made_key(v), self._made_key(u))) in tied:
+    for v, u in self.program.carried_pairs():
+      if (key := (self.made_key(v), self.made_key(u))) in tied:
         continue
       tied.add(key)
       given, made = self.made(v), self.made(u)
       for row in set(given) | set(made):
-        m.Add(sum(given.get(row, [])) == sum(made.get(row, [])))
-    # Reshards: per value (deduplicated over values in like positions) and
-    # per layout its readers want, one copy.
-    alike: dict[tuple, list[int]] = {}  # position -> [a value there, count]
-    for v in range(g.num_values):
-      if g.uses[v]:
-        key = (self._made_key(v), tuple(sorted((int(self.cls[o]), p) for o, p in g.uses[v])))
-        alike.setdefault(key, [v, 0])[1] += 1
-    for v, n in alike.values():
-      copies: list[tuple[cp_model.IntVar, int]] = []
-      self._reshards(v, n, pricer, copies)
-      terms += copies
-      if g.producer[v] < 0:  # an argument's reshard can start with the step
-        hidden += copies
-    self.terms = [(x, k) for x, k in terms if k]
-    self.compute = [(x, k) for x, k in compute if k]
-    self.hidden = [(x, k) for x, k in hidden if k]
-    self.objective = self._overlap()
-    self.time = sum(x * k for x, k in self.objective)
-    # Ties (equal step times) go to the plan holding fewer bytes of
-    # arguments and results per device: 1 ps per KiB, far below any step.
-    held = self.memory(None)
-    self.tie_max = sum(k for _, k in held.values()) // 1024
-    m.Minimize(self.time + sum(x * (k // 1024) for x, k in held.values()))
-    self.points: list[int] = []
-    self.variables = len(m.Proto().variables)
+        self.model.Add(sum(given.get(row, [])) == sum(made.get(row, [])))
 
-  def _overlap(self) -> list[tuple[cp_model.IntVar, int]]:
-    """The step time to minimise, as (variable, picoseconds) terms.
-
-    Where collectives run in place, the serial sum. Where XLA runs them
-    asynchronously, a linear model of the schedule in `cost.overlap`:
-    collectives whose inputs are ready early (an argument's reshard, such
-    as FSDP's gathers) or whose results are read late (gradient
-    reductions) run beside compute, the rest wait on it, so
-
-      step = compute + blocking + max(0, hideable - compute),
-
-    the exposed part an integer variable bounded below by both. It drops
-    the schedule's order (hideable communication hides behind any compute,
-    not only the compute after it is ready); the plan the solver returns
-    is priced by `Tracker` on the schedule itself, and the driver keeps
-    its warm start when that is faster (checked against the schedule in
-    `tests/search/test_ilp.py`)."""
-    if not self.program.model.compiler.async_collectives or not self.hidden:
-      return self.terms
-    exposed = self.model.NewIntVar(0, sum(k for _, k in self.hidden), "exposed")
-    self.model.Add(exposed >= _linear_of(self.hidden) - _linear_of(self.compute))
-    self.derived.append((exposed, lambda h: max(
-        0, _value_of(self.hidden, h) - _value_of(self.compute, h))))
-    return self.terms + [(x, -k) for x, k in self.hidden] + [(exposed, 1)]
-
-  def _any(self, xs: list, name: str) -> cp_model.IntVar:
+  def any_of(self, xs: list, name: str) -> cp_model.IntVar:
     """A literal implied by each of `xs` (true when one is; the objective
     keeps it false otherwise)."""
     if len(xs) == 1:
@@ -230,7 +182,7 @@ class _Formulation:
   def layout_lit(self, v: int, row: Layout) -> cp_model.IntVar | None:
     """A literal true exactly when value v is made in layout `row` (None:
     it never is)."""
-    key = (self._made_key(v), row)
+    key = (self.made_key(v), row)
     if key not in self._lits:
       xs = self.made(v).get(row)
       self._lits[key] = None if xs is None else self._sum(xs, f"v{v}l")
@@ -241,7 +193,7 @@ class _Formulation:
     of `dims`."""
     out = []
     for e in dims:
-      key = (self._made_key(v), a, e)
+      key = (self.made_key(v), a, e)
       if key not in self._lits:
         lits = [self.layout_lit(v, row) for row in self.made(v) if row[a] == e]
         self._lits[key] = self._sum(lits, f"v{v}a{a}d{e}") if lits else None
@@ -317,7 +269,9 @@ class _Formulation:
             if once([x.Not(), r.Not()]):
               m.AddImplication(x, r.Not())
 
-  def _made_key(self, v: int) -> tuple:
+  def made_key(self, v: int) -> tuple:
+    """What value v is made by: its argument class, or its producer's class
+    and result position (values in like positions share their literals)."""
     g = self.graph
     p = int(g.producer[v])
     if p < 0:
@@ -339,66 +293,6 @@ class _Formulation:
     for x, s in zip(self.x[c], self.strategies[c]):
       out.setdefault(s.makes[r], []).append(x)
     return out
-
-  def _reshards(self, v: int, n: int, pricer: StrategyPricer, terms: list) -> None:
-    if self.program.model.free[v]:
-      return  # XLA makes it anew in each layout its readers want
-    g, m = self.graph, self.model
-    made = list(self.made(v))
-    wanted: dict[Layout, list] = {}
-    trips: dict[Layout, int] = {}
-    for o, p in g.uses[v]:
-      if self.program.model.dead[o]:
-        continue  # XLA removes it; what it reads needs no copy
-      c = int(self.cls[o])
-      for x, s in zip(self.x[c], self.strategies[c]):
-        w = s.wants[p]
-        if w is None:
-          continue
-        wanted.setdefault(w, []).append(x)
-        trips[w] = max(trips.get(w, 1), int(g.trips[o]))
-    nbytes, n_made = int(g.nbytes[v]), len(made)
-    a = self.program.model.analysis
-    fused = (bool(a.loop_made[v]), bool(a.loop_read[v]))
-    steps = {(row, w): pricer.steps(nbytes, row, w, g.shapes[v], fused)
-             for row in made for w in wanted}
-    # A step (from a layout, a collective, the layout after) that the
-    # reshards to several wanted layouts pass through is made once.
-    sharing: dict[tuple, list[Layout]] = {}
-    for (row, w), ss in steps.items():
-      for step, _ in ss:
-        sharing.setdefault((row, step), []).append(w)
-    shared = {key: ws for key, ws in sharing.items() if len(ws) > 1}
-    for (row, step), ws in shared.items():
-      sec = dict(steps[(row, ws[0])])[step]
-      k = _picoseconds(sec * max(trips[w] for w in ws) * n)
-      if not k:
-        continue
-      want = self._any([x for w in ws for x in wanted[w]], f"v{v}want")
-      if n_made == 1:
-        terms.append((want, k))
-        continue
-      paid, y = m.NewBoolVar(f"v{v}copy"), self.layout_lit(v, row)
-      m.AddBoolOr([want.Not(), y.Not(), paid])
-      self.derived.append((paid, lambda h, want=want, y=y: h[want.Index()] * h[y.Index()]))
-      terms.append((paid, k))
-    for w, readers in wanted.items():
-      price = [(row, _picoseconds(sum(sec for step, sec in steps[(row, w)]
-                             if (row, step) not in shared) * trips[w] * n))
-               for row in made]
-      price = [(row, k) for row, k in price if k]
-      if not price:
-        continue
-      want = self._any(readers, f"v{v}want")
-      if n_made == 1:  # the value's layout is known: the copy is the readers'
-        terms.append((want, price[0][1]))
-        continue
-      costly = [(self.layout_lit(v, row), k) for row, k in price]
-      paid = m.NewIntVar(0, max(k for _, k in costly), f"v{v}copy")
-      m.Add(paid >= sum(k * y for y, k in costly)).OnlyEnforceIf(want)
-      self.derived.append((paid, lambda h, want=want, costly=costly: h[want.Index()] * sum(
-          k * h[y.Index()] for y, k in costly)))
-      terms.append((paid, 1))
 
   def memory(self, point: int | None) -> dict:
     """Bytes per device alive at op index `point` (None: the resident
@@ -492,27 +386,14 @@ class _Formulation:
 
 
 def linear_seconds(form: _Formulation, h: dict[int, int]) -> float:
-  """The step time of `form._overlap`'s model, for variable values `h`
-  (derived variables included, `_Formulation._derive`)."""
-  return _value_of(form.objective, h) / PICOSECONDS
-
-
-def _linear_of(terms: list) -> cp_model.LinearExpr:
-  return sum(x * k for x, k in terms)
-
-
-def _value_of(terms: list, h: dict[int, int]) -> int:
-  """The value of (variable, coefficient) terms for variable values `h`."""
-  return sum(k * h[x.Index()] for x, k in terms)
+  """The step time of `form`'s objective (`StepTime.objective`), for
+  variable values `h` (derived variables included, `_Formulation._derive`)."""
+  return value_of(form.objective, h) / PICOSECONDS
 
 
 def _linear(coef: dict):
   """The linear expression of a {key: (variable, coefficient)} map."""
   return sum(k * x for x, k in coef.values())
-
-
-def _picoseconds(seconds: float) -> int:
-  return int(round(seconds * PICOSECONDS))
 
 
 def _chosen(solver: cp_model.CpSolver, xs: list) -> int:
