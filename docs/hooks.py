@@ -20,22 +20,9 @@ from mkdocs.structure.files import File
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # griffe's messages on the public API's docstrings, without their file and
-# line (modules move). Where: partition, search, evaluate, verify,
-# ClusterPlan.train_step, plan_cluster, price_cluster, PipelineState.
+# line (modules move). Where: ClusterPlan.train_step, plan_cluster,
+# price_cluster, PipelineState.
 KNOWN_DOCSTRING_WARNINGS = frozenset({
-    "No type or annotation for parameter 'names, layout, layout_rules'",
-    "Parameter 'names, layout, layout_rules' does not appear in the function signature",
-    "No type or annotation for returned value 1",
-    "No type or annotation for returned value 2",
-    "No type or annotation for parameter '*args'",
-    "No type or annotation for parameter 'names'",
-    "No type or annotation for parameter 'layout'",
-    "No type or annotation for parameter 'layout_rules'",
-    "No type or annotation for parameter 'fn, *args'",
-    "Parameter 'fn, *args' does not appear in the function signature",
-    "No type or annotation for parameter 'in_shardings'",
-    "No type or annotation for parameter 'names, layout_rules'",
-    "Parameter 'names, layout_rules' does not appear in the function signature",
     "No type or annotation for parameter 'optimizer'",
     "No type or annotation for parameter 'params, *batch'",
     "Parameter 'params, *batch' does not appear in the function signature",

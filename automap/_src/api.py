@@ -25,7 +25,7 @@ from automap._src.sharding.state import flat_specs
 AnyMesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
 
 
-def search(fn: Callable, *args, mesh: AnyMesh | None = None, devices: int | None = None,
+def search(fn: Callable, *args: Any, mesh: AnyMesh | None = None, devices: int | None = None,
            hardware: str | Hardware = "tpu-v4", options: SearchOptions | None = None,
            cache: bool | str | os.PathLike = False, names: Any = None, layout: Any = None,
            layout_rules: Any = None, **search_options: Any) -> Plan:

@@ -46,13 +46,29 @@ class Partitioned:
   objects, strings) are static, as under `eqx.filter_jit`: a new static
   value is a new signature. So are Python numbers where the program needs
   them concretely; elsewhere they are traced as `jax.jit` traces them.
+
+  Args:
+    fn: the step.
+    mesh: a concrete `jax.sharding.Mesh`.
+    hardware: a catalogue name or a `Hardware`.
+    options: how to search (`SearchOptions`).
+    cache: plans on disk, as `automap.partition` takes it.
+    donate_argnums: arguments donated as `jax.jit` donates them.
+    names: as for `automap.search`.
+    layout: as for `automap.search`.
+    layout_rules: as for `automap.search`.
+    **search_options: `SearchOptions` fields, as keywords.
+
+  Raises:
+    automap.MeshError: `mesh` is abstract, or a pinned layout names an axis
+      it lacks.
   """
 
   def __init__(self, fn: Callable, *, mesh: jax.sharding.Mesh, hardware: str | Hardware = "tpu-v4",
                options: SearchOptions | None = None,
                cache: bool | str | os.PathLike = True,
-               donate_argnums: int | tuple[int, ...] = (), names=None, layout=None,
-               layout_rules=None, **search_options):
+               donate_argnums: int | tuple[int, ...] = (), names: Any = None,
+               layout: Any = None, layout_rules: Any = None, **search_options: Any):
     self._mesh_spec = MeshSpec.of(mesh)
     if not isinstance(mesh, jax.sharding.Mesh):
       raise MeshError(
@@ -192,8 +208,9 @@ def _signature_of(fn) -> inspect.Signature | None:
 def partition(fn: Callable | None = None, *, mesh: jax.sharding.Mesh,
               hardware: str | Hardware = "tpu-v4", options: SearchOptions | None = None,
               cache: bool | str | os.PathLike = True,
-              donate_argnums: int | tuple[int, ...] = (), names=None, layout=None,
-              layout_rules=None, **search_options):
+              donate_argnums: int | tuple[int, ...] = (), names: Any = None,
+              layout: Any = None, layout_rules: Any = None,
+              **search_options: Any) -> Partitioned | Callable[[Callable], Partitioned]:
   """Partitions `fn` automatically over `mesh`.
 
   Use as `@automap.partition(mesh=mesh)` or `automap.partition(fn, mesh=mesh)`.
@@ -213,12 +230,22 @@ def partition(fn: Callable | None = None, *, mesh: jax.sharding.Mesh,
       options and versions.
     donate_argnums: arguments donated as `jax.jit` donates them (a train
       step's params and optimizer state, updated in place).
-    names, layout, layout_rules: as for `automap.search`; by default "your
-      layout" is what the first call's arguments state.
+    names: as for `automap.search`.
+    layout: as for `automap.search`; by default "your layout" is what the
+      first call's arguments state.
+    layout_rules: as for `automap.search`.
+    **search_options: `SearchOptions` fields, as keywords.
 
   Returns:
     A `Partitioned` function (a decorator when `fn` is None); `.plan` is the
     plan of its last call's signature.
+
+  Raises:
+    TypeError: `fn` is not callable, or an option of the wrong type.
+    ValueError: an option out of range.
+    automap.MeshError: at the first call, a mesh or a stated layout that
+      does not fit the program.
+    automap.MemoryLimitError: at the first call, no plan fits `memory_limit`.
   """
   # Checked now, not at the first call, so a decorator fails where it is written.
   request = with_keywords(SearchOptions, options, search_options, "partition")

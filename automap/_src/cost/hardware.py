@@ -34,27 +34,31 @@ _BEHAVIOURS = ("reduce_scatter", "reduce_in_f32", "fuses_shared_producers")
 class Hardware:
   """A device and its interconnect.
 
-  name: catalogue name.
-  flops: peak dense matmul FLOP/s for 16-bit inputs.
-  fp32_flops: peak dense matmul FLOP/s for float32 inputs (default precision).
-  hbm_bandwidth: device memory bandwidth, bytes/s.
-  hbm_capacity: device memory, bytes.
-  link_bandwidth / link_latency: fast fabric, bytes/s per direction and
-    seconds per collective step.
-  network_bandwidth / network_latency: across nodes, likewise.
-  devices_per_node: devices that share the fast fabric.
-  platform: the jax platform that compiles for the device, "tpu", "gpu" or
-    "cpu" (`compiler_for` gives its XLA behaviour); None: "tpu" (TPU and
-    GPU compile alike as the cost model sees them).
-  reduce_scatter, reduce_in_f32, fuses_shared_producers: deprecated
-    overrides of the platform's `Compiler` fields of those names (None:
-    the platform's); setting one warns.
-  matmul_efficiency: the share of `flops` large matmuls sustain (0 < x <= 1;
-    the catalogue's are calibrated, see `calibration.py`).
-  matmul_tile: the matrix unit's tile edge: a matmul's contracting and
-    output-minor dims are padded to multiples of it (1: no padding).
-  host_bandwidth: the link to host memory, bytes/s per direction, which
-    state offloaded there crosses (None: no figure; offload is refused).
+  Attributes:
+    name: catalogue name.
+    flops: peak dense matmul FLOP/s for 16-bit inputs.
+    fp32_flops: peak dense matmul FLOP/s for float32 inputs (default
+      precision).
+    hbm_bandwidth: device memory bandwidth, bytes/s.
+    hbm_capacity: device memory, bytes.
+    link_bandwidth: fast fabric, bytes/s per direction.
+    link_latency: fast fabric, seconds per collective step.
+    network_bandwidth: across nodes, bytes/s per direction.
+    network_latency: across nodes, seconds per collective step.
+    devices_per_node: devices that share the fast fabric.
+    platform: the jax platform that compiles for the device, "tpu", "gpu" or
+      "cpu" (`compiler_for` gives its XLA behaviour); None: "tpu" (TPU and
+      GPU compile alike as the cost model sees them).
+    reduce_scatter: deprecated override of the platform's `Compiler` field
+      of that name (None: the platform's); setting it warns.
+    reduce_in_f32: likewise.
+    fuses_shared_producers: likewise.
+    matmul_efficiency: the share of `flops` large matmuls sustain (0 < x <= 1;
+      the catalogue's are calibrated, see `calibration.py`).
+    matmul_tile: the matrix unit's tile edge: a matmul's contracting and
+      output-minor dims are padded to multiples of it (1: no padding).
+    host_bandwidth: the link to host memory, bytes/s per direction, which
+      state offloaded there crosses (None: no figure; offload is refused).
   """
 
   name: str

@@ -13,6 +13,7 @@ registrations do.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from automap._src.ir.factor_rule import UNSHARDABLE, Builder, Rule, Shape
 
@@ -27,9 +28,22 @@ class RuleError(ValueError):
   """A declared rule that is malformed or does not fit an equation."""
 
 
-def declare(primitive, rule: str) -> None:
-  """Declares `rule` for `primitive` (a `jax.extend.core.Primitive` or its
-  name); see the module docstring for the forms a rule takes."""
+def declare(primitive: Any, rule: str) -> None:
+  """Declares how `primitive`'s results are laid out from its operands'.
+
+  Args:
+    primitive: a `jax.extend.core.Primitive`, or its name.
+    rule: "elementwise", "identity", or an einsum-style spec such as
+      "bij,bjk->bik" (a letter per dimension, "." for one kept whole); the
+      module docstring gives the forms.
+
+  Returns:
+    None; the rule holds for every later trace in this process.
+
+  Raises:
+    automap.RuleError: `primitive` is neither a primitive nor a name, or
+      `rule` is none of the forms above.
+  """
   name = getattr(primitive, "name", primitive)
   if not isinstance(name, str) or not name:
     raise RuleError(

@@ -118,10 +118,27 @@ def specs(plan, tree, at: int | str | None = None):
   return jax.tree.unflatten(treedef, [plan.in_specs[i] for i in idx])
 
 
-def shard_like(tree, plan, mesh: Mesh | None = None, at: int | str | None = None):
-  """`tree` placed on the plan's shardings over `mesh` (default: a mesh of
-  the plan's axis names and sizes over the local devices), as
-  `jax.device_put` does."""
+def shard_like(tree: Any, plan: Any, mesh: Mesh | None = None,
+               at: int | str | None = None) -> Any:
+  """`tree` placed on the plan's shardings, as `jax.device_put` does.
+
+  Args:
+    tree: one argument of the planned function, or a sub-tree of one (a
+      train state's params), its leaves matched by path under `at`.
+    plan: the `automap.Plan` whose argument shardings to take.
+    mesh: the mesh to place on (default: one of the plan's axis names and
+      sizes over the local devices).
+    at: an argument index or path prefix (default: the one argument that
+      holds every leaf).
+
+  Returns:
+    `tree` with each array placed on its sharding; non-array leaves as they
+    were.
+
+  Raises:
+    automap.PlanError: `mesh` has other axes or sizes than the plan's, or
+      `tree` does not match the plan's arguments.
+  """
   if mesh is None:
     mesh = jax.make_mesh(plan.mesh.axis_sizes, plan.mesh.axis_names)
   elif tuple(mesh.axis_names) != plan.mesh.axis_names or tuple(
@@ -144,11 +161,12 @@ def _arrays_of(tree):
 class LogicalRules:
   """A plan as logical-axis rules.
 
-  rules: (logical name, mesh axes) pairs in precedence order, for
-    `flax.linen.logical_axis_rules` / `logical_to_mesh_axes` or MaxText's
-    `logical_axis_rules`.
-  mismatches: leaf path -> (the plan's spec, the spec the rules give) where
-    the rules cannot reproduce the plan: empty when the plan is expressible.
+  Attributes:
+    rules: (logical name, mesh axes) pairs in precedence order, for
+      `flax.linen.logical_axis_rules` / `logical_to_mesh_axes` or MaxText's
+      `logical_axis_rules`.
+    mismatches: leaf path -> (the plan's spec, the spec the rules give) where
+      the rules cannot reproduce the plan: empty when the plan is expressible.
   """
 
   rules: tuple[tuple[str, Axes], ...]

@@ -62,39 +62,42 @@ class Yardstick:
 class Plan:
   """Shardings for one program signature on one mesh.
 
-  mesh: axis names and sizes the plan is for.
-  hardware: the hardware spec the cost was predicted on.
-  fingerprint: digest of the program the plan belongs to.
-  in_paths / out_paths: per flat argument / output, its pytree path, or
-    the name `names=` gave it.
-  tree_paths: per flat argument, its pytree path where `names=` renamed
-    any (export matches trees by either); empty when in_paths are those.
-  in_shapes: per flat argument, its shape.
-  in_specs / out_specs: per flat argument / output, its PartitionSpec.
-  constraints: value id -> PartitionSpec for intermediates.
-  reshards: (op's first result id, operand position) -> the layout that
-    operand takes on entry to the op, where it differs from its own.
-  natural: value id -> the layout its op computes it in, where that differs
-    from its own (the constraint to its own layout follows).
-  inferred: value id -> the layout the search priced for an intermediate
-    the rewritten program cannot constrain (inside a custom-derivative or
-    rematerialised call, bound whole): XLA infers those; `verify`
-    re-prices the plan with them as searched.
-  cost: predicted cost under the cost model.
-  collectives: predicted (scope, kind, axes, bytes, count) per op scope.
-  memory_limit: the bytes per device the search was held to (None: none).
-  layers: per layer, its compute and communication seconds and its share
-    of the peak memory (`report.LayerRow`), in program order.
-  yardsticks: expert strategy name -> its cost on the same program and
-    mesh, and the argument layouts where it differs from the plan.
-  program_constraints: what the plan did with the program's own layout
-    constraints ("keep": compiled as written; "hints", "ignore": removed
-    from the rewritten program, whose layouts are the plan's alone).
-  stats: search statistics (strategy, episodes, evaluations, actions, ...),
-    what the inputs and seed determine: the saved JSON is the same bytes
-    run after run.
-  timings: wall seconds of the run that made this object ("search",
-    "to_best", "refine", "plan": trace to jitted function); not saved.
+  Attributes:
+    mesh: axis names and sizes the plan is for.
+    hardware: the hardware spec the cost was predicted on.
+    fingerprint: digest of the program the plan belongs to.
+    in_paths: per flat argument, its pytree path, or the name `names=` gave
+      it.
+    out_paths: per flat output, likewise.
+    tree_paths: per flat argument, its pytree path where `names=` renamed
+      any (export matches trees by either); empty when in_paths are those.
+    in_shapes: per flat argument, its shape.
+    in_specs: per flat argument, its PartitionSpec.
+    out_specs: per flat output, its PartitionSpec.
+    constraints: value id -> PartitionSpec for intermediates.
+    reshards: (op's first result id, operand position) -> the layout that
+      operand takes on entry to the op, where it differs from its own.
+    natural: value id -> the layout its op computes it in, where that differs
+      from its own (the constraint to its own layout follows).
+    inferred: value id -> the layout the search priced for an intermediate
+      the rewritten program cannot constrain (inside a custom-derivative or
+      rematerialised call, bound whole): XLA infers those; `verify`
+      re-prices the plan with them as searched.
+    cost: predicted cost under the cost model.
+    collectives: predicted (scope, kind, axes, bytes, count) per op scope.
+    memory_limit: the bytes per device the search was held to (None: none).
+    layers: per layer, its compute and communication seconds and its share
+      of the peak memory (`report.LayerRow`), in program order.
+    yardsticks: expert strategy name -> its cost on the same program and
+      mesh, and the argument layouts where it differs from the plan.
+    program_constraints: what the plan did with the program's own layout
+      constraints ("keep": compiled as written; "hints", "ignore": removed
+      from the rewritten program, whose layouts are the plan's alone).
+    stats: search statistics (strategy, episodes, evaluations, actions, ...),
+      what the inputs and seed determine: the saved JSON is the same bytes
+      run after run.
+    timings: wall seconds of the run that made this object ("search",
+      "to_best", "refine", "plan": trace to jitted function); not saved.
   """
 
   mesh: MeshSpec

@@ -39,12 +39,20 @@ from automap._src.sharding.mesh import MeshError, MeshSpec
 class Report:
   """Predicted vs compiled, and numerics vs the unpartitioned function.
 
-  predicted / compiled_comm_bytes: {(kind, axes): bytes per device}.
-  collectives: each compiled collective.
-  compiled_memory: argument + output + temp bytes per device
-    (`memory_analysis()`), predicted_memory: the cost model's peak.
-  max_abs_error / max_rel_error: over every output leaf, None if not run;
+  Attributes:
+    predicted: the cost model's prediction, re-priced for the platform
+      compiled on.
+    compiled_comm_bytes: {(kind, axes): bytes per device} compiled.
+    collectives: each compiled collective.
+    compiled_memory: argument + output + temp bytes per device
+      (`memory_analysis()`), against `predicted.peak_memory`.
+    memory_stats: the compiled program's `memory_analysis()` itself.
+    max_abs_error: the largest absolute error over every output leaf, None
+      if not run.
+    max_rel_error: the largest relative error likewise.
     worst_leaf: the path of the leaf with the largest relative error.
+    compiled_traffic: XLA's bytes accessed per device
+      (`cost_analysis()["bytes accessed"]`).
   """
 
   predicted: Cost

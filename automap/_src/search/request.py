@@ -21,10 +21,11 @@ class MemoryLimitError(ValueError):
 class Hints:
   """What the user knows.
 
-  groups: name-scope patterns (fnmatch, e.g. "block_*") of repeated layers
-    that should share one decision.
-  fixed: argument-path pattern (fnmatch, e.g. "*/embed/*") -> PartitionSpec
-    the plan must keep.
+  Attributes:
+    groups: name-scope patterns (fnmatch, e.g. "block_*") of repeated layers
+      that should share one decision.
+    fixed: argument-path pattern (fnmatch, e.g. "*/embed/*") -> PartitionSpec
+      the plan must keep.
   """
 
   groups: tuple[str, ...] = ()
@@ -53,8 +54,14 @@ class Hints:
 @dataclasses.dataclass(frozen=True)
 class Budget:
   """How much search to spend: MCTS episodes and wall seconds, whichever
-  runs out first. progress: show a live display of the best plan so far
-  (None: only when stderr is a terminal)."""
+  runs out first.
+
+  Attributes:
+    episodes: MCTS episodes at most.
+    seconds: wall seconds at most.
+    progress: show a live display of the best plan so far (None: only when
+      stderr is a terminal).
+  """
 
   episodes: int = 200
   seconds: float = 60.0
@@ -97,30 +104,31 @@ class SearchOptions:
   `automap.partition` and saved configurations. Each field is also a
   keyword of those functions.
 
-  hints: what the user knows (`Hints`: layer groups, pinned layouts).
-  budget: MCTS episodes and wall seconds (`Budget`).
-  memory_limit: bytes per device a plan may use; "device" for the
-    hardware's memory capacity; None for no limit.
-  time_tolerance: among plans within this fraction of the fastest step time
-    found, the plan is the one of least peak memory (0: the fastest; the
-    time/memory front the search saw is in the plan's stats and explain).
-  seed: the search's random seed (same inputs and seed, same plan).
-  search: the backend, "mcts" (tree search over layer-group tilings and
-    tactics, then refinement) or "ilp" (the exact per-op integer program).
-  policy: MCTS's priors: "learned" (default: the shipped filter scores
-    every decision once per search, and each node's prior is a lookup of
-    those scores), "uniform", "lookahead" (each action's change in the
-    priced step time and memory excess, at the root and its children), or
-    the path of a weights file (stored as an absolute path).
-  constraints: what to do with the program's own layout constraints
-    (`with_sharding_constraint`, flax logical constraints): "keep" them as
-    decisions the plan must respect, as `jax.jit` compiles them (default);
-    "hints": search without them, then also refine the program's own layout
-    and keep the better plan, so they may be undone; "ignore": plan and
-    compile the program as if it had none.
-  start: "search" (default), or "your layout": also refine the layout the
-    program and its arguments state (`layout=`, flax metadata, arrays'
-    shardings) and keep the better plan, never worse than that layout.
+  Attributes:
+    hints: what the user knows (`Hints`: layer groups, pinned layouts).
+    budget: MCTS episodes and wall seconds (`Budget`).
+    memory_limit: bytes per device a plan may use; "device" for the
+      hardware's memory capacity; None for no limit.
+    time_tolerance: among plans within this fraction of the fastest step time
+      found, the plan is the one of least peak memory (0: the fastest; the
+      time/memory front the search saw is in the plan's stats and explain).
+    seed: the search's random seed (same inputs and seed, same plan).
+    search: the backend, "mcts" (tree search over layer-group tilings and
+      tactics, then refinement) or "ilp" (the exact per-op integer program).
+    policy: MCTS's priors: "learned" (default: the shipped filter scores
+      every decision once per search, and each node's prior is a lookup of
+      those scores), "uniform", "lookahead" (each action's change in the
+      priced step time and memory excess, at the root and its children), or
+      the path of a weights file (stored as an absolute path).
+    constraints: what to do with the program's own layout constraints
+      (`with_sharding_constraint`, flax logical constraints): "keep" them as
+      decisions the plan must respect, as `jax.jit` compiles them (default);
+      "hints": search without them, then also refine the program's own layout
+      and keep the better plan, so they may be undone; "ignore": plan and
+      compile the program as if it had none.
+    start: "search" (default), or "your layout": also refine the layout the
+      program and its arguments state (`layout=`, flax metadata, arrays'
+      shardings) and keep the better plan, never worse than that layout.
   """
 
   hints: Hints | None = None

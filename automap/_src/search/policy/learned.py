@@ -17,6 +17,7 @@ import warnings
 import weakref
 import zipfile
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -63,9 +64,17 @@ def save(path: str, params, width: int, rounds: int, temperature: float = 1.0,
       z.writestr(info, buf.getvalue())
 
 
-def load(path: str | None = None) -> LearnedPolicy | None:
-  """The policy in `path` (default: the shipped weights), or None with a
-  `PolicyWarning` saying why it cannot be used."""
+def load(path: str | os.PathLike | None = None) -> LearnedPolicy | None:
+  """The learned filter stored in a weights file.
+
+  Args:
+    path: the weights file (default: the shipped weights).
+
+  Returns:
+    The `LearnedPolicy`, or None with a `PolicyWarning` saying why the file
+    cannot be used (missing, unreadable, or another feature schema): it
+    raises nothing, and the search runs with uniform priors.
+  """
   path = DEFAULT_WEIGHTS if path is None else os.fspath(path)
   try:
     with np.load(path, allow_pickle=False) as data:
@@ -150,13 +159,21 @@ class LearnedPolicy:
   softmax(score / T), mixed with `epsilon` uniform, "stop" at its uniform
   share. So no action is ever excluded, progressive widening admits
   actions in score order, and no node runs the network. States are valued
-  by the cost model. `memory_limit` (bytes per device, or None) is the
-  search's: the decisions are described against it (`with_limit`).
+  by the cost model.
+
+  Args:
+    params: the network's trained weights (`load` reads them).
+    width: the network's hidden width.
+    rounds: its message-passing rounds.
+    temperature: T of the softmax over scores.
+    epsilon: the share of uniform mixed into every prior.
+    memory_limit: the search's bytes per device, or None: the decisions are
+      described against it (`with_limit`).
   """
 
   name = "learned"
 
-  def __init__(self, params, width: int, rounds: int, temperature: float = 1.0,
+  def __init__(self, params: Any, width: int, rounds: int, temperature: float = 1.0,
                epsilon: float = EPSILON, memory_limit: float | None = None):
     self.params, self.width, self.rounds = params, width, rounds
     self.temperature, self.epsilon = temperature, epsilon
