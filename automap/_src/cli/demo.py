@@ -42,6 +42,11 @@ def _mib(nbytes: float) -> str:
 
 
 def run(cfg: DemoConfig, console: Console | None = None) -> dict:
+  """Plans the demo's step, prints the plan beside the experts, runs one
+  partitioned step and checks it; returns whether it checks out ("ok"),
+  the plan's step time over Megatron + DP's ("ratio"), how far the
+  predicted collective bytes are from the compiled ones ("comm_error"),
+  and the seconds planning took ("plan_seconds")."""
   # Wide enough for the tables when piped to a file or a CI log.
   console = console or Console(width=None if sys.stdout.isatty() else 120)
   n = int(np.prod(cfg.mesh))
@@ -58,7 +63,23 @@ def run(cfg: DemoConfig, console: Console | None = None) -> dict:
                 f"devices; costs for {cfg.hardware}.")
   step, args = make_train_step(model, batch=cfg.batch)
   mesh = jax.make_mesh(cfg.mesh, ("data", "model"))
+  partitioned, plan_seconds = _plan(cfg, console, step, args, mesh)
+  plan = partitioned.plan
+  experts = {
+      "Megatron + DP": megatron_specs(args),
+      "data parallel": megatron_specs(args, data=("data", "model"), model=None),
+  }
+  yardstick = _print_costs(cfg, console, plan, step, args, mesh, experts)
+  _print_layouts(console, plan, experts["Megatron + DP"])
+  _print_collectives(console, plan)
+  ok, comm_error = _run_and_check(cfg, console, partitioned, plan, step, args, mesh)
+  return {"ok": ok, "ratio": plan.cost.step_time / yardstick,
+          "comm_error": comm_error, "plan_seconds": plan_seconds}
 
+
+def _plan(cfg: DemoConfig, console: Console, step, args, mesh) -> tuple:
+  """The step partitioned on `mesh` and lowered for `args` (its plan
+  searched, or loaded from the plan cache), and the seconds that took."""
   t0 = time.perf_counter()
   partitioned = automap.partition(step, mesh=mesh, hardware=cfg.hardware,
                                   budget=automap.Budget(episodes=1000, seconds=cfg.seconds))
@@ -72,11 +93,13 @@ def run(cfg: DemoConfig, console: Console | None = None) -> dict:
                 f"groups, graph of {plan.stats['graph_ops']} ops)")
   console.print("actions: " + "; ".join(plan.stats["actions"])
                 + f" (then {plan.stats.get('refine_moves', 0)} refinement moves)")
+  return partitioned, plan_seconds
 
-  experts = {
-      "Megatron + DP": megatron_specs(args),
-      "data parallel": megatron_specs(args, data=("data", "model"), model=None),
-  }
+
+def _print_costs(cfg: DemoConfig, console: Console, plan, step, args, mesh,
+                 experts: dict) -> float:
+  """Prints the plan's predicted cost beside the experts' (`experts`: name
+  -> their argument specs); returns Megatron + DP's step time, seconds."""
   costs = {"automap": plan.cost}
   for name, specs in experts.items():
     costs[name] = automap.evaluate(step, *args, mesh=mesh, in_shardings=specs,
@@ -91,9 +114,13 @@ def run(cfg: DemoConfig, console: Console | None = None) -> dict:
                   _mib(c.total_comm_bytes), _mib(c.peak_memory),
                   f"{c.step_time / yardstick:.3f}x")
   console.print(table)
+  return yardstick
 
-  megatron = jax.tree.leaves(experts["Megatron + DP"],
-                             is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+def _print_layouts(console: Console, plan, expert_specs) -> None:
+  """Prints the first layer group's parameter layouts (and those outside
+  the layers), the plan's beside the expert's."""
+  megatron = jax.tree.leaves(expert_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
   layers = Table(title="parameter layouts, layer group block_0 (the others alike "
                  "unless the search chose otherwise)")
   for col in ("parameter", "shape", "automap", "Megatron + DP"):
@@ -104,6 +131,9 @@ def run(cfg: DemoConfig, console: Console | None = None) -> dict:
       layers.add_row(path[2:], str(tuple(shape)), format_spec(spec), format_spec(expert))
   console.print(layers)
 
+
+def _print_collectives(console: Console, plan) -> None:
+  """Prints the plan's collectives per device, summed by layer."""
   per_layer: dict[tuple, list] = {}
   for scope, kind, axes, nbytes, count in plan.collectives:
     key = (layer_of(scope), kind, ",".join(axes))
@@ -117,6 +147,13 @@ def run(cfg: DemoConfig, console: Console | None = None) -> dict:
     coll.add_row(layer, kind, axes, str(count), _mib(nbytes))
   console.print(coll)
 
+
+def _run_and_check(cfg: DemoConfig, console: Console, partitioned, plan, step, args,
+                   mesh) -> tuple[bool, float]:
+  """Runs one partitioned step and the unpartitioned one, and prints how
+  their losses, parameters and collectives compare; returns whether they
+  check out, and how far the predicted collective bytes are from the
+  compiled ones (a share)."""
   console.print("running one partitioned step and the unpartitioned step...")
   t0 = time.perf_counter()
   out = partitioned(*args)
@@ -141,5 +178,4 @@ def run(cfg: DemoConfig, console: Console | None = None) -> dict:
   ok = abs(loss - ref_loss) <= 1e-5 * abs(ref_loss) and comm_error < 0.05
   console.print("[bold green]numerics and collectives check out" if ok else
                 "[bold red]MISMATCH against the unpartitioned step")
-  return {"ok": ok, "ratio": plan.cost.step_time / yardstick,
-          "comm_error": comm_error, "plan_seconds": plan_seconds}
+  return ok, comm_error
