@@ -1,0 +1,267 @@
+"""The programs of a pipelined step: each chunk's forward and backward on its stage's mesh.
+
+Within a stage the programs are `shard_map`s manual over "data" (each replica
+runs the chunk on its rows of the microbatch) and automatic over "tensor" (the
+parameters carry the plan's sharding at the stage's width, the partitioner
+inserts the tensor-parallel collectives). Gradients stay per replica until the
+stage's last backward, whose program also reduces them: once per batch, as the
+cluster model prices the data-parallel sync. ZeRO shards over "data", per
+parameter on its first dimension the tensor axis leaves whole and the replicas
+divide (`step_state.StateLayout`): 1 the optimizer state (gradients
+reduce-scattered at the end, updated shards all-gathered), 2 the gradients too
+(reduce-scattered every microbatch), 3 the parameters too (gathered in each
+forward and again in the backward, never stashed).
+
+A chunk's forward returns the values its backward needs that are not its
+inputs (the residuals of `jax.vjp`), under `jax.checkpoint` with the stage's
+recompute policy: "full" keeps nothing, "dots" keeps the weight matmuls'
+outputs (`checkpoint_dots_with_no_batch_dims`), "selective" keeps all but
+attention's scores and softmax (`cut.Cut.attention_scores`). Every program is
+compiled once and reused for every microbatch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from automap._src.cluster.execute import cut as cut_lib
+from automap._src.cluster.execute import stage_layouts
+from automap._src.cluster.execute.step_state import StateLayout
+
+DATA = stage_layouts.DATA
+_ATTENTION = "automap.attention_scores"  # what selective recompute drops
+
+
+class ChunkPrograms:
+  """Each chunk's forward and backward program, compiled once per chunk.
+
+  Args:
+    cut: the loss cut into the plan's chunks.
+    layout: where each parameter lives (`StateLayout`).
+    modes: per stage, its recompute mode.
+    microbatches: M, per pipeline replica (the loss's seed is 1 / (M d)).
+    meshes: per stage, its (data, tensor) mesh.
+  """
+
+  def __init__(self, cut: cut_lib.Cut, layout: StateLayout, modes: Sequence[str],
+               microbatches: int, meshes: Sequence[Mesh]):
+    self.cut, self.layout, self.modes = cut, layout, list(modes)
+    self.M, self.d, self.zero = microbatches, layout.d, layout.zero
+    self.meshes, self.stage_params, self.zdim = list(meshes), layout.stage_params, layout.zdim
+    self.attention = cut.attention_scores()
+    self._fwd: dict[int, Callable] = {}
+    self._bwd: dict[tuple[int, bool], Callable] = {}
+    self._residuals: dict[int, tuple] = {}
+    self._zeros: dict[int, Callable] = {}
+
+  def _policy(self, s: int):
+    """The stage's `jax.checkpoint` policy (None: no checkpoint)."""
+    mode = self.modes[s]
+    if mode == "none" and self.zero < 3:
+      return None
+    base = {"none": jax.checkpoint_policies.everything_saveable,
+            "full": jax.checkpoint_policies.nothing_saveable,
+            "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+            "selective": jax.checkpoint_policies.save_anything_except_these_names(_ATTENTION),
+            }[mode]
+    if self.zero < 3:
+      return base
+    # ZeRO 3's gathered parameters are never saved, whatever the mode: the
+    # backward gathers them again.
+    return lambda prim, *args, **params: (prim.name != "all_gather"
+                                          and base(prim, *args, **params))
+
+  def _local(self, c: int):
+    """The chunk as a function of (parameters, received) on one replica's
+    rows, its batch leaves bound: what is differentiated."""
+    chunk = self.cut.chunks[c]
+    s = chunk.stage
+    zdims = [self.zdim[s][i] for i in chunk.params]
+    tag_attention = self.modes[s] == "selective"
+
+    def tag(i, x):
+      if tag_attention and i in self.attention:
+        return checkpoint_name(x, _ATTENTION)
+      return x
+
+    policy = self._policy(s)
+    # Recompute layer by layer (each layer's inputs kept, one layer rebuilt at
+    # a time); under ZeRO 3 around the whole chunk, whose parameter gathers
+    # must stay inside what is rebuilt.
+    per_layer = policy is not None and self.zero < 3
+    wrap = functools.partial(jax.checkpoint, policy=policy) if per_layer else None
+
+    def make(batch):
+      def f(params, received):
+        if self.zero >= 3:
+          params = [p if k is None else jax.lax.all_gather(p, DATA, axis=k, tiled=True)
+                    for p, k in zip(params, zdims)]
+        return self.cut.run(c, params, batch, received, tag, wrap=wrap)
+
+      return f if policy is None or per_layer else jax.checkpoint(f, policy=policy)
+
+    return make
+
+  def _param_in_specs(self, c: int) -> list[P]:
+    chunk = self.cut.chunks[c]
+    return [self._manual(self.layout.spec(chunk.stage, i, sharded=self.zero >= 3))
+            for i in chunk.params]
+
+  @staticmethod
+  def _manual(spec: P) -> P:
+    """The part of a layout a `shard_map` manual over "data" states."""
+    return P(*[DATA if e == DATA else None for e in spec])
+
+  # The programs run the traced equations as they are, which carry no
+  # varying-axes types, so their `shard_map`s check none (check_vma=False): a
+  # replicated parameter's cotangent inside a replica is that replica's,
+  # reduced only where the step says so.
+
+  def forward(self, c: int) -> Callable:
+    """Chunk c's forward: (params, batch, received) -> (sends, residuals);
+    received and sent values carry a leading replica dim, [d, ...]."""
+    if c in self._fwd:
+      return self._fwd[c]
+    chunk = self.cut.chunks[c]
+    make = self._local(c)
+
+    def local(params, batch, received):
+      received = [r[0] for r in received]
+      outs, vjp = jax.vjp(make(batch), params, received)
+      leaves, tree = jax.tree.flatten(vjp)
+      inputs = [("p", k, x) for k, x in enumerate(params)] + [
+          ("r", k, x) for k, x in enumerate(received)] + [
+          ("b", k, x) for k, x in enumerate(batch)]
+      where = [next(((kind, k) for kind, k, x in inputs if x is leaf), None) for leaf in leaves]
+      self._residuals[c] = (tree, where)
+      rest = [x[None] for x, w in zip(leaves, where) if w is None]
+      return [o[None] for o in outs], rest
+
+    body = jax.shard_map(
+        local, mesh=self.meshes[chunk.stage],
+        in_specs=(self._param_in_specs(c), [P(DATA)] * len(chunk.batch),
+                  [P(DATA)] * len(chunk.receives)),
+        out_specs=(P(DATA), P(DATA)), axis_names={DATA}, check_vma=False)
+    self._fwd[c] = jax.jit(body)
+    return self._fwd[c]
+
+  def backward(self, c: int, final: bool) -> Callable:
+    """Chunk c's backward: (params, batch, received, residuals, cotangents,
+    accumulated grads) -> (grads, cotangents of the received). With `final`
+    (the stage's last work) the grads are every stage parameter's, reduced
+    over "data"."""
+    key = (c, final)
+    if key in self._bwd:
+      return self._bwd[key]
+    chunk = self.cut.chunks[c]
+    s = chunk.stage
+    last = c == len(self.cut.chunks) - 1
+    acc_ids = self.stage_params[s] if final else list(chunk.params)
+    seed = 1.0 / (self.M * self.d)
+
+    def local(params, batch, received, rest, cots, acc):
+      tree, where = self._residuals[c]
+      received = [r[0] for r in received]
+      pools = {"p": params, "r": received, "b": batch}
+      it = iter(rest)
+      leaves = [next(it)[0] if w is None else pools[w[0]][w[1]] for w in where]
+      vjp = jax.tree.unflatten(tree, leaves)
+      if last:
+        (loss,) = self.send_avals(c)
+        cots = [jnp.full((), seed, loss.dtype)]
+      else:
+        cots = [x[0] for x in cots]
+      cots = [stage_layouts.cotangent(x, aval) for x, aval in zip(cots, self.send_avals(c))]
+      grads, d_received = vjp(cots)
+      acc = list(acc)
+      for k, i in enumerate(acc_ids):
+        if i in chunk.params:
+          g = grads[chunk.params.index(i)]
+          acc[k] = acc[k] + self._accumulate(s, i, g)
+        if final:
+          acc[k] = self._reduce(s, i, acc[k])
+      back = [x[None] for x, r in zip(d_received, self.receive_avals(c))
+              if stage_layouts.inexact(r)]
+      return acc, back
+
+    body = jax.shard_map(
+        local, mesh=self.meshes[s],
+        in_specs=(self._param_in_specs(c), [P(DATA)] * len(chunk.batch),
+                  [P(DATA)] * len(chunk.receives), P(DATA), [P(DATA)] * (
+                      0 if last else len(chunk.sends)),
+                  [self._acc_spec(s, i) for i in acc_ids]),
+        out_specs=([self._acc_spec(s, i, reduced=final) for i in acc_ids], P(DATA)),
+        axis_names={DATA}, check_vma=False)
+    self._bwd[key] = jax.jit(body, donate_argnums=(5,))
+    return self._bwd[key]
+
+  def _accumulated_local(self, s: int, i: int) -> bool:
+    """Whether parameter i's gradient accumulates per replica ([d, ...])
+    rather than reduce-scattered every microbatch (ZeRO 2 and 3)."""
+    return self.zero < 2 or self.zdim[s][i] is None
+
+  def _acc_spec(self, s: int, i: int, reduced: bool = False) -> P:
+    if reduced:
+      return self._manual(self.layout.spec(s, i, sharded=self.zero >= 1))
+    if self._accumulated_local(s, i):
+      return P(DATA)
+    return self._manual(self.layout.spec(s, i, sharded=True))
+
+  def _accumulate(self, s: int, i: int, g):
+    """One microbatch's gradient of parameter i, as its accumulator holds it."""
+    k = self.zdim[s][i]
+    if self._accumulated_local(s, i):
+      return g[None]
+    if self.zero == 2:
+      return jax.lax.psum_scatter(g, DATA, scatter_dimension=k, tiled=True)
+    return g  # ZeRO 3: the gather's transpose reduce-scattered it already
+
+  def _reduce(self, s: int, i: int, acc):
+    """The data-parallel sync of parameter i's accumulated gradient."""
+    if not self._accumulated_local(s, i):
+      return acc
+    g = acc[0]
+    k = self.zdim[s][i]
+    if self.zero >= 1 and k is not None:
+      return jax.lax.psum_scatter(g, DATA, scatter_dimension=k, tiled=True)
+    return jax.lax.psum(g, DATA)
+
+  def acc_zeros(self, s: int) -> dict[int, jax.Array]:
+    """Stage s's gradient accumulators, zero: per replica ([d, ...]) or,
+    reduce-scattered every microbatch, in their ZeRO shards."""
+    if s not in self._zeros:
+      ids = self.stage_params[s]
+      shapes, layouts = [], []
+      for i in ids:
+        aval = self.layout.param_avals[i]
+        if self._accumulated_local(s, i):
+          shape, spec = (self.d, *aval.shape), P(DATA, *self.layout.tp[s][i])
+        else:
+          shape, spec = aval.shape, self.layout.spec(s, i, sharded=True)
+        shapes.append(jax.ShapeDtypeStruct(shape, aval.dtype))
+        layouts.append(NamedSharding(self.meshes[s], spec))
+      make = jax.jit(lambda: [jnp.zeros(a.shape, a.dtype) for a in shapes],
+                     out_shardings=layouts)
+      self._zeros[s] = lambda: dict(zip(ids, make()))
+    return self._zeros[s]()
+
+  def send_avals(self, c: int) -> list:
+    """The avals of what chunk c sends on (its last: the loss)."""
+    return self._avals_of(self.cut.chunks[c].sends)
+
+  def receive_avals(self, c: int) -> list:
+    """The avals of what chunk c receives from earlier chunks."""
+    return self._avals_of(self.cut.chunks[c].receives)
+
+  def _avals_of(self, ids):
+    return [self.cut.avals[i] for i in ids]
+
+
+__all__ = ["ChunkPrograms"]

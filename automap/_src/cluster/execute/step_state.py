@@ -1,0 +1,224 @@
+"""A pipelined step's state: where each parameter and its optimizer state live.
+
+Each stage holds the parameters its chunks read. A parameter several stages
+read (a tied embedding) is owned by the first of them, which sums the
+readers' gradients and updates it; the others get a copy after each update.
+Parameters the loss never reads live on the first stage. On its stage a
+parameter carries the plan's tensor-parallel sharding at the stage's width,
+and ZeRO shards over "data" on the first dimension the tensor axis leaves
+whole and the replicas divide: the optimizer state and the reduced
+gradients from ZeRO 1 on, the parameters themselves from ZeRO 3 on.
+
+`StateLayout` places the user's parameters there and initialises the
+optimizer per stage (`init`), gathers them back into the user's pytree
+(`params`), and runs each stage's optimizer step on the gradients the
+schedule reduced (`apply`); the executor (`executor.py`) runs the schedule
+between.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from automap._src.cluster.execute import stage_layouts
+from automap._src.cluster.profile.layer_graph import PlacementError
+from automap._src.ir.trace import path_str
+
+DATA = stage_layouts.DATA
+
+
+@dataclasses.dataclass
+class PipelineState:
+  """Parameters and optimizer state, per stage.
+
+  Attributes:
+    params: per stage, flat parameter index -> array on the stage's mesh,
+      for the parameters the stage owns and the copies it holds of others'.
+    opt_state: per stage, the optimizer state of the parameters it owns.
+    step: optimizer steps taken.
+  """
+
+  params: list[dict[int, jax.Array]]
+  opt_state: list[Any]
+  step: int = 0
+
+
+class StateLayout:
+  """Where a pipelined step keeps each parameter and its optimizer state.
+
+  Args:
+    plan: the `ClusterPlan` run (its placement's stages, replicas and ZeRO
+      stage; its searched shardings per width).
+    optimizer: the `optax.GradientTransformation` each stage runs.
+    params: the parameters' pytree (arrays or `jax.ShapeDtypeStruct`s).
+    chunks: the cut's chunks (`cut.Cut.chunks`): which parameters each
+      stage's chunks read.
+    meshes: per stage, its (data, tensor) mesh.
+
+  Attributes:
+    treedef: the parameters' pytree structure.
+    param_avals: per flat parameter index, its shape and dtype.
+    stage_params: per stage, the sorted flat indices of the parameters it
+      holds (owned and copied).
+    owner: flat parameter index -> the stage that updates it.
+    owned: per stage, the indices of the parameters it owns.
+    tp: per stage, parameter index -> its tensor-parallel layout (one entry
+      per dimension: "tensor" or None).
+    zdim: per stage, parameter index -> the dimension ZeRO shards over
+      "data" (None: kept whole).
+  """
+
+  def __init__(self, plan, optimizer: optax.GradientTransformation, params: Any,
+               chunks: Sequence[Any], meshes: Sequence[Mesh]):
+    p = plan.placement
+    self.optimizer, self.meshes = optimizer, list(meshes)
+    self.S, self.d, self.zero = len(p.stages), p.data_parallel, p.zero
+    self.treedef = jax.tree.structure(params)
+    self.param_avals = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
+                        for a in jax.tree.leaves(params)]
+    self.stage_params = [sorted({i for c in chunks if c.stage == s for i in c.params})
+                         for s in range(self.S)]
+    self.owner: dict[int, int] = {}
+    for c in chunks:
+      for i in c.params:
+        self.owner.setdefault(i, c.stage)
+    # Parameters the loss never reads live on the first stage, their
+    # gradients zero, so the optimizer steps them as the unpipelined step does.
+    unread = [i for i in range(len(self.param_avals)) if i not in self.owner]
+    self.owner.update(dict.fromkeys(unread, 0))
+    self.stage_params[0] = sorted(self.stage_params[0] + unread)
+    self.owned = [[i for i in self.stage_params[s] if self.owner[i] == s] for s in range(self.S)]
+    paths = [path_str(k) for k, _ in jax.tree_util.tree_flatten_with_path((params,))[0]]
+    widths = [stage.width for stage in p.stages]
+    self.tp = [{i: stage_layouts.tensor_spec(plan.shardings.get(widths[s], {}).get(paths[i]),
+                                             self.param_avals[i], widths[s], paths[i])
+                for i in self.stage_params[s]} for s in range(self.S)]
+    self.zdim = [{i: self._zero_dim(self.tp[s][i], self.param_avals[i])
+                  for i in self.stage_params[s]} for s in range(self.S)]
+    self._updates: dict[int, Callable] = {}
+
+  def _zero_dim(self, spec: tuple, aval) -> int | None:
+    """The dimension ZeRO shards a parameter on over "data" (None: kept whole)."""
+    if self.zero == 0 or self.d == 1:
+      return None
+    for k, n in enumerate(aval.shape):
+      if spec[k] is None and n % self.d == 0:
+        return k
+    return None
+
+  def spec(self, s: int, i: int, *, sharded: bool) -> P:
+    """Parameter i's layout on stage s: the plan's tensor sharding, plus
+    "data" on its ZeRO dimension when `sharded`."""
+    spec = list(self.tp[s][i])
+    k = self.zdim[s][i]
+    if sharded and k is not None:
+      spec[k] = DATA
+    return P(*spec)
+
+  def param_sharding(self, s: int, i: int) -> NamedSharding:
+    """Parameter i on stage s: sharded over "data" under ZeRO 3."""
+    return NamedSharding(self.meshes[s], self.spec(s, i, sharded=self.zero >= 3))
+
+  def grad_sharding(self, s: int, i: int) -> NamedSharding:
+    """Reduced gradients: whole under ZeRO 0, sharded from ZeRO 1 on."""
+    return NamedSharding(self.meshes[s], self.spec(s, i, sharded=self.zero >= 1))
+
+  def init(self, params: Any) -> PipelineState:
+    """The parameters placed on their stages and the optimizer initialised."""
+    leaves = self.leaves(params)
+    # Copies: the step donates its parameters, never the caller's arrays (a
+    # replicated `device_put` may share the caller's buffer).
+    placed = [{i: stage_layouts.place(stage_layouts.copy(leaves[i]), self.param_sharding(s, i))
+               for i in self.stage_params[s]} for s in range(self.S)]
+    opt = []
+    for s in range(self.S):
+      owned = [stage_layouts.place(leaves[i], self.grad_sharding(s, i)) for i in self.owned[s]]
+      opt.append(jax.jit(self.optimizer.init, out_shardings=self._state_layouts(s, owned))(
+          owned))
+    return PipelineState(placed, opt)
+
+  def _state_layouts(self, s: int, owned: list):
+    """The optimizer state's layouts: a moment laid out as its parameter's
+    gradient (sharded from ZeRO 1 on), anything else (a step count)
+    replicated on the stage."""
+    state = jax.eval_shape(self.optimizer.init, owned)
+    layouts = [NamedSharding(self.meshes[s], P())] * len(jax.tree.leaves(state))
+    treedef = jax.tree.structure(owned)
+    for start in stage_layouts.param_like_subtrees(state, treedef):
+      for k, i in enumerate(self.owned[s]):
+        layouts[start + k] = self.grad_sharding(s, i)
+    return jax.tree.unflatten(jax.tree.structure(state), layouts)
+
+  def params(self, state: PipelineState) -> Any:
+    """The parameters as the user's pytree (each leaf from the stage owning it)."""
+    leaves = [state.params[self.owner[i]][i] for i in range(len(self.param_avals))]
+    return jax.tree.unflatten(self.treedef, leaves)
+
+  def leaves(self, params: Any) -> list:
+    """`params`' leaves, checked against the structure, shapes and dtypes
+    the step was built for."""
+    leaves, treedef = jax.tree.flatten(params)
+    if treedef != self.treedef:
+      raise PlacementError(
+          f"params: expected the structure the step was built with, {self.treedef}, got "
+          f"{treedef}.")
+    for i, (a, want) in enumerate(zip(leaves, self.param_avals)):
+      if (jnp.shape(a), jnp.result_type(a)) != (want.shape, want.dtype):
+        raise PlacementError(
+            f"params: leaf {i} is {jnp.result_type(a)}{list(jnp.shape(a))}, the step was built "
+            f"for {want.dtype}{list(want.shape)}.")
+    return leaves
+
+  def update(self, s: int, opt_state) -> Callable:
+    """Stage s's optimizer step: (owned params, reduced grads, state) -> (params,
+    state), each kept in its layout (updated ZeRO shards all-gathered)."""
+    if s not in self._updates:
+      tx = self.optimizer
+      shards = [self.grad_sharding(s, i) for i in self.owned[s]]
+
+      def update(params, grads, opt_state):
+        # Each replica updates its ZeRO shard (slicing a whole parameter moves
+        # nothing); only the updated shards are gathered, by out_shardings.
+        params = [jax.lax.with_sharding_constraint(p, z) for p, z in zip(params, shards)]
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+      layouts = ([self.param_sharding(s, i) for i in self.owned[s]],
+                 jax.tree.map(lambda a: a.sharding, opt_state))
+      self._updates[s] = jax.jit(update, out_shardings=layouts, donate_argnums=(0, 2))
+    return self._updates[s]
+
+  def apply(self, state: PipelineState, reduced: list[dict[int, jax.Array]],
+            call: Callable[..., Any]) -> PipelineState:
+    """The state after one optimizer step: shared parameters' gradients
+    summed on their owner, each stage's update (run as `call(key, program,
+    *args)`), copies refreshed."""
+    params = [dict(p) for p in state.params]
+    opt = list(state.opt_state)
+    for s in range(self.S):
+      for i, g in reduced[s].items():
+        o = self.owner[i]
+        if o != s:
+          reduced[o][i] = reduced[o][i] + stage_layouts.place(g, reduced[o][i].sharding)
+    for s in range(self.S):
+      owned = self.owned[s]
+      new, opt[s] = call(("update", s), self.update(s, opt[s]),
+                         [params[s][i] for i in owned], [reduced[s][i] for i in owned], opt[s])
+      params[s].update(zip(owned, new))
+    for s in range(self.S):
+      for i in self.stage_params[s]:
+        o = self.owner[i]
+        if o != s:
+          params[s][i] = stage_layouts.place(params[o][i], self.param_sharding(s, i))
+    return PipelineState(params, opt, state.step + 1)
+
+
+__all__ = ["PipelineState", "StateLayout"]
