@@ -10,7 +10,7 @@ from helpers import abstract_gpt_loss, saved_dot_outputs
 
 import automap
 from automap import cluster
-from automap._src.cluster.placement import stage_costs
+from automap._src.cluster.placement import stage_times
 from automap._src.cluster.profile import layers as layers_lib
 from automap._src.ir.naming import is_backward
 from automap._src.models.gpt import Block, GPTConfig
@@ -47,8 +47,8 @@ def test_exposed_communication_is_the_two_stream_critical_path(comm, compute, pi
   for _ in range(pieces):
     comm_end = comm_end + c
     work_end = max(work_end, comm_end) + w
-  assert stage_costs.exposed(comm, compute, pieces) == pytest.approx(work_end - compute)
-  assert stage_costs.exposed(comm, compute, pieces) == pytest.approx(critical)
+  assert stage_times.exposed(comm, compute, pieces) == pytest.approx(work_end - compute)
+  assert stage_times.exposed(comm, compute, pieces) == pytest.approx(critical)
 
 
 def test_data_parallel_sync_hides_behind_the_last_backward():
