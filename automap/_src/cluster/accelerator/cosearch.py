@@ -206,6 +206,186 @@ def _size_width_pairs(result: Result) -> list[tuple[int, int]]:
   return sorted({(result.microbatch, s.width) for s in result.placement.stages})
 
 
+class _CoSearch:
+  """One co-search: the workloads profiled once, the baseline placed, and
+  each architecture's pricings kept (`history`)."""
+
+  def __init__(self, workloads: list[Workload], hw: Hardware, devices: int,
+               base: acc_lib.Accelerator, options: CoSearchOptions):
+    self.workloads, self.hw, self.devices, self.options = workloads, hw, devices, options
+    self.base = base
+    search = planner.searcher(
+        options.budget or Budget(episodes=20, seconds=30, progress=False), options.seed)
+    self.profiled = [profile_workload(w, hw, options.widths, options.microbatches, search)
+                     for w in workloads]
+    self.placing = PlacementOptions(optimizer=options.optimizer, zero=options.zero)
+    passes = [all_passes(p) for p in self.profiled]
+    self.pass_bounds = PassBounds(list(dict.fromkeys(p for ps in passes for p in ps)))
+    self.results_by_key: dict[tuple, list[Result | None]] = {}
+    self.latest: dict[tuple, list[Result | None]] = {}  # the latest results of a class of points
+    self.history: list[tuple[acc_lib.Accelerator, float, str]] = []
+    self.base_times = PassTimes(base, options.schedule_seconds, "exact", self.pass_bounds)
+    self.base_results = self.place(self.base_times)
+    if any(r is None for r in self.base_results):
+      missing = [w.name for w, r in zip(workloads, self.base_results) if r is None]
+      raise PlacementError(f"the baseline accelerator cannot train {missing} on {devices} "
+                           "devices: it runs out of memory; add devices or shrink the models.")
+    self.workload_passes = [np.array([self.pass_bounds.index[p] for p in ps], np.int64)
+                            for ps in passes]
+    self.baseline_upper = np.array([self.base_times.upper_bound(p)
+                                    for p in self.pass_bounds.passes])
+    # Points placed at bound: (their passes' bounds, memory, score). A point
+    # whose every pass bound is no shorter than such a one's, in no more
+    # memory, places no faster at bound (a placement's time only grows with
+    # its layers' times): that score bounds its own without placing it. Not
+    # where a label's backward splits over layers (its bound share is not
+    # monotone in the bounds).
+    self.placed: list[tuple[np.ndarray, float, float]] = []
+    self.monotone = all(len(layers) == 1 for p in self.profiled for bw in p.backward.values()
+                        for _, layers in bw)
+
+  def place(self, times: PassTimes, bounds: list[float] | None = None) -> list[Result | None]:
+    """Each workload's best placement with its passes at `times`, under
+    `bounds` (seconds per batch, per workload)."""
+    bounds = bounds or [math.inf] * len(self.profiled)
+    return [_place_on(times, p, times.acc, self.hw, self.devices, self.options.microbatches,
+                      self.placing, bound) for p, bound in zip(self.profiled, bounds)]
+
+  def price(self, acc: acc_lib.Accelerator, mode: str,
+            bounds: list[float] | None = None) -> list[Result | None]:
+    """The point's results, found once per class of points that price alike."""
+    pricing = self.pass_bounds.pricing_key(acc)
+    key = (pricing, mode, tuple(bounds or ()))
+    if key not in self.results_by_key:
+      times = PassTimes(acc, self.options.schedule_seconds, mode, self.pass_bounds)
+      # The plan found at the level before mostly stands: with its passes
+      # scheduled up front, the first placement is mostly the final one.
+      for p, result in zip(self.profiled, self.latest.get(pricing, ())):
+        for pair in _size_width_pairs(result) if result is not None else ():
+          for pass_ in p.passes(*pair):
+            times.schedule(pass_)
+      self.results_by_key[key] = self.latest[pricing] = self.place(times, bounds)
+    return self.results_by_key[key]
+
+  def score(self, results: list[Result | None]) -> float:
+    """Geometric mean over workloads of throughput / the baseline's (0: one does not fit)."""
+    if any(r is None for r in results):
+      return 0.0
+    return math.exp(np.mean([math.log(r.throughput / b.throughput)
+                             for r, b in zip(results, self.base_results)]))
+
+  def priced(self, acc: acc_lib.Accelerator, mode: str, cut: float = 0.0) -> float:
+    """The point's score; with one workload and a `cut`, the placement only
+    seeks plans scoring above it (pruning from the start) and the cut stands
+    in, as an upper bound, for a score no higher."""
+    if cut and len(self.profiled) == 1:
+      (w,), (b,) = self.workloads, self.base_results
+      results = self.price(acc, mode, [w.global_batch / (cut * b.throughput)])
+      s = cut if results[0] is None else self.score(results)
+    else:
+      s = self.score(self.price(acc, mode))
+    self.history.append((acc, s, mode))
+    return s
+
+  def dominated(self, acc: acc_lib.Accelerator) -> float:
+    """The least score of a point placed at bound whose pass bounds are all
+    no longer than `acc`'s in no less memory (inf: none)."""
+    low = self.pass_bounds(acc)
+    return min((s for other, memory, s in self.placed
+                if memory >= acc.hbm_capacity and np.all(other <= low)), default=math.inf)
+
+  def explore(self, points: list[acc_lib.Accelerator],
+              budget_area: float) -> list[tuple[float, int]]:
+    """The points list-scheduled and placed, as (greedy score, point index).
+
+    Area buckets from the largest down (a tenth of the budget each); within
+    and across them, best-first over upper bounds on each point's score,
+    refined lazily: "ratio", then "bound", then the greedy score, until no
+    bound beats the best by more than the gap. A bucket that improves
+    nothing ends the search: smaller chips stopped helping."""
+    options = self.options
+    width = budget_area * options.bucket
+    buckets: dict[int, list[int]] = {}
+    for i, acc in enumerate(points):
+      buckets.setdefault(int((budget_area - acc.area()) // width), []).append(i)
+    heap: list[tuple[float, int, str]] = []
+    best_greedy, listed = 1.0, []  # the best greedy score; (greedy score, point) listed
+    show = options.progress if options.progress is not None else sys.stderr.isatty()
+    bar = None
+    if show:
+      from rich import progress as progress_lib
+      bar = progress_lib.Progress(transient=True)
+      bar.start()
+      task = bar.add_task("automap: searching architectures", total=len(points))
+    try:
+      for b in sorted(buckets):
+        before = best_greedy
+        for i in buckets[b]:
+          ub = _ratio_bound(points[i], self.workload_passes, self.pass_bounds,
+                            self.base, self.baseline_upper)
+          self.history.append((points[i], ub, "ratio"))
+          heapq.heappush(heap, (-ub, i, "ratio"))
+          if bar is not None:
+            bar.update(task, advance=1)
+        while heap and -heap[0][0] > best_greedy * (1 + options.gap):
+          key, i, level = heapq.heappop(heap)
+          mode = "bound" if level == "ratio" else "greedy"
+          # A bound only matters if it beats the best found by the gap.
+          cut = best_greedy * (1 + options.gap)
+          if mode == "bound" and self.monotone and (s := self.dominated(points[i])) <= cut:
+            self.history.append((points[i], min(s, -key), "dominated"))
+            continue
+          s = self.priced(points[i], mode, cut if mode == "bound" else 0.0)
+          if mode == "bound":
+            self.placed.append((self.pass_bounds(points[i]), points[i].hbm_capacity, s))
+            heapq.heappush(heap, (-s, i, "bound"))
+          else:
+            listed.append((s, i))
+            best_greedy = max(best_greedy, s)
+          if bar is not None:
+            bar.update(task, description=f"automap: best {best_greedy:.3f}x")
+        if b > min(buckets) and best_greedy <= before:
+          break
+    finally:
+      if bar is not None:
+        bar.stop()
+    return listed
+
+  def finalists(self, points: list[acc_lib.Accelerator], listed: list[tuple[float, int]],
+                ) -> tuple[float, acc_lib.Accelerator, list[Result | None]]:
+    """(score, architecture, results) of the best: the few best by list
+    schedule, scheduled by CP-SAT (never worse); on ties the smaller chip,
+    then the earlier point of the grid; the baseline where none beats it."""
+    best = (1.0, self.base, self.base_results)
+    for _, _, i in sorted((-s, points[i].area(), i) for s, i in listed)[:self.options.finalists]:
+      results = self.price(points[i], "exact")
+      self.history.append((points[i], self.score(results), "exact"))
+      if self.history[-1][1] > best[0]:
+        best = (self.history[-1][1], points[i], results)
+    return best
+
+
+def _checked_inputs(workloads: Workload | Sequence[Workload], hardware: str | Hardware,
+                    area_budget: float | None, options: CoSearchOptions,
+                    ) -> tuple[list[Workload], Hardware, acc_lib.Accelerator, float]:
+  """(workloads as a list, hardware, baseline, area budget in mm^2), each checked."""
+  workloads = [workloads] if isinstance(workloads, Workload) else list(workloads)
+  if not workloads or not all(isinstance(w, Workload) for w in workloads):
+    raise PlacementError(
+        "workloads must be an automap.cluster.Workload or a non-empty list of them.")
+  hw = get_hardware(hardware)
+  base = options.baseline or acc_lib.TPU_V4_LIKE
+  budget_area = base.area() if area_budget is None else float(area_budget)
+  if not budget_area > 0:
+    raise PlacementError(f"area_budget must be a positive area in mm^2, got {area_budget!r}.")
+  for w in workloads:
+    if any(w.global_batch % b for b in options.microbatches):
+      raise PlacementError(
+          f"microbatches {tuple(options.microbatches)} must divide workload {w.name!r}'s "
+          f"global_batch {w.global_batch}.")
+  return workloads, hw, base, budget_area
+
+
 def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int,
                        hardware: str | Hardware = "tpu-v4", area_budget: float | None = None,
                        options: CoSearchOptions | None = None, **keywords) -> AcceleratorPlan:
@@ -240,153 +420,11 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
     keyword instead (`search_accelerator(..., gap=0.0)`), but not both ways.
   """
   options = with_keywords(CoSearchOptions, options, keywords, "search_accelerator")
-  microbatches = options.microbatches
   t0 = time.perf_counter()
-  workloads = [workloads] if isinstance(workloads, Workload) else list(workloads)
-  if not workloads or not all(isinstance(w, Workload) for w in workloads):
-    raise PlacementError(
-        "workloads must be an automap.cluster.Workload or a non-empty list of them.")
-  hw = get_hardware(hardware)
-  base = options.baseline or acc_lib.TPU_V4_LIKE
-  budget_area = base.area() if area_budget is None else float(area_budget)
-  if not budget_area > 0:
-    raise PlacementError(f"area_budget must be a positive area in mm^2, got {area_budget!r}.")
-  for w in workloads:
-    if any(w.global_batch % b for b in microbatches):
-      raise PlacementError(
-          f"microbatches {tuple(microbatches)} must divide workload {w.name!r}'s global_batch "
-          f"{w.global_batch}.")
-  search = planner.searcher(
-      options.budget or Budget(episodes=20, seconds=30, progress=False), options.seed)
-  profiled = [profile_workload(w, hw, options.widths, microbatches, search) for w in workloads]
-  placing = PlacementOptions(optimizer=options.optimizer, zero=options.zero)
-  passes = [all_passes(p) for p in profiled]
-  pass_bounds = PassBounds(list(dict.fromkeys(p for ps in passes for p in ps)))
-
-  def place(times, bounds=None) -> list[Result | None]:
-    bounds = bounds or [math.inf] * len(profiled)  # seconds per batch, per workload
-    return [_place_on(times, p, times.acc, hw, devices, microbatches, placing, bound)
-            for p, bound in zip(profiled, bounds)]
-
-  results_by_key: dict[tuple, list[Result | None]] = {}
-  latest: dict[tuple, list[Result | None]] = {}  # the latest results of a class of points
-
-  def price(acc, mode, bounds=None) -> list[Result | None]:
-    """The point's results, found once per class of points that price alike."""
-    pricing = pass_bounds.pricing_key(acc)
-    key = (pricing, mode, tuple(bounds or ()))
-    if key not in results_by_key:
-      times = PassTimes(acc, options.schedule_seconds, mode, pass_bounds)
-      # The plan found at the level before mostly stands: with its passes
-      # scheduled up front, the first placement is mostly the final one.
-      for p, result in zip(profiled, latest.get(pricing, ())):
-        for pair in _size_width_pairs(result) if result is not None else ():
-          for pass_ in p.passes(*pair):
-            times.schedule(pass_)
-      results_by_key[key] = latest[pricing] = place(times, bounds)
-    return results_by_key[key]
-
-  base_times = PassTimes(base, options.schedule_seconds, "exact", pass_bounds)
-  base_results = place(base_times)
-  if any(r is None for r in base_results):
-    missing = [w.name for w, r in zip(workloads, base_results) if r is None]
-    raise PlacementError(f"the baseline accelerator cannot train {missing} on {devices} "
-                         "devices: it runs out of memory; add devices or shrink the models.")
-
-  def score(results) -> float:
-    if any(r is None for r in results):
-      return 0.0
-    return math.exp(np.mean([math.log(r.throughput / b.throughput)
-                             for r, b in zip(results, base_results)]))
-
+  workloads, hw, base, budget_area = _checked_inputs(workloads, hardware, area_budget, options)
+  search = _CoSearch(workloads, hw, devices, base, options)
   points = _grid_points(budget_area, base, options.space or SPACE)
-  history: list[tuple[acc_lib.Accelerator, float, str]] = []
-  workload_passes = [np.array([pass_bounds.index[p] for p in ps], np.int64) for ps in passes]
-  baseline_upper = np.array([base_times.upper_bound(p) for p in pass_bounds.passes])
-  # Area buckets from the largest down (a tenth of the budget each); within
-  # and across them, best-first over upper bounds on each point's score,
-  # refined lazily: "ratio", then "bound", then the exact score, until no
-  # bound beats the best. A bucket that improves nothing ends the search:
-  # smaller chips stopped helping.
-  width = budget_area * options.bucket
-  buckets: dict[int, list[int]] = {}
-  for i, acc in enumerate(points):
-    buckets.setdefault(int((budget_area - acc.area()) // width), []).append(i)
-  def priced(acc, mode, cut: float = 0.0) -> float:
-    """The point's score; with one workload and a `cut`, the placement only
-    seeks plans scoring above it (pruning from the start) and the cut stands
-    in, as an upper bound, for a score no higher."""
-    if cut and len(profiled) == 1:
-      (w,), (b,) = workloads, base_results
-      results = price(acc, mode, [w.global_batch / (cut * b.throughput)])
-      s = cut if results[0] is None else score(results)
-    else:
-      s = score(price(acc, mode))
-    history.append((acc, s, mode))
-    return s
-
-  heap: list[tuple[float, int, str]] = []
-  best_greedy, listed = 1.0, []  # the best greedy score; (greedy score, point) listed
-  # Points placed at bound: (their passes' bounds, memory, score). A point
-  # whose every pass bound is no shorter than such a one's, in no more
-  # memory, places no faster at bound (a placement's time only grows with
-  # its layers' times): that score bounds its own without placing it. Not
-  # where a label's backward splits over layers (its bound share is not
-  # monotone in the bounds).
-  placed: list[tuple[np.ndarray, float, float]] = []
-  monotone = all(len(layers) == 1 for p in profiled for bw in p.backward.values()
-                 for _, layers in bw)
-
-  def dominated(acc) -> float:
-    low = pass_bounds(acc)
-    return min((s for other, memory, s in placed
-                if memory >= acc.hbm_capacity and np.all(other <= low)), default=math.inf)
-  show = options.progress if options.progress is not None else sys.stderr.isatty()
-  bar = None
-  if show:
-    from rich import progress as progress_lib
-    bar = progress_lib.Progress(transient=True)
-    bar.start()
-    task = bar.add_task("automap: searching architectures", total=len(points))
-  try:
-    for b in sorted(buckets):
-      before = best_greedy
-      for i in buckets[b]:
-        ub = _ratio_bound(points[i], workload_passes, pass_bounds, base, baseline_upper)
-        history.append((points[i], ub, "ratio"))
-        heapq.heappush(heap, (-ub, i, "ratio"))
-        if bar is not None:
-          bar.update(task, advance=1)
-      while heap and -heap[0][0] > best_greedy * (1 + options.gap):
-        key, i, level = heapq.heappop(heap)
-        mode = "bound" if level == "ratio" else "greedy"
-        # A bound only matters if it beats the best found by the gap.
-        cut = best_greedy * (1 + options.gap)
-        if mode == "bound" and monotone and (s := dominated(points[i])) <= cut:
-          history.append((points[i], min(s, -key), "dominated"))
-          continue
-        s = priced(points[i], mode, cut if mode == "bound" else 0.0)
-        if mode == "bound":
-          placed.append((pass_bounds(points[i]), points[i].hbm_capacity, s))
-          heapq.heappush(heap, (-s, i, "bound"))
-        else:
-          listed.append((s, i))
-          best_greedy = max(best_greedy, s)
-        if bar is not None:
-          bar.update(task, description=f"automap: best {best_greedy:.3f}x")
-      if b > min(buckets) and best_greedy <= before:
-        break
-  finally:
-    if bar is not None:
-      bar.stop()
-  # The few best by list schedule, scheduled by CP-SAT (never worse); on
-  # ties the smaller chip, then the earlier point of the grid.
-  best = (1.0, base, base_results)
-  for _, _, i in sorted((-s, points[i].area(), i) for s, i in listed)[:options.finalists]:
-    results = price(points[i], "exact")
-    history.append((points[i], score(results), "exact"))
-    if history[-1][1] > best[0]:
-      best = (history[-1][1], points[i], results)
-  s, acc, results = best
-  return AcceleratorPlan(acc, tuple(results), base, tuple(base_results), s, budget_area,
-                         tuple(history), time.perf_counter() - t0)
+  listed = search.explore(points, budget_area)
+  s, acc, results = search.finalists(points, listed)
+  return AcceleratorPlan(acc, tuple(results), base, tuple(search.base_results), s, budget_area,
+                         tuple(search.history), time.perf_counter() - t0)
