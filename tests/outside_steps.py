@@ -465,7 +465,8 @@ def linen_lstm(z: Size = BENCH) -> Step:
   return _train(loss, params, tokens, "linen-lstm", "flax.linen", "recurrent")
 
 
-def nnx_decoder(z: Size = BENCH) -> Step:
+def _nnx_decoder_model(z: Size):
+  """A decoder of nnx modules, its blocks in an `nnx.List`."""
   from flax import nnx
 
   class Block(nnx.Module):
@@ -492,13 +493,43 @@ def nnx_decoder(z: Size = BENCH) -> Step:
         x = block(x)
       return self.head(x)
 
-  graphdef, state = nnx.split(Decoder(nnx.Rngs(0)))
+  return Decoder(nnx.Rngs(0))
+
+
+def nnx_decoder(z: Size = BENCH) -> Step:
+  from flax import nnx
+
+  graphdef, state = nnx.split(_nnx_decoder_model(z))
 
   def loss(state, batch):
     return _xent(nnx.merge(graphdef, state)(batch[:, :-1]), batch[:, 1:])
 
   return _train(loss, state, _tokens(z, 1, 1), "nnx-decoder", "flax.nnx",
                 "decoder")
+
+
+def nnx_trainer(z: Size = BENCH) -> Step:
+  """The decoder trained as flax's nnx guides write the step: an
+  `nnx.Optimizer` updating the model in place inside the step, which runs
+  over the split state of both (`nnx.split` / `nnx.merge`, the functional
+  form `jax.jit` takes) and returns the state they leave."""
+  from flax import nnx
+
+  model = _nnx_decoder_model(z)
+  optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+  graphdef, state = nnx.split((model, optimizer))
+
+  def train_step(state, batch):
+    model, optimizer = nnx.merge(graphdef, state)
+
+    def loss_fn(model):
+      return _xent(model(batch[:, :-1]), batch[:, 1:])
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), loss
+
+  return Step("nnx-trainer", "flax.nnx", "decoder", train_step, (state, _tokens(z, 1, 1)))
 
 
 # penzai (named axes) ---------------------------------------------------------
@@ -508,17 +539,8 @@ def penzai_transformer(z: Size = BENCH) -> Step:
   as penzai's `StatefulTrainer` splits it: `pz.unbind_params` into a
   stateless model and its parameters, frozen into `ParameterValue`s."""
   from penzai import pz
-  from penzai.models.transformer.variants import llamalike_common
 
-  model = llamalike_common.build_llamalike_transformer(
-      llamalike_common.LlamalikeTransformerConfig(
-          num_kv_heads=z.heads, query_head_multiplier=1, embedding_dim=z.width,
-          projection_dim=z.width // z.heads, mlp_hidden_dim=z.ff,
-          num_decoder_blocks=z.layers, vocab_size=z.vocab, mlp_variant="swiglu",
-          tie_embedder_and_logits=False, parameter_dtype=jnp.float32,
-          activation_dtype=jnp.float32),
-      init_base_rng=jax.random.key(0))
-  stateless, params = pz.unbind_params(model)
+  stateless, params = pz.unbind_params(_penzai_model(z))
 
   def loss(params, batch):
     logits = pz.bind_variables(stateless, params)(
@@ -529,6 +551,54 @@ def penzai_transformer(z: Size = BENCH) -> Step:
                 "penzai-transformer", "penzai", "decoder")
 
 
+def _penzai_model(z: Size):
+  """penzai's llama-like transformer at size `z`."""
+  from penzai.models.transformer.variants import llamalike_common
+
+  return llamalike_common.build_llamalike_transformer(
+      llamalike_common.LlamalikeTransformerConfig(
+          num_kv_heads=z.heads, query_head_multiplier=1, embedding_dim=z.width,
+          projection_dim=z.width // z.heads, mlp_hidden_dim=z.ff,
+          num_decoder_blocks=z.layers, vocab_size=z.vocab, mlp_variant="swiglu",
+          tie_embedder_and_logits=False, parameter_dtype=jnp.float32,
+          activation_dtype=jnp.float32),
+      init_base_rng=jax.random.key(0))
+
+
+def penzai_trainer(z: Size = BENCH) -> Step:
+  """The same transformer through penzai's own training step
+  (`toolshed.basic_training`, what `StatefulTrainer.step` jits): its
+  arguments are the model with every variable unbound (`ParameterSlot`s,
+  whose `.value` raises) and the frozen values apart, with the trainer's
+  state, its random key and the batch as keywords."""
+  import functools
+
+  from penzai import pz
+  from penzai.toolshed import basic_training
+
+  model = _penzai_model(z)
+  stateless, variables = pz.unbind_variables(model)
+  opt = optax.adamw(1e-3)
+  params = pz.freeze_variables(tuple(variables))
+
+  def loss_fn(*, model, state, rng, batch):
+    logits = model(pz.nx.wrap(batch[:, :-1]).tag("batch", "seq"))
+    return _xent(logits.unwrap("batch", "seq", "vocabulary"), batch[:, 1:]), state, None
+
+  step = functools.partial(basic_training._stateful_trainer_step, loss_fn=loss_fn,
+                           optimizer_def=opt)
+
+  def train_step(root_rng, state, stateless_model, trainable, kwargs):
+    return step(root_rng=root_rng, state=state, stateless_model=stateless_model,
+                trainable_params=trainable, frozen_params=(), state_vars=(), kwargs=kwargs)
+
+  state = basic_training.InternalTrainerState(step=0, opt_state=opt.init(params),
+                                              loss_fn_state=None)
+  return Step("penzai-trainer", "penzai", "decoder", train_step,
+              (jax.random.key(0), state, stateless, params, {"batch": _tokens(z, 1, 1)}))
+
+
 BUILDERS = (hf_bert, hf_bert_dropout, hf_gpt2, hf_bart, hf_gemma, hf_vit, eqx_transformer, eqx_mlp,
             diffrax_node, hk_transformer, hk_mlp, keras_transformer, keras_mlp, linen_encoder,
-            linen_encoder_remat, linen_lstm, nnx_decoder, penzai_transformer)
+            linen_encoder_remat, linen_lstm, nnx_decoder, nnx_trainer, penzai_transformer,
+            penzai_trainer)
