@@ -20,17 +20,8 @@ from mkdocs.structure.files import File
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # griffe's messages on the public API's docstrings, without their file and
-# line (modules move). Where: ClusterPlan.train_step, plan_cluster,
-# price_cluster, PipelineState.
-KNOWN_DOCSTRING_WARNINGS = frozenset({
-    "No type or annotation for parameter 'optimizer'",
-    "No type or annotation for parameter 'params, *batch'",
-    "Parameter 'params, *batch' does not appear in the function signature",
-    "No type or annotation for parameter 'devices'",
-    "Failed to get 'name: description' pair from '(owned and copied ones).'",
-    "No type or annotation for parameter 'loss_fn, params, *batch'",
-    "Parameter 'loss_fn, params, *batch' does not appear in the function signature",
-})
+# line (modules move): none at present.
+KNOWN_DOCSTRING_WARNINGS: frozenset[str] = frozenset()
 
 _GRIFFE = re.compile(r"griffe: (?P<where>\S+:\d+): (?P<message>.*)", re.S)
 _log = logging.getLogger("mkdocs.hooks")

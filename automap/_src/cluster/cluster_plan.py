@@ -12,10 +12,12 @@ import dataclasses
 import math
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from automap._src.cluster.execute.executor import PipelineStep
 from automap._src.cluster.placement import configured
@@ -47,13 +49,22 @@ class ReplicatedWeightsWarning(UserWarning):
 class ClusterPlan(JsonFile):
   """A cluster plan and its predicted time per batch.
 
-  placement: stages, widths, data parallelism, ZeRO, recompute (seconds per batch).
-  microbatch: samples per microbatch; global_batch: samples per batch.
-  shardings: width -> argument path (parameters "0/...", batch "1/..." on) ->
-    PartitionSpec (text) of the intra-stage sharding at that width, for the
-    widths the placement uses.
-  peak_flops: the device's peak FLOP/s (16-bit matmuls), for MFU.
-  memory_limit: bytes per device the plan was held to.
+  `plan_cluster` and `price_cluster` return one; `train_step` runs it,
+  `explain` prints it, `save(path)` / `load(path)` keep it as JSON.
+
+  Attributes:
+    placement: stages, widths, data parallelism, ZeRO, recompute and
+      schedule, with the time per batch (seconds).
+    microbatch: samples per microbatch.
+    global_batch: samples per batch.
+    devices: devices in the cluster.
+    hardware: the hardware's catalogue name.
+    shardings: width -> argument path (parameters "0/...", batch "1/..."
+      on) -> PartitionSpec (text) of the intra-stage sharding at that width,
+      for the widths the placement uses.
+    timings: seconds the planner spent, per phase ("profile", "placement").
+    peak_flops: the device's peak FLOP/s (16-bit matmuls), for MFU.
+    memory_limit: bytes per device the plan was held to.
   """
 
   placement: Placement
@@ -98,6 +109,11 @@ class ClusterPlan(JsonFile):
     return self.global_batch / self.placement.time
 
   def to_json(self) -> dict:
+    """The plan as JSON-ready data (`save` writes it).
+
+    Returns:
+      A dict of the plan's fields and the schema version.
+    """
     return {"schema": SCHEMA, "placement": self.placement.to_json(),
             "microbatch": self.microbatch, "global_batch": self.global_batch,
             "devices": self.devices, "hardware": self.hardware,
@@ -107,6 +123,17 @@ class ClusterPlan(JsonFile):
 
   @classmethod
   def from_json(cls, data: dict) -> ClusterPlan:
+    """The plan `to_json` gave (`load` reads it).
+
+    Args:
+      data: what `to_json` returned.
+
+    Returns:
+      The `ClusterPlan`.
+
+    Raises:
+      PlacementError: data of another schema version.
+    """
     if data.get("schema") != SCHEMA:
       raise PlacementError(
           f"cluster plan schema {data.get('schema')!r} is not {SCHEMA}; plan it again.")
@@ -117,12 +144,17 @@ class ClusterPlan(JsonFile):
                memory_limit=float(data.get("memory_limit") or math.inf))
 
   def schedule(self) -> tuple[str, int, int, int]:
-    """(schedule, stages, microbatches per replica, chunks per stage): the
-    pipeline order priced and run (`pipeline_schedule.timetable` of it)."""
+    """The pipeline order priced and run.
+
+    Returns:
+      (schedule, stages, microbatches per replica, chunks per stage):
+      `automap.cluster.timetable(*plan.schedule())` is its timetable.
+    """
     p = self.placement
     return p.schedule, len(p.stages), p.microbatches, p.virtual_stages
 
-  def train_step(self, loss_fn: Callable, optimizer, params, *batch, devices=None,
+  def train_step(self, loss_fn: Callable, optimizer: optax.GradientTransformation, params: Any,
+                 *batch: Any, devices: Sequence[jax.Device] | None = None,
                  schedule: str | None = None) -> PipelineStep:
     """The plan as a training step: `step(state, *batch) -> (state, loss)`
     runs one global batch through the plan's stages, schedule, recompute
@@ -133,26 +165,41 @@ class ClusterPlan(JsonFile):
         (the one the plan was made for).
       optimizer: an `optax.GradientTransformation` updating each parameter
         from its own gradient and state.
-      params, *batch: example arguments (arrays or `jax.ShapeDtypeStruct`s):
-        the parameters, and batch leaves with `global_batch` rows.
+      params: example parameters (arrays or `jax.ShapeDtypeStruct`s).
+      *batch: example batch leaves (arrays or `jax.ShapeDtypeStruct`s),
+        each with `global_batch` rows.
       devices: the devices to run on (default `jax.devices()`); the plan's
         replica r, stage s uses those at r * (devices per pipeline) + the
         stage's first device onwards.
-      schedule: "gpipe", "1f1b" or "interleaved" to run another order than
-        the plan's (default: the one it priced); the run's memory is then
-        not the plan's.
+      schedule: a registered schedule's name ("gpipe", "1f1b",
+        "interleaved", or one added with `register_schedule`) to run another
+        order than the plan's (default: the one it priced); the run's memory
+        is then not the plan's.
 
     Returns:
       A `PipelineStep`: `init(params)` places the parameters and initialises
       the optimizer, `step(state, *batch)` runs a batch, `params(state)`
       returns the parameters, `explain()` the schedule run.
+
+    Raises:
+      PlacementError: a plan the step cannot run as stated: a schedule
+        that cannot run its chunks, devices that do not match its size, a
+        loss that cannot be cut at its stages, batch leaves without
+        `global_batch` rows, or an optimizer that couples parameters.
     """
     return PipelineStep(self, loss_fn, optimizer, params, batch, devices=devices,
                         schedule=schedule)
 
   def explain(self, against: ClusterPlan | None = None) -> str:
-    """The plan, stage by stage; `against`: another plan of the same step
-    (the planner's beside a stated split) summarised after it."""
+    """The plan, stage by stage, and its schedule's timetable.
+
+    Args:
+      against: another plan of the same step (the planner's beside a
+        stated split), summarised after it with the throughputs' ratio.
+
+    Returns:
+      The text, one line per fact.
+    """
     p = self.placement
     run = schedules.get(p.schedule)
     schedule = run.title + (f" x{p.virtual_stages}" if run.chunked else "")
@@ -206,26 +253,35 @@ def _format_seconds(x: float) -> str:
   return f"{x:.3f} s" if x >= 1 else f"{x * 1e3:.3f} ms"
 
 
-def plan_cluster(loss_fn: Callable, params, *batch, devices: int, global_batch: int,
+def plan_cluster(loss_fn: Callable, params: Any, *batch: Any, devices: int, global_batch: int,
                  hardware: str | Hardware = "tpu-v4", options: ClusterOptions | None = None,
-                 **keywords) -> ClusterPlan:
+                 **keywords: Any) -> ClusterPlan:
   """Plans training `loss_fn(params, *batch) -> scalar` on `devices` devices.
 
   Args:
-    loss_fn: the loss of one microbatch.
-    params, *batch: its arguments; the example batch may be any size (its
-      leading dimension: costs are scaled to each microbatch size), and
-      leaves may be `jax.ShapeDtypeStruct`s.
+    loss_fn: `loss_fn(params, *batch) -> scalar`, the loss of one microbatch.
+    params: its parameters (arrays or `jax.ShapeDtypeStruct`s).
+    *batch: its example batch leaves (arrays or `jax.ShapeDtypeStruct`s),
+      of any size: their leading dimension is the batch, and costs are
+      scaled to each microbatch size.
     devices: devices in the cluster.
     global_batch: samples per optimizer step over the whole cluster.
     hardware: a catalogue name or a `Hardware`.
     options: an `automap.cluster.ClusterOptions` (memory_limit, optimizer,
-      zero, recompute, widths, microbatches, budget, seed...); each field may
-      be given as a keyword instead (`plan_cluster(..., zero=0)`), not both.
+      zero, recompute, widths, microbatches, budget, seed...).
+    **keywords: `options`' fields given one by one instead
+      (`plan_cluster(..., zero=0)`), not both ways.
 
   Returns:
     A `ClusterPlan`: stages, per-stage width and recompute, schedule, data
     parallelism, ZeRO, microbatch size, predicted time and throughput.
+
+  Raises:
+    PlacementError: devices or global_batch not a positive int, widths or
+      microbatch sizes that do not fit them, or no placement that fits the
+      memory limit.
+    TypeError: a keyword that is no `ClusterOptions` field, or one given
+      both ways.
   """
   options = with_keywords(ClusterOptions, options, keywords, "plan_cluster")
   t0 = time.perf_counter()
@@ -274,9 +330,10 @@ def held_itemsize(params) -> int | None:
   return max(held, key=held.get) if held else None
 
 
-def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, global_batch: int,
-                  hardware: str | Hardware = "tpu-v4", devices: int | None = None,
-                  options: ClusterOptions | None = None, **keywords) -> ClusterPlan:
+def price_cluster(loss_fn: Callable, params: Any, *batch: Any, config: ClusterConfig,
+                  global_batch: int, hardware: str | Hardware = "tpu-v4",
+                  devices: int | None = None, options: ClusterOptions | None = None,
+                  **keywords: Any) -> ClusterPlan:
   """Training `loss_fn(params, *batch) -> scalar` priced under a stated split.
 
   The step is profiled at `config.tensor` x `config.context` devices (the
@@ -287,7 +344,9 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
   plan to set beside it (`explain(against=...)`).
 
   Args:
-    loss_fn, params, *batch: as for `plan_cluster`.
+    loss_fn: `loss_fn(params, *batch) -> scalar`, the loss of one microbatch.
+    params: its parameters (arrays or `jax.ShapeDtypeStruct`s).
+    *batch: its example batch leaves, of any size (as for `plan_cluster`).
     config: the split (`ClusterConfig`: tensor, pipeline, data, microbatch,
       recompute, schedule, virtual stages, ZeRO, shard group, weight and
       gradient dtypes, sequence and context parallelism, optimizer offload).
@@ -299,11 +358,20 @@ def price_cluster(loss_fn: Callable, params, *batch, config: ClusterConfig, glob
     devices: devices in the cluster (default: what `config` uses).
     options: memory_limit, optimizer, mixed_precision, overlap, budget,
       seed, fused_attention as in `ClusterOptions` (the split's fields come
-      from `config`); each also a keyword.
+      from `config`).
+    **keywords: `options`' fields given one by one instead, not both ways.
 
   Returns:
     A `ClusterPlan` with the breakdown, memory per device (`fits`),
     achieved FLOP/s and MFU.
+
+  Raises:
+    PlacementError: a split that does not divide global_batch, that the
+      hardware cannot price, or that the traced layers cannot carry (too
+      few blocks for its chunks, a width they are not priced at).
+    TypeError: a config that is no `ClusterConfig`; a keyword the config
+      states (recompute, zero, ...), no `ClusterOptions` field, or one given
+      both ways.
   """
   configured.refuse_stated(keywords, "price_cluster")
   options = with_keywords(ClusterOptions, options, keywords, "price_cluster")

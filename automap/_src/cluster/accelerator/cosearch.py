@@ -23,6 +23,7 @@ import sys
 import time
 import types
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -388,7 +389,8 @@ def _checked_inputs(workloads: Workload | Sequence[Workload], hardware: str | Ha
 
 def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int,
                        hardware: str | Hardware = "tpu-v4", area_budget: float | None = None,
-                       options: CoSearchOptions | None = None, **keywords) -> AcceleratorPlan:
+                       options: CoSearchOptions | None = None,
+                       **keywords: Any) -> AcceleratorPlan:
   """The architecture (within `area_budget` mm^2, default the baseline's
   area) and the placements that together train `workloads` fastest on
   `devices` accelerators linked like `hardware` (its links; compute and
@@ -414,10 +416,29 @@ def search_accelerator(workloads: Workload | Sequence[Workload], *, devices: int
   buckets from the budget down, and a bucket that improves nothing ends the
   search (PHAZE's stopping rule: more area stopped helping, so less will not).
 
-  options: an automap.cluster.CoSearchOptions: baseline, space, widths,
-    microbatches, optimizer, zero, schedule_seconds, bucket, gap, finalists,
-    budget, progress, seed (see its docstring). Each field may be given as a
-    keyword instead (`search_accelerator(..., gap=0.0)`), but not both ways.
+  Args:
+    workloads: one `Workload` or a non-empty list of them (a model's loss,
+      its arguments and global batch).
+    devices: accelerators in the cluster.
+    hardware: a catalogue name or a `Hardware` whose links connect them.
+    area_budget: the architecture's area in mm^2 at most (None: the
+      baseline's).
+    options: an `automap.cluster.CoSearchOptions`: baseline, space, widths,
+      microbatches, optimizer, zero, schedule_seconds, bucket, gap,
+      finalists, budget, progress, seed (see its docstring).
+    **keywords: `options`' fields given one by one instead
+      (`search_accelerator(..., gap=0.0)`), but not both ways.
+
+  Returns:
+    An `AcceleratorPlan`: the best architecture, its placements and score
+    against the baseline, and every pricing's history.
+
+  Raises:
+    PlacementError: no workloads, a non-positive area budget, microbatch
+      sizes that do not divide a workload's global batch, or a workload the
+      baseline cannot train on `devices` devices.
+    TypeError: a keyword that is no `CoSearchOptions` field, or one given
+      both ways.
   """
   options = with_keywords(CoSearchOptions, options, keywords, "search_accelerator")
   t0 = time.perf_counter()

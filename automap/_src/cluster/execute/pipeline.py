@@ -50,14 +50,32 @@ class PipelineError(ValueError):
 def pipelined(layer_fn: LayerFn, *, mesh: Mesh, microbatches: int, stage_axis: str = "stage",
               schedule: str = "gpipe", remat: bool = False,
               ) -> Callable[[Params, jax.Array], jax.Array]:
-  """`run(stacked_params, x) -> y`: the L layers applied in order, pipelined.
+  """A stack of identical layers pipelined over the mesh's stage axis (GPipe).
 
-  stacked_params: a pytree whose leaves are [L, ...], L a multiple of S.
-  x: [B, ...] with B a multiple of `microbatches`; y has x's shape.
-  Differentiating `run` gives the GPipe backward: all forwards, then all
-  backwards, the cotangents moving back through the transposed `ppermute`s.
-  remat: keep only each stage's input per tick and recompute its layers in the
-  backward pass.
+  Differentiating the result gives the GPipe backward: all forwards, then
+  all backwards, the cotangents moving back through the transposed
+  `ppermute`s.
+
+  Args:
+    layer_fn: `layer_fn(one layer's params, [b, ...]) -> [b, ...]`.
+    mesh: the mesh; its `stage_axis` holds the S stages, its other axes
+      stay automatic inside a stage.
+    microbatches: M, microbatches the batch is cut into.
+    stage_axis: the mesh axis of the stages.
+    schedule: "gpipe" ("1f1b" needs the loss: `pipelined_loss`).
+    remat: keep only each stage's input per tick and recompute its layers
+      in the backward pass.
+
+  Returns:
+    `run(stacked_params, x) -> y`: the L layers applied in order.
+    stacked_params is a pytree whose leaves are [L, ...], L a multiple of S;
+    x is [B, ...] with B a multiple of `microbatches`; y has x's shape.
+
+  Raises:
+    PipelineError: no such stage axis, microbatches not an int >= 1, or a
+      schedule it does not implement; `run` raises it for arguments that
+      do not fit (layers that do not split over the stages, a batch that
+      does not split into microbatches, a layer_fn that changes the shape).
   """
   stages = _stages(mesh, stage_axis)
   _check_microbatches(microbatches)
@@ -83,17 +101,36 @@ def pipelined(layer_fn: LayerFn, *, mesh: Mesh, microbatches: int, stage_axis: s
 def pipelined_loss(layer_fn: LayerFn, loss_fn: LossFn, *, mesh: Mesh, microbatches: int,
                    stage_axis: str = "stage", schedule: str = "1f1b", remat: bool = False,
                    ) -> Callable[[Params, jax.Array, jax.Array], jax.Array]:
-  """`loss(stacked_params, x, targets) -> []`: the mean over microbatches of
-  `loss_fn(y_m, targets_m)`, y = the L layers applied to x. With equal-sized
-  microbatches and a mean `loss_fn` this is the mean over the batch.
+  """A stack of identical layers and their loss, pipelined (1F1B or GPipe).
 
-  targets: [B, ...], cut into microbatches like x; integer targets (class
-  labels) get no gradient.
-  schedule='1f1b' (PipeDream-Flush): `jax.grad` of `loss` runs one pipeline in
-  which each stage alternates one forward and one backward, so a stage holds
-  at most 2S - 1 microbatch inputs instead of every tick's activations; a
-  stage's layers are recomputed in its backward. Reverse mode only (it is a
-  `jax.custom_vjp`). schedule='gpipe' differentiates `pipelined` instead.
+  With schedule="1f1b" (PipeDream-Flush), `jax.grad` of the loss runs one
+  pipeline in which each stage alternates one forward and one backward, so
+  a stage holds at most 2S - 1 microbatch inputs instead of every tick's
+  activations; a stage's layers are recomputed in its backward. Reverse
+  mode only (it is a `jax.custom_vjp`). schedule="gpipe" differentiates
+  `pipelined` instead.
+
+  Args:
+    layer_fn: `layer_fn(one layer's params, [b, ...]) -> [b, ...]`.
+    loss_fn: `loss_fn(y_m, targets_m) -> []`, one microbatch's loss.
+    mesh: the mesh; its `stage_axis` holds the S stages.
+    microbatches: M, microbatches the batch is cut into.
+    stage_axis: the mesh axis of the stages.
+    schedule: "1f1b" or "gpipe" (a cluster plan's executor runs the other
+      registered schedules).
+    remat: under "gpipe", keep only each stage's input per tick.
+
+  Returns:
+    `loss(stacked_params, x, targets) -> []`: the mean over microbatches
+    of `loss_fn(y_m, targets_m)`, y the L layers applied to x (with
+    equal-sized microbatches and a mean `loss_fn`, the batch's mean).
+    targets is [B, ...], cut into microbatches like x; integer targets
+    (class labels) get no gradient.
+
+  Raises:
+    PipelineError: no such stage axis, microbatches not an int >= 1, or a
+      schedule it does not implement; `loss` raises it for arguments that
+      do not fit (as `pipelined`'s, and targets without x's batch dim).
   """
   stages = _stages(mesh, stage_axis)
   _check_microbatches(microbatches)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -35,56 +36,69 @@ OFFLOADS = ("none", "optimizer")
 
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
-  """A training split as it runs.
+  """A training split as it runs: Megatron-style tensor x pipeline x data widths.
 
-  tensor, pipeline, data: devices per tensor-parallel group, pipeline stages,
-    data-parallel replicas (tensor * pipeline * data devices in all).
-  microbatch: samples per microbatch per replica.
-  recompute: "none", "full" (each layer's input kept, the layer rebuilt in
-    its backward), "selective" (attention scores and softmax rebuilt) or
-    "dots" (each layer's input and weight-matmul outputs kept, the rest
-    rebuilt: JAX's `checkpoint_dots_with_no_batch_dims`); True and False
-    stand for "full" and "none".
-  schedule: "1f1b", "interleaved" (1F1B over `virtual_stages` chunks per
-    stage, Narayanan et al. 2021) or "gpipe" (every forward before the
-    backwards: 1F1B's time, every microbatch's activations held).
-  virtual_stages: chunks per stage; at least 2 interleaved, else 1.
-  zero: ZeRO stage 0-3 over the data-parallel replicas (1: optimizer state
-    sharded, the distributed optimizer; 2: gradients too; 3: parameters too).
-  shard_group: hybrid sharding (HSDP; MaxText's FSDP within a slice and data
-    parallelism across slices): ZeRO shards over groups of this many
-    consecutive replicas (a slice's or node's), and the groups are plain
-    data-parallel replicas of each other, their shards' gradients
-    all-reduced across groups once per batch. None: over all `data`.
-  weights: the dtype floating-point parameters are held in between steps
-    ("float32", as MaxText keeps them; "bfloat16"). `price_cluster` casts
-    them to it before tracing, so the step computes as the model's own
-    settings make it (flax's `dtype` against `param_dtype`); a graph's
-    parameter bytes are taken as held in it. None: as given. Float32
-    weights keep no float32 master copy: they contradict mixed_precision.
-  gradients: the dtype gradients are accumulated and reduced in
-    ("float32", "bfloat16"). None: float32 under mixed_precision (as
-    Megatron-LM reduces 16-bit models'), else the parameters' own.
-  recompute_every: the recompute mode applies to every k-th layer of a
-    stage, the others keeping everything (1: every layer); priced as that
-    share of the stage's layers.
-  sequence_parallel: Megatron-LM's sequence parallelism: activations
-    between the tensor-parallel matmuls (norms, dropout, residual adds)
-    split along the sequence over the tensor group, which the per-width
-    sharding search then keeps (`price_cluster`; needs tensor > 1).
-  context: context parallelism: each sample's sequence split over this many
-    devices of every stage (a stage is tensor x context devices), the
-    batch's sequence dim pinned over them and the rest laid out by the
-    sharding search (attention then gathers keys and values, as XLA
-    partitions it). The weight gradients' partial sums are reduced once
-    per batch over data x context with the sync, as Megatron-LM and
-    Llama 3 run it (`cluster/context.py`), not per microbatch.
-  offload: "optimizer" keeps the optimizer state (moments and any float32
-    master copy) in host memory between steps, as MaxText's
-    `optimizer_memory_host_offload` places it in JAX's pinned host memory:
-    it leaves each device's memory and crosses the host link twice per
-    step (read for the update, written back) after the last backward, at
-    the hardware's `host_bandwidth`. "none": on the device.
+  Priced over a layer graph by `price_placement` and over a traced step by
+  `price_cluster`; every field is checked when the config is made.
+
+  Args:
+    tensor: devices per tensor-parallel group.
+    pipeline: pipeline stages.
+    data: data-parallel replicas (tensor x context x pipeline x data devices
+      in all).
+    microbatch: samples per microbatch per replica.
+    recompute: "none", "full" (each layer's input kept, the layer rebuilt in
+      its backward), "selective" (attention scores and softmax rebuilt) or
+      "dots" (each layer's input and weight-matmul outputs kept, the rest
+      rebuilt: JAX's `checkpoint_dots_with_no_batch_dims`); True and False
+      stand for "full" and "none".
+    schedule: a registered schedule's name (`schedule_names()`): "1f1b",
+      "interleaved" (1F1B over `virtual_stages` chunks per stage, Narayanan
+      et al. 2021), "gpipe" (every forward before the backwards: 1F1B's
+      time, every microbatch's activations held), or one added with
+      `register_schedule`.
+    virtual_stages: chunks per stage; at least 2 for a schedule that runs
+      several (interleaved), else 1.
+    zero: ZeRO stage 0-3 over the data-parallel replicas (1: optimizer state
+      sharded, the distributed optimizer; 2: gradients too; 3: parameters too).
+    shard_group: hybrid sharding (HSDP; MaxText's FSDP within a slice and data
+      parallelism across slices): ZeRO shards over groups of this many
+      consecutive replicas (a slice's or node's), and the groups are plain
+      data-parallel replicas of each other, their shards' gradients
+      all-reduced across groups once per batch. None: over all `data`.
+    weights: the dtype floating-point parameters are held in between steps
+      ("float32", as MaxText keeps them; "bfloat16"). `price_cluster` casts
+      them to it before tracing, so the step computes as the model's own
+      settings make it (flax's `dtype` against `param_dtype`); a graph's
+      parameter bytes are taken as held in it. None: as given. Float32
+      weights keep no float32 master copy: they contradict mixed_precision.
+    gradients: the dtype gradients are accumulated and reduced in
+      ("float32", "bfloat16"). None: float32 under mixed_precision (as
+      Megatron-LM reduces 16-bit models'), else the parameters' own.
+    sequence_parallel: Megatron-LM's sequence parallelism: activations
+      between the tensor-parallel matmuls (norms, dropout, residual adds)
+      split along the sequence over the tensor group, which the per-width
+      sharding search then keeps (`price_cluster`; needs tensor > 1).
+    recompute_every: the recompute mode applies to every k-th layer of a
+      stage, the others keeping everything (1: every layer); priced as that
+      share of the stage's layers.
+    context: context parallelism: each sample's sequence split over this many
+      devices of every stage (a stage is tensor x context devices), the
+      batch's sequence dim pinned over them and the rest laid out by the
+      sharding search (attention then gathers keys and values, as XLA
+      partitions it). The weight gradients' partial sums are reduced once
+      per batch over data x context with the sync, as Megatron-LM and
+      Llama 3 run it (`cluster/profile/context.py`), not per microbatch.
+    offload: "optimizer" keeps the optimizer state (moments and any float32
+      master copy) in host memory between steps, as MaxText's
+      `optimizer_memory_host_offload` places it in JAX's pinned host memory:
+      it leaves each device's memory and crosses the host link twice per
+      step (read for the update, written back) after the last backward, at
+      the hardware's `host_bandwidth`. "none": on the device.
+
+  Raises:
+    PlacementError: a field out of its range, or fields that contradict
+      each other; the message names the field and how to fix it.
   """
 
   tensor: int = 1
@@ -164,6 +178,7 @@ class ClusterConfig:
 
   @property
   def devices(self) -> int:
+    """Devices the split uses: tensor x context x pipeline x data."""
     return self.width * self.pipeline * self.data
 
   @property
@@ -172,7 +187,18 @@ class ClusterConfig:
     return self.tensor * self.context
 
   def microbatches(self, global_batch: int) -> int:
-    """Microbatches per batch over all replicas; checks that they divide it."""
+    """Microbatches per batch over all replicas.
+
+    Args:
+      global_batch: samples per optimizer step.
+
+    Returns:
+      global_batch / microbatch: data x the microbatches per replica.
+
+    Raises:
+      PlacementError: microbatch x data does not divide global_batch, or
+        the microbatches per replica do not suit the schedule.
+    """
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
       raise PlacementError(f"global_batch must be a positive int, got {global_batch!r}.")
     per_step = self.data * self.microbatch
@@ -242,21 +268,43 @@ def chunked(graph: LayerGraph, config: ClusterConfig) -> list[int]:
 def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
           hardware: str | Hardware, devices: int | None = None,
           options: PlacementOptions | None = None, param_itemsize: int | None = None,
-          **keywords) -> Placement:
-  """`config` run over `graph` (its costs per microbatch of `config.microbatch`
-  samples), as stated: the repeated block split over pipeline x
-  virtual_stages chunks as evenly as it divides, every stage `config.width` wide
-  (tensor x context; the graph's layers priced at that width).
+          **keywords: Any) -> Placement:
+  """`config` run over `graph`, as stated: nothing searched.
 
-  devices: the cluster's size, which the split must fit (None: exactly the
-    split's). options: memory_limit, optimizer, mixed_precision, overlap as
-    in PlacementOptions (their recompute, zero, widths, data_parallel,
-    stages and virtual_stages are the config's), or as keywords. A stage
-    that does not fit in memory is priced anyway: compare `Stage.memory`
-    with the limit.
-  param_itemsize: bytes per parameter as the graph counts them, which
-    `config.gradients` is a share of (None: the config's weights, else 2
-    under mixed precision, 4 without).
+  The repeated block is split over pipeline x virtual_stages chunks as
+  evenly as it divides, every stage `config.width` wide (tensor x context;
+  the graph's layers priced at that width), each stage holding what the
+  config's schedule keeps in flight. A stage that does not fit in memory is
+  priced anyway: compare `Stage.memory` with the limit.
+
+  Args:
+    graph: the layer graph, its costs per microbatch of `config.microbatch`
+      samples.
+    config: the split (`ClusterConfig`).
+    global_batch: samples per optimizer step.
+    hardware: a catalogue name or a `Hardware`: its links price the
+      collectives and transfers.
+    devices: the cluster's size, which the split must fit (None: exactly
+      the split's).
+    options: memory_limit, optimizer, mixed_precision, overlap as in
+      `PlacementOptions` (their recompute, zero, widths, data_parallel,
+      stages and virtual_stages are the config's).
+    param_itemsize: bytes per parameter as the graph counts them, which
+      `config.gradients` is a share of (None: the config's weights, else 2
+      under mixed precision, 4 without).
+    **keywords: `options`' fields given one by one instead, not both ways.
+
+  Returns:
+    The `Placement`: its stages, time per batch and breakdown, memory per
+    stage.
+
+  Raises:
+    PlacementError: a split that does not fit `devices` or divide
+      global_batch, a graph whose repeated block cannot be cut into its
+      chunks or whose layers are not priced at its width, a hardware that
+      cannot price it, weights that contradict mixed_precision.
+    TypeError: a config or graph of another type; a keyword the config
+      states, no `PlacementOptions` field, or one given both ways.
   """
   refuse_stated(keywords, "price_placement")
   base = with_keywords(PlacementOptions, options, keywords, "price_placement")

@@ -23,6 +23,7 @@ import itertools
 import math
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from automap._src.cluster.placement import stage_costs
 from automap._src.cluster.placement.options import PlacementOptions
@@ -180,17 +181,36 @@ def _best_at(graph: LayerGraph, costs: StageCosts, downs: list[int], d: int, zer
 
 
 def place(graph: LayerGraph, *, devices: int, microbatches: int, hardware: str | Hardware,
-          options: PlacementOptions | None = None, **keywords) -> Placement:
+          options: PlacementOptions | None = None, **keywords: Any) -> Placement:
   """The fastest placement of `graph` on `devices` devices.
 
-  microbatches: microbatches per batch over all data-parallel replicas (each of
-    d replicas runs microbatches / d of them; d must divide it).
-  hardware: its links price collectives and transfers; its `hbm_capacity` is
-    the memory limit unless the options give `memory_limit` (bytes per device,
-    or None for none).
-  options: an automap.cluster.PlacementOptions: memory_limit, optimizer, zero,
-    recompute, widths, data_parallel, stages (see its docstring). Each field
-    may be given as a keyword instead (`place(..., zero=0)`), but not both ways.
+  The DP searches pipeline stages (each a downset of the graph), their
+  tensor-parallel widths and recompute modes, the data-parallel degree and
+  the ZeRO stage under 1F1B; where the options allow, interleaved splits
+  of the repeated block too (`PlacementOptions.virtual_stages`).
+
+  Args:
+    graph: the layer graph, its costs per microbatch.
+    devices: devices in the cluster.
+    microbatches: microbatches per batch over all data-parallel replicas
+      (each of d replicas runs microbatches / d of them; d must divide it).
+    hardware: a catalogue name or a `Hardware`: its links price collectives
+      and transfers; its `hbm_capacity` is the memory limit unless the
+      options give `memory_limit` (bytes per device, or None for none).
+    options: an `automap.cluster.PlacementOptions`: memory_limit, optimizer,
+      zero, recompute, widths, data_parallel, stages (see its docstring).
+    **keywords: `options`' fields given one by one instead
+      (`place(..., zero=0)`), but not both ways.
+
+  Returns:
+    The fastest `Placement` that fits the memory limit.
+
+  Raises:
+    PlacementError: no placement fits (the message says what the
+      parameters alone need), a stated data_parallel or stages beyond the
+      devices, or a graph too wide to enumerate.
+    TypeError: a keyword that is no `PlacementOptions` field, or one given
+      both ways.
   """
   options = with_keywords(PlacementOptions, options, keywords, "place")
   return place_any([(graph, microbatches)], devices=devices, hardware=hardware,

@@ -119,9 +119,6 @@ class Schedule:
     Returns:
       The peak in stage shares (a chunk-microbatch is 1 / v): `held`'s
       closed form, or counted from the stage's order.
-
-    Raises:
-      Nothing of its own; `order` and `held` may.
     """
     if self.held is not None:
       return self.held(stage, stages, microbatches, virtual)
@@ -138,9 +135,6 @@ class Schedule:
 
     Returns:
       `needs`' phrase, or None where the counts suit the schedule.
-
-    Raises:
-      Nothing of its own; `needs` may.
     """
     return None if self.needs is None else self.needs(stages, microbatches, virtual)
 
@@ -256,8 +250,10 @@ def names(chunked: bool | None = None) -> tuple[str, ...]:
     The names, the built-in three first.
 
   Raises:
-    Nothing.
+    PlacementError: `chunked` neither None nor a bool.
   """
+  if chunked is not None and not isinstance(chunked, bool):
+    raise PlacementError(f"chunked must be None, True or False, got {chunked!r}.")
   return tuple(n for n, s in _REGISTRY.items() if chunked is None or s.chunked == chunked)
 
 

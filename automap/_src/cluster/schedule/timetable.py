@@ -40,7 +40,18 @@ class Work:
 
 @dataclasses.dataclass(frozen=True)
 class Timetable:
-  """A pipeline schedule: per stage its work in order, each with its slot."""
+  """A pipeline schedule list-scheduled: per stage its work in order, each with its slot.
+
+  `timetable` makes one; the executor issues its work `in_order`, the
+  cluster model prices what it holds (`in_flight`) and its bubble (`idle`).
+
+  Attributes:
+    schedule: the registered schedule's name.
+    stages: S, pipeline stages.
+    microbatches: M, microbatches per pipeline replica.
+    virtual: v, chunks per stage.
+    work: per stage, its `Work` in the order it runs it.
+  """
 
   schedule: str
   stages: int
@@ -91,7 +102,27 @@ def orders(schedule: str, stages: int, microbatches: int,
 
 
 def timetable(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Timetable:
-  """The schedule's orders list-scheduled into slots (see the module doc)."""
+  """A registered schedule's orders list-scheduled into slots.
+
+  Every piece of work takes one slot, the first after its stage is free and
+  its inputs are made (see the module doc): on equal stages the slots are
+  the schedule's time, and the idle ones its bubble.
+
+  Args:
+    schedule: a registered schedule's name ("gpipe", "1f1b",
+      "interleaved", or one added with `register_schedule`).
+    stages: S, pipeline stages.
+    microbatches: M, microbatches per pipeline replica.
+    virtual: v, chunks per stage (model chunk k * S + s on stage s).
+
+  Returns:
+    The `Timetable`; `render()` draws it.
+
+  Raises:
+    PlacementError: an unregistered schedule, counts that are not positive
+      ints or do not suit the schedule, or an order that deadlocks (a
+      piece of work waiting on one its stage runs later).
+  """
   per_stage = orders(schedule, stages, microbatches, virtual)
   chunks = stages * virtual
   done: dict[tuple[str, int, int], int] = {}  # (phase, chunk, microbatch) -> slot it ran in
