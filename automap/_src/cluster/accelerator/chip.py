@@ -43,16 +43,30 @@ class Accelerator:
 
   Vector units are spread evenly over the cores (a core may hold a fraction);
   the buffer is on-chip SRAM shared by the cores.
+
+  Attributes:
+    tensor_units: cores, each with one systolic array.
+    array: the systolic array is array x array MACs (a power of two).
+    vector_units: over all cores.
+    vector_width: lanes per vector unit, one 16-bit op per lane per cycle.
+    buffer: on-chip SRAM, bytes.
+    hbm_capacity: bytes.
+    hbm_bandwidth: bytes/s.
+    clock: Hz.
+
+  Raises:
+    AcceleratorError: a count that is not a positive int, a size that is not
+      a positive finite number, or an array that is not a power of two.
   """
 
-  tensor_units: int = 8             # cores, each with one systolic array
-  array: int = 128                  # the systolic array is array x array MACs
-  vector_units: int = 2             # over all cores
-  vector_width: int = 128           # lanes per vector unit, one 16-bit op per lane per cycle
-  buffer: float = 128 * 2**20       # on-chip SRAM, bytes
-  hbm_capacity: float = 32 * 2**30  # bytes
-  hbm_bandwidth: float = 1.2e12     # bytes/s
-  clock: float = 1.05e9             # Hz
+  tensor_units: int = 8
+  array: int = 128
+  vector_units: int = 2
+  vector_width: int = 128
+  buffer: float = 128 * 2**20
+  hbm_capacity: float = 32 * 2**30
+  hbm_bandwidth: float = 1.2e12
+  clock: float = 1.05e9
 
   def __post_init__(self):
     for field in dataclasses.fields(self):

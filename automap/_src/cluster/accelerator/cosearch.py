@@ -89,14 +89,22 @@ class Result:
 class AcceleratorPlan(JsonFile):
   """The best architecture found, its plans, and the baseline's.
 
-  score: geometric mean over workloads of throughput / the baseline's.
-  history: (architecture, score, how) of every pricing: "ratio" (its passes'
-    bounds against the baseline's schedules), "bound" (placed with every pass
-    at its bound; for one workload, where that placement cannot beat the
-    best found by the gap, the score it failed to beat), "dominated" (not
-    placed: the "bound" of a point whose every pass bound is no longer, in
-    as much memory or more), "greedy" (placed with list schedules), "exact"
-    (placed with CP-SAT schedules).
+  Attributes:
+    accelerator: the best architecture (the baseline where none beats it).
+    results: per workload, its plan on `accelerator` (placement,
+      microbatch size, samples/s).
+    baseline: the architecture scores are relative to.
+    baseline_results: per workload, its plan on the baseline.
+    score: geometric mean over workloads of throughput / the baseline's.
+    area_budget: the area searched within, mm^2.
+    history: (architecture, score, how) of every pricing: "ratio" (its passes'
+      bounds against the baseline's schedules), "bound" (placed with every pass
+      at its bound; for one workload, where that placement cannot beat the
+      best found by the gap, the score it failed to beat), "dominated" (not
+      placed: the "bound" of a point whose every pass bound is no longer, in
+      as much memory or more), "greedy" (placed with list schedules), "exact"
+      (placed with CP-SAT schedules).
+    seconds: how long the search took.
   """
 
   accelerator: acc_lib.Accelerator

@@ -26,23 +26,25 @@ from automap._src.search.request import Budget
 class CoSearchOptions:
   """How `automap.cluster.search_accelerator` may search architectures and placements.
 
-  baseline: the architecture scores are relative to (None: TPU_V4_LIKE);
-    its area is the default area budget.
-  space: Accelerator field -> candidate values (None: cosearch.SPACE); other
-    fields as `baseline`.
-  widths: tensor-parallel widths to profile and place.
-  microbatches: microbatch sizes to profile and place (each must divide
-    every workload's global_batch).
-  optimizer, zero: as in PlacementOptions.
-  schedule_seconds: CP-SAT time limit per distinct layer pass.
-  bucket: width of the area buckets, as a share of the area budget; the
-    search stops at the first bucket (below the largest) that improves nothing.
-  gap: stop once no bound beats the best list-scheduled score by more than
-    this share (0: every point that might win is list-scheduled).
-  finalists: how many of the best list-scheduled points CP-SAT schedules.
-  budget: the sharding search's budget per width (None: 20 episodes, 30 s).
-  progress: show a progress bar (None: only when stderr is a terminal).
-  seed: the sharding search's seed.
+  Attributes:
+    baseline: the architecture scores are relative to (None: TPU_V4_LIKE);
+      its area is the default area budget.
+    space: Accelerator field -> candidate values (None: cosearch.SPACE); other
+      fields as `baseline`.
+    widths: tensor-parallel widths to profile and place.
+    microbatches: microbatch sizes to profile and place (each must divide
+      every workload's global_batch).
+    optimizer: as in PlacementOptions.
+    zero: as in PlacementOptions.
+    schedule_seconds: CP-SAT time limit per distinct layer pass.
+    bucket: width of the area buckets, as a share of the area budget; the
+      search stops at the first bucket (below the largest) that improves nothing.
+    gap: stop once no bound beats the best list-scheduled score by more than
+      this share (0: every point that might win is list-scheduled).
+    finalists: how many of the best list-scheduled points CP-SAT schedules.
+    budget: the sharding search's budget per width (None: 20 episodes, 30 s).
+    progress: show a progress bar (None: only when stderr is a terminal).
+    seed: the sharding search's seed.
   """
 
   baseline: Accelerator | None = None

@@ -26,11 +26,17 @@ from automap._src.plan import report
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-  """A model to train: `loss_fn(params, *batch) -> scalar`, `global_batch`
-  samples per step (batch leaves may be `jax.ShapeDtypeStruct`s).
+  """A model to train, for `search_accelerator`.
 
-  repeat: layer name -> copies, to let a few profiled blocks stand for a deep
-    model (see `LayerGraph.repeat`), e.g. {"block_1": 47} for 48 blocks.
+  Attributes:
+    loss_fn: `loss_fn(params, *batch) -> scalar`, the loss of one microbatch.
+    params: its parameters (arrays or `jax.ShapeDtypeStruct`s).
+    batch: its example batch leaves, as a tuple (arrays or
+      `jax.ShapeDtypeStruct`s).
+    global_batch: samples per optimizer step.
+    name: how results name it.
+    repeat: layer name -> copies, to let a few profiled blocks stand for a deep
+      model (see `LayerGraph.repeat`), e.g. {"block_1": 47} for 48 blocks.
   """
 
   loss_fn: Callable

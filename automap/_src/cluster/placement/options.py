@@ -148,37 +148,39 @@ def _check_placement_fields(options) -> None:
 class PlacementOptions:
   """How `automap.cluster.place` may place a layer graph.
 
-  memory_limit: bytes per device; "device" (the default): the hardware's
-    `hbm_capacity`; None: no limit (as for `automap.SearchOptions`).
-  optimizer: a name in OPTIMIZERS or bytes of optimizer state per parameter byte.
-  zero: ZeRO stage(s) to consider (an int is one): 1 shards optimizer state
-    over data parallelism, 2 also gradients (reduce-scattered every
-    microbatch), 3 also parameters (gathered for every use).
-  recompute: "full" (True: every layer's input kept, the layer rebuilt in
-    its backward), "selective" (only the attention scores and softmax
-    rebuilt), "dots" (every layer's input and weight-matmul outputs kept,
-    the rest rebuilt; layers traced from a program only), "none" (False:
-    everything stashed), a sequence of them, or None: every mode the
-    layers price, chosen per stage.
-  widths: tensor-parallel widths allowed (None: every width the layers price).
-  data_parallel, stages: fix the data-parallel degree or the stage count (to
-    price a hand-written split such as Megatron's p x d x t); None searches.
-  mixed_precision: parameters are 16-bit and training keeps float32 master
-    weights, float32 gradient accumulators and float32 optimizer state (the
-    `optimizer` factor counts moments in the parameters' dtype and doubles).
-  overlap: the data-parallel sync and ZeRO collectives run beside compute
-    (XLA's latency-hiding scheduler, Megatron's overlapped gradient
-    reduction); False: after it.
-  virtual_stages: chunks per stage under the interleaved 1F1B schedule (1:
-    plain 1F1B); None also tries interleaving where it is legal (a chain of
-    equal blocks that splits evenly).
-  overlap_tensor: tensor-parallel collectives run beside the matmuls they
-    feed or follow (Megatron-LM's --tp-comm-overlap, collective matmuls);
-    False: on the critical path, as XLA's partitioner emits them.
-  hybrid: where the replicas span several slices or nodes
-    (`Hardware.devices_per_node`), also try ZeRO within each slice's
-    replicas and plain data parallelism across slices (HSDP). Off by
-    default: hybrid plans are priced, not yet run (`ClusterPlan.train_step`).
+  Attributes:
+    memory_limit: bytes per device; "device" (the default): the hardware's
+      `hbm_capacity`; None: no limit (as for `automap.SearchOptions`).
+    optimizer: a name in OPTIMIZERS or bytes of optimizer state per parameter byte.
+    zero: ZeRO stage(s) to consider (an int is one): 1 shards optimizer state
+      over data parallelism, 2 also gradients (reduce-scattered every
+      microbatch), 3 also parameters (gathered for every use).
+    recompute: "full" (True: every layer's input kept, the layer rebuilt in
+      its backward), "selective" (only the attention scores and softmax
+      rebuilt), "dots" (every layer's input and weight-matmul outputs kept,
+      the rest rebuilt; layers traced from a program only), "none" (False:
+      everything stashed), a sequence of them, or None: every mode the
+      layers price, chosen per stage.
+    widths: tensor-parallel widths allowed (None: every width the layers price).
+    data_parallel: fix the data-parallel degree (to price a hand-written split
+      such as Megatron's p x d x t); None searches.
+    stages: fix the stage count likewise; None searches.
+    mixed_precision: parameters are 16-bit and training keeps float32 master
+      weights, float32 gradient accumulators and float32 optimizer state (the
+      `optimizer` factor counts moments in the parameters' dtype and doubles).
+    overlap: the data-parallel sync and ZeRO collectives run beside compute
+      (XLA's latency-hiding scheduler, Megatron's overlapped gradient
+      reduction); False: after it.
+    virtual_stages: chunks per stage under the interleaved 1F1B schedule (1:
+      plain 1F1B); None also tries interleaving where it is legal (a chain of
+      equal blocks that splits evenly).
+    overlap_tensor: tensor-parallel collectives run beside the matmuls they
+      feed or follow (Megatron-LM's --tp-comm-overlap, collective matmuls);
+      False: on the critical path, as XLA's partitioner emits them.
+    hybrid: where the replicas span several slices or nodes
+      (`Hardware.devices_per_node`), also try ZeRO within each slice's
+      replicas and plain data parallelism across slices (HSDP). Off by
+      default: hybrid plans are priced, not yet run (`ClusterPlan.train_step`).
   """
 
   memory_limit: float | str | None = DEVICE
@@ -222,19 +224,27 @@ class PlacementOptions:
 class ClusterOptions:
   """How `automap.cluster.plan_cluster` may plan a training step.
 
-  memory_limit, optimizer, zero, recompute, mixed_precision, overlap,
-    overlap_tensor, virtual_stages, hybrid: as in PlacementOptions
-    (virtual_stages=None here: the interleaved schedule is tried where legal).
-  widths: tensor-parallel widths to consider (None: powers of two up to a
-    node, at most 8).
-  microbatches: microbatch sizes to consider (None: the powers of two that
-    divide global_batch and leave at most 512 microbatches); the step is
-    traced and priced at each.
-  budget: the sharding search's budget for each width (None: Budget()).
-  seed: the sharding search's seed.
-  fused_attention: attention runs as one fused kernel (flash attention:
-    cuDNN, Pallas or Triton), so its scores never reach device memory;
-    False prices the ops as traced.
+  Attributes:
+    memory_limit: bytes per device, as in PlacementOptions.
+    optimizer: as in PlacementOptions.
+    zero: ZeRO stages to consider, as in PlacementOptions.
+    recompute: recompute modes to consider, as in PlacementOptions.
+    widths: tensor-parallel widths to consider (None: powers of two up to a
+      node, at most 8).
+    microbatches: microbatch sizes to consider (None: the powers of two that
+      divide global_batch and leave at most 512 microbatches); the step is
+      traced and priced at each.
+    budget: the sharding search's budget for each width (None: Budget()).
+    seed: the sharding search's seed.
+    fused_attention: attention runs as one fused kernel (flash attention:
+      cuDNN, Pallas or Triton), so its scores never reach device memory;
+      False prices the ops as traced.
+    mixed_precision: as in PlacementOptions.
+    overlap: as in PlacementOptions.
+    overlap_tensor: as in PlacementOptions.
+    virtual_stages: as in PlacementOptions, but None here: the interleaved
+      schedule is tried where legal.
+    hybrid: as in PlacementOptions.
   """
 
   memory_limit: float | str | None = DEVICE

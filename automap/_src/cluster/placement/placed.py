@@ -22,28 +22,54 @@ class Stage:
 
   Under an interleaved schedule a stage is one device group's chunks: its
   layers are every chunk's, its times per microbatch cover all of them.
+
+  Attributes:
+    layers: the names of its layers, in the graph's order.
+    width: tensor-parallel devices.
+    recompute: any recompute (recompute_mode != "none").
+    first_device: offset within a pipeline replica.
+    in_flight: microbatches stashed at the peak (interleaved: in chunk shares).
+    time: seconds per microbatch, T_i.
+    compute: of which forward + backward (+ recompute).
+    collectives: of which tensor-parallel collectives.
+    transfers: of which sends and receives to other stages.
+    zero: of which ZeRO gathers / reduce-scatters left exposed.
+    sync: seconds of data-parallel sync once per batch left exposed, Y_i.
+    memory: bytes per device.
+    recompute_mode: one of RECOMPUTE_MODES ("": from `recompute`).
+    sync_total: the whole sync, exposed or overlapped (-1: `sync`).
+    zero_total: the whole ZeRO collectives per microbatch (-1: `zero`).
+    flops: model FLOPs per microbatch per device.
+    param_bytes: its parameters' bytes per device.
+    comm_bytes: tensor-parallel collectives' result bytes per microbatch.
+    bytes_in: per microbatch per device, on edges from other stages.
+    bytes_out: per microbatch per device, on edges to other stages.
+
+  Raises:
+    PlacementError: a recompute_mode not in RECOMPUTE_MODES, or one that
+      contradicts `recompute`.
   """
 
   layers: tuple[str, ...]
-  width: int                  # tensor-parallel devices
-  recompute: bool             # any recompute (recompute_mode != "none")
-  first_device: int           # offset within a pipeline replica
-  in_flight: float            # microbatches stashed (interleaved: chunk share)
-  time: float                 # seconds per microbatch, T_i
-  compute: float              # of which forward + backward (+ recompute)
-  collectives: float          # of which tensor-parallel collectives
-  transfers: float            # of which sends/receives to other stages
-  zero: float                 # of which ZeRO gathers / reduce-scatters left exposed
-  sync: float                 # data-parallel sync once per batch left exposed, Y_i
-  memory: float               # bytes per device
-  recompute_mode: str = ""    # one of RECOMPUTE_MODES ("": from `recompute`)
-  sync_total: float = -1.0    # the whole sync, exposed or overlapped (-1: `sync`)
-  zero_total: float = -1.0    # the whole ZeRO collectives per microbatch (-1: `zero`)
-  flops: float = 0.0          # model FLOPs per microbatch per device
-  param_bytes: float = 0.0    # its parameters' bytes per device
-  comm_bytes: float = 0.0     # tensor-parallel collectives' result bytes per microbatch
-  bytes_in: float = 0.0       # per microbatch per device, on edges from other stages
-  bytes_out: float = 0.0      # per microbatch per device, on edges to other stages
+  width: int
+  recompute: bool
+  first_device: int
+  in_flight: float
+  time: float
+  compute: float
+  collectives: float
+  transfers: float
+  zero: float
+  sync: float
+  memory: float
+  recompute_mode: str = ""
+  sync_total: float = -1.0
+  zero_total: float = -1.0
+  flops: float = 0.0
+  param_bytes: float = 0.0
+  comm_bytes: float = 0.0
+  bytes_in: float = 0.0
+  bytes_out: float = 0.0
 
   def __post_init__(self):
     if not self.recompute_mode:
@@ -61,22 +87,41 @@ class Stage:
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-  """A cluster plan over a layer graph, with its predicted time per batch."""
+  """A cluster plan over a layer graph, with its predicted time per batch.
+
+  Attributes:
+    data_parallel: pipeline replicas.
+    microbatches: per pipeline replica (the batch has data_parallel x this).
+    zero: the ZeRO stage, 0-3.
+    stages: the pipeline stages, in order.
+    devices: devices the plan uses (<= the cluster's).
+    time: seconds per batch.
+    virtual_stages: chunks per stage (1: one, as in plain 1F1B).
+    schedule: a registered schedule's name (None: "1f1b", or "interleaved"
+      where virtual_stages > 1).
+    shard_group: hybrid sharding: ZeRO within groups of this many replicas
+      (None: over all of them).
+    recompute_every: the stages' recompute modes apply to every k-th layer.
+    context: of each stage's devices, how many split the sequence.
+    offload: "optimizer": its state in host memory between steps; "none".
+
+  Raises:
+    PlacementError: virtual_stages not a positive int, or a schedule that
+      is not registered or does not run that many chunks per stage.
+  """
 
   data_parallel: int
-  microbatches: int           # per pipeline replica (the batch has data_parallel x this)
+  microbatches: int
   zero: int
   stages: tuple[Stage, ...]
-  devices: int                # devices the plan uses (<= the cluster's)
-  time: float                 # seconds per batch
-  virtual_stages: int = 1     # interleaved 1F1B: chunks per stage (1: plain 1F1B)
-  # a registered schedule's name (`schedules.get`; None: "1f1b", or "interleaved"
-  # where virtual_stages > 1)
+  devices: int
+  time: float
+  virtual_stages: int = 1
   schedule: str | None = None
-  shard_group: int | None = None  # hybrid sharding: ZeRO within groups of this many replicas
-  recompute_every: int = 1  # stages' recompute modes apply to every k-th layer
-  context: int = 1  # of each stage's devices, how many split the sequence
-  offload: str = "none"  # "optimizer": its state in host memory between steps
+  shard_group: int | None = None
+  recompute_every: int = 1
+  context: int = 1
+  offload: str = "none"
 
   def __post_init__(self):
     if isinstance(self.virtual_stages, bool) or not isinstance(self.virtual_stages, int) or (

@@ -36,29 +36,31 @@ class JsonFile:
 class LayerCost:
   """One layer at one tensor-parallel width, per microbatch and per device.
 
-  forward, backward: seconds, tensor-parallel collectives included.
-  params: bytes of parameters the device holds (gradients are as large).
-  activations: bytes stashed for the backward pass.
-  collectives: seconds of forward + backward spent in tensor-parallel
-    collectives (already inside forward/backward; kept for the breakdown).
-  flops: FLOPs of forward + backward (the model's, no recompute): what
-    achieved FLOP/s and MFU count.
-  selective: bytes of `activations` that selective recompute drops and
-    rebuilds in the backward pass (the attention scores, their softmax and
-    what lies between the two batched contractions of attention).
-  selective_forward: seconds of forward it takes to rebuild them.
-  dots: bytes of weight-matmul outputs (dot_generals without batch
-    dimensions) the backward needs, directly or to rebuild what it reads:
-    what JAX's `checkpoint_dots_with_no_batch_dims` policy keeps besides the
-    layer's input (MaxText's remat_policy "minimal"). None where the layer
-    was not traced: the "dots" recompute mode is then not priced.
-  dots_forward: seconds of forward that policy reruns in the backward.
-  largest_param: bytes of the layer's largest parameter array on the
-    device: what ZeRO stage 3 gathers at a time (0: not known, the whole
-    layer's `params`).
-  comm_bytes: bytes of the results of its tensor-parallel collectives, per
-    device, forward + backward (what a compiled program's collectives
-    return; 0: not known).
+  Attributes:
+    forward: seconds of the forward pass, tensor-parallel collectives included.
+    backward: seconds of the backward pass, tensor-parallel collectives included.
+    params: bytes of parameters the device holds (gradients are as large).
+    activations: bytes stashed for the backward pass.
+    collectives: seconds of forward + backward spent in tensor-parallel
+      collectives (already inside forward/backward; kept for the breakdown).
+    flops: FLOPs of forward + backward (the model's, no recompute): what
+      achieved FLOP/s and MFU count.
+    selective: bytes of `activations` that selective recompute drops and
+      rebuilds in the backward pass (the attention scores, their softmax and
+      what lies between the two batched contractions of attention).
+    selective_forward: seconds of forward it takes to rebuild them.
+    dots: bytes of weight-matmul outputs (dot_generals without batch
+      dimensions) the backward needs, directly or to rebuild what it reads:
+      what JAX's `checkpoint_dots_with_no_batch_dims` policy keeps besides the
+      layer's input (MaxText's remat_policy "minimal"). None where the layer
+      was not traced: the "dots" recompute mode is then not priced.
+    dots_forward: seconds of forward that policy reruns in the backward.
+    largest_param: bytes of the layer's largest parameter array on the
+      device: what ZeRO stage 3 gathers at a time (0: not known, the whole
+      layer's `params`).
+    comm_bytes: bytes of the results of its tensor-parallel collectives, per
+      device, forward + backward (what a compiled program's collectives
+      return; 0: not known).
   """
 
   forward: float
@@ -98,11 +100,14 @@ class LayerCost:
 class Layer:
   """A node of the layer graph: its cost at each tensor-parallel width.
 
-  structure: a digest of the ops the layer computes (their kinds, shapes
-    and wiring, `layers.structures`): layers with equal structure are
-    copies of one block, however their costs differ (the last block of a
-    stack feeds the final norm, a searched plan may lay one out apart).
-    None: not known (a hand-built graph); the block is then found by costs.
+  Attributes:
+    name: unique in its graph.
+    widths: tensor-parallel width -> the layer's `LayerCost` at it.
+    structure: a digest of the ops the layer computes (their kinds, shapes
+      and wiring, `layers.structures`): layers with equal structure are
+      copies of one block, however their costs differ (the last block of a
+      stack feeds the final norm, a searched plan may lay one out apart).
+      None: not known (a hand-built graph); the block is then found by costs.
   """
 
   name: str
@@ -141,7 +146,9 @@ class Shared:
   the output head). Each layer's `params` counts them; a stage holding k of
   the layers holds them once, k - 1 times fewer.
 
-  layers: the layers reading them; params: width -> bytes per device.
+  Attributes:
+    layers: the names of the layers reading them.
+    params: tensor-parallel width -> their bytes per device.
   """
 
   layers: tuple[str, ...]
@@ -154,8 +161,17 @@ class LayerGraph:
 
   An edge's bytes cross between stages forward (activations) and backward
   (their gradients) when its ends sit in different stages; they are also what a
-  recomputing stage keeps per in-flight microbatch. `shared`: parameters
-  several layers read.
+  recomputing stage keeps per in-flight microbatch.
+
+  Attributes:
+    layers: the `Layer`s, names unique.
+    edges: (source layer name, destination layer name, bytes per microbatch).
+    shared: parameters several layers read (`Shared`).
+
+  Raises:
+    PlacementError: no layers, repeated names, an edge between unknown or
+      equal layers or with negative bytes, a shared group of fewer than two
+      known layers, or edges forming a cycle.
   """
 
   layers: tuple[Layer, ...]
