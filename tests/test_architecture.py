@@ -111,6 +111,27 @@ def test_no_module_reaches_into_another_modules_private_names():
   assert not reached
 
 
+def _definitions():
+  """(module, qualified name, kind, lines) of every class and function."""
+  def visit(module, node, prefix):
+    for child in ast.iter_child_nodes(node):
+      if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+        kind = "class" if isinstance(child, ast.ClassDef) else "function"
+        qualified = f"{prefix}{child.name}"
+        yield module, qualified, kind, child.end_lineno - child.lineno + 1
+        yield from visit(module, child, qualified + ".")
+
+  for name, path in _modules().items():
+    yield from visit(name, ast.parse(path.read_text()), "")
+
+
+def test_classes_and_functions_hold_one_concept():
+  """No class over 400 lines, no function over 100 (docstrings included)."""
+  limits = {"class": 400, "function": 100}
+  long = [(module, name, n) for module, name, kind, n in _definitions() if n > limits[kind]]
+  assert not long
+
+
 def test_modules_stay_short():
   """One concept a module: none over 600 lines."""
   long = {name: n for name, path in _modules().items()

@@ -54,24 +54,26 @@ from automap._src.sharding.state import UNSHARDED, State
 class Cost:
   """Predicted cost of one sharded step, per device.
 
-  step_time: seconds of the step as XLA runs it on the target, what every
-    search minimises: compute_time + exposed_comm_time (the two equal
-    where collectives run in place, as on XLA:CPU).
-  compute_time: roofline time of every op (FLOPs, HBM traffic), seconds.
-  comm_time: collective time, seconds.
-  flops: FLOPs executed per device.
-  comm_bytes: {(kind, axes): bytes} collective result bytes per device, as
-    the compiled HLO shows them (a scan body's once; its time counts every step).
-  comm_count: {(kind, axes): number of collectives}.
-  peak_memory: bytes live at the peak, per device.
-  argument_memory: bytes of arguments per device (part of peak_memory).
-  comm_seconds: {(kind, axes): seconds} of comm_time.
-  memory_traffic: bytes read and written in HBM per device, as XLA counts
-    them (`cost_analysis()["bytes accessed"]`: each fusion's operands and
-    results, each collective's; a scan body's once).
-  exposed_comm_time: seconds of comm_time compute does not hide where XLA
-    runs collectives asynchronously (`overlap`); all of it on XLA:CPU.
-    Negative: not computed (equal to comm_time).
+  Attributes:
+    step_time: seconds of the step as XLA runs it on the target, what every
+      search minimises: compute_time + exposed_comm_time (the two equal
+      where collectives run in place, as on XLA:CPU).
+    compute_time: roofline time of every op (FLOPs, HBM traffic), seconds.
+    comm_time: collective time, seconds.
+    flops: FLOPs executed per device.
+    comm_bytes: {(kind, axes): bytes} collective result bytes per device, as
+      the compiled HLO shows them (a scan body's once; its time counts every
+      step).
+    comm_count: {(kind, axes): number of collectives}.
+    peak_memory: bytes live at the peak, per device.
+    argument_memory: bytes of arguments per device (part of peak_memory).
+    comm_seconds: {(kind, axes): seconds} of comm_time.
+    memory_traffic: bytes read and written in HBM per device, as XLA counts
+      them (`cost_analysis()["bytes accessed"]`: each fusion's operands and
+      results, each collective's; a scan body's once).
+    exposed_comm_time: seconds of comm_time compute does not hide where XLA
+      runs collectives asynchronously (`overlap`); all of it on XLA:CPU.
+      Negative: not computed (equal to comm_time).
   """
 
   step_time: float
