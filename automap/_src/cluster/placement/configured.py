@@ -106,7 +106,7 @@ class ClusterConfig:
   data: int = 1
   microbatch: int = 1
   recompute: str | bool = "none"
-  schedule: str = "1f1b"
+  schedule: str = schedules.DEFAULT
   virtual_stages: int = 1
   zero: int = 0
   shard_group: int | None = None
