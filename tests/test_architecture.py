@@ -111,6 +111,20 @@ def test_no_module_reaches_into_another_modules_private_names():
   assert not reached
 
 
+def test_the_planner_is_the_one_caller_of_the_search_driver():
+  """trace -> Program -> search -> Plan has one owner: `plan/planner.py`."""
+  callers = set()
+  for name, path in _modules().items():
+    for node in ast.walk(ast.parse(path.read_text())):
+      if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+          and node.value.id == "driver" and node.attr.startswith("run")):
+        callers.add(name)
+      if (isinstance(node, ast.ImportFrom) and node.module == "automap._src.search.driver"
+          and any(alias.name.startswith("run") for alias in node.names)):
+        callers.add(name)
+  assert callers == {"automap._src.plan.planner"}
+
+
 def _definitions():
   """(module, qualified name, kind, lines) of every class and function."""
   def visit(module, node, prefix):
