@@ -10,7 +10,11 @@ parameter on its first dimension the tensor axis leaves whole and the replicas
 divide (`step_state.StateLayout`): 1 the optimizer state (gradients
 reduce-scattered at the end, updated shards all-gathered), 2 the gradients too
 (reduce-scattered every microbatch), 3 the parameters too (gathered in each
-forward and again in the backward, never stashed).
+forward and again in the backward, never stashed). A hybrid plan's mesh
+splits "data" into ("replica", "shard"): the programs are manual over both,
+ZeRO shards over "shard" within a group, and the gradients' shards are then
+all-reduced over "replica" across the groups once per batch, as the cluster
+model prices hybrid sharding.
 
 A chunk's forward returns the values its backward needs that are not its
 inputs (the residuals of `jax.vjp`), under `jax.checkpoint` with the stage's
@@ -35,7 +39,6 @@ from automap._src.cluster.execute import cut as cut_lib
 from automap._src.cluster.execute import stage_layouts
 from automap._src.cluster.execute.step_state import StateLayout
 
-DATA = stage_layouts.DATA
 _ATTENTION = "automap.attention_scores"  # what selective recompute drops
 
 
@@ -47,7 +50,7 @@ class ChunkPrograms:
     layout: where each parameter lives (`StateLayout`).
     modes: per stage, its recompute mode.
     microbatches: M, per pipeline replica (the loss's seed is 1 / (M d)).
-    meshes: per stage, its (data, tensor) mesh.
+    meshes: per stage, its mesh (`stage_layouts.meshes`).
   """
 
   def __init__(self, cut: cut_lib.Cut, layout: StateLayout, modes: Sequence[str],
@@ -84,6 +87,7 @@ class ChunkPrograms:
     chunk = self.cut.chunks[c]
     s = chunk.stage
     zdims = [self.zdim[s][i] for i in chunk.params]
+    zaxis = stage_layouts.zero_axis(self.meshes[s])
     tag_attention = self.modes[s] == "selective"
 
     def tag(i, x):
@@ -101,7 +105,7 @@ class ChunkPrograms:
     def make(batch):
       def f(params, received):
         if self.zero >= 3:
-          params = [p if k is None else jax.lax.all_gather(p, DATA, axis=k, tiled=True)
+          params = [p if k is None else jax.lax.all_gather(p, zaxis, axis=k, tiled=True)
                     for p, k in zip(params, zdims)]
         return self.cut.run(c, params, batch, received, tag, wrap=wrap)
 
@@ -116,8 +120,16 @@ class ChunkPrograms:
 
   @staticmethod
   def _manual(spec: P) -> P:
-    """The part of a layout a `shard_map` manual over "data" states."""
-    return P(*[DATA if e == DATA else None for e in spec])
+    """The part of a layout a `shard_map` manual over the replicas states
+    (its ZeRO axis; "tensor" is left to the partitioner)."""
+    return P(*[None if e == stage_layouts.TENSOR else e for e in spec])
+
+  def _rows(self, s: int) -> P:
+    """Values with a leading replica dim ([d, ...]) on stage s."""
+    return P(stage_layouts.replicas(self.meshes[s]))
+
+  def _manual_axes(self, s: int) -> set[str]:
+    return set(stage_layouts.data_axes(self.meshes[s]))
 
   # The programs run the traced equations as they are, which carry no
   # varying-axes types, so their `shard_map`s check none (check_vma=False): a
@@ -144,11 +156,12 @@ class ChunkPrograms:
       rest = [x[None] for x, w in zip(leaves, where) if w is None]
       return [o[None] for o in outs], rest
 
+    s, rows = chunk.stage, self._rows(chunk.stage)
     body = jax.shard_map(
-        local, mesh=self.meshes[chunk.stage],
-        in_specs=(self._param_in_specs(c), [P(DATA)] * len(chunk.batch),
-                  [P(DATA)] * len(chunk.receives)),
-        out_specs=(P(DATA), P(DATA)), axis_names={DATA}, check_vma=False)
+        local, mesh=self.meshes[s],
+        in_specs=(self._param_in_specs(c), [rows] * len(chunk.batch),
+                  [rows] * len(chunk.receives)),
+        out_specs=(rows, rows), axis_names=self._manual_axes(s), check_vma=False)
     self._fwd[c] = jax.jit(body)
     return self._fwd[c]
 
@@ -156,7 +169,7 @@ class ChunkPrograms:
     """Chunk c's backward: (params, batch, received, residuals, cotangents,
     accumulated grads) -> (grads, cotangents of the received). With `final`
     (the stage's last work) the grads are every stage parameter's, reduced
-    over "data"."""
+    over the replicas."""
     key = (c, final)
     if key in self._bwd:
       return self._bwd[key]
@@ -191,14 +204,15 @@ class ChunkPrograms:
               if stage_layouts.inexact(r)]
       return acc, back
 
+    rows = self._rows(s)
     body = jax.shard_map(
         local, mesh=self.meshes[s],
-        in_specs=(self._param_in_specs(c), [P(DATA)] * len(chunk.batch),
-                  [P(DATA)] * len(chunk.receives), P(DATA), [P(DATA)] * (
+        in_specs=(self._param_in_specs(c), [rows] * len(chunk.batch),
+                  [rows] * len(chunk.receives), rows, [rows] * (
                       0 if last else len(chunk.sends)),
                   [self._acc_spec(s, i) for i in acc_ids]),
-        out_specs=([self._acc_spec(s, i, reduced=final) for i in acc_ids], P(DATA)),
-        axis_names={DATA}, check_vma=False)
+        out_specs=([self._acc_spec(s, i, reduced=final) for i in acc_ids], rows),
+        axis_names=self._manual_axes(s), check_vma=False)
     self._bwd[key] = jax.jit(body, donate_argnums=(5,))
     return self._bwd[key]
 
@@ -211,7 +225,7 @@ class ChunkPrograms:
     if reduced:
       return self._manual(self.layout.spec(s, i, sharded=self.zero >= 1))
     if self._accumulated_local(s, i):
-      return P(DATA)
+      return self._rows(s)
     return self._manual(self.layout.spec(s, i, sharded=True))
 
   def _accumulate(self, s: int, i: int, g):
@@ -220,18 +234,26 @@ class ChunkPrograms:
     if self._accumulated_local(s, i):
       return g[None]
     if self.zero == 2:
-      return jax.lax.psum_scatter(g, DATA, scatter_dimension=k, tiled=True)
+      zaxis = stage_layouts.zero_axis(self.meshes[s])
+      return jax.lax.psum_scatter(g, zaxis, scatter_dimension=k, tiled=True)
     return g  # ZeRO 3: the gather's transpose reduce-scattered it already
 
   def _reduce(self, s: int, i: int, acc):
-    """The data-parallel sync of parameter i's accumulated gradient."""
+    """The data-parallel sync of parameter i's accumulated gradient: its
+    ZeRO shard reduce-scattered within the group (every microbatch under
+    ZeRO 2 and 3), then, under hybrid sharding, the shard all-reduced
+    across the groups."""
+    mesh = self.meshes[s]
+    across = stage_layouts.across_groups(mesh)
     if not self._accumulated_local(s, i):
-      return acc
+      return acc if across is None else jax.lax.psum(acc, across)
     g = acc[0]
     k = self.zdim[s][i]
     if self.zero >= 1 and k is not None:
-      return jax.lax.psum_scatter(g, DATA, scatter_dimension=k, tiled=True)
-    return jax.lax.psum(g, DATA)
+      g = jax.lax.psum_scatter(g, stage_layouts.zero_axis(mesh), scatter_dimension=k,
+                               tiled=True)
+      return g if across is None else jax.lax.psum(g, across)
+    return jax.lax.psum(g, stage_layouts.replicas(mesh))
 
   def acc_zeros(self, s: int) -> dict[int, jax.Array]:
     """Stage s's gradient accumulators, zero: per replica ([d, ...]) or,
@@ -242,7 +264,8 @@ class ChunkPrograms:
       for i in ids:
         aval = self.layout.param_avals[i]
         if self._accumulated_local(s, i):
-          shape, spec = (self.d, *aval.shape), P(DATA, *self.layout.tp[s][i])
+          shape = (self.d, *aval.shape)
+          spec = P(stage_layouts.replicas(self.meshes[s]), *self.layout.tp[s][i])
         else:
           shape, spec = aval.shape, self.layout.spec(s, i, sharded=True)
         shapes.append(jax.ShapeDtypeStruct(shape, aval.dtype))

@@ -9,14 +9,17 @@ programs and the plan are read alike:
   backward program times the microbatches it runs; predicted, the plan's
   `Stage.comm_bytes` per microbatch (the cost model's collectives of the
   stage's layers under the searched plan) times the microbatches.
-- data: over the data axis (the data-parallel sync, ZeRO's gathers and
+- data: over the replicas' axes (the data-parallel sync, ZeRO's gathers and
   reduce-scatters, the optimizer step's gather of updated shards); predicted
-  from the stage's parameter bytes P as the cluster model counts them: ZeRO 0
-  all-reduces the gradients once (P), 1 reduce-scatters them (P / d) and
+  from the stage's parameter bytes P as the cluster model counts them, ZeRO
+  sharding over g replicas (all d, or a hybrid plan's group): ZeRO 0
+  all-reduces the gradients once (P), 1 reduce-scatters them (P / g) and
   gathers the updated shards (P), 2 reduce-scatters every microbatch, 3 also
   gathers the parameters for each forward and backward (and, priced as
   DeepSpeed runs it, again for a full recompute, where XLA's rebuilt forward
-  shares the backward's gather) instead of gathering after the update.
+  shares the backward's gather) instead of gathering after the update. Under
+  hybrid sharding (g < d) each shard is then all-reduced across the d / g
+  groups once (P / g).
 - received: bytes a device of the stage receives from other stages
   (activations forward, their cotangents backward); predicted, the plan's
   `Stage.bytes_in + bytes_out` per microbatch.
@@ -37,7 +40,7 @@ from collections import Counter
 import jax
 import numpy as np
 
-from automap._src.cluster.execute.stage_layouts import DATA, TENSOR
+from automap._src.cluster.execute.stage_layouts import TENSOR, data_axes
 from automap._src.run import compiled as compiled_lib
 
 
@@ -89,14 +92,16 @@ def check(step, state, *batch) -> tuple[list[StageCheck], object]:
     stats = compiled.memory_analysis()
     if stats is not None:
       temp[s] = max(temp[s], float(stats.temp_size_in_bytes))
+    replicas = set(data_axes(meshes[s]))
     for c in compiled_lib.collectives(compiled.as_text(), meshes[s]):
       nbytes = c.nbytes * c.trips * calls[key]
       if c.axes == (TENSOR,):
         tensor[s] += nbytes
-      elif c.axes == (DATA,):
+      elif c.axes and set(c.axes) <= replicas:
         data[s] += nbytes
   checks = []
   M, d, zero = step.M, step.d, step.zero
+  g = step.plan.placement.shard_group or d
   for s, stage in enumerate(step.plan.placement.stages):
     P = stage.param_bytes
     if d == 1:
@@ -104,11 +109,13 @@ def check(step, state, *batch) -> tuple[list[StageCheck], object]:
     elif zero == 0:
       want_data = P
     elif zero == 1:
-      want_data = P / d + P
+      want_data = P / g + P
     elif zero == 2:
-      want_data = M * P / d + P
+      want_data = M * P / g + P
     else:
-      want_data = M * (P / d + (3 if stage.recompute_mode == "full" else 2) * P)
+      want_data = M * (P / g + (3 if stage.recompute_mode == "full" else 2) * P)
+    if zero and g < d:
+      want_data += P / g
     checks.append(StageCheck(
         s, (tensor[s], M * stage.comm_bytes), (data[s], want_data),
         (received[s], M * (stage.bytes_in + stage.bytes_out)),

@@ -4,7 +4,10 @@ exact.
 
 Replica r's stage s runs on the devices at r * (devices per pipeline) + the
 stage's first device onwards, as the cluster model lays them out; a stage's
-mesh is (data, tensor). A parameter takes the plan's searched layout at the
+mesh is (data, tensor), or under hybrid sharding (replica, shard, tensor):
+the d replicas as d / g groups of g consecutive ones, ZeRO sharding over
+"shard" within a group and the gradients' shards summed over "replica"
+across the groups. A parameter takes the plan's searched layout at the
 stage's width, the one-axis mesh's axis renamed "tensor".
 """
 
@@ -22,16 +25,34 @@ from jax.sharding import PartitionSpec as P
 from automap._src.cluster.profile.layer_graph import PlacementError
 
 DATA, TENSOR = "data", "tensor"
+REPLICA, SHARD = "replica", "shard"  # hybrid sharding's "data": groups x replicas of a group
+
+
+def data_axes(mesh: Mesh) -> tuple[str, ...]:
+  """A stage mesh's axes of data-parallel replicas, major first."""
+  return (DATA,) if DATA in mesh.axis_names else (REPLICA, SHARD)
+
+
+def replicas(mesh: Mesh):
+  """The spec entry splitting a dim over every replica (the batch's rows)."""
+  return DATA if DATA in mesh.axis_names else (REPLICA, SHARD)
+
+
+def zero_axis(mesh: Mesh) -> str:
+  """The axis ZeRO shards over: every replica, or a hybrid group's."""
+  return DATA if DATA in mesh.axis_names else SHARD
+
+
+def across_groups(mesh: Mesh) -> str | None:
+  """The axis a hybrid plan sums ZeRO's gradient shards over (None: none)."""
+  return None if DATA in mesh.axis_names else REPLICA
 
 
 def meshes(plan, devices) -> list[Mesh]:
-  """Per stage, its (data, tensor) mesh: replica r's stage s on the devices
-  at r * (devices per pipeline) + the stage's first device onwards."""
+  """Per stage, its (data, tensor) mesh, or (replica, shard, tensor) under
+  hybrid sharding: replica r's stage s on the devices at r * (devices per
+  pipeline) + the stage's first device onwards, replicas r // g in a group."""
   p = plan.placement
-  if p.shard_group is not None:
-    raise PlacementError(
-        f"plan: hybrid sharding (ZeRO within groups of {p.shard_group} replicas) is priced "
-        "but not run; run the plan with shard_group=None (ZeRO over every replica).")
   if p.recompute_every > 1:
     raise PlacementError(
         f"plan: recompute_every={p.recompute_every} (the recompute mode on every "
@@ -72,7 +93,16 @@ def meshes(plan, devices) -> list[Mesh]:
   for stage in p.stages:
     grid = [[devices[r * per_pipeline + stage.first_device + k] for k in range(stage.width)]
             for r in range(p.data_parallel)]
-    meshes.append(Mesh(np.array(grid), (DATA, TENSOR), axis_types=(AxisType.Auto,) * 2))
+    if p.shard_group is None:
+      meshes.append(Mesh(np.array(grid), (DATA, TENSOR), axis_types=(AxisType.Auto,) * 2))
+      continue
+    g = p.shard_group
+    if g < 2 or p.data_parallel % g:
+      raise PlacementError(
+          f"plan: shard_group={g} must be at least 2 and divide the {p.data_parallel} "
+          "data-parallel replicas; plan it with ClusterConfig(shard_group=...).")
+    grid = np.array(grid).reshape(p.data_parallel // g, g, stage.width)
+    meshes.append(Mesh(grid, (REPLICA, SHARD, TENSOR), axis_types=(AxisType.Auto,) * 3))
   return meshes
 
 
@@ -171,7 +201,7 @@ def arrival(mesh: Mesh, shape: tuple, split_batch: bool = False) -> NamedShardin
   tensor group (`split_batch`), else of the last dim that divides
   (Megatron-LM's scatter/gather of activations between stages)."""
   t = mesh.shape[TENSOR]
-  spec: list = [DATA] + [None] * (len(shape) - 1)
+  spec: list = [replicas(mesh)] + [None] * (len(shape) - 1)
   if t > 1 and split_batch and len(shape) > 1 and shape[1] % t == 0:
     spec[1] = TENSOR
     return NamedSharding(mesh, P(*spec))
@@ -183,11 +213,12 @@ def arrival(mesh: Mesh, shape: tuple, split_batch: bool = False) -> NamedShardin
 
 
 def rows(mesh: Mesh, count: int, split_batch: bool) -> NamedSharding:
-  """A microbatch's `count` rows on a stage: over "data", and over "tensor"
-  too where the stage's plan splits the batch inside the tensor group."""
+  """A microbatch's `count` rows on a stage: over the replicas, and over
+  "tensor" too where the stage's plan splits the batch inside the tensor
+  group."""
   if split_batch and count % mesh.devices.size == 0:
-    return NamedSharding(mesh, P((DATA, TENSOR)))
-  return NamedSharding(mesh, P(DATA))
+    return NamedSharding(mesh, P((*data_axes(mesh), TENSOR)))
+  return NamedSharding(mesh, P(replicas(mesh)))
 
 
 def splits_batch(specs: dict[str, str], batch_paths: list[str]) -> bool:
@@ -265,7 +296,7 @@ def cotangent(x, aval):
 
 def sum_on(parts: list, sharding: NamedSharding, aval):
   """Cotangent contributions summed on `sharding`'s devices ([d, ...])."""
-  d = sharding.mesh.shape[DATA]
+  d = int(np.prod([sharding.mesh.shape[a] for a in data_axes(sharding.mesh)]))
   if not inexact(aval):
     return place(np.zeros((d, *aval.shape), np.float32), sharding)
   if not parts:
@@ -276,6 +307,7 @@ def sum_on(parts: list, sharding: NamedSharding, aval):
   return total
 
 
-__all__ = ["DATA", "TENSOR", "arrival", "check_elementwise", "copy", "cotangent",
-           "device_bytes", "inexact", "meshes", "param_like_subtrees", "place", "rows",
-           "splits_batch", "sum_on", "tensor_spec"]
+__all__ = ["DATA", "REPLICA", "SHARD", "TENSOR", "across_groups", "arrival",
+           "check_elementwise", "copy", "cotangent", "data_axes", "device_bytes", "inexact",
+           "meshes", "param_like_subtrees", "place", "replicas", "rows", "splits_batch",
+           "sum_on", "tensor_spec", "zero_axis"]

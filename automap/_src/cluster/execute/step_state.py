@@ -5,8 +5,9 @@ read (a tied embedding) is owned by the first of them, which sums the
 readers' gradients and updates it; the others get a copy after each update.
 Parameters the loss never reads live on the first stage. On its stage a
 parameter carries the plan's tensor-parallel sharding at the stage's width,
-and ZeRO shards over "data" on the first dimension the tensor axis leaves
-whole and the replicas divide: the optimizer state and the reduced
+and ZeRO shards over "data" (a hybrid plan's "shard": the replicas of a
+group) on the first dimension the tensor axis leaves whole and the
+replicas it shards over divide: the optimizer state and the reduced
 gradients from ZeRO 1 on, the parameters themselves from ZeRO 3 on.
 
 `StateLayout` places the user's parameters there and initialises the
@@ -31,8 +32,6 @@ from jax.sharding import PartitionSpec as P
 from automap._src.cluster.execute import stage_layouts
 from automap._src.cluster.profile.layer_graph import PlacementError
 from automap._src.ir.trace import path_str
-
-DATA = stage_layouts.DATA
 
 
 @dataclasses.dataclass
@@ -61,7 +60,7 @@ class StateLayout:
     params: the parameters' pytree (arrays or `jax.ShapeDtypeStruct`s).
     chunks: the cut's chunks (`cut.Cut.chunks`): which parameters each
       stage's chunks read.
-    meshes: per stage, its (data, tensor) mesh.
+    meshes: per stage, its mesh (`stage_layouts.meshes`).
 
   Attributes:
     treedef: the parameters' pytree structure.
@@ -73,7 +72,7 @@ class StateLayout:
     tp: per stage, parameter index -> its tensor-parallel layout (one entry
       per dimension: "tensor" or None).
     zdim: per stage, parameter index -> the dimension ZeRO shards over
-      "data" (None: kept whole).
+      its axis (None: kept whole).
   """
 
   def __init__(self, plan, optimizer: optax.GradientTransformation, params: Any,
@@ -81,6 +80,7 @@ class StateLayout:
     p = plan.placement
     self.optimizer, self.meshes = optimizer, list(meshes)
     self.S, self.d, self.zero = len(p.stages), p.data_parallel, p.zero
+    self.group = p.shard_group or p.data_parallel  # replicas ZeRO shards over
     self.treedef = jax.tree.structure(params)
     self.param_avals = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
                         for a in jax.tree.leaves(params)]
@@ -106,25 +106,25 @@ class StateLayout:
     self._updates: dict[int, Callable] = {}
 
   def _zero_dim(self, spec: tuple, aval) -> int | None:
-    """The dimension ZeRO shards a parameter on over "data" (None: kept whole)."""
-    if self.zero == 0 or self.d == 1:
+    """The dimension ZeRO shards a parameter on (None: kept whole)."""
+    if self.zero == 0 or self.group == 1:
       return None
     for k, n in enumerate(aval.shape):
-      if spec[k] is None and n % self.d == 0:
+      if spec[k] is None and n % self.group == 0:
         return k
     return None
 
   def spec(self, s: int, i: int, *, sharded: bool) -> P:
     """Parameter i's layout on stage s: the plan's tensor sharding, plus
-    "data" on its ZeRO dimension when `sharded`."""
+    ZeRO's axis on its ZeRO dimension when `sharded`."""
     spec = list(self.tp[s][i])
     k = self.zdim[s][i]
     if sharded and k is not None:
-      spec[k] = DATA
+      spec[k] = stage_layouts.zero_axis(self.meshes[s])
     return P(*spec)
 
   def param_sharding(self, s: int, i: int) -> NamedSharding:
-    """Parameter i on stage s: sharded over "data" under ZeRO 3."""
+    """Parameter i on stage s: sharded over ZeRO's axis under ZeRO 3."""
     return NamedSharding(self.meshes[s], self.spec(s, i, sharded=self.zero >= 3))
 
   def grad_sharding(self, s: int, i: int) -> NamedSharding:
