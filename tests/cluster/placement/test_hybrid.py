@@ -5,7 +5,6 @@ across them, priced as XLA partitions it."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -94,29 +93,17 @@ def test_bad_shard_groups_name_the_field(fields, match):
     cluster.ClusterConfig(**fields)
 
 
-def test_a_hybrid_plan_is_refused_by_the_executor_until_it_runs():
-  graph = LayerGraph.chain([Layer("dense", {1: LayerCost(1.0, 2.0, 1e6, 0.0)})])
-  placement = cluster.price_placement(
-      graph, cluster.ClusterConfig(data=4, zero=3, shard_group=2), global_batch=4,
-      hardware=flat(1e10, 1e9, 2))
-  plan = cluster.ClusterPlan(placement, 1, 4, 4, "flat", {})
-  w = jnp.zeros((8, 8))
-  with pytest.raises(cluster.PlacementError, match="hybrid sharding .* priced but not run"):
-    plan.train_step(lambda w, x: jnp.mean(x @ w), optax.sgd(0.1), w, jnp.zeros((4, 8)))
-
-
 def test_the_planner_shards_within_slices_when_the_network_is_slow():
   """8 devices in 2 slices of 4, a layer whose state needs sharding and a
   network 100x slower than the slice's links: the planner keeps ZeRO's
-  collectives inside each slice (HSDP) and syncs shards across; by
-  default (hybrid plans do not run yet) it shards over all 8 and pays the
-  network on every gather."""
+  collectives inside each slice (HSDP) and syncs shards across; with
+  hybrid=False it shards over all 8 and pays the network on every gather."""
   graph = LayerGraph.chain([Layer("b0", {1: LayerCost(1.0, 2.0, 4e9, 0.0)})])
   hw = flat(bandwidth=1e11, network=1e9, per_slice=4)
   options = dict(devices=8, microbatches=8, hardware=hw, optimizer="sgd", zero=(3,),
                  memory_limit=6e9, data_parallel=8)
-  hybrid = cluster.place(graph, **options, hybrid=True)
-  flat_zero = cluster.place(graph, **options)
+  hybrid = cluster.place(graph, **options)
+  flat_zero = cluster.place(graph, **options, hybrid=False)
   assert hybrid.shard_group == 4 and flat_zero.shard_group is None
   assert hybrid.time < flat_zero.time
   assert max(s.memory for s in hybrid.stages) <= 6e9

@@ -179,8 +179,10 @@ class PlacementOptions:
       False: on the critical path, as XLA's partitioner emits them.
     hybrid: where the replicas span several slices or nodes
       (`Hardware.devices_per_node`), also try ZeRO within each slice's
-      replicas and plain data parallelism across slices (HSDP). Off by
-      default: hybrid plans are priced, not yet run (`ClusterPlan.train_step`).
+      replicas and plain data parallelism across slices (HSDP), and keep
+      it where the cluster model prices it faster. `ClusterPlan.train_step`
+      runs such a plan (ZeRO over a group's replicas, each gradient shard
+      all-reduced across the groups); False: ZeRO over every replica.
   """
 
   memory_limit: float | str | None = DEVICE
@@ -194,7 +196,7 @@ class PlacementOptions:
   overlap: bool = True
   virtual_stages: int | None = 1
   overlap_tensor: bool = False
-  hybrid: bool = False
+  hybrid: bool = True
 
   def __post_init__(self):
     owner = type(self).__name__
@@ -260,7 +262,7 @@ class ClusterOptions:
   virtual_stages: int | None = None
   fused_attention: bool = False
   overlap_tensor: bool = False
-  hybrid: bool = False
+  hybrid: bool = True
 
   def __post_init__(self):
     owner = type(self).__name__
