@@ -2,7 +2,8 @@
 
 Each pipeline stage is its own program on its own devices: a (data, tensor)
 mesh of the plan's data-parallel replicas and the stage's tensor-parallel
-width. A single controller issues, in the timetable's order
+width ((replica, shard, tensor) under hybrid sharding, the replicas in
+groups ZeRO shards within). A single controller issues, in the timetable's order
 (`schedule/timetable.py`), one forward or backward program per chunk and
 microbatch, and moves activations and their cotangents between stage meshes;
 JAX's asynchronous dispatch lets every stage run as soon as its inputs exist,
@@ -61,7 +62,7 @@ class PipelineStep:
   """A cluster plan run as a training step: `step(state, *batch) -> (state, loss)`.
 
   One call runs one global batch as the plan priced it: each stage's chunks
-  of the loss are programs of their own on the stage's (data, tensor) mesh,
+  of the loss are programs of their own on the stage's mesh (`meshes`),
   issued in the timetable's order (`timetable`), each microbatch's
   activations and cotangents moved between the stages' meshes; each stage
   reduces its gradients once, after its last backward, and the parameters
