@@ -218,10 +218,11 @@ class PipelineStep:
       chunk = chunks[c]
       s = chunk.stage
       mesh = self.meshes[s]
-      data = stage_layouts.rows(mesh, self.plan.microbatch * self.d, self.split_batch[s])
       params = [state.params[s][i] for i in chunk.params]
       if work.phase == "forward":
-        batch_in = [stage_layouts.place(micro[m][i], data) for i in chunk.batch]
+        batch_in = [stage_layouts.place(micro[m][i], stage_layouts.rows(
+            mesh, self.plan.microbatch * self.d, self.split_batch[s], micro[m][i].shape))
+            for i in chunk.batch]
         arriving = [values[(m, i)] for i in chunk.receives]
         received = [stage_layouts.place(x, self._arrival(s, x.shape)) for x in arriving]
         for i in chunk.receives:

@@ -121,8 +121,9 @@ class ChunkPrograms:
   @staticmethod
   def _manual(spec: P) -> P:
     """The part of a layout a `shard_map` manual over the replicas states
-    (its ZeRO axis; "tensor" is left to the partitioner)."""
-    return P(*[None if e == stage_layouts.TENSOR else e for e in spec])
+    (its ZeRO axis; "tensor" and "context" are left to the partitioner)."""
+    within = (stage_layouts.TENSOR, stage_layouts.CONTEXT)
+    return P(*[None if e in within or isinstance(e, tuple) else e for e in spec])
 
   def _rows(self, s: int) -> P:
     """Values with a leading replica dim ([d, ...]) on stage s."""

@@ -40,7 +40,7 @@ from collections import Counter
 import jax
 import numpy as np
 
-from automap._src.cluster.execute.stage_layouts import TENSOR, data_axes
+from automap._src.cluster.execute.stage_layouts import CONTEXT, TENSOR, data_axes
 from automap._src.run import compiled as compiled_lib
 
 
@@ -95,7 +95,7 @@ def check(step, state, *batch) -> tuple[list[StageCheck], object]:
     replicas = set(data_axes(meshes[s]))
     for c in compiled_lib.collectives(compiled.as_text(), meshes[s]):
       nbytes = c.nbytes * c.trips * calls[key]
-      if c.axes == (TENSOR,):
+      if c.axes and set(c.axes) <= {TENSOR, CONTEXT}:
         tensor[s] += nbytes
       elif c.axes and set(c.axes) <= replicas:
         data[s] += nbytes

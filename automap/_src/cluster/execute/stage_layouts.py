@@ -7,8 +7,13 @@ stage's first device onwards, as the cluster model lays them out; a stage's
 mesh is (data, tensor), or under hybrid sharding (replica, shard, tensor):
 the d replicas as d / g groups of g consecutive ones, ZeRO sharding over
 "shard" within a group and the gradients' shards summed over "replica"
-across the groups. A parameter takes the plan's searched layout at the
-stage's width, the one-axis mesh's axis renamed "tensor".
+across the groups. Under context parallelism the tensor axis is preceded
+by "context" (a stage's width devices as (context, width / context), the
+tensor group minor, as the planner's `profile.context.stage_mesh` lays
+them): the batch's sequence is split over it, and attention across the split
+is what XLA's partitioner makes of that layout (keys and values gathered over
+"context"). A parameter takes the plan's searched layout at the stage's width,
+the search mesh's "model" renamed "tensor" ("context" kept).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from automap._src.cluster.profile.context import CONTEXT
 from automap._src.cluster.profile.layer_graph import PlacementError
 
 DATA, TENSOR = "data", "tensor"
@@ -48,10 +54,17 @@ def across_groups(mesh: Mesh) -> str | None:
   return None if DATA in mesh.axis_names else REPLICA
 
 
+def context_size(mesh: Mesh) -> int:
+  """The devices a stage mesh splits the sequence over (1: none)."""
+  return mesh.shape[CONTEXT] if CONTEXT in mesh.axis_names else 1
+
+
 def meshes(plan, devices) -> list[Mesh]:
   """Per stage, its (data, tensor) mesh, or (replica, shard, tensor) under
-  hybrid sharding: replica r's stage s on the devices at r * (devices per
-  pipeline) + the stage's first device onwards, replicas r // g in a group."""
+  hybrid sharding, with "context" before "tensor" under context
+  parallelism: replica r's stage s on the devices at r * (devices per
+  pipeline) + the stage's first device onwards, replicas r // g in a group,
+  a stage's devices (context, width / context)."""
   p = plan.placement
   if p.recompute_every > 1:
     raise PlacementError(
@@ -62,10 +75,6 @@ def meshes(plan, devices) -> list[Mesh]:
     raise PlacementError(
         f"plan: offload={p.offload!r} (optimizer state in host memory) is priced but not "
         "run; price the split with offload='none' to run it.")
-  if p.context > 1:
-    raise PlacementError(
-        f"plan: context parallelism (the sequence split over {p.context} devices of each "
-        "stage) is priced but not run; price the split with context=1 to run it.")
   devices = list(jax.devices() if devices is None else devices)
   if isinstance(devices[0] if devices else None, Mesh) or isinstance(devices, Mesh):
     raise PlacementError("devices: expected a sequence of jax devices, got a Mesh.")
@@ -90,29 +99,39 @@ def meshes(plan, devices) -> list[Mesh]:
           "pass values through the devices of their own process). Give each process a "
           "multiple of the devices per pipeline, or order `devices=` so.")
   meshes = []
-  for stage in p.stages:
-    grid = [[devices[r * per_pipeline + stage.first_device + k] for k in range(stage.width)]
-            for r in range(p.data_parallel)]
-    if p.shard_group is None:
-      meshes.append(Mesh(np.array(grid), (DATA, TENSOR), axis_types=(AxisType.Auto,) * 2))
-      continue
-    g = p.shard_group
-    if g < 2 or p.data_parallel % g:
-      raise PlacementError(
-          f"plan: shard_group={g} must be at least 2 and divide the {p.data_parallel} "
-          "data-parallel replicas; plan it with ClusterConfig(shard_group=...).")
-    grid = np.array(grid).reshape(p.data_parallel // g, g, stage.width)
-    meshes.append(Mesh(grid, (REPLICA, SHARD, TENSOR), axis_types=(AxisType.Auto,) * 3))
+  for index, stage in enumerate(p.stages):
+    grid = np.array([[devices[r * per_pipeline + stage.first_device + k]
+                      for k in range(stage.width)] for r in range(p.data_parallel)])
+    rows, names = [p.data_parallel], [DATA]
+    if p.shard_group is not None:
+      g = p.shard_group
+      if g < 2 or p.data_parallel % g:
+        raise PlacementError(
+            f"plan: shard_group={g} must be at least 2 and divide the {p.data_parallel} "
+            "data-parallel replicas; plan it with ClusterConfig(shard_group=...).")
+      rows, names = [p.data_parallel // g, g], [REPLICA, SHARD]
+    within, inner = [stage.width], [TENSOR]
+    if p.context > 1:
+      if stage.width % p.context:
+        raise PlacementError(
+            f"plan: context={p.context} does not divide stage {index}'s width "
+            f"{stage.width}; plan it with ClusterConfig(context=...).")
+      within, inner = [p.context, stage.width // p.context], [CONTEXT, TENSOR]
+    meshes.append(Mesh(grid.reshape(*rows, *within), (*names, *inner),
+                       axis_types=(AxisType.Auto,) * (len(names) + len(inner))))
   return meshes
 
 
-def tensor_spec(text: str | None, aval, width: int, path: str) -> tuple:
-  """The plan's tensor-parallel layout of a parameter (its searched spec over
-  a one-axis mesh of `width`), the axis renamed "tensor"; whole where the plan
-  has none."""
+def tensor_spec(text: str | None, aval, width: int, path: str, context: int = 1) -> tuple:
+  """The plan's layout of a parameter within a stage (its searched spec over
+  the stage's mesh of `width` devices: ("model",), or ("context", "model")
+  of (context, width / context)), "model" renamed "tensor"; whole where the
+  plan has none."""
   entries: list = [None] * len(aval.shape)
   if text is None or width == 1:
     return tuple(entries)
+  sizes = {"model": width // context, CONTEXT: context}
+  names = {"model": TENSOR, CONTEXT: CONTEXT}
   spec = ast.literal_eval(text)
   if len(spec) > len(aval.shape):
     raise PlacementError(
@@ -121,11 +140,17 @@ def tensor_spec(text: str | None, aval, width: int, path: str) -> tuple:
   for k, e in enumerate(spec):
     if e is None:
       continue
-    if aval.shape[k] % width:
+    if context == 1:  # a one-axis mesh: whatever the entry names, it is "model"
+      axes = ("model",)
+    else:
+      axes = tuple(e) if isinstance(e, (tuple, list)) else (e,)
+    n = int(np.prod([sizes[a] for a in axes]))
+    if aval.shape[k] % n:
       raise PlacementError(
           f"plan: parameter {path!r} dim {k} of size {aval.shape[k]} does not split over "
-          f"{width} tensor-parallel devices; plan it for these parameters.")
-    entries[k] = TENSOR
+          f"{n} devices of its stage; plan it for these parameters.")
+    kept = tuple(names[a] for a in axes if sizes[a] > 1)
+    entries[k] = None if not kept else kept[0] if len(kept) == 1 else kept
   return tuple(entries)
 
 
@@ -199,24 +224,31 @@ def arrival(mesh: Mesh, shape: tuple, split_batch: bool = False) -> NamedShardin
   they need, so a link carries 1/t of it, as the plan prices. The slice is
   of the batch (dim 1) where the stage's plan splits the batch inside the
   tensor group (`split_batch`), else of the last dim that divides
-  (Megatron-LM's scatter/gather of activations between stages)."""
-  t = mesh.shape[TENSOR]
+  (Megatron-LM's scatter/gather of activations between stages). Under
+  context parallelism the sequence (dim 2) is split over "context" too."""
+  t, c = mesh.shape[TENSOR], context_size(mesh)
   spec: list = [replicas(mesh)] + [None] * (len(shape) - 1)
+  if c > 1 and len(shape) > 2 and shape[2] % c == 0:
+    spec[2] = CONTEXT
   if t > 1 and split_batch and len(shape) > 1 and shape[1] % t == 0:
     spec[1] = TENSOR
     return NamedSharding(mesh, P(*spec))
   for k in range(len(shape) - 1, 0, -1):
-    if t > 1 and shape[k] % t == 0:
+    if t > 1 and spec[k] is None and shape[k] % t == 0:
       spec[k] = TENSOR
       break
   return NamedSharding(mesh, P(*spec))
 
 
-def rows(mesh: Mesh, count: int, split_batch: bool) -> NamedSharding:
-  """A microbatch's `count` rows on a stage: over the replicas, and over
-  "tensor" too where the stage's plan splits the batch inside the tensor
-  group."""
-  if split_batch and count % mesh.devices.size == 0:
+def rows(mesh: Mesh, count: int, split_batch: bool, shape: tuple = ()) -> NamedSharding:
+  """A microbatch's `count` rows (a batch leaf of `shape`) on a stage: over
+  the replicas, and over "tensor" too where the stage's plan splits the
+  batch inside the tensor group; its sequence (dim 1) over "context" where
+  the stage splits it, as the plan pins it."""
+  c = context_size(mesh)
+  if c > 1 and len(shape) > 1 and shape[1] % c == 0:
+    return NamedSharding(mesh, P(replicas(mesh), CONTEXT))
+  if split_batch and count % (mesh.devices.size // c) == 0:
     return NamedSharding(mesh, P((*data_axes(mesh), TENSOR)))
   return NamedSharding(mesh, P(replicas(mesh)))
 
@@ -307,7 +339,7 @@ def sum_on(parts: list, sharding: NamedSharding, aval):
   return total
 
 
-__all__ = ["DATA", "REPLICA", "SHARD", "TENSOR", "across_groups", "arrival",
-           "check_elementwise", "copy", "cotangent", "data_axes", "device_bytes", "inexact",
-           "meshes", "param_like_subtrees", "place", "replicas", "rows", "splits_batch",
-           "sum_on", "tensor_spec", "zero_axis"]
+__all__ = ["CONTEXT", "DATA", "REPLICA", "SHARD", "TENSOR", "across_groups", "arrival",
+           "check_elementwise", "context_size", "copy", "cotangent", "data_axes",
+           "device_bytes", "inexact", "meshes", "param_like_subtrees", "place", "replicas",
+           "rows", "splits_batch", "sum_on", "tensor_spec", "zero_axis"]

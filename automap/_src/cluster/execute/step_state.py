@@ -99,7 +99,8 @@ class StateLayout:
     paths = [path_str(k) for k, _ in jax.tree_util.tree_flatten_with_path((params,))[0]]
     widths = [stage.width for stage in p.stages]
     self.tp = [{i: stage_layouts.tensor_spec(plan.shardings.get(widths[s], {}).get(paths[i]),
-                                             self.param_avals[i], widths[s], paths[i])
+                                             self.param_avals[i], widths[s], paths[i],
+                                             p.context)
                 for i in self.stage_params[s]} for s in range(self.S)]
     self.zdim = [{i: self._zero_dim(self.tp[s][i], self.param_avals[i])
                   for i in self.stage_params[s]} for s in range(self.S)]
