@@ -185,7 +185,8 @@ class ClusterPlan(JsonFile):
       PlacementError: a plan the step cannot run as stated: a schedule
         that cannot run its chunks, devices that do not match its size, a
         loss that cannot be cut at its stages, batch leaves without
-        `global_batch` rows, or an optimizer that couples parameters.
+        `global_batch` rows, an optimizer that couples parameters, or an
+        optimizer offload on devices without pinned host memory.
     """
     return PipelineStep(self, loss_fn, optimizer, params, batch, devices=devices,
                         schedule=schedule)

@@ -13,11 +13,12 @@ first, the head and loss in the last, each stage at its own tensor-parallel
 width. Every program is compiled once and reused for every microbatch.
 
 The step's parts: `step_state.StateLayout` places the parameters and the
-optimizer state on the stages (ZeRO's shards included), gathers them back
-and runs each stage's update; `programs.ChunkPrograms` builds each chunk's
-forward and backward program (recompute policies, gradient accumulation and
-the data-parallel reduction); `PipelineStep` issues the timetable's work and
-moves values between the stages.
+optimizer state on the stages (ZeRO's shards included; an offloaded state
+in host memory), gathers them back and runs each stage's update;
+`programs.ChunkPrograms` builds each chunk's forward and backward program
+(recompute policies, gradient accumulation and the data-parallel
+reduction); `PipelineStep` issues the timetable's work and moves values
+between the stages.
 
 Parameters read by several stages (a tied embedding) live on each; their
 gradients are summed on the first stage that reads them, which updates them,
@@ -97,8 +98,9 @@ class PipelineStep:
 
   Raises:
     PlacementError: a schedule that cannot run the plan, a batch leaf
-      without `global_batch` rows, a plan the loss cannot be cut into, or
-      an optimizer that couples parameters.
+      without `global_batch` rows, a plan the loss cannot be cut into, an
+      optimizer that couples parameters, or an optimizer offload on devices
+      without pinned host memory.
   """
 
   def __init__(self, plan: Any, loss_fn: Callable, optimizer: optax.GradientTransformation,

@@ -25,7 +25,8 @@ programs and the plan are read alike:
   `Stage.bytes_in + bytes_out` per microbatch.
 - held: the most bytes live on a device of the stage between its programs
   (parameters, optimizer state, gradients, the stashes the schedule keeps,
-  values in flight); predicted, `Stage.memory`.
+  values in flight); an optimizer state offloaded to host memory is not the
+  device's, as the plan prices it; predicted, `Stage.memory`.
 - memory: held plus the largest temporary of its programs
   (`memory_analysis`: the backward's working set as the backend schedules
   it, which the plan counts only as the one layer a recompute rebuilds);
@@ -40,7 +41,7 @@ from collections import Counter
 import jax
 import numpy as np
 
-from automap._src.cluster.execute.stage_layouts import CONTEXT, TENSOR, data_axes
+from automap._src.cluster.execute.stage_layouts import CONTEXT, HOST, TENSOR, data_axes
 from automap._src.run import compiled as compiled_lib
 
 
@@ -129,7 +130,9 @@ def _resident(mesh) -> float:
   index = {dev: k for k, dev in enumerate(mesh.devices.flat)}
   for a in jax.live_arrays():
     sharding = a.sharding
-    if getattr(sharding, "mesh", None) != mesh:
+    # An offloaded optimizer state lies in host memory, which the plan does
+    # not count in a device's.
+    if getattr(sharding, "mesh", None) != mesh or sharding.memory_kind == HOST:
       continue
     shard = int(np.prod(sharding.shard_shape(a.shape))) * a.dtype.itemsize
     for dev in sharding.device_set:

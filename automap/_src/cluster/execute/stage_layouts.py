@@ -13,7 +13,9 @@ tensor group minor, as the planner's `profile.context.stage_mesh` lays
 them): the batch's sequence is split over it, and attention across the split
 is what XLA's partitioner makes of that layout (keys and values gathered over
 "context"). A parameter takes the plan's searched layout at the stage's width,
-the search mesh's "model" renamed "tensor" ("context" kept).
+the search mesh's "model" renamed "tensor" ("context" kept). A plan
+offloading the optimizer state keeps it in the devices' pinned host memory
+(`HOST`) between steps, refused where the backend has none.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from automap._src.cluster.profile.layer_graph import PlacementError
 
 DATA, TENSOR = "data", "tensor"
 REPLICA, SHARD = "replica", "shard"  # hybrid sharding's "data": groups x replicas of a group
+HOST = "pinned_host"  # where an offloading plan keeps the optimizer state between steps
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -71,13 +74,16 @@ def meshes(plan, devices) -> list[Mesh]:
         f"plan: recompute_every={p.recompute_every} (the recompute mode on every "
         f"{p.recompute_every}-th layer) is priced but not run; price the split with "
         "recompute_every=1 to run it.")
-  if p.offload != "none":
-    raise PlacementError(
-        f"plan: offload={p.offload!r} (optimizer state in host memory) is priced but not "
-        "run; price the split with offload='none' to run it.")
   devices = list(jax.devices() if devices is None else devices)
   if isinstance(devices[0] if devices else None, Mesh) or isinstance(devices, Mesh):
     raise PlacementError("devices: expected a sequence of jax devices, got a Mesh.")
+  if p.offload != "none":
+    for dev in devices[:p.devices]:
+      if HOST not in {m.kind for m in dev.addressable_memories()}:
+        raise PlacementError(
+            f"plan: offload={p.offload!r} keeps the optimizer state in {HOST!r} memory, which "
+            f"the {dev.platform!r} backend's device {dev.id} lacks; price the split with "
+            "offload='none' (or more devices, or ZeRO, to fit the state on them).")
   if len(devices) < p.devices:
     raise PlacementError(
         f"devices: the plan uses {p.devices} devices ({p.data_parallel} data-parallel x "
@@ -339,7 +345,7 @@ def sum_on(parts: list, sharding: NamedSharding, aval):
   return total
 
 
-__all__ = ["CONTEXT", "DATA", "REPLICA", "SHARD", "TENSOR", "across_groups", "arrival",
+__all__ = ["CONTEXT", "DATA", "HOST", "REPLICA", "SHARD", "TENSOR", "across_groups", "arrival",
            "check_elementwise", "context_size", "copy", "cotangent", "data_axes",
            "device_bytes", "inexact", "meshes", "param_like_subtrees", "place", "replicas",
            "rows", "splits_batch", "sum_on", "tensor_spec", "zero_axis"]

@@ -9,6 +9,10 @@ and ZeRO shards over "data" (a hybrid plan's "shard": the replicas of a
 group) on the first dimension the tensor axis leaves whole and the
 replicas it shards over divide: the optimizer state and the reduced
 gradients from ZeRO 1 on, the parameters themselves from ZeRO 3 on.
+A plan offloading the optimizer state keeps it in host memory
+(`stage_layouts.HOST`) between steps, in the same layouts: each stage's
+update brings it to the stage's devices and returns it to the host, the
+two crossings of the host link the plan prices.
 
 `StateLayout` places the user's parameters there and initialises the
 optimizer per stage (`init`), gathers them back into the user's pytree
@@ -81,6 +85,7 @@ class StateLayout:
     self.optimizer, self.meshes = optimizer, list(meshes)
     self.S, self.d, self.zero = len(p.stages), p.data_parallel, p.zero
     self.group = p.shard_group or p.data_parallel  # replicas ZeRO shards over
+    self.offload = p.offload != "none"
     self.treedef = jax.tree.structure(params)
     self.param_avals = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
                         for a in jax.tree.leaves(params)]
@@ -149,13 +154,15 @@ class StateLayout:
   def _state_layouts(self, s: int, owned: list):
     """The optimizer state's layouts: a moment laid out as its parameter's
     gradient (sharded from ZeRO 1 on), anything else (a step count)
-    replicated on the stage."""
+    replicated on the stage; in host memory under offload."""
     state = jax.eval_shape(self.optimizer.init, owned)
     layouts = [NamedSharding(self.meshes[s], P())] * len(jax.tree.leaves(state))
     treedef = jax.tree.structure(owned)
     for start in stage_layouts.param_like_subtrees(state, treedef):
       for k, i in enumerate(self.owned[s]):
         layouts[start + k] = self.grad_sharding(s, i)
+    if self.offload:
+      layouts = [x.with_memory_kind(stage_layouts.HOST) for x in layouts]
     return jax.tree.unflatten(jax.tree.structure(state), layouts)
 
   def params(self, state: PipelineState) -> Any:
@@ -180,20 +187,24 @@ class StateLayout:
 
   def update(self, s: int, opt_state) -> Callable:
     """Stage s's optimizer step: (owned params, reduced grads, state) -> (params,
-    state), each kept in its layout (updated ZeRO shards all-gathered)."""
+    state), each kept in its layout (updated ZeRO shards all-gathered); an
+    offloaded state brought from the host and returned to it."""
     if s not in self._updates:
       tx = self.optimizer
       shards = [self.grad_sharding(s, i) for i in self.owned[s]]
+      held = jax.tree.map(lambda a: a.sharding, opt_state)
+      on_device = jax.tree.map(lambda x: x.with_memory_kind("device"), held)
 
       def update(params, grads, opt_state):
+        if self.offload:
+          opt_state = jax.device_put(opt_state, on_device)
         # Each replica updates its ZeRO shard (slicing a whole parameter moves
         # nothing); only the updated shards are gathered, by out_shardings.
         params = [jax.lax.with_sharding_constraint(p, z) for p, z in zip(params, shards)]
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-      layouts = ([self.param_sharding(s, i) for i in self.owned[s]],
-                 jax.tree.map(lambda a: a.sharding, opt_state))
+      layouts = ([self.param_sharding(s, i) for i in self.owned[s]], held)
       self._updates[s] = jax.jit(update, out_shardings=layouts, donate_argnums=(0, 2))
     return self._updates[s]
 
