@@ -108,7 +108,7 @@ def test_offloading_plans_match_the_jitted_step_and_their_price(config):
 
 
 @pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
-def test_the_held_state_is_the_devices_without_offload():
+def test_without_offload_the_optimizer_state_stays_on_the_devices():
   plan, loss, params, batch = price(data=8)
   state = plan.train_step(loss, TX, params, *batch).init(params)
   assert memory_kinds(state) == {"device"}
