@@ -70,6 +70,11 @@ ROWS = {
                        None),
     "t5-p2d2-zero3": (encoder_decoder_model, dict(pipeline=2, data=2, microbatch=2, zero=3),
                       None),
+    # Hybrid sharding: ZeRO within groups of 2 replicas, the groups synced once per batch.
+    "gpt-p2d4-zero3-hybrid2": (gpt_model, dict(pipeline=2, data=4, microbatch=2, zero=3,
+                                               shard_group=2), None),
+    # Context parallelism: each stage's sequence split over 2 of its devices.
+    "gpt-c2p2d2": (gpt_model, dict(context=2, pipeline=2, data=2, microbatch=2), None),
 }
 
 
