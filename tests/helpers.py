@@ -29,6 +29,42 @@ def mesh(shape, names=("data", "model")):
   return jax.make_mesh(shape, names)
 
 
+def jitted_training(loss, tx, params, batch, steps: int):
+  """Losses and parameters after `steps` optimizer steps of the unpartitioned
+  jitted step: what a cluster plan's run must reproduce."""
+
+  @jax.jit
+  def step(params, opt, batch):
+    value, grads = jax.value_and_grad(loss)(params, *batch)
+    updates, opt = tx.update(grads, opt, params)
+    return optax.apply_updates(params, updates), opt, value
+
+  opt, losses = tx.init(params), []
+  for _ in range(steps):
+    params, opt, value = step(params, opt, batch)
+    losses.append(float(value))
+  return losses, params
+
+
+def assert_trains_as_jitted(step, loss, tx, params, batch, steps: int = 3, each=None):
+  """`steps` optimizer steps of a cluster plan's `step` give the jitted
+  step's losses (rtol 1e-5) and parameters (1e-4); `each(state)` is checked
+  after `init` and every step. Returns the last state."""
+  state, losses = step.init(params), []
+  if each is not None:
+    each(state)
+  for _ in range(steps):
+    state, value = step(state, *batch)
+    losses.append(float(value))
+    if each is not None:
+      each(state)
+  want_losses, want = jitted_training(loss, tx, params, batch, steps)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  for got, ref in zip(jax.tree.leaves(step.params(state)), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=1e-4)
+  return state
+
+
 def assert_faithful(fn, args, m, numerics: float = 1e-5):
   """Plans fn on mesh m (cpu costs), compiles it, and checks the numerics
   against the unpartitioned function and the collectives against the plan."""

@@ -1,4 +1,4 @@
-"""One process of a two-process run of a cluster plan (tests/cluster/test_executor.py).
+"""One process of a two-process run of a cluster plan (tests/cluster/execute/test_executor.py).
 
 Usage: python multiprocess_step.py PROCESS_ID PORT. Each process has 4 CPU
 devices; the plan is 2 stages of 2 tensor-parallel devices x 2 data-parallel
@@ -19,8 +19,10 @@ jax.distributed.initialize(f"localhost:{sys.argv[2]}", num_processes=2,
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [here, os.path.dirname(os.path.dirname(here))]  # the test module, tests/
 import test_executor as t  # noqa: E402
+from helpers import jitted_training  # noqa: E402
 
 from automap import cluster  # noqa: E402
 
@@ -33,7 +35,7 @@ state, losses = step.init(params), []
 for _ in range(3):
   state, value = step(state, *batch)
   losses.append(float(np.asarray(value.addressable_data(0))))
-want_losses, want = t.reference(loss, params, batch, 3)
+want_losses, want = jitted_training(loss, t.TX, params, batch, 3)
 loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses))
 param_error = 0.0
 for got, ref in zip(jax.tree.leaves(step.params(state)), jax.tree.leaves(want)):

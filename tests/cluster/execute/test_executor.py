@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_trains_as_jitted, jitted_training
 
 import automap
 from automap import cluster
@@ -109,35 +110,12 @@ def hf_bart_loss():
   return loss, model.params, (src, tgt)
 
 
-def reference(loss, params, batch, steps):
-  """Losses and parameters of the unpipelined jitted step."""
-
-  @jax.jit
-  def step(params, opt, batch):
-    value, grads = jax.value_and_grad(loss)(params, *batch)
-    updates, opt = TX.update(grads, opt, params)
-    return optax.apply_updates(params, updates), opt, value
-
-  opt, losses = TX.init(params), []
-  for _ in range(steps):
-    params, opt, value = step(params, opt, batch)
-    losses.append(float(value))
-  return losses, params
-
-
 def run_plan(model, steps=3, run=None, **config):
   loss, params, batch = model()
   plan = cluster.price_cluster(loss, params, *batch, config=cluster.ClusterConfig(**config),
                                global_batch=BATCH, hardware="cpu", budget=BUDGET)
   step = plan.train_step(loss, TX, params, *batch, schedule=run)
-  state, losses = step.init(params), []
-  for _ in range(steps):
-    state, value = step(state, *batch)
-    losses.append(float(value))
-  want_losses, want = reference(loss, params, batch, steps)
-  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-  for got, ref in zip(jax.tree.leaves(step.params(state)), jax.tree.leaves(want)):
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=1e-4)
+  assert_trains_as_jitted(step, loss, TX, params, batch, steps)
   return plan, step
 
 
@@ -362,7 +340,7 @@ def test_a_stage_holds_layers_apart_in_the_program_when_values_flow_forward():
   assert [c.layers for c in step.cut.chunks] == [("side", "dense_0", "late"),
                                                   ("dense_1", "dense_3")]
   state, value = step(step.init(params), x, x)
-  want, _ = reference(loss, params, (x, x), 1)
+  want, _ = jitted_training(loss, TX, params, (x, x), 1)
   np.testing.assert_allclose(float(value), want[0], rtol=1e-6)
 
 

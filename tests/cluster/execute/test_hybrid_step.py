@@ -5,10 +5,9 @@ bytes against the plan's price."""
 
 from __future__ import annotations
 
-import jax
-import numpy as np
 import optax
 import pytest
+from helpers import assert_trains_as_jitted
 
 import automap
 from automap import cluster
@@ -20,22 +19,6 @@ BUDGET = automap.Budget(episodes=8)
 TX = optax.adam(1e-2, eps=1e-3)  # eps above rounding noise, as test_executor.py
 
 
-def reference(loss, params, batch, steps):
-  """Losses and parameters of the unpartitioned jitted step."""
-
-  @jax.jit
-  def step(params, opt, batch):
-    value, grads = jax.value_and_grad(loss)(params, *batch)
-    updates, opt = TX.update(grads, opt, params)
-    return optax.apply_updates(params, updates), opt, value
-
-  opt, losses = TX.init(params), []
-  for _ in range(steps):
-    params, opt, value = step(params, opt, batch)
-    losses.append(float(value))
-  return losses, params
-
-
 def run_and_check(**config):
   """Three optimizer steps of the plan against the jitted step, then one
   checked step; returns the plan, the step and its checks."""
@@ -43,14 +26,7 @@ def run_and_check(**config):
   plan = cluster.price_cluster(loss, params, *batch, config=cluster.ClusterConfig(**config),
                                global_batch=BATCH, hardware="cpu", budget=BUDGET)
   step = plan.train_step(loss, TX, params, *batch)
-  state, losses = step.init(params), []
-  for _ in range(3):
-    state, value = step(state, *batch)
-    losses.append(float(value))
-  want_losses, want = reference(loss, params, batch, 3)
-  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-  for got, ref in zip(jax.tree.leaves(step.params(state)), jax.tree.leaves(want)):
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=1e-4)
+  state = assert_trains_as_jitted(step, loss, TX, params, batch)
   checks, _ = step.check(state, *batch)
   return plan, step, checks
 
