@@ -164,9 +164,9 @@ def plan_on_devices(traced: trace_lib.Traced, args: tuple, devices: int,
 
 
 def run(program: Program, request: SearchOptions, policy=None) -> driver.Found:
-  """The search `request` asks for on `program` (`driver.run`), its
-  memory_limit resolved against the program's hardware first."""
-  return driver.run(program, request.resolved(program.hardware), policy)
+  """The search `request` asks for on `program` (`driver.run`, which
+  resolves its memory_limit against the program's hardware)."""
+  return driver.run(program, request, policy)
 
 
 def trace(fn: Callable, args: tuple, mesh=None, **options) -> trace_lib.Traced:
