@@ -31,6 +31,7 @@ from automap._src.cluster.schedule import schedules
 from automap._src.cluster.schedule.timetable import timetable
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.ir import graph as graph_lib
+from automap._src.ir import stacks
 from automap._src.plan import planner
 from automap._src.plan.explain import format_bytes
 from automap._src.search.request import with_keywords
@@ -306,6 +307,7 @@ def plan_cluster(loss_fn: Callable, params: Any, *batch: Any, devices: int, glob
     raise PlacementError(
         f"microbatches must be sizes that divide global_batch={global_batch}, "
         f"got {microbatches!r}.")
+  loss_fn, params = layers_of(loss_fn, params, batch)
   profile = layers_lib.measure(loss_fn, params, batch, widths=widths, hardware=hw,
                                search=planner.searcher(options.budget, options.seed),
                                sizes=microbatches, fused_attention=options.fused_attention)
@@ -319,6 +321,16 @@ def plan_cluster(loss_fn: Callable, params: Any, *batch: Any, devices: int, glob
                      {t: profile.specs[t] for t in sorted(used)},
                      {"profile": t1 - t0, "placement": time.perf_counter() - t1},
                      peak_flops=hw.flops, memory_limit=memory_limit(options, hw))
+
+
+def layers_of(loss_fn: Callable, params: Any, batch: Sequence[Any]) -> tuple[Callable, Any]:
+  """The loss and (abstract) parameters the planner reads: a stack of layers
+  scanned over stacked parameters as its layers (`stacks.unstack`), as
+  `train_step` runs it."""
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                        params)
+  found = stacks.unstack(loss_fn, params, batch)
+  return (loss_fn, params) if found is None else (found.loss_fn, found.split(params))
 
 
 def held_itemsize(params) -> int | None:
@@ -386,6 +398,7 @@ def price_cluster(loss_fn: Callable, params: Any, *batch: Any, config: ClusterCo
   if config.weights:
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, config.weights)
                           if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+  loss_fn, params = layers_of(loss_fn, params, batch)
   # The traced step is the whole model at the tensor width, where a device
   # of the split holds 1/pipeline of its layers and, under ZeRO 3, a shard
   # of their parameters and gradients: the search has the memory for that.

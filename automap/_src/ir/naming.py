@@ -15,14 +15,14 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 
-_TRANSFORMS = re.compile(r"^(?:[a-z_]+\(|\))+|\)+")
+TRANSFORMS = re.compile(r"^(?:[a-z_]+\(|\))+|\)+")
 UNSCOPED = "(top level)"
 
 
 def _parts(scope: str) -> list[str]:
   """Scope components, transformations stripped, a leading model-class name
   (GPT, Model, _Private...) every op shares dropped."""
-  parts = [p for p in (_TRANSFORMS.sub("", s) for s in scope.split("/")) if p]
+  parts = [p for p in (TRANSFORMS.sub("", s) for s in scope.split("/")) if p]
   if len(parts) > 1 and parts[0].lstrip("_")[:1].isupper():
     parts = parts[1:]
   return parts

@@ -47,6 +47,8 @@ class LlamaConfig:
       `nn.remat`'d module per layer, `layers_0`...), not one `nn.scan`
       over stacked weights.
     fsdp: the mesh axes the weights' embed dim is split over.
+    tied: the logits from the token embedding's own table (`Embed.attend`),
+      as Gemma and Llama 3.2's small models tie them; else a head of its own.
   """
 
   vocab: int = 1024
@@ -65,6 +67,7 @@ class LlamaConfig:
   capacity_factor: float = 1.25
   unrolled: bool = False
   fsdp: tuple[str, ...] = ("fsdp",)
+  tied: bool = False
 
 
 # MaxText's rules (base.yml) for the axes this mesh may have, in order of
@@ -247,8 +250,9 @@ class Decoder(nn.Module):
   def __call__(self, tokens: jax.Array) -> jax.Array:  # [B, S] int -> [B, S, V]
     c = self.config
     embed_init = nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed"))
-    x = nn.Embed(c.vocab, c.embed, dtype=c.dtype, embedding_init=embed_init,
-                 name="token_embedder")(tokens)
+    embedder = nn.Embed(c.vocab, c.embed, dtype=c.dtype, embedding_init=embed_init,
+                        name="token_embedder")
+    x = embedder(tokens)
     x = nn.with_logical_constraint(
         x, ("activation_batch", "activation_length", "activation_embed"))
     policy = getattr(jax.checkpoint_policies, c.remat_policy)
@@ -262,7 +266,10 @@ class Decoder(nn.Module):
                      length=c.layers, metadata_params={nn.PARTITION_NAME: "layers"})(
                          c, name="layers")(x, None)
     x = RMSNorm(c.dtype, name="decoder_norm")(x)
-    logits = _dense(c.vocab, -1, ("embed", "vocab"), c.dtype, "logits_dense")(x)
+    if c.tied:
+      logits = embedder.attend(x)
+    else:
+      logits = _dense(c.vocab, -1, ("embed", "vocab"), c.dtype, "logits_dense")(x)
     return nn.with_logical_constraint(
         logits, ("activation_batch", "activation_length", "activation_vocab"))
 

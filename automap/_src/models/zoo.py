@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from automap._src.models import graph_net
+from automap._src.models import graph_net, llama
 from automap._src.models import moe as moe_lib
 from automap._src.models.gpt import GPT, GPTConfig, make_train_step
 
@@ -90,6 +90,29 @@ def gpt_loss(config: GPTConfig = SMALL, batch: int = 8) -> tuple[Callable, Any, 
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
   return loss, params, (data,)
+
+
+def llama_loss(config: llama.LlamaConfig) -> tuple[Callable, Any, tuple]:
+  """The MaxText-style llama's loss on concrete arguments (its layers one
+  `nn.scan` over stacked weights unless `config.unrolled`), as
+  `automap.cluster.plan_cluster` and `ClusterPlan.train_step` take a loss.
+
+  Args:
+    config: the decoder's shape (`config.batch` sequences).
+
+  Returns:
+    `(loss, params, (inputs, targets))`: `loss(params, inputs, targets)` is
+    the mean next-token cross-entropy; inputs and targets [B, S] int32.
+  """
+  model = llama.Decoder(config)
+  _, (params, _, data) = llama.train_step(config)
+
+  def loss(params, inputs, targets):
+    logits = model.apply({"params": params}, inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), targets).mean()
+
+  return loss, params, (data["inputs"], data["targets"])
 
 
 def encoder_decoder_loss(layers: int = 4, width: int = 128, vocab: int = 256, seq: int = 32,

@@ -53,6 +53,7 @@ from automap._src.cluster.execute.step_state import PipelineState, StateLayout
 from automap._src.cluster.profile.layer_graph import PlacementError
 from automap._src.cluster.schedule import schedules
 from automap._src.cluster.schedule import timetable as pipeline_schedule
+from automap._src.ir import stacks
 from automap._src.ir.trace import path_str
 
 DATA = stage_layouts.DATA
@@ -130,6 +131,12 @@ class PipelineStep:
         jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype) for a in self.batch_avals])
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)),
                             params)
+    # A stack of layers scanned over stacked parameters runs as its layers,
+    # each stage holding its layers' slices (`stacks`), as the planner saw it.
+    self.stacks = stacks.unstack(loss_fn, abstract, local)
+    if self.stacks is not None:
+      loss_fn, abstract = self.stacks.loss_fn, self.stacks.split(abstract)
+      params = abstract
     self.cut = cut_lib.cut(loss_fn, abstract, local, p)
     chunks = self.cut.chunks
     self.layout = StateLayout(plan, optimizer, params, chunks, self.meshes)
@@ -156,11 +163,15 @@ class PipelineStep:
 
   def init(self, params: Any) -> PipelineState:
     """The parameters placed on their stages and the optimizer initialised."""
+    if self.stacks is not None:
+      params = self.stacks.split(params)
     return self.layout.init(params)
 
   def params(self, state: PipelineState) -> Any:
-    """The parameters as the user's pytree (each leaf from the stage owning it)."""
-    return self.layout.params(state)
+    """The parameters as the user's pytree (each leaf from the stage owning
+    it; a stack's layers stacked again)."""
+    params = self.layout.params(state)
+    return params if self.stacks is None else self.stacks.join(params)
 
   def param_sharding(self, s: int, i: int) -> NamedSharding:
     """Parameter i on stage s: sharded over "data" under ZeRO 3."""
