@@ -32,6 +32,12 @@ def mesh(shape, names=("data", "model")):
 def jitted_training(loss, tx, params, batch, steps: int):
   """Losses and parameters after `steps` optimizer steps of the unpartitioned
   jitted step: what a cluster plan's run must reproduce."""
+  losses, params, _ = jitted_state(loss, tx, params, batch, steps)
+  return losses, params
+
+
+def jitted_state(loss, tx, params, batch, steps: int):
+  """`jitted_training`'s losses and parameters, and the optimizer state."""
 
   @jax.jit
   def step(params, opt, batch):
@@ -43,7 +49,7 @@ def jitted_training(loss, tx, params, batch, steps: int):
   for _ in range(steps):
     params, opt, value = step(params, opt, batch)
     losses.append(float(value))
-  return losses, params
+  return losses, params, opt
 
 
 def assert_trains_as_jitted(step, loss, tx, params, batch, steps: int = 3, each=None):

@@ -75,6 +75,7 @@ class PipelineStep:
       state = step.init(params)          # parameters on their stages
       state, loss = step(state, *batch)  # one global batch
       params = step.params(state)        # the user's pytree again
+      opt_state = step.opt_state(state)  # as optimizer.init(params) makes it
 
   Args:
     plan: the `ClusterPlan` to run (its stages, widths, recompute modes,
@@ -172,6 +173,12 @@ class PipelineStep:
     it; a stack's layers stacked again)."""
     params = self.layout.params(state)
     return params if self.stacks is None else self.stacks.join(params)
+
+  def opt_state(self, state: PipelineState) -> Any:
+    """The optimizer state as `optimizer.init(params)` structures it on the
+    user's pytree (a stack's layers stacked again): what a checkpoint saves."""
+    join = (lambda x: x) if self.stacks is None else self.stacks.join
+    return self.layout.opt_state(state, join)
 
   def param_sharding(self, s: int, i: int) -> NamedSharding:
     """Parameter i on stage s: sharded over "data" under ZeRO 3."""

@@ -170,6 +170,32 @@ class StateLayout:
     leaves = [state.params[self.owner[i]][i] for i in range(len(self.param_avals))]
     return jax.tree.unflatten(self.treedef, leaves)
 
+  def opt_state(self, state: PipelineState, join: Callable[[Any], Any] = lambda x: x) -> Any:
+    """The optimizer state as `optimizer.init(params)` structures it: each
+    parameter's moments from the stage owning it, anything else (a step
+    count, the same on every stage) from the first stage; `join` maps each
+    parameter-like subtree back to the user's pytree."""
+    params = jax.tree.unflatten(self.treedef, self.param_avals)
+    want = jax.eval_shape(self.optimizer.init, params)
+    leaves, n = jax.tree.leaves(want), len(self.param_avals)
+    held = [jax.tree.leaves(state.opt_state[s]) for s in range(self.S)]
+    starts = [stage_layouts.param_like_subtrees(
+        jax.eval_shape(self.optimizer.init, [self.param_avals[i] for i in self.owned[s]]),
+        jax.tree.structure([0] * len(self.owned[s]))) for s in range(self.S)]
+    mine = set()
+    for j, start in enumerate(stage_layouts.param_like_subtrees(want, self.treedef)):
+      for i in range(n):
+        s = self.owner[i]
+        leaves[start + i] = held[s][starts[s][j] + self.owned[s].index(i)]
+      mine.update(range(start, start + n))
+    others = iter(k for k in range(len(held[0])) if not any(
+        b <= k < b + len(self.owned[0]) for b in starts[0]))
+    for k in range(len(leaves)):
+      if k not in mine:
+        leaves[k] = held[0][next(others)]
+    out = jax.tree.unflatten(jax.tree.structure(want), leaves)
+    return _map_param_like(out, self.treedef, join)
+
   def leaves(self, params: Any) -> list:
     """`params`' leaves, checked against the structure, shapes and dtypes
     the step was built for."""
@@ -231,6 +257,16 @@ class StateLayout:
         if o != s:
           params[s][i] = stage_layouts.place(params[o][i], self.param_sharding(s, i))
     return PipelineState(params, opt, state.step + 1)
+
+
+def _map_param_like(state, treedef, fn: Callable[[Any], Any]) -> Any:
+  """`state` with each subtree of the parameters' structure mapped by `fn`."""
+  if jax.tree.structure(state) == treedef:
+    return fn(state)
+  children, node = jax.tree_util.tree_flatten(state, is_leaf=lambda x: x is not state)
+  if len(children) == 1 and children[0] is state:
+    return state
+  return jax.tree.unflatten(node, [_map_param_like(c, treedef, fn) for c in children])
 
 
 __all__ = ["PipelineState", "StateLayout"]
