@@ -126,6 +126,8 @@ class Graph:
   inputs: value ids of the flat arguments; outputs: value ids of the flat
   outputs (-1 for a literal output); fingerprint: digest of the program;
   constraints: the program's own layout constraints, in program order.
+  checkpoint_names: op -> the name `jax.ad_checkpoint.checkpoint_name` gives
+    its result, for its "name" ops (what remat and offload policies select).
   """
 
   shapes: tuple[tuple[int, ...], ...]
@@ -154,6 +156,7 @@ class Graph:
   unknown: tuple[str, ...]  # primitives replicated for want of a rule
   touching: tuple[tuple[int, ...], ...]  # [V] ops that read or write it
   constraints: tuple[Constraint, ...] = ()
+  checkpoint_names: dict[int, str] = dataclasses.field(default_factory=dict)
 
   @property
   def num_values(self) -> int:
@@ -177,6 +180,7 @@ class _Builder:
   def __init__(self):
     self.shapes, self.dtypes, self.kind, self.producer = [], [], [], []
     self.sealed, self.names = [], []
+    self.checkpoint_names: dict[int, str] = {}
     self.prims, self.operands, self.operand_shapes = [], [], []
     self.results, self.rules, self.flops, self.scopes = [], [], [], []
     self.trips: list[int] = []
@@ -221,6 +225,8 @@ class _Builder:
     eqn = step.eqn
     name = ALIASES.get(eqn.primitive.name, eqn.primitive.name)
     op = len(self.prims)
+    if eqn.primitive.name == "name":
+      self.checkpoint_names[op] = str(eqn.params["name"])
     in_shapes = [x.shape if isinstance(x, Literal) else self.shapes[x]
                  for x in ins]
     out_shapes = [tuple(int(d) for d in v.aval.shape) for v in eqn.outvars]
@@ -370,5 +376,5 @@ def build(traced: Traced) -> Graph:
       fingerprint=traced.fingerprint(), unknown=tuple(sorted(b.unknown)),
       touching=tuple(tuple(sorted({o for o, _ in u} | ({p} if p >= 0 else set())))
                      for u, p in zip(uses, b.producer)),
-      constraints=tuple(b.constraints))
+      constraints=tuple(b.constraints), checkpoint_names=dict(b.checkpoint_names))
 
