@@ -46,10 +46,20 @@ over "context" (and by heads or hidden units over "model" out of a
 column-parallel matmul), attention gathering keys and values over it, the
 weight gradients reduced once per batch over data x context.
 
+Sequence parallelism stated (`--stated`): where a run split the sequence
+over its tensor group, the layouts priced are those `price_cluster` prices
+when a user states `ClusterConfig(tensor=t, sequence_parallel=True)`
+(`cluster_plan.stated_profiles`: the sharding search's at that width under
+the sequence pins, `--episodes` per width, and Megatron-LM's layout with the
+same pins), the fastest that fits standing, rather than the runs' layout
+pinned parameter by parameter; the table marks which ("(searched)",
+"(Megatron)").
+
 Not priced (listed with the reason): rows whose model dimensions the
 source leaves out.
 
   python benchmarks/measured.py [--only PREFIX] [--fit] [--planner] [--efficiency X]
+                                [--stated] [--episodes N]
 """
 
 from __future__ import annotations
@@ -71,6 +81,7 @@ from jax.sharding import PartitionSpec as P
 
 import automap
 from automap import cluster
+from automap._src.cluster import cluster_plan
 from automap._src.cluster.placement.dp import place_any
 from automap._src.cluster.profile import context as context_lib
 from automap._src.cluster.profile import layers as layers_lib
@@ -78,6 +89,7 @@ from automap._src.cluster.profile.layers import Profile
 from automap._src.cost import calibration
 from automap._src.cost.program import Program
 from automap._src.ir import trace as trace_lib
+from automap._src.plan import planner
 from automap._src.sharding.mesh import MeshSpec
 from automap.cluster import PlacementError, PlacementOptions
 from automap.zoo import GPT, GPTConfig
@@ -193,8 +205,9 @@ def model_config(row: dict, layers: int = 2) -> GPTConfig:
                    tied=m.get("tied", row["source"] not in ("llama3", "mcore_h100_2024")))
 
 
-def traced_step(row: dict):
-  """The 2-block step at one sample per microbatch, abstract."""
+def model_step(row: dict):
+  """(loss, params, batch): the 2-block model's loss, its bf16 parameters
+  and one sample's tokens, abstract, as a user hands them to price_cluster."""
   config = model_config(row)
   model = GPT(config)
   tokens = jax.ShapeDtypeStruct((1, config.seq), jnp.int32)
@@ -206,7 +219,31 @@ def traced_step(row: dict):
   def loss(p, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, x), y).mean()
 
-  traced = trace_lib.trace(jax.value_and_grad(loss), (params, tokens, tokens))
+  return loss, params, (tokens, tokens)
+
+
+def stated_states(row: dict, hw, episodes: int) -> dict[str, tuple]:
+  """Layout name -> (traced, state) of the layouts `price_cluster` prices
+  for the row's tensor width with sequence parallelism stated
+  (`ClusterConfig(tensor=t, sequence_parallel=True)`: the sharding search's
+  at `episodes`, held to the device's memory times the row's stages as
+  price_cluster holds it, and Megatron-LM's with the same pins), at one
+  sample per microbatch."""
+  loss, params, batch = model_step(row)
+  t, stages = row["parallel"]["tensor"], row["parallel"]["pipeline"]
+  search = planner.searcher(automap.Budget(episodes=episodes, seconds=3600, progress=False), 0,
+                            hw.hbm_capacity * stages)
+  profiles = cluster_plan.stated_profiles(
+      loss, params, batch, cluster.ClusterConfig(tensor=t, sequence_parallel=True), hw, search)
+  return {name: (prof.programs[(1, t)][0].traced, prof.programs[(1, t)][1])
+          for name, prof in profiles.items()}
+
+
+def traced_step(row: dict):
+  """The 2-block step at one sample per microbatch, abstract, and its
+  parameters' count."""
+  loss, params, batch = model_step(row)
+  traced = trace_lib.trace(jax.value_and_grad(loss), (params, *batch))
   return traced, len(jax.tree.leaves(params))
 
 
@@ -363,8 +400,8 @@ def published_state(traced, params_count: int, width: int, hw, hidden: int = 0,
   return program.pinned_state(layouts, "published layout")
 
 
-def profile(traced, params_count: int, state, width: int, hw, fused: bool,
-            context: int = 1) -> Profile:
+def profile(traced, state, width: int, hw, fused: bool, context: int,
+            params_count: int) -> Profile:
   """Layer costs at one sample per microbatch (scaled to others by `at`),
   keyed by the stage's devices (width x context)."""
   program = Program.build(traced, mesh_of(width, context), hw)
@@ -436,11 +473,11 @@ def sequence_parallel(row: dict) -> tuple[bool, ...]:
   return (False, True)
 
 
-def priced(row: dict, profiles: dict[tuple[bool, bool], Profile],
-           hw) -> tuple[cluster.Placement, cluster.ClusterConfig, bool, tuple[bool, bool]]:
+def priced(row: dict, profiles: dict[tuple, Profile],
+           hw) -> tuple[cluster.Placement, cluster.ClusterConfig, bool, tuple]:
   """The fastest candidate that fits (or the leanest, marked as not fitting),
   over the candidates and the layouts `profiles` price, keyed (attention
-  fused, sequence parallel): (plan, config, fits, key)."""
+  fused, (sequence parallel, layout)): (plan, config, fits, key)."""
   depth = row["model"]["layers"]
   best, leanest = None, None
   for (key, prof), config in itertools.product(profiles.items(), candidates(row)):
@@ -480,15 +517,16 @@ def planned(row: dict, prof: Profile, hw, bound: float) -> cluster.Placement | N
   return plan
 
 
-def describe(config: cluster.ClusterConfig, key: tuple[bool, bool]) -> str:
-  fused, sequence = key
+def describe(config: cluster.ClusterConfig, key: tuple[bool, tuple[bool, str]]) -> str:
+  fused, (sequence, layout) = key
   woven = f" v{config.virtual_stages}" if config.schedule == "interleaved" else ""
   context = f" c{config.context}" if config.context > 1 else ""
   return (f"t{config.tensor}{context} p{config.pipeline} d{config.data} mb{config.microbatch} "
           f"{config.recompute}{woven} z{config.zero}"
           f"{'' if config.shard_group is None else f' in {config.shard_group}'}"
           f"{' flash' if fused else ''}"
-          f"{' sp' if sequence else ''}")
+          f"{' sp' if sequence else ''}"
+          f"{'' if layout == 'published' else f' ({layout})'}")
 
 
 def main():
@@ -499,6 +537,11 @@ def main():
   parser.add_argument("--planner", action="store_true", help="also run the planner per row")
   parser.add_argument("--efficiency", type=float, default=None,
                       help="price every row at this matmul_efficiency (what-if)")
+  parser.add_argument("--stated", action="store_true",
+                      help="price sequence parallelism as price_cluster does when a user states "
+                      "it (ClusterConfig(tensor=t, sequence_parallel=True)), not pinned")
+  parser.add_argument("--episodes", type=int, default=200,
+                      help="the sharding search's episodes per width with --stated")
   opts = parser.parse_args()
   rows, _ = load()
   held_out = validation(rows)
@@ -523,22 +566,29 @@ def main():
     hidden = row["model"]["hidden"]
     embed = "embed" if row["source"] in EMBED_SHARDED else ""
     context = row["parallel"].get("context") or 1
-    states = {sp: published_state(traced, count, width, hardware(row), hidden,
-                                  "sequence" if sp else embed, context)
-              for sp in sequence_parallel(row)}
+    # (sequence parallel, layout) -> (traced, state): the runs' own layout
+    # pinned, or with --stated where the run split the sequence, the layouts
+    # price_cluster prices for it.
+    states = {}
+    for sp in sequence_parallel(row):
+      if opts.stated and sp and width > 1 and context == 1:
+        states.update({(sp, name): found for name, found in
+                       stated_states(row, hardware(row), opts.episodes).items()})
+      else:
+        states[(sp, "published")] = (traced, published_state(
+            traced, count, width, hardware(row), hidden, "sequence" if sp else embed, context))
     flops = source_flops(row)
     keys = list(itertools.product(attention(row), states))
     measured = measured_flops(row)
     ratios = {}
     for eff in (grid if opts.fit and split == "training" and stack(row) == "jax" else []):
-      plan, *_ = priced(row, {(f, sp): profile(traced, count, states[sp], width,
-                                               hardware(row, eff), f, context)
-                               for f, sp in keys},
+      plan, *_ = priced(row, {(f, k): profile(*states[k], width, hardware(row, eff), f,
+                                              context, count)
+                               for f, k in keys},
                         hardware(row, eff))
       ratios[eff] = flops / (plan.time * row["devices"]) / measured
     hw = hardware(row, opts.efficiency)
-    profiles = {(f, sp): profile(traced, count, states[sp], width, hw, f, context)
-                for f, sp in keys}
+    profiles = {(f, k): profile(*states[k], width, hw, f, context, count) for f, k in keys}
     plan, config, fits, key = priced(row, profiles, hw)
     predicted = flops / (plan.time * row["devices"])
     memory = max(s.memory for s in plan.stages)

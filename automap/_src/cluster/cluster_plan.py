@@ -353,8 +353,12 @@ def price_cluster(loss_fn: Callable, params: Any, *batch: Any, config: ClusterCo
   sharding search picks the intra-stage sharding, as for `plan_cluster`,
   the sequence pinned over the context group) and microbatches of
   `config.microbatch` samples, then run as `config` states
-  (`configured.price`); `plan_cluster` on the same step gives the planner's
-  plan to set beside it (`explain(against=...)`).
+  (`configured.price`). Where the split has a tensor group it is also
+  priced under Megatron-LM's layout at that width (with the same sequence
+  or context pins: `stated_profiles`), and the faster of the two that fits
+  the memory limit is returned (the leaner where neither does);
+  `plan_cluster` on the same step gives the planner's plan to set beside it
+  (`explain(against=...)`).
 
   Args:
     loss_fn: `loss_fn(params, *batch) -> scalar`, the loss of one microbatch.
@@ -405,33 +409,78 @@ def price_cluster(loss_fn: Callable, params: Any, *batch: Any, config: ClusterCo
   limit = memory_limit(options, hw)
   share = config.pipeline * ((config.shard_group or config.data) if config.zero == 3 else 1)
   search = planner.searcher(options.budget, options.seed,
-                                      None if math.isinf(limit) else limit * share)
+                            None if math.isinf(limit) else limit * share)
+  profiles = stated_profiles(loss_fn, params, batch, config, hw, search, options.fused_attention)
+  t1 = time.perf_counter()
   width = config.width
-  profile = layers_lib.measure(loss_fn, params, batch, widths=[width], hardware=hw,
-                               search=search, sizes=[config.microbatch],
-                               fused_attention=options.fused_attention,
-                               check=lambda graph: configured.chunked(graph, config),
-                               sequence_parallel=config.sequence_parallel,
-                               context=config.context)
+  priced = {name: configured.price(profile.at(config.microbatch), config,
+                                   global_batch=global_batch, hardware=hw, devices=devices,
+                                   options=options.placement([width]),
+                                   param_itemsize=held_itemsize(params))
+            for name, profile in profiles.items()}
+  name = kept(priced, limit)
+  placement, profile = priced[name], profiles[name]
   whole = layers_lib.replicated_share(*profile.programs[(config.microbatch, width)],
                                       len(jax.tree.leaves(params)))
   if config.tensor > 1 and whole > REPLICATED:
     warnings.warn(
-        f"price_cluster: the sharding search at tensor={config.tensor} leaves {whole:.0%} of "
+        f"price_cluster: the plan priced at tensor={config.tensor} leaves {whole:.0%} of "
         "the parameters' bytes whole on every device of the tensor group, which the config "
         "states split; the price is that plan's (its tensor group runs as data or sequence "
-        "parallelism), which the search found faster or ran out of budget= beside. Hold it "
-        "to the memory the run had (memory_limit=) or give it more budget; "
-        "ClusterPlan.shardings shows the plan priced.", ReplicatedWeightsWarning, stacklevel=2)
-  t1 = time.perf_counter()
-  placement = configured.price(profile.at(config.microbatch), config, global_batch=global_batch,
-                               hardware=hw, devices=devices,
-                               options=options.placement([width]),
-                               param_itemsize=held_itemsize(params))
+        "parallelism), which was faster than Megatron-LM's layout, or fitted where it did "
+        "not. Hold it to the memory the run had (memory_limit=) or give the search more "
+        "budget; ClusterPlan.shardings shows the plan priced.", ReplicatedWeightsWarning,
+        stacklevel=2)
   return ClusterPlan(placement, config.microbatch, global_batch, devices or config.devices,
                      hw.name, {width: profile.specs[width]},
                      {"profile": t1 - t0, "placement": time.perf_counter() - t1},
                      peak_flops=hw.flops, memory_limit=limit)
+
+
+def stated_profiles(loss_fn: Callable, params: Any, batch: tuple, config: ClusterConfig,
+                    hardware: Hardware, search: Callable,
+                    fused_attention: bool = False) -> dict[str, layers_lib.Profile]:
+  """The layer costs `price_cluster` prices a stated split over, by layout:
+  "searched", the sharding search's plan at the split's width (`search`,
+  with its sequence or context pins), and where the split has a tensor
+  group, "Megatron", Megatron-LM's layout there with the same pins
+  (`planner.megatron`: column- then row-parallel weights, the pinned
+  activations gathered and reduce-scattered at the pins), which a search
+  under sequence-parallel pins does not reach on its own: the pins' split
+  along the sequence reaches the weights first and leaves them whole.
+
+  Args:
+    loss_fn, params, batch: the step, as `price_cluster` takes it.
+    config: the split: its width, microbatch, sequence and context
+      parallelism.
+    hardware: the `Hardware`.
+    search: the sharding search (`planner.searcher`).
+    fused_attention: as in `ClusterOptions`.
+
+  Returns:
+    Layout name -> `Profile` at the config's width and microbatch.
+  """
+  def measured(search):
+    return layers_lib.measure(loss_fn, params, batch, widths=[config.width], hardware=hardware,
+                              search=search, sizes=[config.microbatch],
+                              fused_attention=fused_attention,
+                              check=lambda graph: configured.chunked(graph, config),
+                              sequence_parallel=config.sequence_parallel,
+                              context=config.context)
+
+  profiles = {"searched": measured(search)}
+  if config.tensor > 1:
+    profiles["Megatron"] = measured(planner.megatron)
+  return profiles
+
+
+def kept(priced: dict[str, Placement], limit: float) -> str:
+  """Of placements by name, the fastest within `limit` bytes per device, or
+  where none is, the one of least memory."""
+  def key(name):
+    memory = max(s.memory for s in priced[name].stages)
+    return (0, priced[name].time) if memory <= limit else (1, memory)
+  return min(priced, key=key)
 
 
 __all__ = ["ClusterPlan", "ReplicatedWeightsWarning", "plan_cluster", "price_cluster"]

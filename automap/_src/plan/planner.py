@@ -24,7 +24,7 @@ from automap._src.ir import trace as trace_lib
 from automap._src.plan import build
 from automap._src.plan import cache as cache_lib
 from automap._src.plan.plan import Plan
-from automap._src.search import driver
+from automap._src.search import driver, tactics
 from automap._src.search.request import Budget, Hints, SearchOptions
 from automap._src.sharding import annotations
 from automap._src.sharding.annotations import Layout, LayoutWarning
@@ -192,6 +192,14 @@ def searcher(budget: Budget | None, seed: int = 0,
   return search
 
 
+def megatron(program: Program) -> np.ndarray:
+  """Megatron-LM's layout of `program` over its mesh's last axis
+  (`tactics.megatron_layout`, with the program's pins), as a search
+  callable (`program -> state`, for `state_on`): what an expert states for
+  a tensor-parallel width, priced beside the search's plan."""
+  return tactics.megatron_layout(program)
+
+
 # Searched states by (program digest, mesh, hardware, search, pins):
 # pricing several splits of one model (price_cluster per config,
 # plan_cluster beside it) searches each width once, and alike (a wall-clock
@@ -259,6 +267,6 @@ def plan_of_state(program: Program, state: np.ndarray) -> Plan:
   return build.make_plan(program, state, {})
 
 
-__all__ = ["AXIS_NAMES", "SEARCHED", "build_program", "divides_shapes", "plan", "plan_of_state",
-           "plan_on_devices", "program_for", "read_layout", "run", "searcher", "state_on",
-           "trace"]
+__all__ = ["AXIS_NAMES", "SEARCHED", "build_program", "divides_shapes", "megatron", "plan",
+           "plan_of_state", "plan_on_devices", "program_for", "read_layout", "run", "searcher",
+           "state_on", "trace"]

@@ -108,7 +108,7 @@ class Tactics:
   """The tactics of one program, with what they act on found once."""
 
   def __init__(self, traced: Traced, graph: Graph, mesh: MeshSpec, prop: Propagator):
-    self.graph, self.mesh, self.prop = graph, mesh, prop
+    self.graph, self.mesh, self.prop, self.traced = graph, mesh, prop, traced
     carried = state_arguments(traced)
     self.carried = [v for i, v in enumerate(graph.inputs) if carried[i] and graph.rank(v)]
     self.data = [v for i, v in enumerate(graph.inputs) if not carried[i] and graph.rank(v)]
@@ -172,6 +172,26 @@ class Tactics:
         if self.prop.can_tile(state, w, d, axis):
           changed.append(self.prop.tile(state, w, d, axis))
           break
+    return concat(changed)
+
+  def gradients(self, state: State, axis: int) -> np.ndarray:
+    """Each parameter's gradient (a result mirroring a carried argument:
+    `state_arguments`) tiled over `axis` as its parameter is, where the
+    axis leaves it free: as Megatron-LM and ZeRO keep them, and as an
+    optimizer's update, reading both elementwise, lays them out in a
+    training step."""
+    g, traced = self.graph, self.traced
+    tail = lambda p: p.split("/", 1)[1] if "/" in p else ""  # noqa: E731
+    results = {(tail(p), tuple(a.shape), str(a.dtype)): v
+               for p, a, v in zip(traced.out_paths, traced.out_avals, g.outputs)
+               if v >= 0 and tail(p)}
+    changed = []
+    for p, a, w in zip(traced.in_paths, traced.in_avals, g.inputs):
+      u = results.get((tail(p), tuple(a.shape), str(a.dtype)))
+      if u is None or u == w or state[w, axis] < 0 or state[u, axis] >= 0:
+        continue
+      if self.prop.can_tile(state, u, int(state[w, axis]), axis):
+        changed.append(self.prop.tile(state, u, int(state[w, axis]), axis))
     return concat(changed)
 
   def expert(self, state: State, axis: int) -> np.ndarray:
@@ -270,6 +290,33 @@ def expert_states(program, space) -> dict:
       continue
     out[name] = state
   return out
+
+
+def megatron_layout(program, axis: int | None = None) -> State:
+  """Megatron-LM's tensor parallelism over `axis` (default: the mesh's last
+  axis of size > 1) as a run states it, on a program whose pins state its
+  activations (sequence or context parallelism): every weight a
+  contraction reads split by columns, then by rows (`Tactics.megatron`),
+  before the pins spread, so that the pinned activations meet the split
+  weights through collectives at the pins (sequence parallelism's
+  all-gather before a column-parallel matmul, reduce-scatter after a
+  row-parallel one) rather than the pins' split reaching the weights
+  first and leaving them whole; each gradient in its parameter's layout;
+  the rest propagated. Without pins, the "Megatron" expert's layout with
+  gradients laid out so."""
+  mesh = program.mesh
+  if axis is None:
+    real = [a for a in range(mesh.num_axes) if mesh.axis_sizes[a] > 1]
+    if not real:
+      return program.initial_state()
+    axis = real[-1]
+  prop = program.propagator()
+  tactics = Tactics(program.traced, program.graph, mesh, prop)
+  state = program.pinned.copy()
+  tactics.megatron(state, axis)
+  tactics.gradients(state, axis)
+  prop.seed_all(state)
+  return program.as_compiled(state)
 
 
 def yardsticks(program) -> dict:

@@ -9,6 +9,7 @@ from helpers import abstract_gpt_loss, assert_stage_compiles_as_priced
 
 import automap
 from automap import cluster
+from automap._src.cluster import cluster_plan
 from automap._src.cluster.placement import dp as placement
 from automap._src.cluster.profile import layers as layers_lib
 from automap._src.ir import graph as graph_lib
@@ -210,6 +211,70 @@ def test_a_plan_leaving_the_stated_tensor_group_whole_is_flagged():
     held = cluster.price_cluster(loss, params, *batch, config=config, global_batch=4,
                                  hardware="a100", budget=budget, memory_limit=1.3 * weights)
   assert "model" in held.shardings[2]["0/block_0/mlp/wi/kernel"]
+
+
+def test_stated_sequence_parallelism_prices_megatrons_layout_where_it_is_faster():
+  """A transformer whose matmuls outweigh its weights' traffic: under
+  sequence-parallel pins the search at the stated width leaves most weights
+  whole (the pins' split along the sequence reaches them first), where
+  Megatron-LM's layout (column- then row-parallel weights, the pinned
+  activations gathered and reduce-scattered at the pins) is faster and
+  leaner. price_cluster prices that one, and says nothing."""
+  import warnings
+
+  loss, params, batch = abstract_gpt_loss(GPTConfig(vocab=256, seq=1024, hidden=2048, heads=8,
+                                                    layers=2, dtype=jnp.bfloat16))
+  config = cluster.ClusterConfig(tensor=4, sequence_parallel=True)
+  hw = automap.HARDWARE["a100"]
+  budget = automap.Budget(episodes=4, progress=False)
+  profiles = cluster_plan.stated_profiles(loss, params, batch, config, hw,
+                                          planner.searcher(budget, 0, None))
+  count = len(jax.tree.leaves(params))
+  whole = {name: layers_lib.replicated_share(*p.programs[(1, 4)], count)
+           for name, p in profiles.items()}
+  assert whole["Megatron"] < 0.01
+  program, state = profiles["Megatron"].programs[(1, 4)]
+  pinned = layers_lib.sequence_layouts(program.graph, count, 4)
+  assert len(pinned) > 10 and all(state[v, 0] == 1 for v, _ in pinned)
+  # Each gradient comes back in its parameter's layout: the MLP's first by
+  # columns, the second by rows.
+  g, traced = program.graph, program.traced
+  for name, dim in (("mlp/wi/kernel", 1), ("mlp/wo/kernel", 0)):
+    w = g.inputs[list(traced.in_paths).index(f"0/block_0/{name}")]
+    grad = g.outputs[list(traced.out_paths).index(f"1/block_0/{name}")]
+    assert state[w, 0] == state[grad, 0] == dim
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", cluster.ReplicatedWeightsWarning)
+    plan = cluster.price_cluster(loss, params, *batch, config=config, global_batch=4,
+                                 hardware=hw, budget=budget)
+  assert plan.fits
+  assert "model" in plan.shardings[4]["0/block_0/mlp/wi/kernel"]
+  assert "model" in plan.shardings[4]["0/block_1/attn/out/kernel"]
+  searched = cluster.price_placement(profiles["searched"].at(1), config, global_batch=4,
+                                     hardware=hw)
+  assert plan.time <= searched.time
+
+
+def test_stated_tensor_parallelism_never_prices_over_memory_where_megatron_fits():
+  """A small transformer whose search at the stated width, with memory to
+  spare, keeps every weight whole: held to a limit only Megatron-LM's
+  layout fits, price_cluster prices that one (it fits, and splits the
+  weights), whatever the search found."""
+  loss, params, batch = wider_step()
+  config = cluster.ClusterConfig(tensor=4, sequence_parallel=True)
+  budget = automap.Budget(episodes=4, progress=False)
+  with pytest.warns(cluster.ReplicatedWeightsWarning):
+    free = cluster.price_cluster(loss, params, *batch, config=config, global_batch=4,
+                                 hardware="a100", budget=budget, memory_limit=None)
+  megatron = cluster_plan.stated_profiles(loss, params, batch, config, automap.HARDWARE["a100"],
+                                          planner.searcher(budget, 0, None))["Megatron"]
+  lean = cluster.price_placement(megatron.at(1), config, global_batch=4, hardware="a100")
+  limit = (lean.stages[0].memory + free.memory) / 2
+  assert lean.stages[0].memory < limit < free.memory
+  held = cluster.price_cluster(loss, params, *batch, config=config, global_batch=4,
+                               hardware="a100", budget=budget, memory_limit=limit)
+  assert held.fits
+  assert "model" in held.shardings[4]["0/block_0/mlp/wi/kernel"]
 
 
 @pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
