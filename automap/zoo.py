@@ -5,7 +5,7 @@ Builders return `(step, args)`: a train step `step(*args)` (Adam or AdamW;
 parameters, optimizer state and data in, the same plus the loss out) and
 its arguments. Most take `jax.ShapeDtypeStruct`s, so any size can be
 planned without allocating it (`materialize` makes small ones concrete);
-`gpt_step`, `gpt_loss` and `encoder_decoder_loss` are concrete and small
+`gpt_step`, `gpt_loss`, `llama_loss` and `encoder_decoder_loss` are concrete and small
 enough to compile in seconds. The tests and benchmarks run on these.
 
 ```python
@@ -33,6 +33,7 @@ from automap._src.models.zoo import gpt as gpt
 from automap._src.models.zoo import gpt_loss as gpt_loss
 from automap._src.models.zoo import gpt_step as gpt_step
 from automap._src.models.zoo import graph_network as graph_network
+from automap._src.models.zoo import llama_loss as llama_loss
 from automap._src.models.zoo import loss_and_grads as loss_and_grads
 from automap._src.models.zoo import materialize as materialize
 from automap._src.models.zoo import mlp as mlp

@@ -1,7 +1,7 @@
 """Cluster plans run on 8 CPU devices: measured wall time against the plan's price.
 
-Each row is a plan for a small GPT (tied embeddings) or a T5-style
-encoder-decoder, priced on the `cpu` spec (`price_cluster` with a stated
+Each row is a plan for a small GPT (tied embeddings), a MaxText-style
+llama whose layers are one `nn.scan`, or a T5-style encoder-decoder, priced on the `cpu` spec (`price_cluster` with a stated
 split), then run with `plan.train_step` on 8 simulated CPU devices, beside the
 unpipelined `jax.jit` step on one device. Per row: seconds per global batch
 (median of the timed steps, after two warm-up steps that compile), the
@@ -47,6 +47,11 @@ def gpt_model():
   return zoo.gpt_loss(GPT, BATCH)
 
 
+def scanned_llama_model():
+  return zoo.llama_loss(zoo.LlamaConfig(vocab=256, embed=128, mlp=256, heads=4, kv_heads=2,
+                                        head_dim=32, layers=8, seq=32, batch=BATCH))
+
+
 def encoder_decoder_model():
   return zoo.encoder_decoder_loss(layers=4, width=128, vocab=256, seq=32, batch=BATCH)
 
@@ -75,6 +80,11 @@ ROWS = {
                                                shard_group=2), None),
     # Context parallelism: each stage's sequence split over 2 of its devices.
     "gpt-c2p2d2": (gpt_model, dict(context=2, pipeline=2, data=2, microbatch=2), None),
+    # A MaxText-style llama whose 8 layers are one nn.scan over stacked weights.
+    "llama-scanned-t2p2d2": (scanned_llama_model, dict(tensor=2, pipeline=2, data=2,
+                                                       microbatch=2), None),
+    "llama-scanned-p2d2-interleaved2": (scanned_llama_model, dict(
+        pipeline=2, data=2, microbatch=2, schedule="interleaved", virtual_stages=2), None),
 }
 
 
