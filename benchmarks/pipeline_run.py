@@ -1,17 +1,18 @@
 """Cluster plans run on 8 CPU devices: measured wall time against the plan's price.
 
-Each row is a plan for a small GPT (tied embeddings), a MaxText-style
-llama whose layers are one `nn.scan`, or a T5-style encoder-decoder, priced on the `cpu` spec (`price_cluster` with a stated
-split), then run with `plan.train_step` on 8 simulated CPU devices, beside the
-unpipelined `jax.jit` step on one device. Per row: seconds per global batch
-(median of the timed steps, after two warm-up steps that compile), the
-plan's predicted seconds, and the bubble: predicted, the plan's
-(S - 1) / v of the slowest stage's time per microbatch over its time per
-batch; measured, 1 - (the slowest stage's busy seconds, each program waited
-for) / (the step's wall seconds). The losses of the first steps are checked
-against the unpipelined step's. Per stage (the range over stages):
-`step.check`'s compiled data-axis collectives (the sync and ZeRO's), bytes
-received from other stages and peak memory, each over the plan's.
+Each row is a plan for a small GPT (tied embeddings), a MaxText-style llama
+whose layers are one `nn.scan`, or a T5-style encoder-decoder, priced on the
+`cpu` spec (`price_cluster` with a stated split), then run with
+`plan.train_step` on 8 simulated CPU devices, beside the unpipelined `jax.jit`
+step on one device. Per row: seconds per global batch (median of the timed
+steps, after two warm-up steps that compile), the plan's predicted seconds,
+and the bubble: predicted, the plan's (S - 1) / v of the slowest stage's time
+per microbatch over its time per batch; measured, 1 - (the slowest stage's
+busy seconds, each program waited for) / (the step's wall seconds). The losses
+of the first steps are checked against the unpipelined step's. Per stage (the
+range over stages): `step.check`'s compiled data-axis collectives (the sync
+and ZeRO's), bytes received from other stages and peak memory, each over the
+plan's.
 
 The machine runs 8 simulated devices on its cores (two here), so stages do
 not run in parallel as they would on 8 accelerators: the measured bubble

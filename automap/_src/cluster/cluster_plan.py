@@ -327,6 +327,7 @@ def layers_of(loss_fn: Callable, params: Any, batch: Sequence[Any]) -> tuple[Cal
   """The loss and (abstract) parameters the planner reads: a stack of layers
   scanned over stacked parameters as its layers (`stacks.unstack`), as
   `train_step` runs it."""
+  layers_lib.batch_size(batch)  # checked before anything traces
   params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
                         params)
   found = stacks.unstack(loss_fn, params, batch)
@@ -466,7 +467,8 @@ def stated_profiles(loss_fn: Callable, params: Any, batch: tuple, config: Cluste
                               fused_attention=fused_attention,
                               check=lambda graph: configured.chunked(graph, config),
                               sequence_parallel=config.sequence_parallel,
-                              context=config.context)
+                              context=config.context,
+                              offload_names=config.offload_activations)
 
   profiles = {"searched": measured(search)}
   if config.tensor > 1:

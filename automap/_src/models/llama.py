@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from automap._src.models import moe
@@ -174,9 +175,13 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:  # [B, S, E] -> [B, S, E]
     c = self.config
-    q = _dense((c.heads, c.head_dim), -1, ("embed", "heads", "kv"), c.dtype, "query")(x)
-    k = _dense((c.kv_heads, c.head_dim), -1, ("embed", "kv_heads", "kv"), c.dtype, "key")(x)
-    v = _dense((c.kv_heads, c.head_dim), -1, ("embed", "kv_heads", "kv"), c.dtype, "value")(x)
+    # MaxText's names for what its remat policies save or offload.
+    q = checkpoint_name(_dense((c.heads, c.head_dim), -1, ("embed", "heads", "kv"), c.dtype,
+                               "query")(x), "query_proj")
+    k = checkpoint_name(_dense((c.kv_heads, c.head_dim), -1, ("embed", "kv_heads", "kv"),
+                               c.dtype, "key")(x), "key_proj")
+    v = checkpoint_name(_dense((c.kv_heads, c.head_dim), -1, ("embed", "kv_heads", "kv"),
+                               c.dtype, "value")(x), "value_proj")
     q = nn.with_logical_constraint(
         rotary(q), ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
     kv_names = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
@@ -191,7 +196,8 @@ class Attention(nn.Module):
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, c.heads, c.head_dim)
     out = nn.with_logical_constraint(
         out, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
-    return _dense(c.embed, (-2, -1), ("heads", "kv", "embed"), c.dtype, "out")(out)
+    return checkpoint_name(
+        _dense(c.embed, (-2, -1), ("heads", "kv", "embed"), c.dtype, "out")(out), "out_proj")
 
 
 class MLP(nn.Module):
@@ -200,11 +206,11 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:  # [B, S, E] -> [B, S, E]
     c = self.config
-    gate = _dense(c.mlp, -1, ("embed", "mlp"), c.dtype, "wi_0")(x)
-    up = _dense(c.mlp, -1, ("embed", "mlp"), c.dtype, "wi_1")(x)
+    gate = checkpoint_name(_dense(c.mlp, -1, ("embed", "mlp"), c.dtype, "wi_0")(x), "mlpwi_0")
+    up = checkpoint_name(_dense(c.mlp, -1, ("embed", "mlp"), c.dtype, "wi_1")(x), "mlpwi_1")
     h = nn.with_logical_constraint(
         nn.silu(gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
-    return _dense(c.embed, -1, ("mlp", "embed"), c.dtype, "wo")(h)
+    return checkpoint_name(_dense(c.embed, -1, ("mlp", "embed"), c.dtype, "wo")(h), "mlpwo")
 
 
 class MoeMLP(nn.Module):
@@ -235,6 +241,7 @@ class DecoderLayer(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:
     c = self.config
+    x = checkpoint_name(x, "decoder_layer_input")
     x = x + Attention(c, name="self_attention")(RMSNorm(c.dtype, name="pre_attention_norm")(x))
     mlp = MoeMLP(c, name="moe") if c.experts else MLP(c, name="mlp")
     x = x + mlp(RMSNorm(c.dtype, name="post_attention_norm")(x))

@@ -20,7 +20,9 @@ A chunk's forward returns the values its backward needs that are not its
 inputs (the residuals of `jax.vjp`), under `jax.checkpoint` with the stage's
 recompute policy: "full" keeps nothing, "dots" keeps the weight matmuls'
 outputs (`checkpoint_dots_with_no_batch_dims`), "selective" keeps all but
-attention's scores and softmax (`cut.Cut.attention_scores`). Every program is
+attention's scores and softmax (`cut.Cut.attention_scores`), "offload" sends
+the values named by the plan's `offload_activations` to pinned host memory
+and rebuilds the rest (`save_and_offload_only_these_names`). Every program is
 compiled once and reused for every microbatch.
 """
 
@@ -51,11 +53,13 @@ class ChunkPrograms:
     modes: per stage, its recompute mode.
     microbatches: M, per pipeline replica (the loss's seed is 1 / (M d)).
     meshes: per stage, its mesh (`stage_layouts.meshes`).
+    offloaded: the `checkpoint_name`s the "offload" mode sends to host memory.
   """
 
   def __init__(self, cut: cut_lib.Cut, layout: StateLayout, modes: Sequence[str],
-               microbatches: int, meshes: Sequence[Mesh]):
+               microbatches: int, meshes: Sequence[Mesh], offloaded: Sequence[str] = ()):
     self.cut, self.layout, self.modes = cut, layout, list(modes)
+    self.offloaded = tuple(offloaded)
     self.M, self.d, self.zero = microbatches, layout.d, layout.zero
     self.meshes, self.stage_params, self.zdim = list(meshes), layout.stage_params, layout.zdim
     self.attention = cut.attention_scores()
@@ -73,6 +77,9 @@ class ChunkPrograms:
             "full": jax.checkpoint_policies.nothing_saveable,
             "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
             "selective": jax.checkpoint_policies.save_anything_except_these_names(_ATTENTION),
+            "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+                names_which_can_be_saved=(), names_which_can_be_offloaded=self.offloaded,
+                offload_src="device", offload_dst=stage_layouts.HOST),
             }[mode]
     if self.zero < 3:
       return base

@@ -84,6 +84,13 @@ def meshes(plan, devices) -> list[Mesh]:
             f"plan: offload={p.offload!r} keeps the optimizer state in {HOST!r} memory, which "
             f"the {dev.platform!r} backend's device {dev.id} lacks; price the split with "
             "offload='none' (or more devices, or ZeRO, to fit the state on them).")
+  if p.offload_activations:
+    for dev in devices[:p.devices]:
+      if HOST not in {m.kind for m in dev.addressable_memories()}:
+        raise PlacementError(
+            f"plan: offload_activations={p.offload_activations!r} sends activations to "
+            f"{HOST!r} memory, which the {dev.platform!r} backend's device {dev.id} lacks; "
+            "price the split with another recompute mode.")
   if len(devices) < p.devices:
     raise PlacementError(
         f"devices: the plan uses {p.devices} devices ({p.data_parallel} data-parallel x "

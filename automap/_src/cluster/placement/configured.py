@@ -95,6 +95,14 @@ class ClusterConfig:
       it leaves each device's memory and crosses the host link twice per
       step (read for the update, written back) after the last backward, at
       the hardware's `host_bandwidth`. "none": on the device.
+    offload_activations: with recompute="offload", the names
+      (`jax.ad_checkpoint.checkpoint_name`, as MaxText names
+      "decoder_layer_input", "query_proj", "out_proj", "mlpwo"...) of the
+      activations each layer's forward sends to host memory and its
+      backward brings back; the rest is rebuilt, each layer's input kept:
+      `jax.checkpoint_policies.save_and_offload_only_these_names`, MaxText's
+      `remat_policy: custom` with those names at "offload". Priced over the
+      hardware's `host_bandwidth`, the copies beside the layers' compute.
 
   Raises:
     PlacementError: a field out of its range, or fields that contradict
@@ -116,6 +124,7 @@ class ClusterConfig:
   recompute_every: int = 1
   context: int = 1
   offload: str = "none"
+  offload_activations: tuple[str, ...] = ()
 
   def __post_init__(self):
     for name in ("tensor", "pipeline", "data", "microbatch", "virtual_stages", "recompute_every",
@@ -175,6 +184,17 @@ class ClusterConfig:
       raise PlacementError(
           f"ClusterConfig.offload must be one of {OFFLOADS}, got {self.offload!r}: "
           "'optimizer' keeps the optimizer state in host memory, 'none' on the device.")
+    names = self.offload_activations
+    if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):
+      raise PlacementError(
+          f"ClusterConfig.offload_activations must be a tuple of checkpoint_name names, got "
+          f"{names!r}; e.g. offload_activations=('query_proj', 'out_proj').")
+    object.__setattr__(self, "offload_activations", tuple(names))
+    if bool(names) != (self.recompute == "offload"):
+      raise PlacementError(
+          "ClusterConfig.offload_activations names what recompute='offload' sends to host "
+          f"memory: state both or neither (got recompute={self.recompute!r}, "
+          f"offload_activations={names!r}).")
 
   @property
   def devices(self) -> int:
@@ -225,6 +245,11 @@ def check_hardware(config: ClusterConfig, hardware: str | Hardware) -> None:
         f"ClusterConfig.offload={config.offload!r}: hardware {hw.name!r} states no host "
         "link bandwidth to price the offloaded state's transfers; give "
         "Hardware(host_bandwidth=bytes/s per direction) or offload='none'.")
+  if config.offload_activations and hw.host_bandwidth is None:
+    raise PlacementError(
+        f"ClusterConfig.offload_activations: hardware {hw.name!r} states no host link "
+        "bandwidth to price the offloaded activations' transfers; give "
+        "Hardware(host_bandwidth=bytes/s per direction), or another recompute mode.")
 
 
 def _float_dtype(name: str, value) -> str | None:
@@ -355,7 +380,8 @@ def price(graph: LayerGraph, config: ClusterConfig, *, global_batch: int,
   if plan is None or not math.isfinite(plan.time):
     raise PlacementError(f"ClusterConfig {config} could not be priced over this layer graph.")
   return dataclasses.replace(plan, recompute_every=config.recompute_every,
-                             context=config.context, offload=config.offload)
+                             context=config.context, offload=config.offload,
+                             offload_activations=config.offload_activations)
 
 
 __all__ = ["OFFLOADS", "ClusterConfig", "check_hardware", "price"]

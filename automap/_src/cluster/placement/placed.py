@@ -104,6 +104,8 @@ class Placement:
     recompute_every: the stages' recompute modes apply to every k-th layer.
     context: of each stage's devices, how many split the sequence.
     offload: "optimizer": its state in host memory between steps; "none".
+    offload_activations: the `checkpoint_name`s of the activations a stage
+      in the "offload" recompute mode sends to host memory.
 
   Raises:
     PlacementError: virtual_stages not a positive int, or a schedule that
@@ -122,6 +124,7 @@ class Placement:
   recompute_every: int = 1
   context: int = 1
   offload: str = "none"
+  offload_activations: tuple[str, ...] = ()
 
   def __post_init__(self):
     if isinstance(self.virtual_stages, bool) or not isinstance(self.virtual_stages, int) or (
@@ -183,6 +186,7 @@ class Placement:
             "virtual_stages": self.virtual_stages, "schedule": self.schedule,
             "shard_group": self.shard_group, "recompute_every": self.recompute_every,
             "context": self.context, "offload": self.offload,
+            "offload_activations": list(self.offload_activations),
             "stages": [dataclasses.asdict(s) | {"layers": list(s.layers)} for s in self.stages]}
 
   @classmethod
@@ -192,7 +196,8 @@ class Placement:
                stages, int(data["devices"]), float(data["time"]),
                int(data.get("virtual_stages", 1)), data.get("schedule"),
                data.get("shard_group"), int(data.get("recompute_every", 1)),
-               int(data.get("context", 1)), data.get("offload", "none"))
+               int(data.get("context", 1)), data.get("offload", "none"),
+               tuple(data.get("offload_activations", ())))
 
 
 __all__ = ["Placement", "Stage"]

@@ -51,6 +51,21 @@ class StageCosts(StageMemory, StageTimes):
             "automap.cluster.price_cluster) or set LayerCost.dots and dots_forward.")
       problem = dataclasses.replace(
           problem, recompute=tuple(m for m in problem.recompute if m != "dots"))
+    # The "offload" mode needs the named values each layer offloads, and a host link.
+    unnamed = next((layer.name for layer in graph.layers
+                    if any(c.offloaded is None for c in layer.widths.values())), None)
+    unlinked = problem.hw.host_bandwidth is None
+    if "offload" in problem.recompute and (unnamed is not None or unlinked):
+      if problem.recompute_stated:
+        raise PlacementError(
+            f"recompute='offload' needs the bytes each layer sends to host memory "
+            f"(LayerCost.offloaded), which layer {unnamed!r} lacks: state the "
+            "checkpoint_names to offload (ClusterConfig.offload_activations)." if not unlinked
+            else f"recompute='offload': hardware {problem.hw.name!r} states no host link "
+            "bandwidth to price the offloaded activations; give "
+            "Hardware(host_bandwidth=bytes/s per direction) or another recompute mode.")
+      problem = dataclasses.replace(
+          problem, recompute=tuple(m for m in problem.recompute if m != "offload"))
     super().__init__(graph, problem)
     self._choices: dict[tuple, tuple[float, list]] = {}
 

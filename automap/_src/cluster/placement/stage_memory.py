@@ -63,7 +63,8 @@ class StageMemory(StageSums):
         # FSDP all-gathers each weight for the matmul that reads it.
         fixed += c.largest_param * (1 - 1 / self.problem.sharded_over(d, zero))
       transient = {"none": 0.0, "full": c.largest_activations,
-                   "selective": c.largest_selective, "dots": c.largest_dots_rebuilt}[mode]
+                   "selective": c.largest_selective, "dots": c.largest_dots_rebuilt,
+                   "offload": c.largest_activations}[mode]
       self._terms[key] = (fixed + transient,
                           kept(mode, c.activations, c.inputs, c.selective, c.dots,
                                self.problem.recompute_share))
@@ -127,7 +128,7 @@ class StageMemory(StageSums):
           held = kept(mode, c.activations, self.inputs[kind] / t, c.selective, c.dots or 0.0,
                       o.recompute_share)
           extra = rebuilt(mode, c.forward, c.selective_forward, c.dots_forward,
-                          o.recompute_share)
+                          o.recompute_share, c.offloaded_forward)
           points.append((t * (self.least(c) + extra), t * (fixed + in_flight * held)))
       if not points:
         self._hulls[key] = (math.inf, math.inf, [])

@@ -38,6 +38,8 @@ class Totals(NamedTuple):
   dots: float                 # weight-matmul outputs the "dots" policy keeps
   largest_dots_rebuilt: float  # the most one layer rebuilds under it
   dots_forward: float         # seconds it reruns
+  offloaded: float            # named values the "offload" mode sends to host memory
+  offloaded_forward: float    # seconds that mode reruns
   layers: int
   bytes_in: float             # on edges entering the stage
   bytes_out: float            # on edges leaving it
@@ -45,21 +47,22 @@ class Totals(NamedTuple):
 
 def kept(mode: str, activations: float, inputs: float, selective: float, dots: float,
          share: float = 1.0) -> float:
-  """Bytes a recompute mode keeps per microbatch in flight: every activation
-  ("none"), every layer's input ("full"), all but the attention scores
+  """Bytes a recompute mode keeps on the device per microbatch in flight:
+  every activation ("none"), every layer's input ("full"; "offload", whose
+  named values wait in host memory), all but the attention scores
   ("selective"), every layer's input and weight-matmul outputs ("dots");
   applied to a `share` of the layers (every k-th: 1 / k), the rest keep all."""
   mode_keeps = {"none": activations, "full": inputs, "selective": activations - selective,
-                "dots": inputs + dots}[mode]
+                "dots": inputs + dots, "offload": inputs}[mode]
   return share * mode_keeps + (1 - share) * activations
 
 
 def rebuilt(mode: str, forward: float, selective_forward: float, dots_forward: float,
-            share: float = 1.0) -> float:
+            share: float = 1.0, offloaded_forward: float = 0.0) -> float:
   """Seconds of forward a recompute mode runs again in the backward, on a
   `share` of the layers."""
   return share * {"none": 0.0, "full": forward, "selective": selective_forward,
-                  "dots": dots_forward}[mode]
+                  "dots": dots_forward, "offload": offloaded_forward}[mode]
 
 
 class StageSums:
@@ -167,6 +170,8 @@ class StageSums:
           largest_dots_rebuilt=max(max(c.activations - (c.dots or 0.0), 0.0)
                                    for _, c, _ in costs),
           dots_forward=total(lambda c: c.dots_forward),
+          offloaded=total(lambda c: c.offloaded or 0.0),
+          offloaded_forward=total(lambda c: c.offloaded_forward),
           layers=sum(n for n, _, _ in costs), bytes_in=b_in / t, bytes_out=b_out / t)
     return self._totals[key]
 

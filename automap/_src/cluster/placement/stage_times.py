@@ -145,8 +145,17 @@ class StageTimes(StageSums):
     transfers = 2 * (ring.send(c.bytes_in, (first - 1) % per_pipeline, first)
                      + ring.send(c.bytes_out, first + t - 1, (first + t) % per_pipeline))
     share = self.problem.recompute_share
-    rebuild = rebuilt(mode, c.forward, c.selective_forward, c.dots_forward, share)
+    rebuild = rebuilt(mode, c.forward, c.selective_forward, c.dots_forward, share,
+                      c.offloaded_forward)
     compute = c.forward + c.backward + rebuild
+    if mode == "offload":
+      # Offloaded values cross the host link out in the forward and back in
+      # the backward, XLA's host-offload copies running beside the layers'
+      # compute (copy-start / copy-done), a layer at a time.
+      link = share * c.offloaded / self.problem.hw.host_bandwidth
+      compute += (exposed(link, c.forward, c.layers) + exposed(link, c.backward + rebuild,
+                                                                c.layers)
+                  if self.problem.overlap else 2 * link)
     # Full recompute redoes the forward's collectives (a third of them).
     tensor = c.collectives * (1 + 0.5 * share if mode == "full" else 1.0)
     if self.problem.overlap_tensor and tensor:

@@ -61,6 +61,13 @@ class LayerCost:
     comm_bytes: bytes of the results of its tensor-parallel collectives, per
       device, forward + backward (what a compiled program's collectives
       return; 0: not known).
+    offloaded: bytes the "offload" recompute mode moves to host memory in
+      the forward and back for the backward: the values named by
+      `checkpoint_name` with a name `ClusterConfig.offload_activations`
+      lists that the backward reads, directly or to rebuild what it reads
+      (`jax.checkpoint_policies.save_and_offload_only_these_names`). None:
+      no names were given; that mode is then not priced.
+    offloaded_forward: seconds of forward that policy reruns in the backward.
   """
 
   forward: float
@@ -75,11 +82,13 @@ class LayerCost:
   dots_forward: float = 0.0
   largest_param: float = 0.0
   comm_bytes: float = 0.0
+  offloaded: float | None = None
+  offloaded_forward: float = 0.0
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if field.name == "dots" and value is None:
+      if field.name in ("dots", "offloaded") and value is None:
         continue
       if (isinstance(value, bool) or not isinstance(value, (int, float))
           or not math.isfinite(value) or value < 0):
@@ -257,7 +266,7 @@ class LayerGraph:
     return done
 
 
-RECOMPUTE_MODES = ("none", "full", "selective", "dots")
+RECOMPUTE_MODES = ("none", "full", "selective", "dots", "offload")
 
 
 __all__ = ["RECOMPUTE_MODES", "JsonFile", "Layer", "LayerCost", "LayerGraph", "PlacementError",

@@ -80,7 +80,9 @@ class Profile:
             collectives=c.collectives * s, flops=c.flops * s, selective=c.selective * s,
             comm_bytes=c.comm_bytes * s,
             selective_forward=c.selective_forward * s,
-            dots=None if c.dots is None else c.dots * s, dots_forward=c.dots_forward * s)
+            dots=None if c.dots is None else c.dots * s, dots_forward=c.dots_forward * s,
+            offloaded=None if c.offloaded is None else c.offloaded * s,
+            offloaded_forward=c.offloaded_forward * s)
       layers.append(dataclasses.replace(layer, widths=widths))
     shared = tuple(Shared(group.layers, {t: graph.shared[k].params[t]
                                          for t, graph in per_width.items()})
@@ -236,6 +238,37 @@ def policy_rerun(g, cut: LayerCut, needed: np.ndarray,
   return saved, rerun
 
 
+def offloaded(g, cut: LayerCut, needed: np.ndarray,
+              names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+  """What `save_and_offload_only_these_names(names_which_can_be_offloaded=
+  names)` sends to host memory and reruns, per `policy_rerun`: the values
+  `checkpoint_name` names with one of `names` are offloaded, each counted
+  once (a name and the array it names are one array), the rest rebuilt.
+
+  Returns:
+    ([V] offloaded, [O] rerun).
+  """
+  named = [o for o, n in g.checkpoint_names.items() if n in names and cut.forward[o]]
+  saveable = np.zeros(g.num_ops, bool)
+  for o in named:
+    saveable[o] = True
+    for v in g.operands[o]:
+      if v >= 0 and g.producer[v] >= 0:
+        saveable[g.producer[v]] = True  # what the backward may read in its stead
+  saved, rerun = policy_rerun(g, cut, needed, saveable)
+  named_values = {v for o in named for v in (*g.results[o], *g.operands[o]) if v >= 0}
+  for o in named:
+    for u, r in zip(g.operands[o], g.results[o]):
+      if u >= 0 and r >= 0 and saved[u] and saved[r]:
+        saved[r] = False
+  # Only named values (or what they name) leave; other results of a
+  # producing op (none, for a matmul) are not the policy's.
+  for v in np.flatnonzero(saved):
+    if v not in named_values:
+      saved[v] = False
+  return saved, rerun
+
+
 def replicated_share(program: Program, state: np.ndarray, params_count: int) -> float:
   """Share of the parameters' bytes a plan leaves whole on every device."""
   g = program.graph
@@ -323,7 +356,8 @@ def fused_attention_ops(g, cut: LayerCut, scores: np.ndarray) -> np.ndarray:
 
 
 def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
-                 params_count: int, fused_attention: bool = False) -> dict[int, LayerGraph]:
+                 params_count: int, fused_attention: bool = False,
+                 offload_names: tuple[str, ...] = ()) -> dict[int, LayerGraph]:
   """Per width, the layer graph of one traced gradient program (built for a
   mesh of that width) under that width's state.
 
@@ -333,6 +367,8 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
     the matrix units' rate, the rest at the vector units'; the scores never
     reach memory, so nothing of them is stashed, and the backward rebuilds
     them (the forward kernel's score-making time again).
+  offload_names: the `checkpoint_name`s the "offload" recompute mode sends
+    to host memory (`offloaded`); none: that mode is not priced.
   """
   g = next(iter(width_states.values()))[0].graph
   cut = LayerCut.of(g)
@@ -355,6 +391,8 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
     if p >= 0 and forward[p] and not in_kernel[v]:
       own[v] = any(not forward[o] and cut.labels[o] == cut.labels[p] for o, _ in g.uses[v])
   saved, rerun = policy_rerun(g, cut, own, weight_matmuls(g, forward))
+  offloaded_values, offload_rerun = (offloaded(g, cut, own, offload_names) if offload_names
+                                     else (None, np.zeros(g.num_ops, bool)))
   edges = layer_edges(g, cut)
   kinds = structures(g, cut)
   graphs = {}
@@ -390,6 +428,8 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
     acts = np.zeros(len(names))
     dots = np.zeros(len(names))
     dots_forward = np.bincount(segment[rerun], seconds[rerun], len(names))
+    host = np.zeros(len(names))
+    host_forward = np.bincount(segment[offload_rerun], seconds[offload_rerun], len(names))
     shared: dict[tuple[int, ...], float] = defaultdict(float)
     for v in range(g.num_values):
       if v in params:
@@ -406,6 +446,8 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
       src = segment[p]
       if saved[v]:
         dots[src] += model.local_bytes(state, v)
+      if offloaded_values is not None and offloaded_values[v]:
+        host[src] += model.local_bytes(state, v)
       if any(not forward[o] for o, _ in g.uses[v]) and not in_kernel[v]:
         acts[src] += model.local_bytes(state, v)
         if scores[v]:
@@ -413,7 +455,8 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
     layers = tuple(Layer(n, {t: LayerCost(*(float(x) for x in (
         fw[i], bw[i], param_bytes[i], acts[i], coll[i], flops[i], dropped[i],
         min(rebuild[i], fw[i]), dots[i], min(dots_forward[i], fw[i]), largest[i],
-        comm_bytes[i])))}, kinds[i])
+        comm_bytes[i])), offloaded=None if offloaded_values is None else float(host[i]),
+        offloaded_forward=float(min(host_forward[i], fw[i])))}, kinds[i])
                    for i, n in enumerate(names))
     graphs[t] = LayerGraph(layers, edges,
                            tuple(Shared(tuple(names[i] for i in group), {t: float(nbytes)})
@@ -487,11 +530,22 @@ def outline(g, params_count: int, widths: Sequence[int]) -> LayerGraph:
                     layer_edges(g, cut))
 
 
+def batch_size(batch: Sequence) -> int:
+  """The leading (batch) dimension the batch arguments share."""
+  found = {leaf.shape[0] for leaf in jax.tree.leaves(batch) if np.ndim(leaf)}
+  if len(found) != 1:
+    raise PlacementError(
+        "batch arguments must share one leading (batch) dimension, got sizes "
+        f"{sorted(found)}; pass the batch as the arguments after params.")
+  return found.pop()
+
+
 def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int],
             hardware: Hardware, search: Callable[[Program], np.ndarray],
             sizes: Sequence[int] = (), fused_attention: bool = False,
             check: Callable[[LayerGraph], None] | None = None,
-            sequence_parallel: bool = False, context: int = 1) -> Profile:
+            sequence_parallel: bool = False, context: int = 1,
+            offload_names: tuple[str, ...] = ()) -> Profile:
   """Profiles `jax.value_and_grad(loss_fn)(params, *batch)` at each width, for
   the example batch and for each of `sizes` (the batch's leading dimension
   changed).
@@ -506,17 +560,19 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
     above 1 (`sequence_layouts`), the search choosing the rest.
   context: of each width's devices, how many split the batch's sequence
     (a ("context", "model") mesh; `_searched`).
+  offload_names: as in `layer_graphs`.
   """
-  found = {leaf.shape[0] for leaf in jax.tree.leaves(batch) if np.ndim(leaf)}
-  if len(found) != 1:
-    raise PlacementError(
-        "batch arguments must share one leading (batch) dimension, got sizes "
-        f"{sorted(found)}; pass the batch as the arguments after params.")
-  example = found.pop()
+  example = batch_size(batch)
   params_count = len(jax.tree.leaves(params))
   grad = jax.value_and_grad(loss_fn)
   traced = planner.trace(grad, (params, *batch))
   g = graph_lib.build(traced)  # one graph per trace, for every width
+  named = set(g.checkpoint_names.values())
+  if set(offload_names) - named:
+    raise PlacementError(
+        f"offload_activations: {sorted(set(offload_names) - named)} name no value of the "
+        f"traced loss_fn; its checkpoint_names are {sorted(named) or 'none'}. Name the "
+        "activations to offload with jax.ad_checkpoint.checkpoint_name(x, name).")
   if check is not None:
     check(outline(g, params_count, widths))
   searched: dict[int, np.ndarray] = {}
@@ -539,5 +595,5 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
         specs[t] = {p: str(tuple(s)) for p, s in zip(plan.in_paths, plan.in_specs)}
       programs[(size, t)] = (program, state)
     graphs[size] = layer_graphs({t: programs[(size, t)] for t in widths}, params_count,
-                                fused_attention)
+                                fused_attention, offload_names)
   return Profile(graphs, specs, programs)
