@@ -72,9 +72,10 @@ def test_scanned_llama_runs_as_its_layers_at_pipeline2_tensor2_data2():
 @pytest.mark.slow
 @pytest.mark.parametrize("tied, config", [
     (True, dict(MEGATRON, recompute="full")),  # each scanned layer rebuilt on its own
+    (False, dict(MEGATRON, recompute="full", recompute_every=2)),  # every 2nd layer
     (False, dict(MEGATRON, schedule="interleaved", virtual_stages=2, microbatch=2)),
     (True, dict(MEGATRON, schedule="interleaved", virtual_stages=2, microbatch=2)),
-], ids=["tied-full-recompute", "interleaved", "tied-interleaved"])
+], ids=["tied-full-recompute", "full-every-2nd", "interleaved", "tied-interleaved"])
 def test_scanned_llama_tied_and_interleaved_match_the_jitted_step(tied, config):
   import dataclasses
   loss, params, batch = zoo.llama_loss(dataclasses.replace(LLAMA, tied=tied))

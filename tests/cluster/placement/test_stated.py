@@ -315,8 +315,10 @@ def test_recomputing_every_kth_layer_prices_that_share_of_the_stage():
                                                                   recompute_every=2), **kw)
   assert placement.recompute_every == 2
   assert type(placement).from_json(placement.to_json()) == placement
-  plan = cluster.ClusterPlan(placement, 1, 1, 1, "a100", {})
-  with pytest.raises(cluster.PlacementError, match="recompute_every=2 .* priced but not run"):
+  zero3 = cluster.price_placement(graph, cluster.ClusterConfig(recompute="full", zero=3,
+                                                              recompute_every=2), **kw)
+  plan = cluster.ClusterPlan(zero3, 1, 1, 1, "a100", {})
+  with pytest.raises(cluster.PlacementError, match="recompute_every=2 with ZeRO 3"):
     plan.train_step(lambda w, x: jnp.mean(x @ w), optax.sgd(0.1), jnp.zeros((8, 8)),
                     jnp.zeros((1, 8)))
   with pytest.raises(cluster.PlacementError, match="recompute='none' recomputes nothing"):

@@ -103,13 +103,14 @@ class Cut:
 
   def run(self, index: int, params: Sequence, batch: Sequence, received: Sequence,
           tag: Callable[[int, Any], Any] = lambda i, x: x,
-          wrap: Callable[[Callable], Callable] | None = None) -> list:
+          wrap: Callable[[Callable], Callable] | None = None, every: int = 1) -> list:
     """Chunk `index` on its parameter leaves, batch leaves and received
     values (in the order `Chunk` lists them): the values it sends.
     `tag(value id, value)` sees every value the chunk makes (selective
     recompute names some). With `wrap` (e.g. `jax.checkpoint`), each layer
     runs as `wrap(layer)(its inputs)`: recompute rebuilds one layer at a
-    time, keeping each layer's inputs, as Megatron-LM recomputes."""
+    time, keeping each layer's inputs, as Megatron-LM recomputes; with
+    `every` = k only the chunk's first layer and every k-th after it."""
     c = self.chunks[index]
     env = dict(self.consts)
     env.update(zip((self.param_ids[i] for i in c.params), params))
@@ -123,7 +124,10 @@ class Cut:
     for segment in reversed(c.segments):
       needed_after.append(set(later))
       later |= {i for o in segment for i in self.ops[o].ins}
-    for segment, after in zip(c.segments, reversed(needed_after)):
+    for k, (segment, after) in enumerate(zip(c.segments, reversed(needed_after))):
+      if k % every:
+        self._eval(segment, env, tag)
+        continue
       made = [i for o in segment for i in self.ops[o].outs if i >= 0]
       inside = set(made)
       needs = sorted({i for o in segment for i in self.ops[o].ins

@@ -145,7 +145,7 @@ class PipelineStep:
     self.param_avals = self.layout.param_avals
     self.chunk_programs = ChunkPrograms(self.cut, self.layout,
                                         [s.recompute_mode for s in p.stages], self.M, self.meshes,
-                                        p.offload_activations)
+                                        p.offload_activations, p.recompute_every)
     widths = [stage.width for stage in p.stages]
     batch_paths = [path_str(k) for k, _ in jax.tree_util.tree_flatten_with_path(
         (params, *batch))[0]][len(self.param_avals):]

@@ -54,12 +54,15 @@ class ChunkPrograms:
     microbatches: M, per pipeline replica (the loss's seed is 1 / (M d)).
     meshes: per stage, its mesh (`stage_layouts.meshes`).
     offloaded: the `checkpoint_name`s the "offload" mode sends to host memory.
+    every: the recompute mode applies to a chunk's first layer and every
+      k-th after it (`Placement.recompute_every`), the others keeping all.
   """
 
   def __init__(self, cut: cut_lib.Cut, layout: StateLayout, modes: Sequence[str],
-               microbatches: int, meshes: Sequence[Mesh], offloaded: Sequence[str] = ()):
+               microbatches: int, meshes: Sequence[Mesh], offloaded: Sequence[str] = (),
+               every: int = 1):
     self.cut, self.layout, self.modes = cut, layout, list(modes)
-    self.offloaded = tuple(offloaded)
+    self.offloaded, self.every = tuple(offloaded), every
     self.M, self.d, self.zero = microbatches, layout.d, layout.zero
     self.meshes, self.stage_params, self.zdim = list(meshes), layout.stage_params, layout.zdim
     self.attention = cut.attention_scores()
@@ -114,7 +117,7 @@ class ChunkPrograms:
         if self.zero >= 3:
           params = [p if k is None else jax.lax.all_gather(p, zaxis, axis=k, tiled=True)
                     for p, k in zip(params, zdims)]
-        return self.cut.run(c, params, batch, received, tag, wrap=wrap)
+        return self.cut.run(c, params, batch, received, tag, wrap=wrap, every=self.every)
 
       return f if policy is None or per_layer else jax.checkpoint(f, policy=policy)
 

@@ -69,11 +69,12 @@ def meshes(plan, devices) -> list[Mesh]:
   pipeline) + the stage's first device onwards, replicas r // g in a group,
   a stage's devices (context, width / context)."""
   p = plan.placement
-  if p.recompute_every > 1:
+  if p.recompute_every > 1 and p.zero >= 3:
     raise PlacementError(
-        f"plan: recompute_every={p.recompute_every} (the recompute mode on every "
-        f"{p.recompute_every}-th layer) is priced but not run; price the split with "
-        "recompute_every=1 to run it.")
+        f"plan: recompute_every={p.recompute_every} with ZeRO 3: a stage under ZeRO 3 "
+        "recomputes its whole chunk at once (its parameter gathers stay inside what is "
+        "rebuilt), so it cannot recompute every k-th layer alone; price the split with "
+        "recompute_every=1, or zero <= 2.")
   devices = list(jax.devices() if devices is None else devices)
   if isinstance(devices[0] if devices else None, Mesh) or isinstance(devices, Mesh):
     raise PlacementError("devices: expected a sequence of jax devices, got a Mesh.")
