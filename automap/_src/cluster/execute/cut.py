@@ -29,8 +29,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jex
 
+from automap._src.cluster.execute import rolled as rolled_lib
 from automap._src.cluster.placement.placed import Placement
 from automap._src.cluster.profile.layer_graph import PlacementError
 from automap._src.ir.naming import containers, layer_of, layer_runs
@@ -103,20 +105,26 @@ class Cut:
 
   def run(self, index: int, params: Sequence, batch: Sequence, received: Sequence,
           tag: Callable[[int, Any], Any] = lambda i, x: x,
-          wrap: Callable[[Callable], Callable] | None = None, every: int = 1) -> list:
+          wrap: Callable[[Callable], Callable] | None = None, every: int = 1,
+          stacks: Sequence | None = None, roll: bool = True) -> list:
     """Chunk `index` on its parameter leaves, batch leaves and received
     values (in the order `Chunk` lists them): the values it sends.
     `tag(value id, value)` sees every value the chunk makes (selective
     recompute names some). With `wrap` (e.g. `jax.checkpoint`), each layer
     runs as `wrap(layer)(its inputs)`: recompute rebuilds one layer at a
     time, keeping each layer's inputs, as Megatron-LM recomputes; with
-    `every` = k only the chunk's first layer and every k-th after it."""
+    `every` = k only the chunk's first layer and every k-th after it.
+    With `roll`, runs of identical layers (`rolled`) run as one scan each
+    (where every layer recomputes alike), over `stacks` (the parameters
+    `stacked` names, stacked by the caller) or over their parameters stacked
+    here."""
     c = self.chunks[index]
     env = dict(self.consts)
     env.update(zip((self.param_ids[i] for i in c.params), params))
     env.update(zip((self.batch_ids[i] for i in c.batch), batch))
     env.update(zip(c.receives, received))
-    if wrap is None:
+    rolled = {r.first: r for r in self.rolled[index]} if roll and every == 1 else {}
+    if wrap is None and not rolled:
       self._eval(c.ops, env, tag)
       return [env[i] for i in c.sends]
     later = set(c.sends)
@@ -124,9 +132,18 @@ class Cut:
     for segment in reversed(c.segments):
       needed_after.append(set(later))
       later |= {i for o in segment for i in self.ops[o].ins}
-    for k, (segment, after) in enumerate(zip(c.segments, reversed(needed_after))):
-      if k % every:
+    needed_after.reverse()
+    k, used = 0, 0
+    while k < len(c.segments):
+      segment, after = c.segments[k], needed_after[k]
+      if k in rolled:
+        run, n = rolled[k], len(rolled[k].stacked)
+        self._scan(c, run, env, tag, wrap, None if stacks is None else stacks[used:used + n])
+        k, used = k + run.count, used + n
+        continue
+      if wrap is None or k % every:
         self._eval(segment, env, tag)
+        k += 1
         continue
       made = [i for o in segment for i in self.ops[o].outs if i >= 0]
       inside = set(made)
@@ -141,7 +158,43 @@ class Cut:
         return [local[i] for i in keeps]
 
       env.update(zip(keeps, wrap(layer)(*(env[i] for i in needs))))
+      k += 1
     return [env[i] for i in c.sends]
+
+  @functools.cached_property
+  def rolled(self) -> tuple[tuple[rolled_lib.Run, ...], ...]:
+    """Per chunk, its runs of identical layers, each run as one scan."""
+    return tuple(rolled_lib.runs(self, c) for c in self.chunks)
+
+  def stacked(self, index: int) -> tuple[tuple[int, ...], ...]:
+    """Chunk `index`'s parameters its rolled runs read stacked, in the order
+    `run` takes their stacks: per stack, the positions in `Chunk.params` of
+    its layers' leaves."""
+    c = self.chunks[index]
+    at = {self.param_ids[i]: k for k, i in enumerate(c.params)}
+    return tuple(tuple(at[i] for i in ids) for r in self.rolled[index] for ids in r.stacked)
+
+  def _scan(self, chunk: Chunk, run: rolled_lib.Run, env: dict, tag: Callable,
+            wrap: Callable | None, stacks: Sequence | None) -> None:
+    """A run of identical layers as one `lax.scan` of the first's equations
+    over their parameters stacked (`stacks`, else stacked here), each layer
+    under `wrap` as unrolled."""
+    template = chunk.segments[run.first]
+    shared = [env[i] for i in run.shared]
+
+    def layer(carry, xs):
+      local = dict(self.consts)
+      local.update(zip(run.shared, shared))
+      local.update(zip(run.carry, carry))
+      local.update(zip((ids[0] for ids in run.stacked), xs))
+      self._eval(template, local, tag)
+      return [local[i] for i in run.carry_out]
+
+    step = layer if wrap is None else wrap(layer)
+    xs = stacks if stacks is not None else [jnp.stack([env[i] for i in ids])
+                                            for ids in run.stacked]
+    carry, _ = jax.lax.scan(lambda c, x: (step(c, x), None), [env[i] for i in run.carry], xs)
+    env.update(zip(run.last_out, carry))
 
   def _eval(self, ops: Sequence[int], env: dict, tag: Callable) -> None:
     for o in ops:

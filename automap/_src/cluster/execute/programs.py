@@ -113,15 +113,34 @@ class ChunkPrograms:
     wrap = functools.partial(jax.checkpoint, policy=policy) if per_layer else None
 
     def make(batch):
-      def f(params, received):
+      def f(params, received, stacks):
         if self.zero >= 3:
           params = [p if k is None else jax.lax.all_gather(p, zaxis, axis=k, tiled=True)
                     for p, k in zip(params, zdims)]
-        return self.cut.run(c, params, batch, received, tag, wrap=wrap, every=self.every)
+        return self.cut.run(c, params, batch, received, tag, wrap=wrap, every=self.every,
+                            stacks=stacks, roll=self._rolls(s))
 
       return f if policy is None or per_layer else jax.checkpoint(f, policy=policy)
 
     return make
+
+  def _rolls(self, s: int) -> bool:
+    """Whether stage s runs its runs of identical layers as scans
+    (`cut.Cut.rolled`): where each layer keeps everything or only its
+    input ("none", "full"), so that a scan keeps what the layers unrolled
+    keep. Under "selective", "dots" and "offload", whose policies save values
+    inside a layer, and under ZeRO 3 or recompute every k-th layer, its
+    layers run unrolled."""
+    return self.modes[s] in ("none", "full") and self.zero < 3 and self.every == 1
+
+  def _stacked(self, c: int) -> tuple[tuple[int, ...], ...]:
+    """Chunk c's parameters its rolled runs read stacked (`cut.Cut.stacked`),
+    stacked by each program from the layers' own leaves so that the stack
+    is never a residual kept per microbatch."""
+    return self.cut.stacked(c) if self._rolls(self.cut.chunks[c].stage) else ()
+
+  def _stacks(self, c: int, params: Sequence) -> list:
+    return [jnp.stack([params[k] for k in positions]) for positions in self._stacked(c)]
 
   def _param_in_specs(self, c: int) -> list[P]:
     chunk = self.cut.chunks[c]
@@ -157,11 +176,13 @@ class ChunkPrograms:
 
     def local(params, batch, received):
       received = [r[0] for r in received]
-      outs, vjp = jax.vjp(make(batch), params, received)
+      stacks = self._stacks(c, params)
+      outs, vjp = jax.vjp(make(batch), params, received, stacks)
       leaves, tree = jax.tree.flatten(vjp)
       inputs = [("p", k, x) for k, x in enumerate(params)] + [
           ("r", k, x) for k, x in enumerate(received)] + [
-          ("b", k, x) for k, x in enumerate(batch)]
+          ("b", k, x) for k, x in enumerate(batch)] + [
+          ("s", k, x) for k, x in enumerate(stacks)]
       where = [next(((kind, k) for kind, k, x in inputs if x is leaf), None) for leaf in leaves]
       self._residuals[c] = (tree, where)
       rest = [x[None] for x, w in zip(leaves, where) if w is None]
@@ -193,7 +214,7 @@ class ChunkPrograms:
     def local(params, batch, received, rest, cots, acc):
       tree, where = self._residuals[c]
       received = [r[0] for r in received]
-      pools = {"p": params, "r": received, "b": batch}
+      pools = {"p": params, "r": received, "b": batch, "s": self._stacks(c, params)}
       it = iter(rest)
       leaves = [next(it)[0] if w is None else pools[w[0]][w[1]] for w in where]
       vjp = jax.tree.unflatten(tree, leaves)
@@ -203,7 +224,11 @@ class ChunkPrograms:
       else:
         cots = [x[0] for x in cots]
       cots = [stage_layouts.cotangent(x, aval) for x, aval in zip(cots, self.send_avals(c))]
-      grads, d_received = vjp(cots)
+      grads, d_received, d_stacks = vjp(cots)
+      grads = list(grads)
+      for positions, d in zip(self._stacked(c), d_stacks):
+        for j, k in enumerate(positions):
+          grads[k] = grads[k] + d[j]
       acc = list(acc)
       for k, i in enumerate(acc_ids):
         if i in chunk.params:
