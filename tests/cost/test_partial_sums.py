@@ -1,8 +1,8 @@
 """A contraction's partial sums, finished as XLA:CPU's dot partitioner does:
-all-reduced and sliced, regrouped by a permute, or made whole and sliced
-where the contracted axes land on a dim the op's own layout tiles (a
-mixture of experts' combine: tokens over `data`, wanted over
-`(data, expert)`)."""
+all-reduced and sliced, regrouped by a permute, or, where the contracted
+axes land on a dim the op's own layout tiles (a mixture of experts'
+combine: tokens over `data`, wanted over `(data, expert)`), sliced in
+place or made whole and sliced."""
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +28,12 @@ CASES = [
     # mesh, a's layout, b's layout, the result's: its collectives as compiled.
     ((2, 4), P("data", None, "expert"), P("expert", "data"), P("data")),
     ((2, 4), P("data", None, "expert"), P("expert", "data"), P("data", "expert")),
-    # Made whole over `data` after the all-reduce, then sliced.
+    # A batch dim both operands arrive tiled on: made whole over `data`
+    # after the all-reduce, then sliced.
     ((2, 4), P("data", None, "expert"), P("expert", "data"), P(("data", "expert"))),
+    # Tiled in one operand only (a Switch layer's combine): the partial
+    # tile holds the target's, all-reduced over `expert` and sliced in place.
+    ((2, 4), P("data", None, "expert"), P("expert"), P(("data", "expert"))),
     # An axis left unused, as large as the contracted ones: the tile is
     # reduced and permuted into place.
     ((2, 2, 2), P("a", None, "b"), P("b", "a"), P(("a", "b"))),

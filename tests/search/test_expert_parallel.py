@@ -19,7 +19,7 @@ from automap._src.plan import build, planner
 from automap._src.run import apply as apply_lib
 from automap._src.run import referee
 from automap._src.search import tactics
-from automap._src.search.actions import ActionSpace
+from automap._src.search.actions import ActionSpace, Tactic
 from automap._src.sharding.state import spec_of
 
 SIZE = dict(experts=8, width=64, hidden=128, groups=8, group_size=32)
@@ -74,6 +74,91 @@ def test_a_dense_model_has_no_experts_to_lay_out():
   space = ActionSpace(program)
   assert space.experts.expert_weights == []
   assert "EP+DP" not in tactics.expert_states(program, space)
+
+
+def test_expert_parallelism_is_an_action_laying_every_layers_experts_out():
+  # One action per axis tiles every layer's experts along their expert dim,
+  # their Adam moments following; the router and the batch stay whole.
+  step, args = moe.make_train_step("einsum", **dict(SIZE, layers=2), abstract=True)
+  program = program_of(step, args, MESH)
+  space = ActionSpace(program)
+  g = program.graph
+  assert [t for t in space.tactics if t.name == "expert"] == [
+      Tactic("expert", (0,)), Tactic("expert", (1,))]
+  state = program.initial_state()
+  action = Tactic("expert", (1,))
+  assert action in space.legal(state)
+  space.apply(state, action)
+  specs = {g.names[v]: spec_of(state, program.mesh, v, g.rank(v)) for v in g.inputs}
+  for layer in (0, 1):
+    for w in ("wi_0", "wi_1", "wo"):
+      for prefix in ("0/", "1/0/mu/", "1/0/nu/"):
+        assert specs[f"{prefix}{layer}/{w}"] == P("expert"), (prefix, layer, w)
+    assert specs[f"0/{layer}/router"] == P()
+  assert specs["2"] == P()
+  assert action not in space.legal(state)  # nothing left for it to lay out
+
+
+def test_a_dense_model_is_offered_no_expert_parallelism():
+  step, args = gpt_step()
+  assert not [t for t in ActionSpace(program_of(step, args, MESH)).tactics if t.name == "expert"]
+
+
+MESH3 = auto_mesh((2, 2, 2), ("data", "model", "expert"))
+# Expert parallelism over `expert` beside the other tactics on the other
+# axes (by axis name), and the layouts of an expert weight and the batch.
+COMPOSED = {
+    "EP+DP": ([("expert", ("expert",)), ("data-parallel", ("data", "model"))],
+              P("expert"), P(("data", "model"))),
+    "EP+FSDP": ([("expert", ("expert",)), ("fsdp", ("data", "model"))],
+                P("expert", None, ("data", "model")), P(("data", "model"))),
+    "EP+TP": ([("expert", ("expert",)), ("megatron", ("model",)), ("data-parallel", ("data",))],
+              P("expert", None, "model"), P("data")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSED))
+def test_expert_parallelism_composes_with_the_other_tactics(name):
+  # Each composed layout runs as the unpartitioned step does and compiles
+  # to the collectives (kind, axes, bytes) the cost model prices for it.
+  tactics_on, weight, batch = COMPOSED[name]
+  step, args = moe.make_train_step("einsum", **SIZE)
+  program = program_of(step, args, MESH3)
+  space = ActionSpace(program)
+  g = program.graph
+  state = program.initial_state()
+  for tactic, axes in tactics_on:
+    action = Tactic(tactic, tuple(MESH3.axis_names.index(a) for a in axes))
+    assert action in space.legal(state), action
+    space.apply(state, action)
+  specs = {g.names[v]: spec_of(state, program.mesh, v, g.rank(v)) for v in g.inputs}
+  assert specs["0/0/wi_0"] == weight and specs["1/0/mu/0/wi_0"] == weight
+  assert specs["2"] == batch
+  report = automap.verify(build.make_plan(program, state, {}), step, *args, mesh=MESH3)
+  assert report.max_rel_error < 1e-4
+  assert set(report.compiled_comm_bytes) == set(report.predicted.comm_bytes), report.table()
+  for key, nbytes in report.predicted.comm_bytes.items():
+    assert report.compiled_comm_bytes[key] == pytest.approx(nbytes, rel=0.05), key
+
+
+@pytest.mark.parametrize("dispatch", sorted(moe.DISPATCH))
+def test_a_search_lays_the_experts_over_one_axis_and_the_batch_over_the_other(dispatch):
+  # Enough tokens that splitting them pays: the search's plan is expert
+  # parallelism on one axis with data parallelism on the other (EP+DP),
+  # and it compiles to what it says and computes what the step computes.
+  step, args = moe.make_train_step(dispatch, **dict(SIZE, groups=16, group_size=64))
+  plan = automap.search(step, *args, mesh=MESH, hardware="cpu",
+                        budget=automap.Budget(episodes=50, seconds=120))
+  params, _, x, _ = plan.in_shardings
+  experts = {params[0][w][0] for w in ("wi_0", "wi_1", "wo")}
+  assert len(experts) == 1 and experts.pop() in MESH.axis_names
+  ep = params[0]["wi_0"][0]
+  assert x[0] is not None and ep not in (x[0] if isinstance(x[0], tuple) else (x[0],))
+  report = automap.verify(plan, step, *args, mesh=MESH)
+  assert report.max_rel_error < 1e-4
+  assert set(report.compiled_comm_bytes) == set(report.predicted.comm_bytes), report.table()
+  for key, nbytes in report.predicted.comm_bytes.items():
+    assert report.compiled_comm_bytes[key] == pytest.approx(nbytes, rel=0.05), key
 
 
 def ep_plan(step, args, mesh, hardware="cpu"):

@@ -322,6 +322,28 @@ def test_every_action_maps_to_one_decision_row(gpt_space):
   assert tile in dec.actions[dec.index[decisions.key_of(gpt_space, tile)]]
 
 
+def test_expert_parallelism_is_described_as_the_tiling_it_is(shipped):
+  # In the tilings' columns: the expert dim of every layer's experts, each
+  # read as a batch dim by the contractions that apply them; the shipped
+  # filter scores it and the prior covers it.
+  from automap._src.models import moe
+
+  space = space_of(moe.make_train_step("einsum", experts=8, width=64, hidden=128, groups=8,
+                                       group_size=32, layers=2, abstract=True), shape=(2, 4))
+  dec = decisions.describe(space)
+  ep = next(a for a in space.tactics if a.name == "expert" and a.axes == (1,))
+  row = dec.features[dec.index[decisions.key_of(space, ep)]]
+  assert row[decisions._KIND] == 1 and row[decisions._DIM] == 1
+  roles = row[decisions._ROLE:decisions._ROLE + 4]
+  assert roles[1] == roles.max() > 0  # batch
+  assert row[decisions._STEP + 9] == 1  # it changes the start state
+  state = space.program.initial_state()
+  actions = space.legal(state)
+  assert ep in actions
+  p = shipped.with_limit(None).priors(space, state, actions)
+  assert p.shape == (len(actions) + 1,) and (p > 0).all() and p.sum() == pytest.approx(1.0)
+
+
 def test_decisions_of_one_outcome_are_scored_once(gpt_space):
   """Data parallelism on an axis and a tiling of the batch's propagation
   class over it lay out the same values the same way: one keeps its score,

@@ -232,7 +232,7 @@ class _Op:
       # 'model')` from a contraction over both is two whole all-reduces).
       natural_bytes, made = partial_sums.finish(
           model, self.comms, natural, state[v], scatter_mask, reduce_mask, natural_bytes,
-          float(g.nbytes[v]), widen)
+          float(g.nbytes[v]), widen, self._batched())
       scatter_mask, grouped = 0, True
     elif scatter_mask and not model.compiler.reduce_scatter:
       # Other reductions all-reduce the whole partial result over every
@@ -266,6 +266,20 @@ class _Op:
       natural_bytes /= model.group_size[scatter_mask]
       model.emit(self.comms, REDUCE_SCATTER, scatter_mask, natural_bytes)
     return natural, natural_bytes, made
+
+  def _batched(self) -> int:
+    """The axes that tile a batch factor of the op (one of every operand)
+    in every operand's own layout, as a bitmask."""
+    model, state, o = self.model, self.state, self.o
+    g, rule = model.graph, model.graph.rules[o]
+    mask = 0
+    for a, f in enumerate(self.factor_of_axis):
+      if f < 0 or rule.reduction[f]:
+        continue
+      dims = [(v, rule.dim_of(p, f)) for p, v in enumerate(g.operands[o]) if v >= 0]
+      if dims and all(d >= 0 and int(state[v, a]) == d for v, d in dims):
+        mask |= 1 << a
+    return mask
 
   def roofline(self, naturals: list) -> tuple[float, float]:
     """(seconds, FLOPs) of the op per device, once: a roofline of its

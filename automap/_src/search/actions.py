@@ -5,7 +5,10 @@ An action rewrites the sharding state and propagation does the rest:
 - `Tile(group, dim, axis)`: tile `dim` of every member of a layer group
   over a mesh axis (members that cannot take it are skipped);
 - `Tactic(name, axes)`: an expert strategy applied on top of the state
-  (data parallelism, Megatron, FSDP/ZeRO, sequence parallelism).
+  (data parallelism, Megatron, FSDP/ZeRO, sequence parallelism, and for a
+  mixture of experts expert parallelism: every layer's stack of experts
+  split along its expert dim over one axis, composing with the others on
+  the rest).
 
 Candidates are the values that matter: arguments (parameters, optimizer
 state, the batch), grouped across repeated layers, and the few
@@ -38,7 +41,7 @@ class Tile:
 
 @dataclasses.dataclass(frozen=True)
 class Tactic:
-  name: str  # "data-parallel" | "megatron" | "fsdp" | "sequence"
+  name: str  # "data-parallel" | "expert" | "megatron" | "fsdp" | "sequence"
   axes: tuple[int, ...]
 
 
@@ -78,6 +81,8 @@ class ActionSpace:
               for axes in itertools.combinations(self.real_axes, k)]
     if with_tactics:
       self.tactics += [Tactic("data-parallel", axes) for axes in combos]
+      if self.experts.expert_weights:
+        self.tactics += [Tactic("expert", (a,)) for a in self.real_axes]
       self.tactics += [Tactic("megatron", (a,)) for a in self.real_axes]
       self.tactics += [Tactic("fsdp", axes) for axes in combos]
       self.tactics += [Tactic("sequence", (a,)) for a in self.real_axes]
@@ -100,6 +105,9 @@ class ActionSpace:
         d = 0 if t.name == "data-parallel" else 1
         if not any(self.program.graph.rank(v) > d and can(state, v, d, a)
                    for v in self.data for a in t.axes):
+          continue
+      elif t.name == "expert":
+        if not any(can(state, w, d, t.axes[0]) for w, d in self.experts.expert_weights):
           continue
       out.append(t)
     out += [t for t in self.tiles

@@ -191,10 +191,19 @@ def describe(space: ActionSpace, memory_limit: float | None = None,
   for row, key in enumerate(keys):
     f = feats[row]
     members: tuple[int, ...] = ()
-    if key[0] == "tile":
-      _, gi, dim, size = key
-      group[row] = gi
-      members = space.groups[gi].members
+    if key[0] == "tile" or key[1] == "expert":
+      if key[0] == "tile":
+        _, gi, dim, size = key
+        group[row] = gi
+        members = space.groups[gi].members
+      else:
+        # Expert parallelism tiles every layer's experts along their expert
+        # dim: described as that tiling of one group of them, in the
+        # columns the tilings have (no column of its own, so weights
+        # trained before it score it as the tiling it is).
+        members = tuple(w for w, _ in space.experts.expert_weights)
+        dim = int(np.bincount([d for _, d in space.experts.expert_weights]).argmax())
+        size = key[2][0]
       f[_KIND] = 1
       f[_DIM + min(dim, MAX_DIMS - 1)] = 1
       ranks = np.array([g.rank(v) for v in members])
