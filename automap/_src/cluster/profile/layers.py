@@ -15,8 +15,8 @@ read (what 1F1B stashes), and an edge the bytes one layer's forward hands to
 another's. Its FLOPs are its ops' under that plan; what selective recompute
 drops are the stashed values between two contractions of activations
 (attention's scores and softmax, `attention_scores`); what the "dots" policy
-keeps and reruns follows from the weight matmuls (`weight_matmuls`) by
-walking back from what the backward reads (`policy_rerun`).
+keeps and reruns follows from the weight matmuls (`policies.weight_matmuls`)
+by walking back from what the backward reads (`policies.policy_rerun`).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from automap._src.cluster.profile.layer_graph import (
   PlacementError,
   Shared,
 )
+from automap._src.cluster.profile.policies import offloaded, policy_rerun, weight_matmuls
 from automap._src.cost.hardware import Hardware
 from automap._src.cost.program import Program
 from automap._src.ir import graph as graph_lib
-from automap._src.ir.factor_rule import UNSHARDABLE
 from automap._src.ir.naming import UNSCOPED, containers, is_backward, layer_of, layer_runs
 from automap._src.plan import planner, report
 
@@ -196,79 +196,6 @@ def attention_scores(g, forward: np.ndarray, params_count: int) -> np.ndarray:
   return after
 
 
-def weight_matmuls(g, forward: np.ndarray) -> np.ndarray:
-  """[O] bool: the forward dot_generals without batch dimensions (no factor
-  in both operands and the result): the projections, whose outputs JAX's
-  `checkpoint_dots_with_no_batch_dims` policy saves; attention's batched
-  contractions are not among them. A batch dimension of extent 1 has no
-  factor and goes unseen."""
-  found = np.zeros(g.num_ops, bool)
-  for o in np.flatnonzero(forward):
-    if g.prims[o] == "dot_general":
-      rule = g.rules[o]
-      shared = set(rule.operands[0]) & set(rule.operands[1]) & set(rule.results[0])
-      found[o] = not shared - {UNSHARDABLE}
-  return found
-
-
-def policy_rerun(g, cut: LayerCut, needed: np.ndarray,
-                 saveable: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """What a layer under `jax.checkpoint(policy=...)` keeps and reruns.
-
-  needed: [V] forward values its own backward reads.
-  saveable: [O] ops whose results the policy saves.
-  Returns ([V] saved, [O] rerun): walking each layer's forward last to first,
-  a needed value made by a saveable op is saved, one made by any other op is
-  rebuilt by rerunning it, and that op's operands from the same layer are
-  needed in turn. Values from other layers are the layer's input, kept."""
-  needed = needed.copy()
-  saved = np.zeros(g.num_values, bool)
-  rerun = np.zeros(g.num_ops, bool)
-  for o in reversed(np.flatnonzero(cut.forward)):
-    results = [v for v in g.results[o] if v >= 0 and needed[v]]
-    if not results:
-      continue
-    if saveable[o]:
-      saved[results] = True
-      continue
-    rerun[o] = True
-    for v in g.operands[o]:
-      if v >= 0 and g.producer[v] >= 0 and cut.segment[g.producer[v]] == cut.segment[o]:
-        needed[v] = True
-  return saved, rerun
-
-
-def offloaded(g, cut: LayerCut, needed: np.ndarray,
-              names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
-  """What `save_and_offload_only_these_names(names_which_can_be_offloaded=
-  names)` sends to host memory and reruns, per `policy_rerun`: the values
-  `checkpoint_name` names with one of `names` are offloaded, each counted
-  once (a name and the array it names are one array), the rest rebuilt.
-
-  Returns:
-    ([V] offloaded, [O] rerun).
-  """
-  named = [o for o, n in g.checkpoint_names.items() if n in names and cut.forward[o]]
-  saveable = np.zeros(g.num_ops, bool)
-  for o in named:
-    saveable[o] = True
-    for v in g.operands[o]:
-      if v >= 0 and g.producer[v] >= 0:
-        saveable[g.producer[v]] = True  # what the backward may read in its stead
-  saved, rerun = policy_rerun(g, cut, needed, saveable)
-  named_values = {v for o in named for v in (*g.results[o], *g.operands[o]) if v >= 0}
-  for o in named:
-    for u, r in zip(g.operands[o], g.results[o]):
-      if u >= 0 and r >= 0 and saved[u] and saved[r]:
-        saved[r] = False
-  # Only named values (or what they name) leave; other results of a
-  # producing op (none, for a matmul) are not the policy's.
-  for v in np.flatnonzero(saved):
-    if v not in named_values:
-      saved[v] = False
-  return saved, rerun
-
-
 def replicated_share(program: Program, state: np.ndarray, params_count: int) -> float:
   """Share of the parameters' bytes a plan leaves whole on every device."""
   g = program.graph
@@ -406,15 +333,7 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
     model_flops = np.asarray(g.flops, float) * np.asarray(g.trips, float) / t
     seconds = compute + comm
     if fused.any():
-      hw = model.hw
-      # Matmuls at the matrix units' rate for their operands' dtype, the rest
-      # at the vector units'.
-      rate = np.array([
-          hw.matmul_rate(int(model.itemsize[g.operands[o][0]]), 0, 0)
-          if g.prims[o] in ("dot_general", "conv_general_dilated") and g.operands[o][0] >= 0
-          else hw.fp32_flops / 16 for o in range(g.num_ops)])
-      op_flops = np.array([c.flops for c in op_costs])
-      seconds = np.where(fused, op_flops / rate, seconds)
+      seconds = np.where(fused, _kernel_seconds(model, g, op_costs), seconds)
     fw, bw = cut.split(seconds)
     coll = sum(cut.split(comm))
     comm_bytes = sum(cut.split(np.array([sum(x[2] for x in c.comms) for c in op_costs])))
@@ -462,6 +381,18 @@ def layer_graphs(width_states: dict[int, tuple[Program, np.ndarray]],
                            tuple(Shared(tuple(names[i] for i in group), {t: float(nbytes)})
                                  for group, nbytes in sorted(shared.items())))
   return graphs
+
+
+def _kernel_seconds(model, g, op_costs) -> np.ndarray:
+  """[O] seconds of each op inside one fused kernel: its FLOPs alone,
+  matmuls at the matrix units' rate for their operands' dtype, the rest at
+  the vector units'."""
+  hw = model.hw
+  rate = np.array([
+      hw.matmul_rate(int(model.itemsize[g.operands[o][0]]), 0, 0)
+      if g.prims[o] in ("dot_general", "conv_general_dilated") and g.operands[o][0] >= 0
+      else hw.fp32_flops / 16 for o in range(g.num_ops)])
+  return np.array([c.flops for c in op_costs]) / rate
 
 
 def layer_edges(g, cut: LayerCut) -> tuple[tuple[str, str, float], ...]:
