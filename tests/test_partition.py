@@ -67,6 +67,7 @@ def test_plan_of_a_train_step_is_faithful(shape):
   assert report.traffic_error < 0.15, report.table()  # XLA's bytes accessed
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("shape", MESHES)
 def test_plan_is_never_worse_than_data_parallelism(shape):
   step, args = gpt_step()

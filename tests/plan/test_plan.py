@@ -58,6 +58,7 @@ def test_explain_lists_layouts_collectives_and_cost():
   assert "block_0" in text and "all-" in text
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("shape", [(4, 2), (1, 8)])
 def test_per_layer_time_and_memory_add_up_to_the_cost(shape):
   step, args = gpt_step()
@@ -76,6 +77,7 @@ def test_per_layer_time_and_memory_add_up_to_the_cost(shape):
   assert b0.resident >= 3 * params / 8  # params, mu, nu; at most 8-way split
 
 
+@pytest.mark.heavy
 def test_yardsticks_are_the_expert_strategies_under_the_same_model():
   step, args = gpt_step()
   m = mesh((4, 2))
@@ -106,6 +108,7 @@ def test_explain_reports_memory_against_the_limit_and_plots(tmp_path):
   assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.heavy
 def test_per_layer_collectives_add_up_to_the_cost():
   step, args = gpt_step()
   plan = automap.search(step, *args, mesh=mesh((4, 2)), hardware="cpu")

@@ -444,7 +444,9 @@ def stated_profiles(loss_fn: Callable, params: Any, batch: tuple, config: Cluste
   """The layer costs `price_cluster` prices a stated split over, by layout:
   "searched", the sharding search's plan at the split's width (`search`,
   with its sequence or context pins), and where the split has a tensor
-  group, "Megatron", Megatron-LM's layout there with the same pins
+  group with sequence parallelism stated, or the searched plan leaves more
+  than `REPLICATED` of the weights whole, "Megatron", Megatron-LM's layout
+  there with the same pins
   (`planner.megatron`: column- then row-parallel weights, the pinned
   activations gathered and reduce-scattered at the pins), which a search
   under sequence-parallel pins does not reach on its own: the pins' split
@@ -471,7 +473,12 @@ def stated_profiles(loss_fn: Callable, params: Any, batch: tuple, config: Cluste
                               offload_names=config.offload_activations)
 
   profiles = {"searched": measured(search)}
-  if config.tensor > 1:
+  # Megatron's layout is a candidate where the search may have missed it:
+  # under sequence-parallel pins, or where it left the weights whole; a
+  # search that split them found a tensor-parallel layout of its own.
+  program, state = profiles["searched"].programs[(config.microbatch, config.width)]
+  whole = layers_lib.replicated_share(program, state, len(jax.tree.leaves(params)))
+  if config.tensor > 1 and (config.sequence_parallel or whole > REPLICATED):
     profiles["Megatron"] = measured(planner.megatron)
   return profiles
 

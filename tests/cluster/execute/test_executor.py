@@ -119,6 +119,7 @@ def run_plan(model, steps=3, run=None, **config):
   return plan, step
 
 
+@pytest.mark.heavy
 @pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
 def test_tied_gpt_over_stages_tensor_and_data_matches_the_jitted_step():
   plan, step = run_plan(gpt_loss, tensor=2, pipeline=2, data=2, microbatch=2, zero=1)
@@ -130,6 +131,7 @@ def test_tied_gpt_over_stages_tensor_and_data_matches_the_jitted_step():
   assert step.timetable.schedule == "1f1b" and plan.schedule() == ("1f1b", 2, 4, 1)
 
 
+@pytest.mark.heavy
 @pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
 def test_huggingface_gpt2_runs_as_planned_without_rewriting_the_model():
   with jax.numpy_rank_promotion("allow"):  # library code broadcasts freely

@@ -145,6 +145,7 @@ def test_dtypes_are_checked_by_name(fields, match):
   assert cluster.ClusterConfig(weights=jnp.bfloat16).weights == "bfloat16"
 
 
+@pytest.mark.heavy
 @pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
 def test_sequence_parallelism_splits_the_activations_between_the_matmuls():
   """Stated, the per-width search keeps every activation handed between
@@ -277,6 +278,7 @@ def test_stated_tensor_parallelism_never_prices_over_memory_where_megatron_fits(
   assert "model" in held.shardings[4]["0/block_0/mlp/wi/kernel"]
 
 
+@pytest.mark.heavy
 @pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
 def test_the_width_search_has_the_memory_of_a_devices_share(monkeypatch):
   """A device of a 2-stage split holds half the layers, and under ZeRO 3
