@@ -131,7 +131,7 @@ def _find(jaxpr, origin: dict, lengths: list) -> None:
       sub = sub.jaxpr if isinstance(sub, jex.ClosedJaxpr) else sub
       _find(sub, {v: origin[a] for a, v in zip(eqn.invars, sub.invars)
                   if isinstance(a, jex.Var) and a in origin}, lengths)
-    elif name in _CASTS and eqn.invars[0] in origin:
+    elif name in _CASTS and isinstance(eqn.invars[0], jex.Var) and eqn.invars[0] in origin:
       origin[eqn.outvars[0]] = origin[eqn.invars[0]]
     elif name == "scan" and eqn.params["length"] > 1:
       n = eqn.params["length"]
