@@ -20,6 +20,7 @@ and the pipelined / unpipelined ratio say what this host does, not what a
 pod would.
 
   python benchmarks/pipeline_run.py [--steps 5] [--rows REGEX]
+  python benchmarks/pipeline_run.py --first-steps 8,32,64
 """
 
 from __future__ import annotations
@@ -149,11 +150,42 @@ def measure(name: str, steps: int) -> dict:
   }
 
 
+def first_steps(layers: int) -> dict:
+  """Seconds to the first step of a scanned llama of `layers` layers: the
+  unpipelined `jax.jit` step's compile, and a 2-stage plan's first
+  `train_step` call (its programs compiled; each stage scans its slice)."""
+  loss, params, batch = zoo.llama_loss(zoo.LlamaConfig(
+      vocab=256, embed=128, mlp=256, heads=4, kv_heads=2, head_dim=32, layers=layers, seq=32,
+      batch=16))
+  step = reference_step(loss)
+  t = time.perf_counter()
+  step.lower(params, TX.init(params), *batch).compile()
+  jitted = time.perf_counter() - t
+  plan = cluster.price_cluster(loss, params, *batch, config=cluster.ClusterConfig(
+      pipeline=2, data=4, microbatch=2), global_batch=16, hardware="cpu",
+      budget=automap.Budget(episodes=4))
+  t = time.perf_counter()
+  pipelined = plan.train_step(loss, TX, params, *batch)
+  _, value = pipelined(pipelined.init(params), *batch)
+  jax.block_until_ready(value)
+  return {"jit": jitted, "first": time.perf_counter() - t, "programs": len(pipelined.programs)}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--rows", default=".")
+  parser.add_argument("--first-steps", default="",
+                      help="comma-separated depths: time to the first step of a scanned "
+                           "llama, pipelined and jitted, instead of the rows")
   args = parser.parse_args()
+  if args.first_steps:
+    print("| layers | jax.jit compile s | pipelined first step s (2 stages) | programs |")
+    print("|---|---|---|---|")
+    for layers in map(int, args.first_steps.split(",")):
+      r = first_steps(layers)
+      print(f"| {layers} | {r['jit']:.1f} | {r['first']:.1f} | {r['programs']} |", flush=True)
+    return
   print("| row | schedule | stages x chunks x data, microbatches | recompute | ZeRO | "
         "loss vs unpipelined | measured s / batch | unpipelined s | pipelined / unpipelined | "
         "predicted s (cpu spec) | measured / predicted | bubble predicted | bubble measured | "
