@@ -150,3 +150,13 @@ def test_plan_cluster_places_a_scanned_stack_by_its_layers():
   assert {f"layers_{i}" for i in range(LLAMA.layers)} <= named
   step = plan.train_step(loss, TX, params, *batch)
   assert_trains_as_jitted(step, loss, TX, params, batch)
+
+
+@pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
+@pytest.mark.heavy
+def test_selective_recompute_leaves_a_layers_own_remat_in_charge():
+  """The llama remats its own layers (`nn.remat`, nothing saved): under a
+  stage's selective policy they keep what their own policy keeps, as the
+  plan prices them, not everything the outer policy would save."""
+  loss, params, batch = zoo.llama_loss(LLAMA)
+  run_and_check(loss, params, batch, pipeline=2, data=4, microbatch=2, recompute="selective")

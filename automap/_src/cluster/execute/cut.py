@@ -106,7 +106,8 @@ class Cut:
   def run(self, index: int, params: Sequence, batch: Sequence, received: Sequence,
           tag: Callable[[int, Any], Any] = lambda i, x: x,
           wrap: Callable[[Callable], Callable] | None = None, every: int = 1,
-          stacks: Sequence | None = None, roll: bool = True) -> list:
+          stacks: Sequence | None = None, roll: bool = True,
+          own_remat: bool = False) -> list:
     """Chunk `index` on its parameter leaves, batch leaves and received
     values (in the order `Chunk` lists them): the values it sends.
     `tag(value id, value)` sees every value the chunk makes (selective
@@ -114,6 +115,8 @@ class Cut:
     runs as `wrap(layer)(its inputs)`: recompute rebuilds one layer at a
     time, keeping each layer's inputs, as Megatron-LM recomputes; with
     `every` = k only the chunk's first layer and every k-th after it.
+    With `own_remat`, a layer holding a `jax.checkpoint` of its own (flax's
+    `nn.remat`) runs unwrapped, its own policy deciding what it keeps.
     With `roll`, runs of identical layers (`rolled`) run as one scan each
     (where every layer recomputes alike), over `stacks` (the parameters
     `stacked` names, stacked by the caller) or over their parameters stacked
@@ -141,7 +144,7 @@ class Cut:
         self._scan(c, run, env, tag, wrap, None if stacks is None else stacks[used:used + n])
         k, used = k + run.count, used + n
         continue
-      if wrap is None or k % every:
+      if wrap is None or k % every or (own_remat and self._remats(segment)):
         self._eval(segment, env, tag)
         k += 1
         continue
@@ -160,6 +163,10 @@ class Cut:
       env.update(zip(keeps, wrap(layer)(*(env[i] for i in needs))))
       k += 1
     return [env[i] for i in c.sends]
+
+  def _remats(self, segment: Sequence[int]) -> bool:
+    """Whether the layer holds a `jax.checkpoint` equation of its own."""
+    return any(self.ops[o].eqn.primitive.name in ("checkpoint", "remat2") for o in segment)
 
   @functools.cached_property
   def rolled(self) -> tuple[tuple[rolled_lib.Run, ...], ...]:

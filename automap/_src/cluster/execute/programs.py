@@ -118,7 +118,8 @@ class ChunkPrograms:
           params = [p if k is None else jax.lax.all_gather(p, zaxis, axis=k, tiled=True)
                     for p, k in zip(params, zdims)]
         return self.cut.run(c, params, batch, received, tag, wrap=wrap, every=self.every,
-                            stacks=stacks, roll=self._rolls(s))
+                            stacks=stacks, roll=self._rolls(s),
+                            own_remat=self.modes[s] == "selective")
 
       return f if policy is None or per_layer else jax.checkpoint(f, policy=policy)
 
