@@ -71,6 +71,19 @@ def assert_trains_as_jitted(step, loss, tx, params, batch, steps: int = 3, each=
   return state
 
 
+def stated_run(loss, params, batch, tx, *, global_batch: int, budget, hardware="cpu",
+               **config):
+  """A split stated as `ClusterConfig(**config)`, priced by `price_cluster`
+  and run for three optimizer steps against the jitted step
+  (`assert_trains_as_jitted`). Returns (plan, step, state)."""
+  from automap import cluster
+
+  plan = cluster.price_cluster(loss, params, *batch, config=cluster.ClusterConfig(**config),
+                               global_batch=global_batch, hardware=hardware, budget=budget)
+  step = plan.train_step(loss, tx, params, *batch)
+  return plan, step, assert_trains_as_jitted(step, loss, tx, params, batch)
+
+
 def assert_faithful(fn, args, m, numerics: float = 1e-5):
   """Plans fn on mesh m (cpu costs), compiles it, and checks the numerics
   against the unpartitioned function and the collectives against the plan."""

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trains_as_jitted
+from helpers import stated_run
 
 import automap
 from automap import cluster
@@ -25,10 +25,8 @@ def run_and_check(**config):
   """Three optimizer steps of the plan against the jitted step, then one
   checked step; returns the step and its checks."""
   loss, params, batch = zoo.gpt_loss(GPT, BATCH)
-  plan = cluster.price_cluster(loss, params, *batch, config=cluster.ClusterConfig(**config),
-                               global_batch=BATCH, hardware="cpu", budget=BUDGET)
-  step = plan.train_step(loss, TX, params, *batch)
-  state = assert_trains_as_jitted(step, loss, TX, params, batch)
+  plan, step, state = stated_run(loss, params, batch, TX, global_batch=BATCH, budget=BUDGET,
+                                 **config)
   checks, _ = step.check(state, *batch)
   return step, checks
 

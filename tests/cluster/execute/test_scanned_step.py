@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trains_as_jitted, jitted_state
+from helpers import assert_trains_as_jitted, jitted_state, stated_run
 
 import automap
 from automap import cluster
@@ -25,10 +25,8 @@ MEGATRON = dict(pipeline=2, tensor=2, data=2, microbatch=4)
 
 
 def run_and_check(loss, params, batch, **config):
-  plan = cluster.price_cluster(loss, params, *batch, config=cluster.ClusterConfig(**config),
-                               global_batch=BATCH, hardware="cpu", budget=BUDGET)
-  step = plan.train_step(loss, TX, params, *batch)
-  state = assert_trains_as_jitted(step, loss, TX, params, batch)
+  plan, step, state = stated_run(loss, params, batch, TX, global_batch=BATCH, budget=BUDGET,
+                                 **config)
   # The user's stacked pytree comes back, each leaf from its layers' stages.
   got = step.params(state)
   assert jax.tree.structure(got) == jax.tree.structure(params)

@@ -130,12 +130,7 @@ class Cut:
     if wrap is None and not rolled:
       self._eval(c.ops, env, tag)
       return [env[i] for i in c.sends]
-    later = set(c.sends)
-    needed_after: list[set[int]] = []
-    for segment in reversed(c.segments):
-      needed_after.append(set(later))
-      later |= {i for o in segment for i in self.ops[o].ins}
-    needed_after.reverse()
+    needed_after = self.read_after(index)
     k, used = 0, 0
     while k < len(c.segments):
       segment, after = c.segments[k], needed_after[k]
@@ -163,6 +158,17 @@ class Cut:
       env.update(zip(keeps, wrap(layer)(*(env[i] for i in needs))))
       k += 1
     return [env[i] for i in c.sends]
+
+  def read_after(self, index: int) -> list[set[int]]:
+    """Per layer of chunk `index` (its segments), the ids that later layers
+    of the chunk read or the chunk sends."""
+    c = self.chunks[index]
+    later = set(c.sends)
+    out: list[set[int]] = []
+    for segment in reversed(c.segments):
+      out.append(set(later))
+      later |= {i for o in segment for i in self.ops[o].ins}
+    return out[::-1]
 
   def _remats(self, segment: Sequence[int]) -> bool:
     """Whether the layer holds a `jax.checkpoint` equation of its own."""

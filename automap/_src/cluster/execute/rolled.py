@@ -53,7 +53,7 @@ def runs(cut, chunk) -> tuple[Run, ...]:
   """The chunk's runs of identical layers (`Run`), in order."""
   segments = chunk.segments
   params = {cut.param_ids[i] for i in chunk.params}
-  later = _read_after(cut, chunk)
+  later = cut.read_after(chunk.index)
   signatures = [_signature(cut, s) for s in segments]
   found: list[Run] = []
   k = 0
@@ -102,25 +102,16 @@ def _needs(cut, segment: Sequence[int]) -> tuple[list[int], list[int]]:
   return needs, made
 
 
-def _read_after(cut, chunk) -> list[set[int]]:
-  """Per segment, the ids read by later segments or sent on."""
-  later = set(chunk.sends)
-  out: list[set[int]] = []
-  for segment in reversed(chunk.segments):
-    out.append(set(later))
-    later |= {i for o in segment for i in cut.ops[o].ins}
-  return out[::-1]
-
-
 def _run(cut, segments, k: int, n: int, params: set[int], later) -> Run | None:
   layers = [_needs(cut, segments[j]) for j in range(k, k + n)]
   width = len(layers[0][0])
   if any(len(needs) != width for needs, _ in layers):
     return None
+  makes = [set(m) for _, m in layers]
   carry_at, stacked_at, shared_at = [], [], []
   for p in range(width):
     ids = [needs[p] for needs, _ in layers]
-    from_previous = [ids[j] in set(layers[j - 1][1]) for j in range(1, n)]
+    from_previous = [ids[j] in makes[j - 1] for j in range(1, n)]
     if all(from_previous):
       carry_at.append(p)
     elif any(from_previous):

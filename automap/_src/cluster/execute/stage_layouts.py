@@ -79,19 +79,12 @@ def meshes(plan, devices) -> list[Mesh]:
   if isinstance(devices[0] if devices else None, Mesh) or isinstance(devices, Mesh):
     raise PlacementError("devices: expected a sequence of jax devices, got a Mesh.")
   if p.offload != "none":
-    for dev in devices[:p.devices]:
-      if HOST not in {m.kind for m in dev.addressable_memories()}:
-        raise PlacementError(
-            f"plan: offload={p.offload!r} keeps the optimizer state in {HOST!r} memory, which "
-            f"the {dev.platform!r} backend's device {dev.id} lacks; price the split with "
-            "offload='none' (or more devices, or ZeRO, to fit the state on them).")
+    _host_memory(devices[:p.devices], f"offload={p.offload!r} keeps the optimizer state in",
+                 "offload='none' (or more devices, or ZeRO, to fit the state on them)")
   if p.offload_activations:
-    for dev in devices[:p.devices]:
-      if HOST not in {m.kind for m in dev.addressable_memories()}:
-        raise PlacementError(
-            f"plan: offload_activations={p.offload_activations!r} sends activations to "
-            f"{HOST!r} memory, which the {dev.platform!r} backend's device {dev.id} lacks; "
-            "price the split with another recompute mode.")
+    _host_memory(devices[:p.devices],
+                 f"offload_activations={p.offload_activations!r} sends activations to",
+                 "another recompute mode")
   if len(devices) < p.devices:
     raise PlacementError(
         f"devices: the plan uses {p.devices} devices ({p.data_parallel} data-parallel x "
@@ -134,6 +127,16 @@ def meshes(plan, devices) -> list[Mesh]:
     meshes.append(Mesh(grid.reshape(*rows, *within), (*names, *inner),
                        axis_types=(AxisType.Auto,) * (len(names) + len(inner))))
   return meshes
+
+
+def _host_memory(devices, what: str, instead: str) -> None:
+  """A PlacementError naming the first device without pinned host memory,
+  which `what` needs."""
+  for dev in devices:
+    if HOST not in {m.kind for m in dev.addressable_memories()}:
+      raise PlacementError(
+          f"plan: {what} {HOST!r} memory, which the {dev.platform!r} backend's device "
+          f"{dev.id} lacks; price the split with {instead}.")
 
 
 def tensor_spec(text: str | None, aval, width: int, path: str, context: int = 1) -> tuple:

@@ -182,11 +182,12 @@ class StateLayout:
     starts = [stage_layouts.param_like_subtrees(
         jax.eval_shape(self.optimizer.init, [self.param_avals[i] for i in self.owned[s]]),
         jax.tree.structure([0] * len(self.owned[s]))) for s in range(self.S)]
+    position = {i: k for owned in self.owned for k, i in enumerate(owned)}
     mine = set()
     for j, start in enumerate(stage_layouts.param_like_subtrees(want, self.treedef)):
       for i in range(n):
         s = self.owner[i]
-        leaves[start + i] = held[s][starts[s][j] + self.owned[s].index(i)]
+        leaves[start + i] = held[s][starts[s][j] + position[i]]
       mine.update(range(start, start + n))
     others = iter(k for k in range(len(held[0])) if not any(
         b <= k < b + len(self.owned[0]) for b in starts[0]))
