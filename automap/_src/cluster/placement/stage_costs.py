@@ -31,41 +31,24 @@ class StageCosts(StageMemory, StageTimes):
 
   Args:
     graph: the layer graph.
-    problem: the placement problem; "dots" leaves its recompute modes where
-      a layer lacks the matmul outputs it keeps (unless stated).
+    problem: the placement problem; "dots" and "offload" leave its
+      recompute modes where they cannot be priced (`_unpriced`), unless
+      stated.
 
   Raises:
-    PlacementError: recompute="dots" stated on a graph whose layers lack
-      `LayerCost.dots`.
+    PlacementError: recompute="dots" or "offload" stated where it cannot
+      be priced.
   """
 
   def __init__(self, graph: LayerGraph, problem: Problem):
-    # The "dots" mode needs each layer's kept matmul outputs (traced graphs have them).
-    untraced = next((layer.name for layer in graph.layers
-                     if any(c.dots is None for c in layer.widths.values())), None)
-    if "dots" in problem.recompute and untraced is not None:
+    for mode in ("dots", "offload"):
+      why = _unpriced(graph, problem, mode) if mode in problem.recompute else None
+      if why is None:
+        continue
       if problem.recompute_stated:
-        raise PlacementError(
-            f"recompute='dots' needs each layer's weight-matmul outputs (LayerCost.dots), "
-            f"which layer {untraced!r} lacks: trace the step (automap.cluster.plan_cluster, "
-            "automap.cluster.price_cluster) or set LayerCost.dots and dots_forward.")
+        raise PlacementError(why)
       problem = dataclasses.replace(
-          problem, recompute=tuple(m for m in problem.recompute if m != "dots"))
-    # The "offload" mode needs the named values each layer offloads, and a host link.
-    unnamed = next((layer.name for layer in graph.layers
-                    if any(c.offloaded is None for c in layer.widths.values())), None)
-    unlinked = problem.hw.host_bandwidth is None
-    if "offload" in problem.recompute and (unnamed is not None or unlinked):
-      if problem.recompute_stated:
-        raise PlacementError(
-            f"recompute='offload' needs the bytes each layer sends to host memory "
-            f"(LayerCost.offloaded), which layer {unnamed!r} lacks: state the "
-            "checkpoint_names to offload (ClusterConfig.offload_activations)." if not unlinked
-            else f"recompute='offload': hardware {problem.hw.name!r} states no host link "
-            "bandwidth to price the offloaded activations; give "
-            "Hardware(host_bandwidth=bytes/s per direction) or another recompute mode.")
-      problem = dataclasses.replace(
-          problem, recompute=tuple(m for m in problem.recompute if m != "offload"))
+          problem, recompute=tuple(m for m in problem.recompute if m != mode))
     super().__init__(graph, problem)
     self._choices: dict[tuple, tuple[float, list]] = {}
 
@@ -143,6 +126,29 @@ class StageCosts(StageMemory, StageTimes):
         sync_total=parts.sync_total, zero_total=parts.zero_total, flops=c.flops,
         param_bytes=c.params, comm_bytes=c.comm_bytes, bytes_in=c.bytes_in,
         bytes_out=c.bytes_out)
+
+
+
+def _unpriced(graph: LayerGraph, problem: Problem, mode: str) -> str | None:
+  """Why a recompute mode cannot be priced over the graph (None: it can):
+  "dots" needs each layer's kept matmul outputs (traced graphs have them),
+  "offload" the values each layer sends to host memory, and a host link."""
+  field = {"dots": "dots", "offload": "offloaded"}[mode]
+  lacking = next((layer.name for layer in graph.layers
+                  if any(getattr(c, field) is None for c in layer.widths.values())), None)
+  if mode == "dots" and lacking is not None:
+    return (f"recompute='dots' needs each layer's weight-matmul outputs (LayerCost.dots), "
+            f"which layer {lacking!r} lacks: trace the step (automap.cluster.plan_cluster, "
+            "automap.cluster.price_cluster) or set LayerCost.dots and dots_forward.")
+  if mode == "offload" and problem.hw.host_bandwidth is None:
+    return (f"recompute='offload': hardware {problem.hw.name!r} states no host link "
+            "bandwidth to price the offloaded activations; give "
+            "Hardware(host_bandwidth=bytes/s per direction) or another recompute mode.")
+  if mode == "offload" and lacking is not None:
+    return ("recompute='offload' needs the bytes each layer sends to host memory "
+            f"(LayerCost.offloaded), which layer {lacking!r} lacks: state the "
+            "checkpoint_names to offload (ClusterConfig.offload_activations).")
+  return None
 
 
 __all__ = ["SLICE", "Problem", "StageCosts", "problem"]
