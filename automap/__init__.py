@@ -9,6 +9,7 @@ from automap._src.api import verify as verify
 from automap._src.cost.hardware import CATALOGUE as HARDWARE
 from automap._src.cost.hardware import Hardware as Hardware
 from automap._src.cost.hardware import HardwareError as HardwareError
+from automap._src.cost.hardware import hardware_for_devices as hardware_for_devices
 from automap._src.cost.model import Cost as Cost
 from automap._src.ir.declared import RuleError as RuleError
 from automap._src.ir.declared import declare as declare_rule
@@ -31,6 +32,10 @@ from automap._src.search.request import SearchWarning as SearchWarning
 from automap._src.sharding.annotations import LayoutError as LayoutError
 from automap._src.sharding.annotations import LayoutWarning as LayoutWarning
 from automap._src.sharding.mesh import MeshError as MeshError
+from automap._src.sharding.topology import TopologyError as TopologyError
+from automap._src.sharding.topology import TpuSlice as TpuSlice
+from automap._src.sharding.topology import parse_slice as parse_slice
+from automap._src.sharding.topology import tpu_mesh as tpu_mesh
 
 __version__ = "0.1.0"
 
@@ -70,11 +75,16 @@ __all__ = (
     "RuleError",
     "SearchOptions",
     "SearchWarning",
+    "TopologyError",
+    "TpuSlice",
     "UnknownPrimitiveWarning",
     "declare_rule",
     "evaluate",
+    "hardware_for_devices",
+    "parse_slice",
     "partition",
     "search",
     "shard_like",
+    "tpu_mesh",
     "verify",
 )

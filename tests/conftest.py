@@ -6,6 +6,10 @@ import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+# XLA:TPU's compiler (libtpu, the `tpu` extra) compiles for TPU topologies
+# here; the tests run on CPU devices, and two workers may hold libtpu at once.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ["AUTOMAP_CACHE_DIR"] = tempfile.mkdtemp(prefix="automap-test-cache-")
 
 import jax  # noqa: E402

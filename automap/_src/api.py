@@ -146,7 +146,8 @@ def verify(plan: Plan, fn: Callable, *args: Any, mesh: jax.sharding.Mesh | None 
     mesh: the mesh to compile on (default: one of the plan's shape made of
       the local devices).
     check_numerics: also run the partitioned and the unpartitioned step and
-      compare their outputs.
+      compare their outputs (not on a compile-only mesh, `automap.tpu_mesh`:
+      its devices cannot run, and the report's errors are None).
     names: as for `search`.
 
   Returns:

@@ -23,6 +23,7 @@ from automap._src.run import apply as apply_lib
 from automap._src.run import verify as verify_lib
 from automap._src.search.request import SearchOptions, with_keywords
 from automap._src.sharding.mesh import MeshError, MeshSpec
+from automap._src.sharding.topology import compile_only
 
 
 @dataclasses.dataclass
@@ -154,6 +155,12 @@ class Partitioned:
     return entry, dynamic
 
   def __call__(self, *args, **kwargs):
+    if compile_only(self.mesh):
+      raise MeshError(
+          "partition: the mesh's devices are compile-only (a TPU topology from libtpu, "
+          "automap.tpu_mesh): they compile a program but cannot run it. Plan and compile "
+          "with step.lower(*args).compile(), or compare with automap.verify(..., "
+          "check_numerics=False); run on a mesh of this machine's devices.")
     args, fn = self._positional(args, kwargs)
     entry, dynamic = self._entry(args, fn)
     with jax.set_mesh(self._auto):

@@ -10,13 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from automap._src.run import hlo
+
 if TYPE_CHECKING:
   import jax
 
-_COLLECTIVE = re.compile(
-    r"\s(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|"
-    r"collective-permute)(?:-start)?\(")
-_ARRAY = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
+_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(
     r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
@@ -24,13 +23,10 @@ _GROUPS_IOTA = re.compile(
 _GROUPS_MESH = re.compile(
     r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((?:\[([0-9,]+)\]"
     r"(?:T\(([0-9,]+)\))?|([0-9,]+))\))?\s*\{([^}]*)\}")
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s.*\{\s*$")
-_WHILE_BODY = re.compile(r"\swhile\(.*body=%?([^\s,]+)")
-_KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"([0-9]+)"')
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
-                "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
-                "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
+# Ops a value passes through unchanged in its bytes' meaning.
+_VIEWS = ("bitcast", "copy", "reshape", "get-tuple-element")
+_SLICES = ("dynamic-slice", "slice")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +35,28 @@ class Collective:
 
   Attributes:
     kind: "all-reduce", "all-gather", "reduce-scatter", "all-to-all" or
-      "collective-permute" (an asynchronous `-start` counts as its kind).
-    nbytes: bytes of its result on one device.
+      "collective-permute" (an asynchronous `-start` counts as its kind; an
+      all-reduce whose fused computation keeps one device's slice of it, as
+      XLA:TPU emits a reduce-scatter, counts as "reduce-scatter").
+    nbytes: bytes of its result on one device (every array of a combined,
+      tuple collective).
     axes: mesh axes its replica groups span (empty: a group of one device).
     line: its instruction in the HLO text, stripped.
-    trips: times it runs per call: the known trip counts of the while loops
-      around it multiplied (1 outside loops, or where XLA does not know one).
+    trips: times it runs per call: the trip counts of the while loops
+      around it multiplied (1 outside loops, or where neither XLA's
+      `known_trip_count` nor the loop's condition says).
+    dtype: the element type it moves (its first array's).
+    converted_from: the element type its operand was converted from just
+      before it (XLA:TPU gathers an f32 weight as bf16 where the dot that
+      reads it runs in bf16), or None.
+    combined: how many arrays it moves (more than one: collectives a
+      combiner merged into one tuple collective).
+    sliced_nbytes: for an all-reduce whose every reader slices it (a
+      reduce-scatter the compiler did not form), the bytes the slices keep;
+      None otherwise.
+    form: how it was written: "" (in place), "async" (a start / done pair),
+      or "all-reduce-scatter fusion" (XLA:TPU's reduce-scatter: an
+      all-reduce and a dynamic-slice fused into one collective).
   """
 
   kind: str
@@ -52,14 +64,11 @@ class Collective:
   axes: tuple[str, ...]
   line: str
   trips: int = 1
-
-
-def _shape_bytes(text: str) -> int:
-  total = 0
-  for dtype, dims in _ARRAY.findall(text):
-    n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-    total += n * _DTYPE_BYTES.get(dtype, 4)
-  return total
+  dtype: str = ""
+  converted_from: str | None = None
+  combined: int = 1
+  sliced_nbytes: int | None = None
+  form: str = ""
 
 
 def _iota(shape: str, transpose: str | None) -> np.ndarray:
@@ -104,6 +113,11 @@ def _axes_of_groups(groups: list[list[int]], mesh) -> tuple[str, ...]:
   shape = tuple(mesh.devices.shape)
   if not groups:  # One group of every device.
     return tuple(n for n, s in zip(mesh.axis_names, shape) if s > 1)
+  size = int(np.prod(shape))
+  if any(i >= size or i < 0 for group in groups for i in group):
+    raise ValueError(
+        f"a replica group names device {max(max(g) for g in groups if g)}, but the mesh has "
+        f"{size}: the program was compiled on another mesh.")
   varying = np.zeros(len(shape), bool)
   for group in groups:
     coords = np.array([np.unravel_index(i, shape) for i in group])
@@ -112,38 +126,140 @@ def _axes_of_groups(groups: list[list[int]], mesh) -> tuple[str, ...]:
   return tuple(n for n, v in zip(mesh.axis_names, varying) if v)
 
 
-def _instructions(lines: list[str]):
-  """(computation, line) of every instruction line of HLO text."""
-  current = ""
-  for line in lines:
-    header = _HEADER.match(line)
-    if header and not line.startswith(" "):
-      current = header.group(1)
+def _kind(opcode: str) -> tuple[str, bool] | None:
+  """(collective kind, asynchronous) of an opcode; None for other ops."""
+  if opcode in _KINDS:
+    return opcode, False
+  if opcode.endswith("-start") and opcode[:-len("-start")] in _KINDS:
+    return opcode[:-len("-start")], True
+  return None
+
+
+def _result_shape(instruction: hlo.Instruction, kind: str, is_async: bool) -> str:
+  """The part of a collective's shape that is its result: an async start's
+  shape holds its operands too, (operands, results[, contexts]), except an
+  all-reduce-start's, which is its result alone."""
+  if not is_async or kind == "all-reduce":
+    return instruction.shape
+  elements = hlo.tuple_elements(instruction.shape)
+  return elements[1] if len(elements) > 1 else instruction.shape
+
+
+def _source(module: hlo.Module, computation: str, name: str, depth: int = 0
+            ) -> tuple[str, hlo.Instruction] | None:
+  """The instruction that makes `name`, looked through fusions to their
+  root and through views (bitcasts, copies) to what they view."""
+  made = module.by_name(computation).get(name)
+  if made is None or depth > 8:
+    return None
+  if made.opcode == "fusion":
+    called = hlo.called_computations(made)
+    root = module.root(called[0]) if called else None
+    if root is not None:
+      return _source(module, called[0], root.name, depth + 1) or (computation, made)
+  if made.opcode in _VIEWS[:3] and made.operands:
+    return _source(module, computation, made.operands[0], depth + 1) or (computation, made)
+  return computation, made
+
+
+def _converted_from(module: hlo.Module, computation: str, instruction: hlo.Instruction
+                    ) -> str | None:
+  for operand in instruction.operands:
+    found = _source(module, computation, operand)
+    if found is None or found[1].opcode != "convert" or not found[1].operands:
+      continue
+    where, convert = found
+    source = module.by_name(where).get(convert.operands[0])
+    types = hlo.arrays(source.shape) if source is not None else []
+    if types:
+      return types[0][0]
+  return None
+
+
+def _scattered(module: hlo.Module, computation: str, instruction: hlo.Instruction,
+               callers: dict) -> str | None:
+  """The shape one device keeps where an all-reduce is XLA:TPU's form of a
+  reduce-scatter: the root of a computation that a fusion calls, a
+  dynamic-slice (through views) of the all-reduce."""
+  root = module.root(computation)
+  caller = callers.get(computation)
+  if root is None or caller is None or caller[1].opcode != "fusion":
+    return None
+  names = {instruction.name}
+  for i in module.computations[computation]:
+    if i.opcode in _VIEWS and i.operands and i.operands[0] in names:
+      names.add(i.name)
+  if root.opcode == "dynamic-slice" and root.operands and root.operands[0] in names:
+    return root.shape
+  return None
+
+
+def _parameter(module: hlo.Module, computation: str, index: int) -> str | None:
+  """The name of a computation's `parameter(index)`."""
+  for i in module.computations.get(computation, ()):
+    if i.opcode == "parameter" and re.search(rf"parameter\({index}\)", i.line):
+      return i.name
+  return None
+
+
+def _kept_bytes(module: hlo.Module, computation: str, name: str, depth: int = 0
+                ) -> tuple[int, bool]:
+  """(bytes its readers keep, whether every reader slices) of value `name`:
+  readers followed through views, get-tuple-elements (a combined
+  collective's arrays one by one) and into the fusions that read it."""
+  readers = module.users(computation, name)
+  made = module.by_name(computation).get(name)
+  whole = hlo.shape_bytes(made.shape) if made is not None else 0
+  if not readers or depth > 6:
+    return whole, False
+  kept, sliced = 0, True
+  for reader in readers:
+    if reader.opcode in _SLICES and reader.operands[0] == name:
+      kept += hlo.shape_bytes(reader.shape)
+      continue
+    if reader.opcode in _VIEWS:
+      inner, all_sliced = _kept_bytes(module, computation, reader.name, depth + 1)
+    elif reader.opcode == "fusion" and hlo.called_computations(reader):
+      fused = hlo.called_computations(reader)[0]
+      parameter = _parameter(module, fused, reader.operands.index(name))
+      inner, all_sliced = (_kept_bytes(module, fused, parameter, depth + 1)
+                           if parameter else (whole, False))
     else:
-      yield current, line
+      inner, all_sliced = whole, False
+    kept, sliced = kept + inner, sliced and all_sliced
+  return kept, sliced
 
 
-def _loop_trips(lines: list[str]) -> dict[str, int]:
-  """{computation: times it runs per call} for while bodies: their known
-  trip counts (`known_trip_count`), nested loops multiplied."""
-  parent: dict[str, tuple[str, int]] = {}
-  for current, line in _instructions(lines):
-    body = _WHILE_BODY.search(line)
-    if body:
-      n = _KNOWN_TRIPS.search(line)
-      parent[body.group(1)] = (current, int(n.group(1)) if n else 1)
-
-  def trips(name: str, depth: int = 0) -> int:
-    if name not in parent or depth > len(parent):
-      return 1
-    caller, n = parent[name]
-    return n * trips(caller, depth + 1)
-  return {name: trips(name) for name in parent}
+def _sliced_bytes(module: hlo.Module, computation: str, instruction: hlo.Instruction
+                  ) -> int | None:
+  """Bytes kept where readers slice an all-reduce's result (every array of
+  a combined one that its readers slice counts its slices, the rest whole);
+  None where no reader slices."""
+  arrays = hlo.tuple_elements(instruction.shape)
+  if len(arrays) == 1:
+    kept, sliced = _kept_bytes(module, computation, instruction.name)
+    return kept if sliced else None
+  parts = {}
+  for reader in module.users(computation, instruction.name):
+    index = re.search(r"index=([0-9]+)", reader.attributes)
+    if reader.opcode == "get-tuple-element" and index:
+      parts[int(index.group(1))] = _kept_bytes(module, computation, reader.name)
+  if not any(sliced for _, sliced in parts.values()):
+    return None
+  return sum(parts[i][0] if i in parts and parts[i][1] else hlo.shape_bytes(a)
+             for i, a in enumerate(arrays))
 
 
 def collectives(hlo_text: str, mesh: jax.sharding.Mesh) -> list[Collective]:
   """Every collective in compiled HLO text, with its mesh axes and how many
   times it runs per call (`Collective.trips`).
+
+  Reads each backend's scheduled module: in-place collectives and async
+  start / done pairs (counted once, at the start), combined tuple
+  collectives, collectives inside while loops (their trip counts), inside
+  fusions (XLA:TPU's all-reduce-scatter fusion, read as the reduce-scatter
+  it is) and async wrappers, and replica groups as explicit lists, iota
+  forms or Shardy's mesh form.
 
   Args:
     hlo_text: the partitioned program's HLO, `compiled.as_text()` of a
@@ -158,21 +274,29 @@ def collectives(hlo_text: str, mesh: jax.sharding.Mesh) -> list[Collective]:
     ValueError: a replica group names a device `mesh` lacks (the program
       was compiled on another mesh).
   """
+  module = hlo.Module.parse(hlo_text)
+  runs, callers = module.runs(), module.callers()
   found = []
-  lines = hlo_text.splitlines()
-  loops = _loop_trips(lines)
-  for current, line in _instructions(lines):
-    m = _COLLECTIVE.search(line)
-    if not m or "=" not in line[:m.start()]:
+  for computation, instruction in module.instructions():
+    kind = _kind(instruction.opcode)
+    if kind is None:
       continue
-    shape = line[:m.start()].split("=", 1)[1]  # "%name = <shape> kind(...)"
-    if m.group(0).endswith("-start(") and m.group("kind") != "all-reduce":
-      # Async all-gather / permute / ...: (operand, result, [contexts]).
-      arrays = _ARRAY.findall(shape)
-      shape = "{}[{}]".format(*arrays[1]) if len(arrays) > 1 else shape
-    found.append(Collective(m.group("kind"), _shape_bytes(shape),
-                            _axes_of_groups(_groups(line), mesh), line.strip(),
-                            loops.get(current, 1)))
+    kind, is_async = kind
+    result = _result_shape(instruction, kind, is_async)
+    form, sliced = "async" if is_async else "", None
+    if kind == "all-reduce":
+      scattered = _scattered(module, computation, instruction, callers)
+      if scattered is not None:
+        kind, result, form = "reduce-scatter", scattered, "all-reduce-scatter fusion"
+      else:
+        sliced = _sliced_bytes(module, computation, instruction)
+    types = hlo.arrays(result)
+    found.append(Collective(
+        kind, hlo.shape_bytes(result), _axes_of_groups(_groups(instruction.line), mesh),
+        instruction.line.strip(), runs.get(computation, 1),
+        dtype=types[0][0] if types else "",
+        converted_from=_converted_from(module, computation, instruction),
+        combined=max(len(types), 1), sliced_nbytes=sliced, form=form))
   return found
 
 
@@ -194,9 +318,9 @@ def summarize(found: list[Collective]) -> dict[tuple[str, tuple[str, ...]], floa
 
 
 def compiled_memory(compiled: jax.stages.Compiled) -> tuple[float, Any]:
-  """Bytes per device the compiled program allocates: arguments, results
-  (less those aliased to arguments) and temporaries, from XLA's
-  `memory_analysis()`.
+  """Bytes per device the compiled program allocates in device memory:
+  arguments, results (less those aliased to arguments) and temporaries,
+  from XLA's `memory_analysis()`; host memory (`compiled_host_memory`) apart.
 
   Args:
     compiled: a compiled program (`jax.jit(f).lower(...).compile()`).
@@ -211,6 +335,25 @@ def compiled_memory(compiled: jax.stages.Compiled) -> tuple[float, Any]:
   total = (stats.argument_size_in_bytes + stats.output_size_in_bytes
            - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
   return float(total), stats
+
+
+def compiled_host_memory(stats: Any) -> float:
+  """Bytes per device the program holds in host memory (offloaded
+  activations, `pinned_host` arguments), as `compiled_memory` counts device
+  memory; 0 where the analysis has no host figures."""
+  if stats is None:
+    return 0.0
+  parts = [getattr(stats, f"host_{k}_size_in_bytes", 0) or 0
+           for k in ("argument", "output", "alias", "temp")]
+  return float(parts[0] + parts[1] - parts[2] + parts[3])
+
+
+def compiled_seconds(compiled) -> float | None:
+  """The backend's own estimate of one call's time, in seconds, where it
+  gives one: XLA:TPU's `cost_analysis()["optimal_seconds"]`; None on
+  backends that give none (XLA:CPU)."""
+  value = compiled_costs(compiled).get("optimal_seconds")
+  return float(value) if value is not None and value > 0 else None
 
 
 def compiled_costs(compiled) -> dict:

@@ -28,11 +28,14 @@ from automap._src.run import apply as apply_lib
 from automap._src.run.compiled import (
   Collective,
   collectives,
+  compiled_host_memory,
   compiled_memory,
+  compiled_seconds,
   compiled_traffic,
   summarize,
 )
 from automap._src.sharding.mesh import MeshError, MeshSpec
+from automap._src.sharding.topology import compile_only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,12 @@ class Report:
     worst_leaf: the path of the leaf with the largest relative error.
     compiled_traffic: XLA's bytes accessed per device
       (`cost_analysis()["bytes accessed"]`).
+    compiled_host_memory: bytes per device held in host memory, apart from
+      `compiled_memory`.
+    compiled_seconds: the backend's own estimate of a step's time
+      (XLA:TPU's `cost_analysis()["optimal_seconds"]`), beside
+      `predicted.step_time`; None where the backend gives none.
+    platform: the platform compiled for ("tpu", "cpu", "gpu").
   """
 
   predicted: Cost
@@ -64,6 +73,9 @@ class Report:
   max_rel_error: float | None
   worst_leaf: str | None = None
   compiled_traffic: float = 0.0
+  compiled_host_memory: float = 0.0
+  compiled_seconds: float | None = None
+  platform: str = ""
 
   @property
   def traffic_error(self) -> float:
@@ -103,6 +115,11 @@ class Report:
                 f"{self.compiled_memory:>14,.0f}")
     rows.append(f"{'memory traffic':<34}{self.predicted.memory_traffic:>14,.0f}"
                 f"{self.compiled_traffic:>14,.0f}")
+    if self.compiled_host_memory:
+      rows.append(f"{'host memory':<34}{'':>14}{self.compiled_host_memory:>14,.0f}")
+    if self.compiled_seconds is not None:
+      rows.append(f"{'step time (s), XLA estimate':<34}{self.predicted.step_time:>14.3e}"
+                  f"{self.compiled_seconds:>14.3e}")
     if self.max_rel_error is not None:
       rows.append(f"numerics: max abs error {self.max_abs_error:.3g}, "
                   f"max rel error {self.max_rel_error:.3g}"
@@ -200,7 +217,8 @@ def verify(plan: Plan, fn: Callable, args: tuple, mesh=None,
   max_abs = max_rel = worst = None
   concrete = all(isinstance(x, (jax.Array, np.ndarray, np.generic, int, float,
                                 complex)) for x in jax.tree.leaves(dynamic))
-  if check_numerics and concrete:
+  # Compile-only devices (a TPU topology from libtpu) cannot run a program.
+  if check_numerics and concrete and not compile_only(mesh):
     with jax.set_mesh(apply_lib.auto_mesh(mesh)):  # The program's constraints resolve.
       # Finished before the next starts: a step's host callbacks (equinox's
       # checks) wait for the interpreter, which tracing would hold.
@@ -216,4 +234,5 @@ def verify(plan: Plan, fn: Callable, args: tuple, mesh=None,
       predicted=predicted, compiled_comm_bytes=summarize(found),
       collectives=tuple(found), compiled_memory=memory, memory_stats=stats,
       max_abs_error=max_abs, max_rel_error=max_rel, worst_leaf=worst,
-      compiled_traffic=traffic)
+      compiled_traffic=traffic, compiled_host_memory=compiled_host_memory(stats),
+      compiled_seconds=compiled_seconds(compiled), platform=platform)
