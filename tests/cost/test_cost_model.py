@@ -332,8 +332,10 @@ def test_compilers_by_platform():
   assert compiler.compiler_for("cuda") is compiler.compiler_for("gpu") is compiler.XLA_GPU
   assert compiler.compiler_for("cpu") is compiler.XLA_CPU
   assert {name: hw.compiler for name, hw in automap.HARDWARE.items()} == {
-      **{name: compiler.XLA_TPU for name in ("tpu-v3", "tpu-v4", "tpu-v5e", "tpu-v5p")},
-      **{name: compiler.XLA_GPU for name in ("a100", "h100", "h200")}, "cpu": compiler.XLA_CPU}
+      **{name: compiler.XLA_TPU
+         for name in ("tpu-v3", "tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "tpu7x")},
+      **{name: compiler.XLA_GPU for name in ("a100", "h100", "h200", "b200", "gb200")},
+      "cpu": compiler.XLA_CPU}
   with pytest.raises(ValueError, match="platform must be one of .* got 'metal'"):
     compiler.compiler_for("metal")
   with pytest.raises(automap.HardwareError, match="Hardware.platform must be one of"):

@@ -1,11 +1,12 @@
 """Hardware specs: the figures the cost model turns FLOPs and bytes into time.
 
-Every figure is per device (chip or GPU) in SI units: FLOP/s, bytes/s, bytes,
-seconds. Links: `link_*` is the fast fabric within a node or slice (TPU ICI,
-NVLink), `network_*` the slower one across nodes (data-centre network,
-InfiniBand). Link bandwidths are one direction of one device's share of a
-ring over one mesh axis. What the compiler does on the device is its
-platform's `Compiler`'s.
+Every figure is per jax device (a chip, a GPU, or one TensorCore where a chip
+shows jax two, as TPU7x's does) in SI units: FLOP/s, bytes/s, bytes, seconds.
+Links: `link_*` is the fast fabric within a node or slice (TPU ICI, NVLink),
+`network_*` the slower one across nodes (data-centre network, InfiniBand).
+Link bandwidths are one direction of one device's share of a ring over one
+mesh axis. What the compiler does on the device is its platform's
+`Compiler`'s.
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ _GiB = 2**30
 # (a few microseconds on NVLink/ICI, ~10 us across nodes), order-of-magnitude.
 # What the devices of a family share: their platform, link latencies and,
 # for TPUs, the data-centre network across slices; the matrix unit's tile
-# (a TPU MXU is 128 x 128; NVIDIA's matmul performance guide aligns
+# (a TPU MXU is 128 x 128, v6e's 256 x 256; NVIDIA's matmul performance guide aligns
 # dimensions to 64 elements on A100/H100 tensor cores to avoid tile
 # quantisation). Sustained matmul efficiency is calibrated (`calibration`).
 _TPU = dict(platform="tpu", link_latency=5e-6, network_bandwidth=12.5 * _G,
@@ -190,6 +191,30 @@ _SPECS: dict[str, Hardware] = {
     "tpu-v5p": Hardware(name="tpu-v5p", flops=459 * _T, fp32_flops=459 * _T,
                         hbm_bandwidth=2765 * _G, hbm_capacity=95 * _G,
                         link_bandwidth=2 * 90 * _G, devices_per_node=8960, **_TPU),
+    # Trillium (docs.cloud.google.com/tpu/docs/v6e): 918 TFLOP/s bf16, 32 GiB
+    # of HBM at 1638 GB/s, 256 chips a pod (its largest slice), two 256 x 256
+    # MXUs. ICI 90 GB/s one way a link per "How to Scale Your Model" (the
+    # docs' 800 GB/s both ways over 4 ports is 100), doubled as above.
+    # XLA:TPU's own estimate prices the same peak, bandwidth and (less its
+    # reserve) memory: tests/cost/test_tpu_hardware.py.
+    "tpu-v6e": Hardware(name="tpu-v6e", flops=918 * _T, fp32_flops=918 * _T,
+                        hbm_bandwidth=1638 * _G, hbm_capacity=32 * _GiB,
+                        link_bandwidth=2 * 90 * _G, devices_per_node=256,
+                        **dict(_TPU, matmul_tile=256)),
+    # Ironwood, per jax device: a TPU7x chip is two TensorCores that jax sees
+    # as two devices, so each gets half of the chip's figures. Per chip
+    # (docs.cloud.google.com/tpu/docs/tpu7x; Google's Ironwood announcement,
+    # blog.google, April 2025): 2307 TFLOP/s bf16 dense (the 4614 headline is
+    # FP8, twice bf16), 192 GiB of HBM at 7.37 TB/s, ICI 1.2 TB/s both ways
+    # on a 3D torus, 9216 chips a pod (the largest slice, 16x24x24 in xpk's
+    # table). That ICI is v5p's per-chip 1200 GB/s on the same torus, so v5p's
+    # per-link figure (2 x 90 GB/s), halved between the chip's two devices.
+    # MXU size is not published: the family's tile. XLA:TPU's own estimate
+    # agrees on HBM bandwidth and capacity but prices 996 TFLOP/s a device,
+    # 86% of this peak (as it prices v5p at 394 of 459).
+    "tpu7x": Hardware(name="tpu7x", flops=2307 / 2 * _T, fp32_flops=2307 / 2 * _T,
+                      hbm_bandwidth=7370 / 2 * _G, hbm_capacity=192 // 2 * _GiB,
+                      link_bandwidth=2 * 90 / 2 * _G, devices_per_node=2 * 9216, **_TPU),
     # Host links: PCIe Gen4 x16 on A100 (NVIDIA's datasheet: 64 GB/s both
     # ways), Gen5 x16 on H100 and H200 (128 GB/s both ways).
     "a100": Hardware(name="a100", flops=312 * _T, fp32_flops=156 * _T,
@@ -204,6 +229,25 @@ _SPECS: dict[str, Hardware] = {
                      hbm_bandwidth=4800 * _G, hbm_capacity=141 * _G,
                      link_bandwidth=450 * _G, network_bandwidth=50 * _G,
                      host_bandwidth=64 * _G, **_GPU),
+    # Blackwell, from NVIDIA's datasheets only (no compiler here checks them).
+    # B200 (HGX / DGX B200, for 8 GPUs: 36 PFLOP/s FP16/BF16 and 18 TF32 with
+    # 2:4 sparsity, 1440 GB of HBM3e at 64 TB/s): per GPU dense 2.25 PFLOP/s
+    # bf16, 1.125 TF32, 180 GB at 8 TB/s. GB200 NVL72 (for 72 GPUs: 360
+    # PFLOP/s FP16/BF16 and 180 TF32 sparse, 13.4 TB at 576 TB/s): per GPU
+    # dense 2.5 and 1.25, 186 GB at 8 TB/s, all 72 on one NVLink domain.
+    # NVLink 5: 1.8 TB/s both ways a GPU; across nodes one 400 Gb/s
+    # ConnectX-7 a GPU in DGX B200 and GB200 NVL72 alike. Host links:
+    # B200's PCIe Gen5 x16 (64 GB/s a way; Gen6 hosts would double it); a
+    # GB200 superchip's NVLink-C2C, 900 GB/s both ways between one Grace and
+    # its two GPUs, so 225 GB/s a way for each.
+    "b200": Hardware(name="b200", flops=2250 * _T, fp32_flops=1125 * _T,
+                     hbm_bandwidth=8000 * _G, hbm_capacity=180 * _G,
+                     link_bandwidth=900 * _G, network_bandwidth=50 * _G,
+                     host_bandwidth=64 * _G, **_GPU),
+    "gb200": Hardware(name="gb200", flops=2500 * _T, fp32_flops=1250 * _T,
+                      hbm_bandwidth=8000 * _G, hbm_capacity=186 * _G,
+                      link_bandwidth=900 * _G, network_bandwidth=50 * _G,
+                      host_bandwidth=900 / 2 / 2 * _G, **dict(_GPU, devices_per_node=72)),
     # A laptop-class CPU "device" (8 simulated devices share its cores and
     # memory): ~100 GFLOP/s of AVX2 per core pair, ~20 GB/s DRAM, copies
     # between simulated devices at memory speed.
