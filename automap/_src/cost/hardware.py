@@ -272,6 +272,57 @@ def get_hardware(hardware: str | Hardware) -> Hardware:
       f"got {hardware!r}.")
 
 
+# jax's `device_kind` of each catalogue TPU (exact: "TPU v5" is v5p, "TPU v5
+# lite" v5e), and the NVIDIA product names a GPU's kind contains, the longer
+# first ("GB200" contains "B200").
+_TPU_KINDS = {
+    "TPU v3": "tpu-v3", "TPU v4": "tpu-v4", "TPU v5 lite": "tpu-v5e", "TPU v5e": "tpu-v5e",
+    "TPU v5": "tpu-v5p", "TPU v5p": "tpu-v5p", "TPU v6 lite": "tpu-v6e", "TPU v6e": "tpu-v6e",
+    "TPU7x": "tpu7x",
+}
+_GPU_NAMES = (("GB200", "gb200"), ("B200", "b200"), ("H200", "h200"), ("H100", "h100"),
+              ("A100", "a100"))
+
+
+def _catalogue_name(kind: str) -> str | None:
+  if kind in _TPU_KINDS:
+    return _TPU_KINDS[kind]
+  upper = kind.upper()
+  if "NVIDIA" not in upper or "GH200" in upper:
+    # GH200 pairs an H100-class GPU with Grace: neither h100's host link nor
+    # h200's memory, so no entry describes it.
+    return None
+  return next((name for product, name in _GPU_NAMES if product in upper), None)
+
+
+def hardware_for_devices(devices) -> Hardware | None:
+  """The catalogue entry for the devices a program runs on, read from their
+  `device_kind`.
+
+  Real and compile-only devices both name their kind ("TPU v6 lite" for a
+  v6e, "TPU7x", "NVIDIA H100 80GB HBM3"), so a mesh built from
+  `jax.experimental.topologies` finds its entry as a live one does.
+
+  Args:
+    devices: a `jax.Device`, an iterable or array of them, or a
+      `jax.sharding.Mesh` (its devices).
+
+  Returns:
+    The `automap.HARDWARE` entry all the devices are, or None where they are
+    of no catalogued kind (CPU devices, other accelerators), of several kinds,
+    or none are given; pass `hardware=` yourself then.
+  """
+  if isinstance(devices, jax.sharding.Mesh):
+    devices = devices.devices
+  if hasattr(devices, "device_kind"):
+    devices = [devices]
+  flat = getattr(devices, "flat", devices)
+  names = {_catalogue_name(str(getattr(d, "device_kind", ""))) for d in flat}
+  if len(names) != 1 or None in names:
+    return None
+  return CATALOGUE[names.pop()]
+
+
 # Per platform, the device attribute naming the group of devices on one
 # fast fabric: a TPU job's slice (ICI within, data-centre network across),
 # a GPU job's host (one process per node: NVLink within, InfiniBand across).
