@@ -3,7 +3,7 @@ compile-only v6e and TPU7x topologies here, and the peak FLOP/s, HBM
 bandwidth and HBM size its cost analysis implies for one device are set
 beside each entry's published figures.
 
-What it implies, per jax device (libtpu 0.0.42): v6e 918 TFLOP/s, 1638 GB/s,
+What it implies, per jax device (libtpu 0.0.42.1): v6e 918 TFLOP/s, 1638 GB/s,
 31.25 GiB usable of 32; TPU7x 996 TFLOP/s, 3686 GB/s, 94.75 GiB usable of 96.
 All agree with the catalogue but TPU7x's FLOP/s: XLA:TPU prices 86% of the
 published 2307 / 2 TFLOP/s a TensorCore (as it prices v5p at 394 of 459), so
