@@ -1,16 +1,19 @@
 """plan_cluster on a real flax model: layer costs from the cost model, placed."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import automap
 from automap import cluster
 from automap._src.cli import main as cli
+from automap._src.cluster.execute import stage_layouts
 from automap._src.cluster.profile import layers as layers_lib
 from automap._src.cost.tracker import Tracker
 from automap._src.models import gpt
@@ -128,6 +131,48 @@ def test_cluster_plan_round_trips(tmp_path, capsys):
   assert set(plan.shardings) == {s.width for s in plan.placement.stages}
   assert cli.main(["explain", str(tmp_path / "cluster.json")]) == 0
   assert "automap cluster plan" in capsys.readouterr().out
+
+
+# A cluster plan saved by schema 1, which kept each layout as the text of its
+# tuple of entries.
+TEXT_LAYOUTS_PLAN = """{"devices": 2, "global_batch": 4, "hardware": "tpu-v4",
+ "memory_limit": null, "microbatch": 2, "peak_flops": 2.75e14, "schema": 1,
+ "placement": {"context": 1, "data_parallel": 1, "devices": 2, "microbatches": 2,
+  "offload": "none", "offload_activations": [], "recompute_every": 1, "schedule": "1f1b",
+  "shard_group": null, "time": 0.0072, "virtual_stages": 1, "zero": 0,
+  "stages": [{"bytes_in": 0.0, "bytes_out": 0.0, "collectives": 0.0, "comm_bytes": 0.0,
+   "compute": 0.0036, "first_device": 0, "flops": 0.0, "in_flight": 1, "layers": ["a", "b"],
+   "memory": 4200000.0, "param_bytes": 1000000.0, "recompute": false,
+   "recompute_mode": "none", "sync": 0.0, "sync_total": 0.0, "time": 0.0036,
+   "transfers": 0.0, "width": 2, "zero": 0.0, "zero_total": 0.0}]},
+ "shardings": {"2": {"0/a/kernel": "(None, 'model')", "0/b/bias": "()",
+  "0/b/kernel": "(('context', 'model'), None)", "1/inputs": "('model',)"}}}"""
+
+
+def test_a_plan_saved_with_text_layouts_loads_as_partition_specs(tmp_path):
+  old = tmp_path / "old.json"
+  old.write_text(TEXT_LAYOUTS_PLAN)
+  plan = cluster.ClusterPlan.load(old)
+  assert plan.shardings == {2: {"0/a/kernel": P(None, "model"), "0/b/bias": P(),
+                                "0/b/kernel": P(("context", "model"), None),
+                                "1/inputs": P("model")}}
+  # The stages read them as they read a plan just made.
+  kernel = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+  assert stage_layouts.tensor_spec(plan.shardings[2]["0/a/kernel"], kernel, 2,
+                                   "0/a/kernel") == (None, "tensor")
+  assert stage_layouts.splits_batch(plan.shardings[2], ["1/inputs"])
+  # Saved again, the layouts are JSON lists of entries, and load as they were.
+  plan.save(tmp_path / "new.json")
+  data = plan.to_json()
+  assert data["schema"] == 2
+  assert data["shardings"]["2"]["0/b/kernel"] == [["context", "model"], None]
+  assert cluster.ClusterPlan.load(tmp_path / "new.json") == plan
+
+
+def test_a_plan_of_an_unknown_schema_is_refused():
+  data = cluster.ClusterPlan.from_json(json.loads(TEXT_LAYOUTS_PLAN)).to_json()
+  with pytest.raises(cluster.PlacementError, match="schema 3 is not 1 or 2; plan it again"):
+    cluster.ClusterPlan.from_json(data | {"schema": 3})
 
 
 @pytest.mark.parametrize("kwargs, match", [

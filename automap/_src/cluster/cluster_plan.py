@@ -8,6 +8,7 @@ ZeRO and recompute for each; the fastest wins.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
 import time
@@ -18,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec
 
 from automap._src.cluster.execute.executor import PipelineStep
 from automap._src.cluster.placement import configured
@@ -34,9 +36,13 @@ from automap._src.ir import graph as graph_lib
 from automap._src.ir import stacks
 from automap._src.plan import planner
 from automap._src.plan.explain import format_bytes
+from automap._src.plan.plan import spec_from_json, spec_to_json
 from automap._src.search.request import with_keywords
 
-SCHEMA = 1
+SCHEMA = 2
+# Plans of schema 1 hold each layout as the text of its tuple of entries
+# ("(None, 'model')"); they still load.
+TEXT_LAYOUTS = 1
 # Share of the parameters' bytes left whole over a stated tensor group above
 # which price_cluster says the plan priced is not the split stated.
 REPLICATED = 0.5
@@ -61,7 +67,7 @@ class ClusterPlan(JsonFile):
     devices: devices in the cluster.
     hardware: the hardware's catalogue name.
     shardings: width -> argument path (parameters "0/...", batch "1/..."
-      on) -> PartitionSpec (text) of the intra-stage sharding at that width,
+      on) -> its PartitionSpec in the intra-stage sharding at that width,
       for the widths the placement uses.
     timings: seconds the planner spent, per phase ("profile", "placement").
     peak_flops: the device's peak FLOP/s (16-bit matmuls), for MFU.
@@ -73,7 +79,7 @@ class ClusterPlan(JsonFile):
   global_batch: int
   devices: int
   hardware: str
-  shardings: dict[int, dict[str, str]]
+  shardings: dict[int, dict[str, PartitionSpec]]
   timings: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
   peak_flops: float = 0.0
   memory_limit: float = math.inf
@@ -118,7 +124,8 @@ class ClusterPlan(JsonFile):
     return {"schema": SCHEMA, "placement": self.placement.to_json(),
             "microbatch": self.microbatch, "global_batch": self.global_batch,
             "devices": self.devices, "hardware": self.hardware,
-            "shardings": {str(t): s for t, s in sorted(self.shardings.items())},
+            "shardings": {str(t): {p: spec_to_json(spec) for p, spec in specs.items()}
+                          for t, specs in sorted(self.shardings.items())},
             "peak_flops": self.peak_flops,
             "memory_limit": None if math.isinf(self.memory_limit) else self.memory_limit}
 
@@ -133,14 +140,18 @@ class ClusterPlan(JsonFile):
       The `ClusterPlan`.
 
     Raises:
-      PlacementError: data of another schema version.
+      PlacementError: data of a schema version this one does not read.
     """
-    if data.get("schema") != SCHEMA:
+    schema = data.get("schema")
+    if schema not in (TEXT_LAYOUTS, SCHEMA):
       raise PlacementError(
-          f"cluster plan schema {data.get('schema')!r} is not {SCHEMA}; plan it again.")
+          f"cluster plan schema {schema!r} is not {TEXT_LAYOUTS} or {SCHEMA}; plan it again.")
+    spec_of = ((lambda text: PartitionSpec(*ast.literal_eval(text))) if schema == TEXT_LAYOUTS
+               else spec_from_json)
     return cls(Placement.from_json(data["placement"]), int(data["microbatch"]),
                int(data["global_batch"]), int(data["devices"]), str(data["hardware"]),
-               {int(t): dict(s) for t, s in data["shardings"].items()},
+               {int(t): {p: spec_of(spec) for p, spec in specs.items()}
+                for t, specs in data["shardings"].items()},
                peak_flops=float(data.get("peak_flops", 0.0)),
                memory_limit=float(data.get("memory_limit") or math.inf))
 

@@ -20,8 +20,6 @@ offloading the optimizer state keeps it in the devices' pinned host memory
 
 from __future__ import annotations
 
-import ast
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,20 +137,19 @@ def _host_memory(devices, what: str, instead: str) -> None:
           f"{dev.id} lacks; price the split with {instead}.")
 
 
-def tensor_spec(text: str | None, aval, width: int, path: str, context: int = 1) -> tuple:
+def tensor_spec(spec: P | None, aval, width: int, path: str, context: int = 1) -> tuple:
   """The plan's layout of a parameter within a stage (its searched spec over
   the stage's mesh of `width` devices: ("model",), or ("context", "model")
   of (context, width / context)), "model" renamed "tensor"; whole where the
   plan has none."""
   entries: list = [None] * len(aval.shape)
-  if text is None or width == 1:
+  if spec is None or width == 1:
     return tuple(entries)
   sizes = {"model": width // context, CONTEXT: context}
   names = {"model": TENSOR, CONTEXT: CONTEXT}
-  spec = ast.literal_eval(text)
   if len(spec) > len(aval.shape):
     raise PlacementError(
-        f"plan: parameter {path!r} has layout {text} of rank {len(spec)}, but the parameter "
+        f"plan: parameter {path!r} has layout {spec} of rank {len(spec)}, but the parameter "
         f"is {aval.dtype}{list(aval.shape)}; plan it for these parameters.")
   for k, e in enumerate(spec):
     if e is None:
@@ -270,18 +267,13 @@ def rows(mesh: Mesh, count: int, split_batch: bool, shape: tuple = ()) -> NamedS
   return NamedSharding(mesh, P(replicas(mesh)))
 
 
-def splits_batch(specs: dict[str, str], batch_paths: list[str]) -> bool:
+def splits_batch(specs: dict[str, P], batch_paths: list[str]) -> bool:
   """Whether a width's searched plan lays the batch out over the tensor
   group (every batch leaf's leading dim split): the stage's activations then
   arrive split by rows, as that plan runs them."""
   found = [specs.get(p) for p in batch_paths]
-  if not found or any(text is None for text in found):
-    return False
-  for text in found:
-    spec = ast.literal_eval(text)
-    if not spec or spec[0] is None:
-      return False
-  return True
+  return bool(found) and all(spec is not None and len(spec) > 0 and spec[0] is not None
+                             for spec in found)
 
 
 def place(x, sharding: NamedSharding) -> jax.Array:

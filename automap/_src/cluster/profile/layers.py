@@ -53,12 +53,12 @@ class Profile:
   graphs: batch size -> width -> the layer graph (the same layers and edges
     at every width).
   specs: width -> argument path (parameters "0/...", batch "1/..." on) ->
-    PartitionSpec (as text) of the searched plan.
+    its PartitionSpec in the searched plan.
   programs: (batch size, width) -> (program, state) the costs were read from.
   """
 
   graphs: dict[int, dict[int, LayerGraph]]
-  specs: dict[int, dict[str, str]]
+  specs: dict[int, dict[str, PartitionSpec]]
   programs: dict[tuple[int, int], tuple[Program, np.ndarray]] = dataclasses.field(
       repr=False, compare=False)
 
@@ -523,7 +523,7 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
       if size == example:
         searched[t] = state
         plan = planner.plan_of_state(program, state)
-        specs[t] = {p: str(tuple(s)) for p, s in zip(plan.in_paths, plan.in_specs)}
+        specs[t] = dict(zip(plan.in_paths, plan.in_specs))
       programs[(size, t)] = (program, state)
     graphs[size] = layer_graphs({t: programs[(size, t)] for t in widths}, params_count,
                                 fused_attention, offload_names)
