@@ -15,7 +15,7 @@ import dataclasses
 import math
 import types
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import jax
 
@@ -295,7 +295,8 @@ def _catalogue_name(kind: str) -> str | None:
   return next((name for product, name in _GPU_NAMES if product in upper), None)
 
 
-def hardware_for_devices(devices) -> Hardware | None:
+def hardware_for_devices(
+    devices: jax.Device | Iterable[jax.Device] | jax.sharding.Mesh) -> Hardware | None:
   """The catalogue entry for the devices a program runs on, read from their
   `device_kind`.
 
