@@ -23,6 +23,8 @@ from automap._src.plan.errors import PlanError as PlanError
 from automap._src.plan.export import LogicalRules as LogicalRules
 from automap._src.plan.export import shard_like as shard_like
 from automap._src.plan.plan import Plan as Plan
+from automap._src.run.check import Check as Check
+from automap._src.run.check import check as check
 from automap._src.run.verify import Report as Report
 from automap._src.search.request import Budget as Budget
 from automap._src.search.request import Hints as Hints
@@ -58,6 +60,7 @@ __all__ = (
     "LayoutError",
     "LayoutWarning",
     "Budget",
+    "Check",
     "Cost",
     "GroupError",
     "HARDWARE",
@@ -78,6 +81,7 @@ __all__ = (
     "TopologyError",
     "TpuSlice",
     "UnknownPrimitiveWarning",
+    "check",
     "declare_rule",
     "evaluate",
     "hardware_for_devices",

@@ -1,8 +1,8 @@
-"""The `automap` command line: demo, search, explain, bench.
+"""The `automap` command line: demo, search, check, explain, bench.
 
 Exit codes: 0 success; 1 the work itself failed (no plan meets the memory
-limit, the user's function raised, a demo check failed); 2 bad arguments or
-files.
+limit, the user's function raised, a demo check failed, `check`'s layout
+does not fit); 2 bad arguments or files.
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
           examples:
             automap demo                             a GPT step on 8 simulated CPU devices
             automap search mymodel:make_step --mesh 4,2 --out plan.json
+            automap check mymodel:make_step --topology v5p-512 --mesh 32,8
             automap explain plan.json --plot plan.png
             automap bench --layers 8 --hidden 1024
           """))
@@ -146,6 +147,8 @@ def _parser() -> argparse.ArgumentParser:
                       "and memory")
   search.add_argument("--quiet", action="store_true", help="print no explanation")
 
+  _add_check(sub)
+
   explain = sub.add_parser("explain", help="print a saved plan (JSON) readably")
   explain.add_argument("plan", help="path of a plan saved with Plan.save, "
                        "ClusterPlan.save or `automap search --out`")
@@ -166,6 +169,45 @@ def _parser() -> argparse.ArgumentParser:
   bench.add_argument("--seconds", type=_positive(float), default=30.0,
                      help="search budget per mesh in seconds (default 30)")
   return p
+
+
+def _add_check(sub) -> None:
+  """The `check` subcommand's arguments."""
+  check = sub.add_parser(
+      "check", help="compile a step for a TPU slice with XLA:TPU: does it fit, and what "
+      "does the compiler emit?",
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      description=textwrap.dedent("""\
+          Compiles TARGET's step for a TPU slice with XLA:TPU's own compiler
+          (libtpu: pip install 'automap[tpu]'), on this machine, no TPU needed,
+          and prints whether it fits: the compiled allocation per device
+          against the chip's memory, the collectives by kind and mesh axis
+          beside automap's prediction, and XLA:TPU's own time estimate.
+          TARGET is MODULE:FN as for `search`. The layout is automap's plan
+          (searched now, or --plan), or yours (--layout). Exit code 1 where
+          it does not fit.
+          """))
+  check.add_argument("target", metavar="MODULE:FN")
+  check.add_argument("--topology", required=True, metavar="SLICE",
+                     help="the TPU slice as Cloud TPU names it: v5p-512 (v4 and v5p count "
+                     "TensorCores), v6e-256, v5e-16, tpu7x-64 (chips), or v5p:4x4x12")
+  check.add_argument("--slices", type=_positive(int), default=1,
+                     help="how many such slices (multislice; default 1)")
+  check.add_argument("--mesh", type=_sizes, default=None,
+                     help="mesh axis sizes, comma separated, their product the slices' "
+                     "devices (default: automap's plan picks a shape; your layout: one axis)")
+  check.add_argument("--axes", help="mesh axis names, comma separated (default data / "
+                     "data,model / data,fsdp,model)")
+  layout = check.add_mutually_exclusive_group()
+  layout.add_argument("--plan", metavar="PATH", help="a plan saved with Plan.save")
+  layout.add_argument("--layout", metavar="MODULE:NAME",
+                      help="your layout: a pytree of PartitionSpecs for the arguments "
+                      "(as jax.jit's in_shardings), or a function returning one")
+  check.add_argument("--hardware", default=None,
+                     help="device spec to price with (default: the slice's chip)")
+  check.add_argument("--seconds", type=_positive(float), default=30.0,
+                     help="search budget in seconds, where automap plans (default 30)")
+  check.add_argument("--out", metavar="PATH", help="save the plan searched as JSON")
 
 
 def _model_args(p: argparse.ArgumentParser, layers: int) -> None:
@@ -218,10 +260,7 @@ def _search(args) -> int:
   fn, fn_args = _load_target(args.target)
   if args.devices is None:
     sizes = args.mesh or (4, 2)
-    names = tuple(args.axes.split(",")) if args.axes else _AXES[len(sizes)]
-    if len(names) != len(sizes) or len(set(names)) != len(names) or not all(names):
-      raise UsageError(f"--axes must give {len(sizes)} distinct names for mesh "
-                       f"{','.join(map(str, sizes))}, got {args.axes!r}")
+    names = _axis_names(args.axes, sizes)
     where = {"mesh": jax.sharding.AbstractMesh(sizes, names)}
   else:
     if args.axes:
@@ -241,6 +280,75 @@ def _search(args) -> int:
   if args.plot:
     plan.plot(args.plot)
   return 0
+
+
+def _load_layout(target: str):
+  """A layout from MODULE:NAME: the attribute, or what it returns if callable."""
+  module_name, sep, attr = target.rpartition(":")
+  if not sep or not module_name or not attr:
+    raise UsageError(f"--layout expects MODULE:NAME, got {target!r}")
+  try:
+    sys.path.insert(0, os.getcwd())
+    module = importlib.import_module(module_name)
+  except Exception as e:  # The user's module: report whatever it raised.
+    raise UsageError(f"cannot import {module_name!r}: {type(e).__name__}: {e}") from e
+  if not hasattr(module, attr):
+    raise UsageError(f"{module_name!r} has no {attr!r}")
+  value = getattr(module, attr)
+  return value() if callable(value) else value
+
+
+def _check(args) -> int:
+  # Compile-only TPU devices need no TPU runtime: keep jax on the CPU here.
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  import automap
+
+  fn, fn_args = _load_target(args.target)
+  tpu = automap.parse_slice(args.topology, args.slices)
+  hardware = args.hardware or tpu.hardware
+  sizes = args.mesh
+  plan = None
+  if args.plan:
+    plan = automap.Plan.load(args.plan)
+    if sizes is not None and tuple(sizes) != plan.mesh.axis_sizes:
+      raise UsageError(f"--mesh {sizes} differs from the plan's {plan.mesh.axis_sizes}")
+    sizes, names = plan.mesh.axis_sizes, plan.mesh.axis_names
+  else:
+    names = _axis_names(args.axes, sizes) if sizes is not None else None
+  if args.layout or args.plan:
+    sizes = sizes or (tpu.num_devices,)
+    names = names or _axis_names(args.axes, sizes)
+    mesh = automap.tpu_mesh(args.topology, sizes, names, slices=args.slices)
+    layout = _load_layout(args.layout) if args.layout else None
+    result = automap.check(fn, *fn_args, mesh=mesh, plan=plan, in_shardings=layout,
+                           hardware=args.hardware)
+  else:
+    budget = automap.Budget(episodes=10**6, seconds=args.seconds)
+    if sizes is None:  # automap picks the mesh's shape, then compiles on that shape.
+      if args.axes:
+        raise UsageError("--axes goes with --mesh")
+      plan = automap.search(fn, *fn_args, devices=tpu.num_devices, hardware=hardware,
+                            budget=budget)
+      sizes, names = plan.mesh.axis_sizes, plan.mesh.axis_names
+      mesh = automap.tpu_mesh(args.topology, sizes, names, slices=args.slices)
+    else:
+      mesh = automap.tpu_mesh(args.topology, sizes, names, slices=args.slices)
+      plan = automap.search(fn, *fn_args, mesh=mesh, hardware=hardware, budget=budget)
+    if args.out:
+      plan.save(args.out)
+      print(f"plan saved to {args.out}", file=sys.stderr)
+    result = automap.check(fn, *fn_args, mesh=mesh, plan=plan, hardware=args.hardware)
+  print(f"{tpu}")
+  print(result.table())
+  return 0 if result.fits else 1
+
+
+def _axis_names(axes: str | None, sizes) -> tuple[str, ...]:
+  names = tuple(axes.split(",")) if axes else _AXES.get(len(sizes), ())
+  if len(names) != len(sizes) or len(set(names)) != len(names) or not all(names):
+    raise UsageError(f"--axes must give {len(sizes)} distinct names for mesh "
+                     f"{','.join(map(str, sizes))}, got {axes!r}")
+  return names
 
 
 def _explain(args) -> int:
@@ -310,7 +418,8 @@ def _demo(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
-  run = {"demo": _demo, "search": _search, "explain": _explain, "bench": _bench}
+  run = {"demo": _demo, "search": _search, "check": _check, "explain": _explain,
+         "bench": _bench}
   try:
     return run[args.command](args)
   except UsageError as e:

@@ -24,8 +24,10 @@ _GROUPS_MESH = re.compile(
     r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((?:\[([0-9,]+)\]"
     r"(?:T\(([0-9,]+)\))?|([0-9,]+))\))?\s*\{([^}]*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}")
-# Ops a value passes through unchanged in its bytes' meaning.
+# Ops a value passes through unchanged in its bytes' meaning: views, and
+# copies (an async copy-start / copy-done pair moves it between memories).
 _VIEWS = ("bitcast", "copy", "reshape", "get-tuple-element")
+_COPIES = ("bitcast", "copy", "reshape", "copy-start", "copy-done")
 _SLICES = ("dynamic-slice", "slice")
 
 
@@ -157,7 +159,7 @@ def _source(module: hlo.Module, computation: str, name: str, depth: int = 0
     root = module.root(called[0]) if called else None
     if root is not None:
       return _source(module, called[0], root.name, depth + 1) or (computation, made)
-  if made.opcode in _VIEWS[:3] and made.operands:
+  if made.opcode in _COPIES and made.operands:
     return _source(module, computation, made.operands[0], depth + 1) or (computation, made)
   return computation, made
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from automap._src.cost.compiler import PLATFORMS, XLA_TPU, compiler_for
+from automap._src.cost.compiler import PLATFORMS, XLA_TPU, Compiler, compiler_for
 from automap._src.cost.model import KINDS, Cost
 from automap._src.cost.program import Program
 from automap._src.cost.tracker import Tracker
@@ -198,22 +198,14 @@ def verify(plan: Plan, fn: Callable, args: tuple, mesh=None,
   if MeshSpec.of(mesh) != plan.mesh:
     raise MeshError(f"mesh {MeshSpec.of(mesh)} differs from the plan's {plan.mesh}.")
   traced = planner.trace(fn, args, mesh, names=names)
-  if traced.fingerprint() != plan.fingerprint:
-    raise PlanError(
-        "the plan was made for a different program (fingerprint "
-        f"{plan.fingerprint}, this one {traced.fingerprint()}); search again.")
+  check_fingerprint(plan, traced)
   # Priced for the backend that compiles it (XLA:CPU forms no reduce-scatter).
-  platform = mesh.devices.flat[0].platform
-  # A platform XLA names otherwise (a plugin's) is priced as TPU and GPU are.
-  compiler = compiler_for(platform) if platform.lower() in PLATFORMS else XLA_TPU
-  program = Program.build(traced, plan.mesh, plan.hardware, compiler=compiler,
+  program = Program.build(traced, plan.mesh, plan.hardware, compiler=compiler_of(mesh),
                           constraints=plan.program_constraints)
   predicted = Tracker(program.model, build.state_of(program, plan)).cost()
   dynamic = traced.dynamic_args(args)  # The static leaves are in the program.
   compiled = apply_lib.compile_with_plan(traced, mesh, plan, args)
-  found = collectives(compiled.as_text(), mesh)
-  memory, stats = compiled_memory(compiled)
-  traffic = compiled_traffic(compiled)
+  report = read_compiled(compiled, mesh, predicted)
   max_abs = max_rel = worst = None
   concrete = all(isinstance(x, (jax.Array, np.ndarray, np.generic, int, float,
                                 complex)) for x in jax.tree.leaves(dynamic))
@@ -230,9 +222,43 @@ def verify(plan: Plan, fn: Callable, args: tuple, mesh=None,
       # The mesh spans processes: every process compares the whole result.
       actual = multihost_utils.process_allgather(actual, tiled=True)
     max_abs, max_rel, worst = worst_error(leaf_errors(expected, actual))
+  return dataclasses.replace(report, max_abs_error=max_abs, max_rel_error=max_rel,
+                             worst_leaf=worst)
+
+
+def check_fingerprint(plan: Plan, traced) -> None:
+  """Raises `automap.PlanError` where `plan` was made for another program."""
+  if traced.fingerprint() != plan.fingerprint:
+    raise PlanError(
+        "the plan was made for a different program (fingerprint "
+        f"{plan.fingerprint}, this one {traced.fingerprint()}); search again.")
+
+
+def compiler_of(mesh) -> Compiler:
+  """The XLA backend that compiles for a concrete mesh's devices; a
+  platform XLA names otherwise (a plugin's) is priced as TPU is."""
+  platform = mesh.devices.flat[0].platform
+  return compiler_for(platform) if platform.lower() in PLATFORMS else XLA_TPU
+
+
+def read_compiled(compiled: jax.stages.Compiled, mesh, predicted: Cost) -> Report:
+  """A compiled program read beside a prediction (numerics not run).
+
+  Args:
+    compiled: the compiled program.
+    mesh: the concrete mesh it was compiled on.
+    predicted: the cost model's price of the same layout, for the platform
+      compiled on.
+
+  Returns:
+    The `Report`, its numeric errors None.
+  """
+  found = collectives(compiled.as_text(), mesh)
+  memory, stats = compiled_memory(compiled)
   return Report(
       predicted=predicted, compiled_comm_bytes=summarize(found),
       collectives=tuple(found), compiled_memory=memory, memory_stats=stats,
-      max_abs_error=max_abs, max_rel_error=max_rel, worst_leaf=worst,
-      compiled_traffic=traffic, compiled_host_memory=compiled_host_memory(stats),
-      compiled_seconds=compiled_seconds(compiled), platform=platform)
+      max_abs_error=None, max_rel_error=None, compiled_traffic=compiled_traffic(compiled),
+      compiled_host_memory=compiled_host_memory(stats),
+      compiled_seconds=compiled_seconds(compiled),
+      platform=mesh.devices.flat[0].platform)
