@@ -14,6 +14,7 @@ from automap._src.cluster.cluster_plan import ClusterPlan as ClusterPlan
 from automap._src.cluster.cluster_plan import ReplicatedWeightsWarning as ReplicatedWeightsWarning
 from automap._src.cluster.cluster_plan import plan_cluster as plan_cluster
 from automap._src.cluster.cluster_plan import price_cluster as price_cluster
+from automap._src.cluster.errors import PlacementError as PlacementError
 from automap._src.cluster.execute.executor import PipelineState as PipelineState
 from automap._src.cluster.execute.executor import PipelineStep as PipelineStep
 from automap._src.cluster.execute.pipeline import PipelineError as PipelineError
@@ -29,7 +30,6 @@ from automap._src.cluster.placement.placed import Stage as Stage
 from automap._src.cluster.profile.layer_graph import Layer as Layer
 from automap._src.cluster.profile.layer_graph import LayerCost as LayerCost
 from automap._src.cluster.profile.layer_graph import LayerGraph as LayerGraph
-from automap._src.cluster.profile.layer_graph import PlacementError as PlacementError
 from automap._src.cluster.profile.layer_graph import Shared as Shared
 from automap._src.cluster.schedule.schedules import Schedule as Schedule
 from automap._src.cluster.schedule.schedules import get as get_schedule

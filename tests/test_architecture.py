@@ -13,8 +13,10 @@ ROOT = pathlib.Path(automap.__file__).resolve().parent
 ORDER = ("models", "ir", "sharding", "cost", "search", "plan", "run", "api", "partitioned",
          "cluster", "cli")
 # The cluster planner's sub-packages, likewise; the modules at cluster/'s top
-# (`cluster_plan`) come after them all.
+# (`cluster_plan`) come after them all, but for the pieces every sub-package
+# shares (its error, saving to JSON), which come before them all.
 CLUSTER = ("profile", "schedule", "placement", "execute", "accelerator")
+CLUSTER_SHARED = ("errors", "json_file")
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -52,18 +54,22 @@ def test_no_import_runs_back_up_the_pipeline():
 
 
 def _cluster_rank(module: str) -> int | None:
-  """Where `module` sits in the cluster planner's order: its sub-package's
-  index, len(CLUSTER) for cluster/'s top modules, None outside cluster/."""
+  """Where `module` sits in the cluster planner's order: -1 for the shared
+  pieces, its sub-package's index, len(CLUSTER) for cluster/'s other top
+  modules, None outside cluster/."""
   parts = module.split(".")
   if parts[:3] != ["automap", "_src", "cluster"] or len(parts) < 4:
     return None
+  if parts[3] in CLUSTER_SHARED:
+    return -1
   return CLUSTER.index(parts[3]) if parts[3] in CLUSTER else len(CLUSTER)
 
 
 def test_the_cluster_planner_runs_profile_to_accelerator():
   modules = _modules()
   assert {m.split(".")[3] for m in modules if _cluster_rank(m) is not None
-          and _cluster_rank(m) < len(CLUSTER)} == set(CLUSTER)
+          and 0 <= _cluster_rank(m) < len(CLUSTER)} == set(CLUSTER)
+  assert {m.split(".")[3] for m in modules if _cluster_rank(m) == -1} == set(CLUSTER_SHARED)
   back = [(a, b) for a, found in _imports(modules).items() for b, _ in found
           if _cluster_rank(a) is not None and _cluster_rank(b) is not None
           and _cluster_rank(b) > _cluster_rank(a)]

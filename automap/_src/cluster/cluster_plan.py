@@ -21,14 +21,15 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
+from automap._src.cluster.errors import PlacementError
 from automap._src.cluster.execute.executor import PipelineStep
+from automap._src.cluster.json_file import JsonFile
 from automap._src.cluster.placement import configured
 from automap._src.cluster.placement.configured import ClusterConfig
 from automap._src.cluster.placement.dp import place_any
 from automap._src.cluster.placement.options import ClusterOptions, memory_limit
 from automap._src.cluster.placement.placed import Placement
 from automap._src.cluster.profile import layers as layers_lib
-from automap._src.cluster.profile.layer_graph import JsonFile, PlacementError
 from automap._src.cluster.schedule import schedules
 from automap._src.cluster.schedule.timetable import timetable
 from automap._src.cost.hardware import Hardware, get_hardware

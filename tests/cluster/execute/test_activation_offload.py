@@ -15,7 +15,6 @@ from helpers import assert_trains_as_jitted
 
 import automap
 from automap import cluster
-from automap._src.cluster.profile.layer_graph import PlacementError
 from automap._src.cost.hardware import get_hardware
 from automap._src.models import llama, zoo
 
@@ -47,13 +46,13 @@ def test_offload_keeps_full_recomputes_device_memory_and_reruns_less():
 
 
 def test_offload_is_refused_where_it_cannot_be_priced_or_names_nothing():
-  with pytest.raises(PlacementError, match="state both or neither"):
+  with pytest.raises(cluster.PlacementError, match="state both or neither"):
     cluster.ClusterConfig(**SPLIT, offload_activations=PROJECTIONS)
-  with pytest.raises(PlacementError, match="state both or neither"):
+  with pytest.raises(cluster.PlacementError, match="state both or neither"):
     cluster.ClusterConfig(**SPLIT, recompute="offload")
-  with pytest.raises(PlacementError, match="host link"):
+  with pytest.raises(cluster.PlacementError, match="host link"):
     priced("offload", PROJECTIONS, hardware="cpu")
-  with pytest.raises(PlacementError, match=r"\['query_prj'\] name no value"):
+  with pytest.raises(cluster.PlacementError, match=r"\['query_prj'\] name no value"):
     priced("offload", ("query_prj",))
 
 

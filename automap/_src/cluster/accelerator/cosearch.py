@@ -36,10 +36,11 @@ from automap._src.cluster.accelerator.passes import (
   all_passes,
   profile_workload,
 )
+from automap._src.cluster.errors import PlacementError
+from automap._src.cluster.json_file import JsonFile
 from automap._src.cluster.placement.dp import place_any
 from automap._src.cluster.placement.options import PlacementOptions
 from automap._src.cluster.placement.placed import Placement
-from automap._src.cluster.profile.layer_graph import JsonFile, PlacementError
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.plan import planner
 from automap._src.search.request import Budget, with_keywords

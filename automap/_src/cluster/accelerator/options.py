@@ -10,15 +10,15 @@ import types
 from collections.abc import Mapping
 
 from automap._src.cluster.accelerator.chip import Accelerator
+from automap._src.cluster.errors import PlacementError
 from automap._src.cluster.placement.options import (
-    ZERO_STAGES,
-    check_budget,
-    check_optimizer,
-    check_seed,
-    check_zero,
-    positive_ints,
+  ZERO_STAGES,
+  check_budget,
+  check_optimizer,
+  check_seed,
+  check_zero,
+  positive_ints,
 )
-from automap._src.cluster.profile.layer_graph import PlacementError
 from automap._src.search.request import Budget
 
 

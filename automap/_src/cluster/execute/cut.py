@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
 
+from automap._src.cluster.errors import PlacementError
 from automap._src.cluster.execute import rolled as rolled_lib
 from automap._src.cluster.placement.placed import Placement
-from automap._src.cluster.profile.layer_graph import PlacementError
 from automap._src.ir.naming import containers, layer_of, layer_runs
 from automap._src.ir.walk import INLINE
 

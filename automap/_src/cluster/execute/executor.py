@@ -46,11 +46,11 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
+from automap._src.cluster.errors import PlacementError
 from automap._src.cluster.execute import cut as cut_lib
 from automap._src.cluster.execute import stage_layouts
 from automap._src.cluster.execute.programs import ChunkPrograms
 from automap._src.cluster.execute.step_state import PipelineState, StateLayout
-from automap._src.cluster.profile.layer_graph import PlacementError
 from automap._src.cluster.schedule import schedules
 from automap._src.cluster.schedule import timetable as pipeline_schedule
 from automap._src.ir import stacks

@@ -27,8 +27,8 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from automap._src.cluster.errors import PlacementError
 from automap._src.cluster.profile.context import CONTEXT
-from automap._src.cluster.profile.layer_graph import PlacementError
 
 DATA, TENSOR = "data", "tensor"
 REPLICA, SHARD = "replica", "shard"  # hybrid sharding's "data": groups x replicas of a group

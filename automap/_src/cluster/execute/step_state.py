@@ -33,8 +33,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from automap._src.cluster.errors import PlacementError
 from automap._src.cluster.execute import stage_layouts
-from automap._src.cluster.profile.layer_graph import PlacementError
 from automap._src.ir.trace import path_str
 
 

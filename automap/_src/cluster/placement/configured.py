@@ -17,11 +17,12 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from automap._src.cluster.errors import PlacementError
 from automap._src.cluster.placement import dp as placement_lib
 from automap._src.cluster.placement import stage_costs
 from automap._src.cluster.placement.options import PlacementOptions
 from automap._src.cluster.placement.placed import Placement
-from automap._src.cluster.profile.layer_graph import RECOMPUTE_MODES, LayerGraph, PlacementError
+from automap._src.cluster.profile.layer_graph import RECOMPUTE_MODES, LayerGraph
 from automap._src.cluster.schedule import schedules
 from automap._src.cost.hardware import Hardware, get_hardware
 from automap._src.ir import graph as graph_lib

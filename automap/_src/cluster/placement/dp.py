@@ -25,11 +25,12 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from automap._src.cluster.errors import PlacementError
 from automap._src.cluster.placement import stage_costs
 from automap._src.cluster.placement.options import PlacementOptions
 from automap._src.cluster.placement.placed import Placement
 from automap._src.cluster.placement.stage_costs import Problem, StageCosts
-from automap._src.cluster.profile.layer_graph import LayerGraph, PlacementError
+from automap._src.cluster.profile.layer_graph import LayerGraph
 from automap._src.cluster.schedule import schedules
 from automap._src.cost.hardware import Hardware
 from automap._src.search.request import with_keywords

@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from automap._src.cluster.profile.layer_graph import RECOMPUTE_MODES, PlacementError
+from automap._src.cluster.errors import PlacementError
+from automap._src.cluster.profile.layer_graph import RECOMPUTE_MODES
 from automap._src.search.request import DEVICE, Budget, bytes_per_device
 
 # Optimizer state per parameter byte, in the parameters' dtype.

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from automap._src.cluster.profile.layer_graph import RECOMPUTE_MODES, PlacementError
+from automap._src.cluster.errors import PlacementError
+from automap._src.cluster.profile.layer_graph import RECOMPUTE_MODES
 from automap._src.cluster.schedule import schedules
 
 

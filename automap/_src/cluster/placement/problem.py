@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from automap._src.cluster.errors import PlacementError
 from automap._src.cluster.placement.options import PlacementOptions, memory_limit, recompute_modes
-from automap._src.cluster.profile.layer_graph import PlacementError
 from automap._src.cost.hardware import Hardware, get_hardware
 
 SLICE = "slice"  # Problem.shard_group: ZeRO within each slice's replicas

@@ -18,12 +18,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from automap._src.cluster.errors import PlacementError
 from automap._src.cluster.placement.placed import Stage
 from automap._src.cluster.placement.problem import SLICE, Problem, problem
 from automap._src.cluster.placement.stage_memory import StageMemory
 from automap._src.cluster.placement.stage_sums import layer_indices
 from automap._src.cluster.placement.stage_times import StageTimes
-from automap._src.cluster.profile.layer_graph import LayerGraph, PlacementError
+from automap._src.cluster.profile.layer_graph import LayerGraph
 
 
 class StageCosts(StageMemory, StageTimes):

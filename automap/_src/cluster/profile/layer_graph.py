@@ -9,27 +9,10 @@ what placement returns, a `Placement` of pipeline stages, is in
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from collections.abc import Mapping, Sequence
 
-
-class PlacementError(ValueError):
-  """A layer graph or placement option that cannot be planned."""
-
-
-class JsonFile:
-  """`save(path)` / `load(path)` for a type with `to_json` / `from_json`."""
-
-  def save(self, path: str | os.PathLike) -> None:
-    with open(path, "w") as f:
-      json.dump(self.to_json(), f, indent=1, sort_keys=True)
-
-  @classmethod
-  def load(cls, path: str | os.PathLike):
-    with open(path) as f:
-      return cls.from_json(json.load(f))
+from automap._src.cluster.errors import PlacementError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,5 +252,4 @@ class LayerGraph:
 RECOMPUTE_MODES = ("none", "full", "selective", "dots", "offload")
 
 
-__all__ = ["RECOMPUTE_MODES", "JsonFile", "Layer", "LayerCost", "LayerGraph", "PlacementError",
-           "Shared"]
+__all__ = ["RECOMPUTE_MODES", "Layer", "LayerCost", "LayerGraph", "Shared"]

@@ -30,14 +30,9 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from automap._src.cluster.errors import PlacementError
 from automap._src.cluster.profile import context as context_lib
-from automap._src.cluster.profile.layer_graph import (
-  Layer,
-  LayerCost,
-  LayerGraph,
-  PlacementError,
-  Shared,
-)
+from automap._src.cluster.profile.layer_graph import Layer, LayerCost, LayerGraph, Shared
 from automap._src.cluster.profile.policies import offloaded, policy_rerun, weight_matmuls
 from automap._src.cost.hardware import Hardware
 from automap._src.cost.program import Program

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
-from automap._src.cluster.profile.layer_graph import PlacementError
+from automap._src.cluster.errors import PlacementError
 
 # One piece of a stage's work: (phase "forward" or "backward", model chunk, microbatch).
 Step = tuple[str, int, int]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from automap._src.cluster.profile.layer_graph import PlacementError
+from automap._src.cluster.errors import PlacementError
 from automap._src.cluster.schedule import schedules
 
 
