@@ -16,6 +16,7 @@ from automap._src.plan import cache as cache_lib
 from automap._src.plan import planner
 from automap._src.plan.plan import Plan
 from automap._src.run import verify as verify_lib
+from automap._src.run.check import compile_plan_for
 from automap._src.search.request import SearchOptions, with_keywords
 from automap._src.sharding import annotations
 from automap._src.sharding.mesh import MeshSpec
@@ -26,7 +27,7 @@ AnyMesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
 
 
 def search(fn: Callable, *args: Any, mesh: AnyMesh | None = None, devices: int | None = None,
-           hardware: str | Hardware = "tpu-v4", options: SearchOptions | None = None,
+           hardware: str | Hardware | None = None, options: SearchOptions | None = None,
            cache: bool | str | os.PathLike = False, names: Any = None, layout: Any = None,
            layout_rules: Any = None, **search_options: Any) -> Plan:
   """Plans `fn(*args)` without running it.
@@ -38,11 +39,14 @@ def search(fn: Callable, *args: Any, mesh: AnyMesh | None = None, devices: int |
     mesh: a `jax.sharding.Mesh` or `AbstractMesh` to plan on; or
     devices: a device count: every 1-3 axis mesh of it is tried (axes "x",
       "y", "z"; the budget shared between the shapes) and the best kept.
-    hardware: a catalogue name (`automap.HARDWARE`) or a `Hardware`.
+    hardware: a catalogue name (`automap.HARDWARE`) or a `Hardware`; None:
+      the entry of the mesh's devices where the catalogue knows them (a TPU
+      slice from `automap.tpu_mesh`), else "tpu-v4".
     options: how to search (`automap.SearchOptions`: hints, budget,
       memory_limit, seed, search "mcts" or "ilp", policy, constraints,
-      start, time_tolerance); each field may be given as a keyword instead
-      (`budget=automap.Budget(episodes=50)`), not both ways.
+      start, time_tolerance, verify and verify_plans); each field may be
+      given as a keyword instead (`budget=automap.Budget(episodes=50)`), not
+      both ways.
     cache: reuse and store plans of `mesh=` searches as `partition` does
       (off by default here); True, False or a folder.
     names: what argument leaves are called where their paths do not say
@@ -77,10 +81,12 @@ def search(fn: Callable, *args: Any, mesh: AnyMesh | None = None, devices: int |
     folder = cache_lib.resolve(cache)
     spec = MeshSpec.of(mesh)  # Checked before the trace uses it.
     traced = planner.trace(fn, args, mesh, names=names)
-    return planner.plan(traced, spec, on_mesh(get_hardware(hardware), mesh), request,
+    return planner.plan(traced, spec, on_mesh(get_hardware(hardware, mesh), mesh), request,
                         None if folder is None else cache_lib.PlanCache(folder),
                         planner.read_layout(traced, args, spec, layout, layout_rules, request),
-                        layout is not None and layout is not False)
+                        layout is not None and layout is not False,
+                        compile_plan_for(traced, mesh, args)
+                        if isinstance(mesh, jax.sharding.Mesh) else None)
   if (not isinstance(devices, (int, np.integer)) or isinstance(devices, bool)
       or devices < 1):
     raise ValueError(f"devices must be a positive integer, got {devices!r}.")
@@ -90,7 +96,7 @@ def search(fn: Callable, *args: Any, mesh: AnyMesh | None = None, devices: int |
 
 
 def evaluate(fn: Callable, *args: Any, mesh: AnyMesh, in_shardings: Any = None,
-             hardware: str | Hardware = "tpu-v4", constraints: str = "keep",
+             hardware: str | Hardware | None = None, constraints: str = "keep",
              names: Any = None, layout_rules: Any = None) -> Cost:
   """Cost of a hand-written strategy under the same cost model.
 
@@ -103,7 +109,7 @@ def evaluate(fn: Callable, *args: Any, mesh: AnyMesh, in_shardings: Any = None,
       partitioning metadata through `layout_rules`, else flax's rules active
       now; an array's or ShapeDtypeStruct's NamedSharding), leaves that
       state none replicated.
-    hardware: a catalogue name or a `Hardware`.
+    hardware: a catalogue name or a `Hardware`; None as for `search`.
     constraints: "keep" prices the program's own constraints as XLA
       compiles them (values they name laid out so, the rest propagated);
       "ignore" as if it had none.
@@ -122,7 +128,8 @@ def evaluate(fn: Callable, *args: Any, mesh: AnyMesh, in_shardings: Any = None,
     raise ValueError(
         f"evaluate: constraints must be 'keep' (price the program as XLA compiles "
         f"it) or 'ignore' (as if it had no constraints), got {constraints!r}.")
-  program = planner.build_program(fn, args, mesh, hardware, constraints=constraints,
+  program = planner.build_program(fn, args, mesh, get_hardware(hardware, mesh),
+                                  constraints=constraints,
                                   names=names)
   dynamic = program.traced.dynamic_args(args)  # Static leaves take no spec.
   if in_shardings is None:

@@ -21,6 +21,7 @@ from automap._src.plan import planner
 from automap._src.plan.plan import Plan
 from automap._src.run import apply as apply_lib
 from automap._src.run import verify as verify_lib
+from automap._src.run.check import compile_plan_for
 from automap._src.search.request import SearchOptions, with_keywords
 from automap._src.sharding.mesh import MeshError, MeshSpec
 from automap._src.sharding.topology import compile_only
@@ -51,7 +52,7 @@ class Partitioned:
   Args:
     fn: the step.
     mesh: a concrete `jax.sharding.Mesh`.
-    hardware: a catalogue name or a `Hardware`.
+    hardware: a catalogue name or a `Hardware`; None as for `partition`.
     options: how to search (`SearchOptions`).
     cache: plans on disk, as `automap.partition` takes it.
     donate_argnums: arguments donated as `jax.jit` donates them.
@@ -65,7 +66,8 @@ class Partitioned:
       it lacks.
   """
 
-  def __init__(self, fn: Callable, *, mesh: jax.sharding.Mesh, hardware: str | Hardware = "tpu-v4",
+  def __init__(self, fn: Callable, *, mesh: jax.sharding.Mesh,
+               hardware: str | Hardware | None = None,
                options: SearchOptions | None = None,
                cache: bool | str | os.PathLike = True,
                donate_argnums: int | tuple[int, ...] = (), names: Any = None,
@@ -86,7 +88,7 @@ class Partitioned:
         for name in entry if isinstance(entry, tuple) else (entry,):
           if name is not None:
             self._mesh_spec.axis_index(name, f"Hints.fixed[{pattern!r}]")
-    self.hardware = on_mesh(get_hardware(hardware), mesh)
+    self.hardware = on_mesh(get_hardware(hardware, mesh), mesh)
     self.donate_argnums = _argnums(donate_argnums)
     self.cache = cache
     folder = cache_lib.resolve(cache)
@@ -138,7 +140,8 @@ class Partitioned:
                                    self.layout_rules,
                        self.request)
       plan = planner.plan(traced, self._mesh_spec, self.hardware, self.request, self._cache,
-                   stated, self.layout is not None and self.layout is not False)
+                          stated, self.layout is not None and self.layout is not False,
+                          compile_plan_for(traced, self.mesh, args))
       plan.timings["plan"] = time.perf_counter() - t0
       if self.donate_argnums and max(self.donate_argnums) >= len(args):
         raise ValueError(
@@ -213,7 +216,7 @@ def _signature_of(fn) -> inspect.Signature | None:
 
 
 def partition(fn: Callable | None = None, *, mesh: jax.sharding.Mesh,
-              hardware: str | Hardware = "tpu-v4", options: SearchOptions | None = None,
+              hardware: str | Hardware | None = None, options: SearchOptions | None = None,
               cache: bool | str | os.PathLike = True,
               donate_argnums: int | tuple[int, ...] = (), names: Any = None,
               layout: Any = None, layout_rules: Any = None,
@@ -228,7 +231,9 @@ def partition(fn: Callable | None = None, *, mesh: jax.sharding.Mesh,
   Args:
     fn: the step (None when used as a decorator with arguments).
     mesh: a concrete `jax.sharding.Mesh` (Explicit or Auto axes).
-    hardware: a catalogue name or a `Hardware`: the clock plans are ranked on.
+    hardware: a catalogue name or a `Hardware`: the clock plans are ranked on;
+      None: the entry of the mesh's devices where the catalogue knows them
+      (a TPU slice from `automap.tpu_mesh`), else "tpu-v4".
     options: how to search, as for `automap.search` (each field also a
       keyword); the program's own `with_sharding_constraint`s are kept by
       default, as `jax.jit` keeps them.

@@ -188,8 +188,11 @@ _SPECS: dict[str, Hardware] = {
     "tpu-v5e": Hardware(name="tpu-v5e", flops=197 * _T, fp32_flops=197 * _T,
                         hbm_bandwidth=819 * _G, hbm_capacity=16 * _GiB,
                         link_bandwidth=2 * 45 * _G, devices_per_node=256, **_TPU),
+    # 95 GiB of HBM per chip (Cloud TPU's table, docs.cloud.google.com/tpu/docs/
+    # tpu7x, which sets v5p beside v6e and TPU7x); XLA:TPU's compile for v5p
+    # leaves a program 95.74 GiB ("exceeds available HBM" when it refuses).
     "tpu-v5p": Hardware(name="tpu-v5p", flops=459 * _T, fp32_flops=459 * _T,
-                        hbm_bandwidth=2765 * _G, hbm_capacity=95 * _G,
+                        hbm_bandwidth=2765 * _G, hbm_capacity=95 * _GiB,
                         link_bandwidth=2 * 90 * _G, devices_per_node=8960, **_TPU),
     # Trillium (docs.cloud.google.com/tpu/docs/v6e): 918 TFLOP/s bf16, 32 GiB
     # of HBM at 1638 GB/s, 256 chips a pod (its largest slice), two 256 x 256
@@ -261,8 +264,17 @@ CATALOGUE: Mapping[str, Hardware] = types.MappingProxyType({
     for name, spec in _SPECS.items()})
 
 
-def get_hardware(hardware: str | Hardware) -> Hardware:
-  """A catalogue entry by name, or a `Hardware` passed through."""
+# What prices a plan where neither the caller nor the mesh's devices say.
+DEFAULT_HARDWARE = "tpu-v4"
+
+
+def get_hardware(hardware: str | Hardware | None, mesh=None) -> Hardware:
+  """A catalogue entry by name, or a `Hardware` passed through; None: the
+  entry of a concrete mesh's devices (`hardware_for_devices`: a TPU slice
+  from `automap.tpu_mesh` prices as its chip), else `DEFAULT_HARDWARE`."""
+  if hardware is None:
+    found = hardware_for_devices(mesh) if isinstance(mesh, jax.sharding.Mesh) else None
+    return found if found is not None else CATALOGUE[DEFAULT_HARDWARE]
   if isinstance(hardware, Hardware):
     return hardware
   if isinstance(hardware, str) and hardware.lower() in CATALOGUE:

@@ -87,6 +87,8 @@ def key(fingerprint: str, mesh: MeshSpec, hardware: Hardware, request,
       "constraints": request.constraints, "start": request.start,
       "time_tolerance": request.time_tolerance,
   }
+  if request.verify != "none":  # Keys of searches that compile nothing stay as they were.
+    parts["verify"] = [request.verify, request.verify_plans]
   if paths:
     parts["paths"] = hashlib.sha256("\0".join(paths).encode()).hexdigest()
   if layout:

@@ -21,7 +21,7 @@ from automap._src.cost.program import Program
 from automap._src.ir import constraints as constraints_lib
 from automap._src.ir import graph as graph_lib
 from automap._src.ir import trace as trace_lib
-from automap._src.plan import build
+from automap._src.plan import build, guard
 from automap._src.plan import cache as cache_lib
 from automap._src.plan.plan import Plan
 from automap._src.search import driver, tactics
@@ -99,7 +99,8 @@ def program_for(traced: trace_lib.Traced, mesh: MeshSpec, hardware: Hardware,
 
 def plan(traced: trace_lib.Traced, mesh: MeshSpec, hardware: Hardware,
          request: SearchOptions, store: cache_lib.PlanCache | None = None,
-         layout: Layout | None = None, explicit: bool = False) -> Plan:
+         layout: Layout | None = None, explicit: bool = False,
+         compile_plan: guard.CompilePlan | None = None) -> Plan:
   """The plan of `traced` on `mesh`.
 
   Args:
@@ -111,10 +112,19 @@ def plan(traced: trace_lib.Traced, mesh: MeshSpec, hardware: Hardware,
       stored there.
     layout, explicit: the layout the arguments state, and whether the user
       gave it (`program_for`).
+    compile_plan: compiles a plan for the concrete mesh, where
+      `request.verify` is "compile" (`guard.fit_by_compile`).
 
   Returns:
     The `Plan`.
+
+  Raises:
+    automap.MeshError: verify="compile" without a concrete mesh to compile on.
   """
+  if request.verify == "compile" and compile_plan is None:
+    raise MeshError("verify='compile' compiles the plan, so it needs a concrete mesh: "
+                    "a jax.sharding.Mesh of devices, or automap.tpu_mesh('v5p-256', ...) "
+                    "for a TPU slice on any machine.")
   if store is not None:
     k = cache_lib.key(traced.fingerprint(), mesh, hardware, request,
                       traced.in_paths + traced.out_paths,
@@ -125,7 +135,12 @@ def plan(traced: trace_lib.Traced, mesh: MeshSpec, hardware: Hardware,
                                  in_tree=traced.in_tree, out_tree=traced.out_tree)
   request = request.resolved(hardware)
   program = program_for(traced, mesh, hardware, request, layout, explicit)
-  found = build.plan_of(program, run(program, request), request.memory_limit)
+  searched = run(program, request)
+  found = build.plan_of(program, searched, request.memory_limit)
+  if request.verify == "compile":
+    limit = request.memory_limit if request.memory_limit is not None else hardware.hbm_capacity
+    found = guard.fit_by_compile(program, searched, found, limit, request.verify_plans,
+                                 compile_plan)
   if store is not None:
     store.store(k, found)
   return found

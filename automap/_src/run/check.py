@@ -20,6 +20,7 @@ from automap._src.plan import build, planner
 from automap._src.plan.plan import Plan
 from automap._src.run import apply as apply_lib
 from automap._src.run import verify as verify_lib
+from automap._src.run.compiled import compiled_memory
 from automap._src.run.referee import compile_layout
 from automap._src.sharding import annotations
 from automap._src.sharding.mesh import MeshError, MeshSpec
@@ -145,7 +146,7 @@ def check(fn: Callable, *args: Any, mesh: jax.sharding.Mesh, plan: Plan | None =
       replicated.
     hardware: the device spec to price with and hold memory against
       (default: the plan's, else the catalogue's entry for the mesh's
-      devices, `automap.hardware_for_devices`).
+      devices, `automap.hardware_for_devices`, else "tpu-v4").
     names: as for `automap.search`.
     layout_rules: as for `automap.evaluate`.
 
@@ -197,18 +198,23 @@ def check(fn: Callable, *args: Any, mesh: jax.sharding.Mesh, plan: Plan | None =
   return Check(layout, describe(mesh), hw, predicted, report, seconds, refusal)
 
 
+def compile_plan_for(traced, mesh: jax.sharding.Mesh, args: tuple):
+  """A `plan.guard.CompilePlan` for `traced` on `mesh`: a plan compiled,
+  (its device allocation, None), or (None, the compiler's refusal) where it
+  ran out of memory."""
+
+  def compile_plan(plan: Plan) -> tuple[float | None, str | None]:
+    compiled, refusal, _ = _compile(
+        lambda: apply_lib.compile_with_plan(traced, mesh, plan, args))
+    return (None, refusal) if compiled is None else (compiled_memory(compiled)[0], None)
+  return compile_plan
+
+
 def _hardware(hardware, plan, mesh) -> Hardware:
-  if hardware is not None:
-    return on_mesh(get_hardware(hardware), mesh)
-  if plan is not None:
-    return on_mesh(plan.hardware, mesh)
-  from automap._src.cost.hardware import hardware_for_devices
-
-  found = hardware_for_devices(list(mesh.devices.flat))
-  if found is None:
-    raise MeshError(f"check: no catalogue entry for {mesh.devices.flat[0].device_kind} "
-                    "devices; pass hardware= (a name in automap.HARDWARE or a Hardware).")
-  return on_mesh(found, mesh)
+  """The given spec; else the plan's; else the mesh's devices' entry."""
+  if hardware is None and plan is not None:
+    hardware = plan.hardware
+  return on_mesh(get_hardware(hardware, mesh), mesh)
 
 
-__all__ = ["Check", "check", "describe"]
+__all__ = ["Check", "check", "compile_plan_for", "describe"]

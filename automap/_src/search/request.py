@@ -92,6 +92,8 @@ def bytes_per_device(memory_limit: float | str | None, hardware) -> float | None
     return None
   return float(hardware.hbm_capacity if memory_limit == DEVICE else memory_limit)
 STARTS = ("search", "your layout")
+# What a search checks of its plan beyond its own prices.
+VERIFY = ("none", "compile")
 
 
 class SearchWarning(UserWarning):
@@ -129,6 +131,16 @@ class SearchOptions:
     start: "search" (default), or "your layout": also refine the layout the
       program and its arguments state (`layout=`, flax metadata, arrays'
       shardings) and keep the better plan, never worse than that layout.
+    verify: "none" (default), or "compile": compile the chosen plan for the
+      concrete mesh (a TPU slice from `automap.tpu_mesh` compiles with
+      XLA:TPU on any machine) and, where the compiler's allocation is over
+      the memory limit the prediction met (or it refuses the program for
+      memory), compile the next best plan the search saw, up to
+      `verify_plans` plans; the plan's `stats["compiled"]` records what the
+      compiler said. Each compile costs what `jax.jit(...).compile()` of the
+      step does (seconds for a small step; a minute for an 8B model on 256
+      chips). Needs a concrete mesh.
+    verify_plans: the most plans "compile" compiles (a positive int).
   """
 
   hints: Hints | None = None
@@ -140,6 +152,8 @@ class SearchOptions:
   constraints: str = constraints_lib.KEEP
   start: str = "search"
   time_tolerance: float = 0.01
+  verify: str = "none"
+  verify_plans: int = 3
 
   def __post_init__(self):
     hints = self.hints if self.hints is not None else Hints()
@@ -174,6 +188,15 @@ class SearchOptions:
       raise ValueError(
           f"time_tolerance must be a fraction in [0, 1) of the best step time within "
           f"which the plan of least peak memory is chosen (0: the fastest), got {tol!r}.")
+    if self.verify not in VERIFY:
+      raise ValueError(
+          f"verify must be one of {VERIFY}, got {self.verify!r}: 'none', or 'compile' "
+          "(compile the plan for the mesh and fall back to the next best where the "
+          "compiler's allocation is over the memory limit).")
+    plans = self.verify_plans
+    if not isinstance(plans, (int, np.integer)) or isinstance(plans, bool) or plans < 1:
+      raise ValueError(f"verify_plans must be a positive int (the most plans compiled), "
+                       f"got {plans!r}.")
     policy = os.fspath(self.policy) if isinstance(self.policy, os.PathLike) else self.policy
     if not isinstance(policy, str) or not policy:
       raise TypeError(
