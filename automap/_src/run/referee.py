@@ -27,7 +27,12 @@ from automap._src.ir.trace import Traced
 from automap._src.plan import planner
 from automap._src.plan.plan import Plan
 from automap._src.run import apply as apply_lib
-from automap._src.run.compiled import collectives, compiled_costs, compiled_memory
+from automap._src.run.compiled import (
+  collectives,
+  compiled_costs,
+  compiled_memory,
+  compiled_seconds,
+)
 from automap._src.search import tactics
 from automap._src.search.actions import ActionSpace
 from automap._src.sharding.state import spec_of
@@ -53,7 +58,8 @@ def referee(compiled: jax.stages.Compiled, mesh: Mesh, hw: Hardware) -> dict[str
   Returns:
     {"time": compute + comm, "compute": seconds, "comm": seconds, "peak":
     compiled peak bytes per device (`compiled_memory`), "bytes": bytes
-    accessed per device}.
+    accessed per device, "estimate": the backend's own time estimate in
+    seconds (`compiled_seconds`: XLA:TPU's; nan where it gives none)}.
 
   Raises:
     ValueError: a replica group names a device `mesh` lacks (the program
@@ -69,8 +75,10 @@ def referee(compiled: jax.stages.Compiled, mesh: Mesh, hw: Hardware) -> dict[str
       comm += c.trips * ring_seconds(KINDS.index(c.kind), c.nbytes, n, hw.link_bandwidth,
                                      hw.link_latency)
   compute = flops / hw.fp32_flops + accessed / hw.hbm_bandwidth
+  estimate = compiled_seconds(compiled)
   return {"time": compute + comm, "compute": compute, "comm": comm,
-          "peak": compiled_memory(compiled)[0], "bytes": accessed}
+          "peak": compiled_memory(compiled)[0], "bytes": accessed,
+          "estimate": float("nan") if estimate is None else estimate}
 
 
 def expert_specs(step: Any, mesh: Mesh, hw: Hardware,
