@@ -202,3 +202,23 @@ def test_verify_compares_a_plan_with_xla_tpu():
   assert compiled_memory(compiled)[0] == pytest.approx(report.compiled_memory, rel=0.01)
   with pytest.raises(automap.MeshError, match="compile-only"):
     step(*args)
+
+
+def test_a_step_over_two_slices_compiles_and_prices_the_crossing_on_the_network():
+  fn, args = zoo.mlp(width=512, hidden=2048, batch=64)
+  dp = jax.tree.map(lambda x: P("data") if x.ndim == 2 and x.shape[0] == 64 else P(), args)
+  one = automap.tpu_mesh("v5p-32", (2, 8), ("data", "model"))            # 16 chips, one slice
+  two = automap.tpu_mesh("v5p-16", (2, 8), ("data", "model"), slices=2)  # 2 slices of 8
+  priced = {n: automap.evaluate(fn, *args, mesh=m, in_shardings=dp) for n, m in
+            (("one", one), ("two", two))}
+  # Same bytes; the gradients' all-reduce over "data" crosses the slices'
+  # data-centre network on two, ICI on one.
+  assert priced["one"].comm_bytes == priced["two"].comm_bytes
+  assert priced["two"].comm_time > 2 * priced["one"].comm_time
+  found = automap.check(fn, *args, mesh=two, in_shardings=dp)
+  assert found.fits and "in 2 slices" in found.mesh
+  # XLA:TPU reduces across slices through its Megascale runtime: host
+  # transfers over the data-centre network, the gradients' bytes arriving.
+  reduced = [c for c in found.report.collectives if c.kind == "all-reduce"]
+  assert {(c.axes, c.form) for c in reduced} == {(("data",), "megascale")}
+  assert sum(c.nbytes for c in reduced) >= 2 * 512 * 2048 * 4  # both f32 gradients

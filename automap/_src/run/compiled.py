@@ -29,6 +29,13 @@ _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}")
 _VIEWS = ("bitcast", "copy", "reshape", "get-tuple-element")
 _COPIES = ("bitcast", "copy", "reshape", "copy-start", "copy-done")
 _SLICES = ("dynamic-slice", "slice")
+# XLA:TPU runs a collective across slices (over the data-centre network) as
+# host transfers to its Megascale runtime: a send / recv pair per device,
+# the recv's frontend attributes naming the collective it is part of.
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
+_MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather",
+                    "REDUCE_SCATTER": "reduce-scatter", "ALL_TO_ALL": "all-to-all",
+                    "ONE_TO_ONE": "collective-permute"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +64,10 @@ class Collective:
       reduce-scatter the compiler did not form), the bytes the slices keep;
       None otherwise.
     form: how it was written: "" (in place), "async" (a start / done pair),
-      or "all-reduce-scatter fusion" (XLA:TPU's reduce-scatter: an
-      all-reduce and a dynamic-slice fused into one collective).
+      "all-reduce-scatter fusion" (XLA:TPU's reduce-scatter: an all-reduce
+      and a dynamic-slice fused into one collective), or "megascale" (XLA:TPU's
+      collective across slices, a host transfer over the data-centre
+      network: its axes those that cross slices).
   """
 
   kind: str
@@ -126,6 +135,26 @@ def _axes_of_groups(groups: list[list[int]], mesh) -> tuple[str, ...]:
     if len(coords) > 1:
       varying |= (coords != coords[0]).any(axis=0)
   return tuple(n for n, v in zip(mesh.axis_names, varying) if v)
+
+
+def _slice_axes(mesh) -> tuple[str, ...]:
+  """The mesh axes along which devices' slices differ (none on one slice)."""
+  devices = np.asarray(mesh.devices)
+  slices = np.vectorize(lambda d: getattr(d, "slice_index", None) or 0)(devices)
+  return tuple(n for i, n in enumerate(mesh.axis_names)
+               if (np.diff(slices, axis=i) != 0).any())
+
+
+def _megascale(instruction: hlo.Instruction, mesh, runs: int) -> Collective | None:
+  """A collective across slices, read off its recv (the bytes that arrive)."""
+  kind = _MEGASCALE.search(instruction.line)
+  if instruction.opcode != "recv" or not kind:
+    return None
+  payload = hlo.tuple_elements(instruction.shape)[0]
+  types = hlo.arrays(payload)
+  return Collective(_MEGASCALE_KINDS.get(kind.group(1), "collective-permute"),
+                    hlo.shape_bytes(payload), _slice_axes(mesh), instruction.line.strip(), runs,
+                    dtype=types[0][0] if types else "", form="megascale")
 
 
 def _kind(opcode: str) -> tuple[str, bool] | None:
@@ -260,8 +289,9 @@ def collectives(hlo_text: str, mesh: jax.sharding.Mesh) -> list[Collective]:
   start / done pairs (counted once, at the start), combined tuple
   collectives, collectives inside while loops (their trip counts), inside
   fusions (XLA:TPU's all-reduce-scatter fusion, read as the reduce-scatter
-  it is) and async wrappers, and replica groups as explicit lists, iota
-  forms or Shardy's mesh form.
+  it is) and async wrappers, XLA:TPU's collectives across slices (host
+  transfers to its Megascale runtime), and replica groups as explicit
+  lists, iota forms or Shardy's mesh form.
 
   Args:
     hlo_text: the partitioned program's HLO, `compiled.as_text()` of a
@@ -282,6 +312,9 @@ def collectives(hlo_text: str, mesh: jax.sharding.Mesh) -> list[Collective]:
   for computation, instruction in module.instructions():
     kind = _kind(instruction.opcode)
     if kind is None:
+      across = _megascale(instruction, mesh, runs.get(computation, 1))
+      if across is not None:
+        found.append(across)
       continue
     kind, is_async = kind
     result = _result_shape(instruction, kind, is_async)
