@@ -9,6 +9,8 @@ from automap import zoo
 from automap._src.plan import build, guard, planner
 from automap._src.search.request import SearchOptions
 
+pytestmark = pytest.mark.heavy  # one search of a small step, shared by the module
+
 
 @pytest.fixture(scope="module")
 def searched():

@@ -21,6 +21,7 @@ def _fsdp(args):
   return jax.tree.map(lambda x: P("data") if x.ndim == 2 else P(), args)
 
 
+@pytest.mark.heavy
 def test_a_hand_written_layout_fits_and_reads_as_compiled():
   fn, args = zoo.mlp(width=1024, hidden=4096, batch=64)
   mesh = automap.tpu_mesh("v5p-16", (8,), ("data",))
@@ -49,6 +50,7 @@ def test_a_step_too_large_is_refused_with_the_compilers_own_figures():
   assert "fits: NO" in result.table()
 
 
+@pytest.mark.heavy
 def test_check_refuses_what_it_cannot_compile():
   fn, args = zoo.mlp(width=256, hidden=512, batch=16)
   with pytest.raises(automap.MeshError, match="concrete"):
@@ -82,6 +84,7 @@ def step_module(tmp_path, monkeypatch):
   return tmp_path
 
 
+@pytest.mark.heavy
 def test_the_command_answers_fits_or_not(step_module, capsys):
   assert main(["check", "tpu_step:make_step", "--topology", "v5p-16", "--mesh", "8",
                "--layout", "tpu_step:fsdp"]) == 0

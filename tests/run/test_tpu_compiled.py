@@ -89,6 +89,7 @@ def test_a_missing_compiler_says_how_to_install_it(monkeypatch):
     automap.tpu_mesh("v5p-8")
 
 
+@pytest.mark.heavy
 def test_an_fsdp_step_reads_as_xla_tpu_compiles_it():
   """An f32 weight gathered as bf16 where the dot runs in bf16; its gradient
   all-reduced whole in one tuple with the loss's, then sliced; a roll's
@@ -204,6 +205,7 @@ def test_verify_compares_a_plan_with_xla_tpu():
     step(*args)
 
 
+@pytest.mark.heavy
 def test_a_step_over_two_slices_compiles_and_prices_the_crossing_on_the_network():
   fn, args = zoo.mlp(width=512, hidden=2048, batch=64)
   dp = jax.tree.map(lambda x: P("data") if x.ndim == 2 and x.shape[0] == 64 else P(), args)
