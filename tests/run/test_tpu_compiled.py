@@ -224,3 +224,17 @@ def test_a_step_over_two_slices_compiles_and_prices_the_crossing_on_the_network(
   reduced = [c for c in found.report.collectives if c.kind == "all-reduce"]
   assert {(c.axes, c.form) for c in reduced} == {(("data",), "megascale")}
   assert sum(c.nbytes for c in reduced) >= 2 * 512 * 2048 * 4  # both f32 gradients
+
+
+def test_xla_tpus_estimate_leaves_collectives_out():
+  """XLA:TPU's optimal_seconds prices a 64 MiB all-reduce as an elementwise
+  op over its input: it is reported beside automap's clock, not as a
+  referee of communication."""
+  mesh = automap.tpu_mesh("v5p-16", (8,), ("data",))
+  x = (S((8 * 4096, 4096), jnp.float32),)
+  reduced = _compile(lambda x: jnp.sum(x.reshape(8, -1, 4096), axis=0), mesh, P("data"), x,
+                     out_specs=P())
+  local = _compile(lambda x: x * 2.0, mesh, P("data"), x, out_specs=P("data"))
+  assert [(c.kind, c.nbytes) for c in collectives(reduced.as_text(), mesh)] == [
+      ("all-reduce", 4096 * 4096 * 4)]
+  assert compiled_seconds(reduced) == pytest.approx(compiled_seconds(local), rel=1e-6)
