@@ -20,6 +20,8 @@ from automap._src.cluster.execute.executor import PipelineStep as PipelineStep
 from automap._src.cluster.execute.pipeline import PipelineError as PipelineError
 from automap._src.cluster.execute.pipeline import pipelined as pipelined
 from automap._src.cluster.execute.pipeline import pipelined_loss as pipelined_loss
+from automap._src.cluster.execute.stage_compile import ProgramCompile as ProgramCompile
+from automap._src.cluster.execute.stage_compile import StageCompile as StageCompile
 from automap._src.cluster.placement.configured import ClusterConfig as ClusterConfig
 from automap._src.cluster.placement.configured import price as price_placement
 from automap._src.cluster.placement.dp import place as place
@@ -57,10 +59,12 @@ __all__ = (
     "Placement",
     "PlacementError",
     "PlacementOptions",
+    "ProgramCompile",
     "ReplicatedWeightsWarning",
     "Schedule",
     "Shared",
     "Stage",
+    "StageCompile",
     "TPU_V4_LIKE",
     "Timetable",
     "Workload",

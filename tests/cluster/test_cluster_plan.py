@@ -205,6 +205,41 @@ def test_plain_jax_function_with_named_scopes():
     cluster.plan_cluster(mlp_loss, params, x, x[:8], devices=4, global_batch=64, budget=BUDGET)
 
 
+def test_a_tpu_slice_named_as_the_cluster_prices_as_its_chip():
+  params = [(jnp.zeros((32, 32)), jnp.zeros(32)) for _ in range(3)]
+  x = jnp.zeros((16, 32))
+  # A slice's name needs no compiler: "v6e-8" is 8 chips, "v5p-16" 8 (v5p
+  # names count TensorCores).
+  plan = cluster.plan_cluster(mlp_loss, params, x, x, devices="v6e-8", global_batch=64,
+                              widths=[1, 2], budget=BUDGET)
+  assert (plan.devices, plan.hardware) == (8, "tpu-v6e")
+  config = cluster.ClusterConfig(data=8, microbatch=8)
+  priced = cluster.price_cluster(mlp_loss, params, x, x, config=config, global_batch=64,
+                                 devices="v5p-16", budget=BUDGET)
+  assert (priced.devices, priced.hardware) == (8, "tpu-v5p")
+  # A hardware given still prices it.
+  assert cluster.price_cluster(mlp_loss, params, x, x, config=config, global_batch=64,
+                               devices="v5p-16", hardware="tpu-v4",
+                               budget=BUDGET).hardware == "tpu-v4"
+
+
+@pytest.mark.parametrize("devices, match", [
+    ("v5p-8", "uses 6 devices; the slice 'v5p-8' has 4"),
+    ("v9-8", "unknown TPU slice 'v9-8'"),
+    ("h100-8", "names a GPU"),
+    (0, "devices must be a positive int"),
+    (2.5, "devices must be a positive int, a TPU slice's name"),
+])
+def test_a_cluster_too_small_or_unknown_is_refused_before_tracing(devices, match):
+  def untraceable(*args):
+    raise AssertionError("traced")
+
+  with pytest.raises(cluster.PlacementError, match=match):
+    cluster.price_cluster(untraceable, [jnp.zeros(2)], jnp.zeros((16, 2)),
+                          config=cluster.ClusterConfig(pipeline=3, data=2, microbatch=8),
+                          global_batch=64, devices=devices)
+
+
 def test_options_object_and_keywords_plan_alike():
   params = [(jnp.zeros((32, 32)), jnp.zeros(32)) for _ in range(3)]
   x = jnp.zeros((16, 32))

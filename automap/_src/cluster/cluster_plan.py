@@ -23,8 +23,9 @@ from jax.sharding import PartitionSpec
 
 from automap._src.cluster.errors import PlacementError
 from automap._src.cluster.execute.executor import PipelineStep
+from automap._src.cluster.execute.stage_compile import StageCompile
 from automap._src.cluster.json_file import JsonFile
-from automap._src.cluster.placement import configured
+from automap._src.cluster.placement import configured, slices
 from automap._src.cluster.placement.configured import ClusterConfig
 from automap._src.cluster.placement.dp import place_any
 from automap._src.cluster.placement.options import ClusterOptions, memory_limit
@@ -32,7 +33,7 @@ from automap._src.cluster.placement.placed import Placement
 from automap._src.cluster.profile import layers as layers_lib
 from automap._src.cluster.schedule import schedules
 from automap._src.cluster.schedule.timetable import timetable
-from automap._src.cost.hardware import Hardware, get_hardware
+from automap._src.cost.hardware import Hardware
 from automap._src.ir import graph as graph_lib
 from automap._src.ir import stacks
 from automap._src.plan import planner
@@ -167,7 +168,7 @@ class ClusterPlan(JsonFile):
     return p.schedule, len(p.stages), p.microbatches, p.virtual_stages
 
   def train_step(self, loss_fn: Callable, optimizer: optax.GradientTransformation, params: Any,
-                 *batch: Any, devices: Sequence[jax.Device] | None = None,
+                 *batch: Any, devices: slices.Cluster | None = None,
                  schedule: str | None = None) -> PipelineStep:
     """The plan as a training step: `step(state, *batch) -> (state, loss)`
     runs one global batch through the plan's stages, schedule, recompute
@@ -181,9 +182,11 @@ class ClusterPlan(JsonFile):
       params: example parameters (arrays or `jax.ShapeDtypeStruct`s).
       *batch: example batch leaves (arrays or `jax.ShapeDtypeStruct`s),
         each with `global_batch` rows.
-      devices: the devices to run on (default `jax.devices()`); the plan's
-        replica r, stage s uses those at r * (devices per pipeline) + the
-        stage's first device onwards.
+      devices: the devices to run on (default `jax.devices()`), or a mesh
+        (its devices, row-major); the plan's replica r, stage s uses those
+        at r * (devices per pipeline) + the stage's first device onwards.
+        A TPU slice's name or `automap.tpu_mesh` gives compile-only
+        devices: the step then compiles (`compile_stages`) but cannot run.
       schedule: a registered schedule's name ("gpipe", "1f1b",
         "interleaved", or one added with `register_schedule`) to run another
         order than the plan's (default: the one it priced); the run's memory
@@ -203,6 +206,39 @@ class ClusterPlan(JsonFile):
     """
     return PipelineStep(self, loss_fn, optimizer, params, batch, devices=devices,
                         schedule=schedule)
+
+  def compile_stages(self, loss_fn: Callable, optimizer: optax.GradientTransformation,
+                     params: Any, *batch: Any, devices: slices.Cluster | None = None,
+                     schedule: str | None = None, hardware: str | Hardware | None = None
+                     ) -> list[StageCompile]:
+    """The plan's training step compiled stage by stage, nothing run: each
+    stage's programs (every chunk's forward and backward, the update) for
+    its own block of the devices, laid out as `train_step` lays them out.
+    On a TPU slice (`devices="v5p-16"` or `automap.tpu_mesh(...)`) each is
+    XLA:TPU's own compile, on any machine with libtpu installed.
+
+    Args:
+      loss_fn, optimizer, params, *batch: as for `train_step` (params and
+        batch may be `jax.ShapeDtypeStruct`s).
+      devices: a TPU slice's name, a mesh, or devices (default
+        `jax.devices()`), as for `train_step`.
+      schedule: as for `train_step`.
+      hardware: the device spec each stage's memory is held against
+        (default: the devices' catalogue entry, else the plan's hardware).
+
+    Returns:
+      Per stage, a `StageCompile`: compiled collectives by (kind, axes)
+      beside the plan's tensor and data-parallel bytes, memory per device
+      against the device's HBM (`fits`), and the compiler's time estimate
+      (XLA:TPU's `optimal_seconds`) beside the plan's.
+
+    Raises:
+      PlacementError: what `train_step` refuses, and devices fewer than
+        the plan uses (a slice too small for it).
+      automap.MeshError: a slice's name without libtpu installed.
+    """
+    return self.train_step(loss_fn, optimizer, params, *batch, devices=devices,
+                           schedule=schedule).compile_stages(hardware)
 
   def explain(self, against: ClusterPlan | None = None) -> str:
     """The plan, stage by stage, and its schedule's timetable.
@@ -267,9 +303,9 @@ def _format_seconds(x: float) -> str:
   return f"{x:.3f} s" if x >= 1 else f"{x * 1e3:.3f} ms"
 
 
-def plan_cluster(loss_fn: Callable, params: Any, *batch: Any, devices: int, global_batch: int,
-                 hardware: str | Hardware = "tpu-v4", options: ClusterOptions | None = None,
-                 **keywords: Any) -> ClusterPlan:
+def plan_cluster(loss_fn: Callable, params: Any, *batch: Any, devices: slices.Cluster,
+                 global_batch: int, hardware: str | Hardware | None = None,
+                 options: ClusterOptions | None = None, **keywords: Any) -> ClusterPlan:
   """Plans training `loss_fn(params, *batch) -> scalar` on `devices` devices.
 
   Args:
@@ -278,9 +314,12 @@ def plan_cluster(loss_fn: Callable, params: Any, *batch: Any, devices: int, glob
     *batch: its example batch leaves (arrays or `jax.ShapeDtypeStruct`s),
       of any size: their leading dimension is the batch, and costs are
       scaled to each microbatch size.
-    devices: devices in the cluster.
+    devices: the cluster: how many devices, a TPU slice's name ("v5p-16":
+      8 v5p chips), a mesh (`automap.tpu_mesh(...)`) or a sequence of
+      devices.
     global_batch: samples per optimizer step over the whole cluster.
-    hardware: a catalogue name or a `Hardware`.
+    hardware: a catalogue name or a `Hardware` (default: the slice's chip,
+      or the catalogue's entry for the devices' kind, else "tpu-v4").
     options: an `automap.cluster.ClusterOptions` (memory_limit, optimizer,
       zero, recompute, widths, microbatches, budget, seed...).
     **keywords: `options`' fields given one by one instead
@@ -299,10 +338,10 @@ def plan_cluster(loss_fn: Callable, params: Any, *batch: Any, devices: int, glob
   """
   options = with_keywords(ClusterOptions, options, keywords, "plan_cluster")
   t0 = time.perf_counter()
-  hw = get_hardware(hardware)
-  for name, value in (("devices", devices), ("global_batch", global_batch)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise PlacementError(f"{name} must be a positive int, got {value!r}.")
+  hw = slices.hardware(devices, hardware)
+  devices = slices.size(devices)
+  if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+    raise PlacementError(f"global_batch must be a positive int, got {global_batch!r}.")
   widths = options.widths
   if widths is None:
     widths = [t for t in (1, 2, 4, 8) if t <= min(devices, hw.devices_per_node)]
@@ -357,8 +396,8 @@ def held_itemsize(params) -> int | None:
 
 
 def price_cluster(loss_fn: Callable, params: Any, *batch: Any, config: ClusterConfig,
-                  global_batch: int, hardware: str | Hardware = "tpu-v4",
-                  devices: int | None = None, options: ClusterOptions | None = None,
+                  global_batch: int, hardware: str | Hardware | None = None,
+                  devices: slices.Cluster | None = None, options: ClusterOptions | None = None,
                   **keywords: Any) -> ClusterPlan:
   """Training `loss_fn(params, *batch) -> scalar` priced under a stated split.
 
@@ -384,8 +423,10 @@ def price_cluster(loss_fn: Callable, params: Any, *batch: Any, config: ClusterCo
       layers cannot carry, or the hardware cannot price, is refused before
       any search.
     global_batch: samples per optimizer step.
-    hardware: a catalogue name or a `Hardware`.
-    devices: devices in the cluster (default: what `config` uses).
+    hardware: a catalogue name or a `Hardware` (default: the cluster's
+      chip, as for `plan_cluster`, else "tpu-v4").
+    devices: the cluster, as for `plan_cluster` (default: the devices
+      `config` uses); a slice with fewer devices than `config` is refused.
     options: memory_limit, optimizer, mixed_precision, overlap, budget,
       seed, fused_attention as in `ClusterOptions` (the split's fields come
       from `config`).
@@ -406,10 +447,14 @@ def price_cluster(loss_fn: Callable, params: Any, *batch: Any, config: ClusterCo
   configured.refuse_stated(keywords, "price_cluster")
   options = with_keywords(ClusterOptions, options, keywords, "price_cluster")
   t0 = time.perf_counter()
-  hw = get_hardware(hardware)
+  hw = slices.hardware(devices, hardware)
   if not isinstance(config, ClusterConfig):
     raise TypeError(
         f"config must be an automap.cluster.ClusterConfig, got {type(config).__name__}.")
+  if devices is not None:
+    devices = slices.fitting(
+        devices, config.devices, f"the config (tensor={config.tensor} x context="
+        f"{config.context} x pipeline={config.pipeline} x data={config.data})")
   config.microbatches(global_batch)  # the split against the batch, before tracing
   configured.check_hardware(config, hw)
   if config.weights:

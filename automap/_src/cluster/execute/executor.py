@@ -48,11 +48,14 @@ from jax.sharding import NamedSharding
 
 from automap._src.cluster.errors import PlacementError
 from automap._src.cluster.execute import cut as cut_lib
-from automap._src.cluster.execute import stage_layouts
+from automap._src.cluster.execute import stage_compile, stage_layouts
 from automap._src.cluster.execute.programs import ChunkPrograms
+from automap._src.cluster.execute.stage_compile import StageCompile
 from automap._src.cluster.execute.step_state import PipelineState, StateLayout
+from automap._src.cluster.placement import slices
 from automap._src.cluster.schedule import schedules
 from automap._src.cluster.schedule import timetable as pipeline_schedule
+from automap._src.cost.hardware import Hardware
 from automap._src.ir import stacks
 from automap._src.ir.trace import path_str
 
@@ -85,7 +88,9 @@ class PipelineStep:
       from its own gradient and state.
     params: example parameters (arrays or `jax.ShapeDtypeStruct`s).
     batch: example batch leaves, each with the plan's `global_batch` rows.
-    devices: the devices to run on (default `jax.devices()`).
+    devices: the devices to run on (default `jax.devices()`), a mesh (its
+      devices), or a TPU slice's name ("v5p-16": its compile-only devices,
+      for `compile_stages`).
     schedule: a registered schedule's name to run instead of the plan's.
 
   Attributes:
@@ -97,6 +102,7 @@ class PipelineStep:
     executed: the work the last call ran, in order: the timetable's.
     chunk_programs: each chunk's forward and backward program (`ChunkPrograms`).
     programs: the programs run so far, with their argument types.
+    compile_only: whether the devices only compile (`compile_stages`).
 
   Raises:
     PlacementError: a schedule that cannot run the plan, a batch leaf
@@ -119,6 +125,8 @@ class PipelineStep:
           f"({p.schedule}).")
     self.timetable = pipeline_schedule.timetable(self.schedule, self.S, self.M, self.v)
     self.meshes = stage_layouts.meshes(plan, devices)
+    self.compile_only = slices.compile_only(
+        [dev for mesh in self.meshes for dev in mesh.devices.flat])
     rows = plan.microbatch
     self.batch_treedef = jax.tree.structure(tuple(batch))
     leaves = jax.tree.leaves(tuple(batch))
@@ -165,6 +173,7 @@ class PipelineStep:
 
   def init(self, params: Any) -> PipelineState:
     """The parameters placed on their stages and the optimizer initialised."""
+    self._runnable()
     if self.stacks is not None:
       params = self.stacks.split(params)
     return self.layout.init(params)
@@ -197,6 +206,13 @@ class PipelineStep:
     """Chunk c's backward program (`ChunkPrograms.backward`)."""
     return self.chunk_programs.backward(c, final)
 
+  def _runnable(self) -> None:
+    if self.compile_only:
+      raise PlacementError(
+          f"devices: the step's devices ({self.meshes[0].devices.flat[0].device_kind}) can "
+          "only compile (a TPU slice from libtpu); compile its stages with "
+          "`compile_stages()`, or build the step on devices that run.")
+
   def _arrival(self, s: int, shape: tuple) -> NamedSharding:
     return stage_layouts.arrival(self.meshes[s], shape, self.split_batch[s])
 
@@ -213,6 +229,7 @@ class PipelineStep:
     each stage is busy with, for measuring the bubble (serialises the
     stages). `observe(work, bytes)` is called after each piece of work with
     the bytes per device it received from other stages (`run_check`)."""
+    self._runnable()
     leaves, treedef = jax.tree.flatten(tuple(batch))
     if treedef != self.batch_treedef or any(
         (jnp.shape(a), jnp.result_type(a)) != (w.shape, w.dtype)
@@ -297,6 +314,22 @@ class PipelineStep:
       self.programs[key] = (program, jax.tree.map(
           lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), args))
     return program(*args)
+
+  def compile_stages(self, hardware: str | Hardware | None = None) -> list[StageCompile]:
+    """Every program of the step compiled for its stages' devices, nothing
+    run: on a TPU slice's compile-only devices, XLA:TPU's own compile of
+    each stage on its block of the slice (`stage_compile`).
+
+    Args:
+      hardware: the device spec to hold memory against (default: the
+        catalogue's entry for the stages' devices, else the plan's).
+
+    Returns:
+      Per stage, a `StageCompile`: its compiled collectives by kind and
+      axes, memory per device against the device's HBM, and the backend's
+      time estimate, each beside the plan's prediction for the stage.
+    """
+    return stage_compile.compile_stages(self, hardware)
 
   def check(self, state: PipelineState, *batch):
     """Runs one batch and sets what each stage did beside its plan's price:

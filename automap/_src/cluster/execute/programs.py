@@ -296,21 +296,26 @@ class ChunkPrograms:
     """Stage s's gradient accumulators, zero: per replica ([d, ...]) or,
     reduce-scattered every microbatch, in their ZeRO shards."""
     if s not in self._zeros:
-      ids = self.stage_params[s]
-      shapes, layouts = [], []
-      for i in ids:
-        aval = self.layout.param_avals[i]
-        if self._accumulated_local(s, i):
-          shape = (self.d, *aval.shape)
-          spec = P(stage_layouts.replicas(self.meshes[s]), *self.layout.tp[s][i])
-        else:
-          shape, spec = aval.shape, self.layout.spec(s, i, sharded=True)
-        shapes.append(jax.ShapeDtypeStruct(shape, aval.dtype))
-        layouts.append(NamedSharding(self.meshes[s], spec))
-      make = jax.jit(lambda: [jnp.zeros(a.shape, a.dtype) for a in shapes],
-                     out_shardings=layouts)
+      ids, avals = self.stage_params[s], self.acc_avals(s)
+      make = jax.jit(lambda: [jnp.zeros(a.shape, a.dtype) for a in avals],
+                     out_shardings=[a.sharding for a in avals])
       self._zeros[s] = lambda: dict(zip(ids, make()))
     return self._zeros[s]()
+
+  def acc_avals(self, s: int) -> list[jax.ShapeDtypeStruct]:
+    """Stage s's gradient accumulators' types and layouts, in the order of
+    its parameters (`StateLayout.stage_params`)."""
+    out = []
+    for i in self.stage_params[s]:
+      aval = self.layout.param_avals[i]
+      if self._accumulated_local(s, i):
+        shape = (self.d, *aval.shape)
+        spec = P(stage_layouts.replicas(self.meshes[s]), *self.layout.tp[s][i])
+      else:
+        shape, spec = aval.shape, self.layout.spec(s, i, sharded=True)
+      out.append(jax.ShapeDtypeStruct(shape, aval.dtype,
+                                      sharding=NamedSharding(self.meshes[s], spec)))
+    return out
 
   def send_avals(self, c: int) -> list:
     """The avals of what chunk c sends on (its last: the loss)."""

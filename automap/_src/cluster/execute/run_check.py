@@ -58,11 +58,13 @@ class StageCheck:
 
   def ratios(self) -> dict[str, float]:
     """measured / predicted per quantity (1 where both are 0)."""
-    out = {}
-    for name in ("tensor", "data", "received", "held", "memory"):
-      got, want = getattr(self, name)
-      out[name] = got / want if want else (1.0 if not got else float("inf"))
-    return out
+    return {name: ratio(*getattr(self, name))
+            for name in ("tensor", "data", "received", "held", "memory")}
+
+
+def ratio(got: float, want: float) -> float:
+  """got / want: 1 where both are 0, inf where only want is."""
+  return got / want if want else (1.0 if not got else float("inf"))
 
 
 def check(step, state, *batch) -> tuple[list[StageCheck], object]:
@@ -79,49 +81,89 @@ def check(step, state, *batch) -> tuple[list[StageCheck], object]:
       peaks[t] = max(peaks[t], _resident(meshes[t]))
 
   state, _ = step.run(state, *batch, observe=observe)
-  calls = Counter()
-  for work in step.executed:
-    final = work.phase == "backward" and work == step.last_work[work.stage]
-    key = ("forward", work.chunk) if work.phase == "forward" else ("backward", work.chunk, final)
-    calls[key] += 1
-  for s in range(step.S):
-    calls[("update", s)] = 1
+  calls = program_calls(step, step.executed)
   tensor, data, temp = [0.0] * step.S, [0.0] * step.S, [0.0] * step.S
   for key, (program, args) in step.programs.items():
-    s = key[1] if key[0] == "update" else step.cut.chunks[key[1]].stage
+    s = program_stage(step, key)
     compiled = program.lower(*args).compile()
     stats = compiled.memory_analysis()
     if stats is not None:
       temp[s] = max(temp[s], float(stats.temp_size_in_bytes))
-    replicas = set(data_axes(meshes[s]))
     for c in compiled_lib.collectives(compiled.as_text(), meshes[s]):
       nbytes = c.nbytes * c.trips * calls[key]
-      if c.axes and set(c.axes) <= {TENSOR, CONTEXT}:
+      group = axis_group(c, meshes[s])
+      if group == "tensor":
         tensor[s] += nbytes
-      elif c.axes and set(c.axes) <= replicas:
+      elif group == "data":
         data[s] += nbytes
   checks = []
-  M, d, zero = step.M, step.d, step.zero
-  g = step.plan.placement.shard_group or d
+  M = step.M
   for s, stage in enumerate(step.plan.placement.stages):
-    P = stage.param_bytes
-    if d == 1:
-      want_data = 0.0
-    elif zero == 0:
-      want_data = P
-    elif zero == 1:
-      want_data = P / g + P
-    elif zero == 2:
-      want_data = M * P / g + P
-    else:
-      want_data = M * (P / g + (3 if stage.recompute_mode == "full" else 2) * P)
-    if zero and g < d:
-      want_data += P / g
+    want_data = sum(predicted_data(step.plan, stage).values())
     checks.append(StageCheck(
         s, (tensor[s], M * stage.comm_bytes), (data[s], want_data),
         (received[s], M * (stage.bytes_in + stage.bytes_out)),
         (peaks[s] + temp[s], stage.memory), (peaks[s], stage.memory)))
   return checks, state
+
+
+def program_calls(step, works) -> Counter:
+  """How often a step runs each program in one global batch, by the keys
+  of `PipelineStep.programs`: the timetable's `works` (each stage's last
+  backward the final one), and each stage's update once."""
+  calls = Counter()
+  for work in works:
+    final = work.phase == "backward" and work == step.last_work[work.stage]
+    key = ("forward", work.chunk) if work.phase == "forward" else ("backward", work.chunk, final)
+    calls[key] += 1
+  for s in range(step.S):
+    calls[("update", s)] = 1
+  return calls
+
+
+def program_stage(step, key: tuple) -> int:
+  """The stage a program (a `PipelineStep.programs` key) runs on."""
+  return key[1] if key[0] == "update" else step.cut.chunks[key[1]].stage
+
+
+def axis_group(collective: compiled_lib.Collective, mesh) -> str | None:
+  """"tensor" for a collective within a stage's tensor (and context)
+  group, "data" for one over its replicas, None for any other."""
+  axes = set(collective.axes)
+  if axes and axes <= {TENSOR, CONTEXT}:
+    return "tensor"
+  if axes and axes <= set(data_axes(mesh)):
+    return "data"
+  return None
+
+
+def predicted_data(plan, stage) -> dict[str, float]:
+  """The plan's collectives over a stage's replicas, bytes per device per
+  global batch by kind, from the stage's parameter bytes (the module's
+  docstring says how each ZeRO stage counts them).
+
+  Args:
+    plan: the `ClusterPlan` (its replicas, microbatches, ZeRO stage and
+      shard group).
+    stage: one of its `Stage`s.
+
+  Returns:
+    {"all-reduce" | "reduce-scatter" | "all-gather": bytes}; empty without
+    data parallelism.
+  """
+  p = plan.placement
+  M, d, zero = p.microbatches, p.data_parallel, p.zero
+  g = p.shard_group or d
+  P = stage.param_bytes
+  if d == 1:
+    return {}
+  if zero == 0:
+    return {"all-reduce": P}
+  gathers = (M * (3 if stage.recompute_mode == "full" else 2) * P if zero == 3 else P)
+  out = {"reduce-scatter": (M if zero >= 2 else 1) * P / g, "all-gather": gathers}
+  if g < d:
+    out["all-reduce"] = P / g
+  return out
 
 
 def _resident(mesh) -> float:
@@ -140,4 +182,5 @@ def _resident(mesh) -> float:
   return float(per_device.max())
 
 
-__all__ = ["StageCheck", "check"]
+__all__ = ["StageCheck", "axis_group", "check", "predicted_data", "program_calls", "program_stage",
+           "ratio"]

@@ -28,6 +28,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from automap._src.cluster.errors import PlacementError
+from automap._src.cluster.placement import slices
 from automap._src.cluster.profile.context import CONTEXT
 
 DATA, TENSOR = "data", "tensor"
@@ -73,9 +74,7 @@ def meshes(plan, devices) -> list[Mesh]:
         "recomputes its whole chunk at once (its parameter gathers stay inside what is "
         "rebuilt), so it cannot recompute every k-th layer alone; price the split with "
         "recompute_every=1, or zero <= 2.")
-  devices = list(jax.devices() if devices is None else devices)
-  if isinstance(devices[0] if devices else None, Mesh) or isinstance(devices, Mesh):
-    raise PlacementError("devices: expected a sequence of jax devices, got a Mesh.")
+  devices = slices.devices(devices)
   if p.offload != "none":
     _host_memory(devices[:p.devices], f"offload={p.offload!r} keeps the optimizer state in",
                  "offload='none' (or more devices, or ZeRO, to fit the state on them)")
@@ -89,7 +88,12 @@ def meshes(plan, devices) -> list[Mesh]:
         f"{len(p.stages)} stage(s) of widths {[s.width for s in p.stages]}); got "
         f"{len(devices)}. Plan for the devices there are, or pass enough.")
   per_pipeline = sum(s.width for s in p.stages)
+  # Compile-only devices (a TPU slice's, `automap.tpu_mesh`) belong to hosts
+  # no process here drives: nothing moves between them, so their hosts need
+  # not match the processes.
   used = {d.process_index for d in devices[:p.devices]}
+  if slices.compile_only(devices[:p.devices]):
+    used = set(range(jax.process_count()))
   if len(used) < jax.process_count():
     raise PlacementError(
         f"devices: the plan uses {p.devices} devices, all in processes {sorted(used)} of "
@@ -97,7 +101,7 @@ def meshes(plan, devices) -> list[Mesh]:
         "every process.")
   for r in range(p.data_parallel):
     owners = {d.process_index for d in devices[r * per_pipeline:(r + 1) * per_pipeline]}
-    if len(owners) > 1:
+    if len(owners) > 1 and not slices.compile_only(devices):
       raise PlacementError(
           f"devices: pipeline replica {r} spans processes {sorted(owners)}; with one process "
           f"per host each replica's {per_pipeline} devices must be one process's (stages "

@@ -165,6 +165,15 @@ class StateLayout:
       layouts = [x.with_memory_kind(stage_layouts.HOST) for x in layouts]
     return jax.tree.unflatten(jax.tree.structure(state), layouts)
 
+  def opt_state_avals(self, s: int) -> Any:
+    """Stage s's optimizer state as `init` lays it out, in
+    `jax.ShapeDtypeStruct`s: what its update compiles for without arrays."""
+    owned = [jax.ShapeDtypeStruct(self.param_avals[i].shape, self.param_avals[i].dtype,
+                                  sharding=self.grad_sharding(s, i)) for i in self.owned[s]]
+    return jax.tree.map(lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
+                        jax.eval_shape(self.optimizer.init, owned),
+                        self._state_layouts(s, owned))
+
   def params(self, state: PipelineState) -> Any:
     """The parameters as the user's pytree (each leaf from the stage owning it)."""
     leaves = [state.params[self.owner[i]][i] for i in range(len(self.param_avals))]
