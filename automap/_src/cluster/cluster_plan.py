@@ -218,8 +218,10 @@ class ClusterPlan(JsonFile):
     XLA:TPU's own compile, on any machine with libtpu installed.
 
     Args:
-      loss_fn, optimizer, params, *batch: as for `train_step` (params and
-        batch may be `jax.ShapeDtypeStruct`s).
+      loss_fn: as for `train_step`.
+      optimizer: as for `train_step`.
+      params: as for `train_step` (may be `jax.ShapeDtypeStruct`s).
+      *batch: as for `train_step` (may be `jax.ShapeDtypeStruct`s).
       devices: a TPU slice's name, a mesh, or devices (default
         `jax.devices()`), as for `train_step`.
       schedule: as for `train_step`.

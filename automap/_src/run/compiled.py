@@ -375,7 +375,16 @@ def compiled_memory(compiled: jax.stages.Compiled) -> tuple[float, Any]:
 def compiled_host_memory(stats: Any) -> float:
   """Bytes per device the program holds in host memory (offloaded
   activations, `pinned_host` arguments), as `compiled_memory` counts device
-  memory; 0 where the analysis has no host figures."""
+  memory.
+
+  Args:
+    stats: a compiled program's `memory_analysis()` (the second value
+      `compiled_memory` returns), or None.
+
+  Returns:
+    Host arguments + outputs - aliased + temporaries, in bytes; 0 where the
+    analysis has no host figures.
+  """
   if stats is None:
     return 0.0
   parts = [getattr(stats, f"host_{k}_size_in_bytes", 0) or 0
@@ -383,10 +392,18 @@ def compiled_host_memory(stats: Any) -> float:
   return float(parts[0] + parts[1] - parts[2] + parts[3])
 
 
-def compiled_seconds(compiled) -> float | None:
-  """The backend's own estimate of one call's time, in seconds, where it
-  gives one: XLA:TPU's `cost_analysis()["optimal_seconds"]`; None on
-  backends that give none (XLA:CPU)."""
+def compiled_seconds(compiled: jax.stages.Compiled) -> float | None:
+  """The backend's own estimate of one call's time.
+
+  XLA:TPU's `cost_analysis()["optimal_seconds"]`: it leaves collectives out
+  (an all-reduce is estimated as an elementwise op over its input).
+
+  Args:
+    compiled: a compiled program.
+
+  Returns:
+    Seconds; None on backends that give no estimate (XLA:CPU).
+  """
   value = compiled_costs(compiled).get("optimal_seconds")
   return float(value) if value is not None and value > 0 else None
 
