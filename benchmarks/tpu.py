@@ -161,11 +161,13 @@ def small(rows: Rows, topologies: list[str], seconds: float) -> None:
         measure_layouts(rows, base, step, mesh, hardware, seconds)
 
 
-def outside(rows: Rows, topologies: list[str], seconds: float) -> None:
+def outside(rows: Rows, topologies: list[str], seconds: float, only: list[str]) -> None:
   import outside as outside_bench
 
   shape, names = OUTSIDE_MESH
   for build in outside_bench.outside_steps.BUILDERS:
+    if only and build.__name__ not in only:
+      continue
     for topology, hardware in SMALL:
       if topology not in topologies:
         continue
@@ -308,7 +310,8 @@ def summary(rows: list[dict]) -> list[str]:
     exact = int((comm < 1e-9).sum())
     silent = sum(not r["compiled_comm"] and not r["predicted_comm"] for r in rs)
     out.append(
-        f"- {part}, {topology}, {who} ({len(rs)} rows): collective bytes |error| median "
+        f"- {part}, {topology}, {who} ({len(rs)} row{'s' * (len(rs) != 1)}): "
+        "collective bytes |error| median "
         f"{np.median(comm):.1%}, worst {comm.max():.1%} ({exact} exact, {silent} of them "
         "with no collectives either side"
         + (f"; {undefined} predicted bytes where XLA:TPU compiled none" if undefined else "")
@@ -335,6 +338,8 @@ def main():
                       choices=[t for t, _ in SMALL], help="small and outside: which chips")
   parser.add_argument("--seconds", type=float, default=10.0,
                       help="small and outside: automap's search budget per row")
+  parser.add_argument("--steps", nargs="*", default=[],
+                      help="outside: these builders of tests/outside_steps.py only (default all)")
   parser.add_argument("--rows", nargs="*", default=list(POD), choices=list(POD),
                       help="pod: which rows")
   parser.add_argument("--pod-search", type=float, default=0.0,
@@ -353,7 +358,7 @@ def main():
   if opts.part == "small":
     small(rows, opts.topology, opts.seconds)
   elif opts.part == "outside":
-    outside(rows, opts.topology, opts.seconds)
+    outside(rows, opts.topology, opts.seconds, opts.steps)
   else:
     pod(rows, opts.rows, opts.pod_search)
 
