@@ -318,7 +318,8 @@ def summary(rows: list[dict]) -> list[str]:
         + f"); memory |error| median {np.median(memory):.1%}, worst {memory.max():.1%}; "
         + (f"step time automap / XLA:TPU optimal_seconds median {np.median(step):.2f}x "
            f"(range {min(step):.2f}x to {max(step):.2f}x" if step else "no optimal_seconds")
-        + (f"; XLA:TPU gave no optimal_seconds on {len(rs) - len(step)} rows"
+        + (f"; XLA:TPU gave no optimal_seconds on {len(rs) - len(step)} row"
+           + "s" * (len(rs) - len(step) != 1)
            if len(step) < len(rs) else "") + ").")
   failed = [r for r in rows if "compiled_memory" not in r]
   if failed:
