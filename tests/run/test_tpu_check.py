@@ -116,3 +116,16 @@ def test_the_command_plans_saves_and_rechecks_a_plan(step_module, capsys):
   assert main(["check", "tpu_step:make_step", "--topology", "v5p-16",
                "--plan", "plan.json"]) == 0
   assert "fits: yes" in capsys.readouterr().out
+
+
+def test_python_numbers_among_the_arguments_compile_for_a_slice():
+  """A trainer's step counter as a Python int: its dtype is read by
+  promotion, never by making an array on the compile-only mesh."""
+  mesh = automap.tpu_mesh("v5p-16", (8,), ("data",))
+
+  def step(w, count):
+    return w * 0.5, count + 1
+
+  result = automap.check(step, jax.ShapeDtypeStruct((1024, 128), "float32"), 0, mesh=mesh,
+                         in_shardings=(P("data"), P()))
+  assert result.fits and result.report.compiled_memory >= 2 * 1024 * 128 * 4 // 8

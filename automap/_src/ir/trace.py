@@ -207,8 +207,10 @@ def _aval_of(path, leaf):
   if isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
     return jax.core.ShapedArray(leaf.shape, leaf.dtype)
   if isinstance(leaf, (bool, int, float, complex)):
-    # Python numbers are weakly typed under jit: x_bf16 * 2.0 stays bf16.
-    return jax.core.ShapedArray((), jax.numpy.asarray(leaf).dtype,
+    # Python numbers are weakly typed under jit: x_bf16 * 2.0 stays bf16. Their
+    # dtype by promotion alone: making an array would run on the mesh in
+    # context, which a compile-only TPU mesh cannot.
+    return jax.core.ShapedArray((), jax.numpy.result_type(leaf),
                                 weak_type=not isinstance(leaf, bool))
   raise ArgumentError(
       f"argument leaf {path_str(path) or '<root>'!r} is a "
