@@ -30,7 +30,7 @@ def test_benchmark_script_imports(script, monkeypatch):
 
 
 @pytest.mark.tpu
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_the_tpu_table_keeps_each_row_once_and_renders_it(tmp_path, monkeypatch):
   pytest.importorskip("libtpu", reason="XLA:TPU's compiler (libtpu) is not installed")
   monkeypatch.syspath_prepend(str(BENCHMARKS))

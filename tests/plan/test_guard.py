@@ -9,7 +9,7 @@ from automap import zoo
 from automap._src.plan import build, guard, planner
 from automap._src.search.request import SearchOptions
 
-pytestmark = pytest.mark.heavy  # one search of a small step, shared by the module
+pytestmark = pytest.mark.slow  # one search of a step, shared; the tpu tier runs the guard
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ def test_a_step_too_large_is_refused_with_the_compilers_own_figures():
   assert "fits: NO" in result.table()
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_check_refuses_what_it_cannot_compile():
   fn, args = zoo.mlp(width=256, hidden=512, batch=16)
   with pytest.raises(automap.MeshError, match="concrete"):
@@ -107,7 +107,7 @@ def test_the_command_names_bad_input(step_module, capsys, argv, message):
   assert message in capsys.readouterr().err
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_the_command_plans_saves_and_rechecks_a_plan(step_module, capsys):
   assert main(["check", "tpu_step:make_step", "--topology", "v5p-16", "--mesh", "4,2",
                "--seconds", "5", "--out", "plan.json"]) == 0
