@@ -81,6 +81,8 @@ class Partitioned:
     self.fn, self.mesh, self.names = fn, mesh, names
     self.layout, self.layout_rules = layout, layout_rules
     self._auto = apply_lib.auto_mesh(mesh)
+    # Read once: a mesh's devices do not change, and calls are the hot path.
+    self._compile_only = compile_only(mesh)
     self._signature = _signature_of(fn)
     self.request = with_keywords(SearchOptions, options, search_options, "partition")
     for pattern, spec in self.request.hints.fixed.items():
@@ -158,7 +160,7 @@ class Partitioned:
     return entry, dynamic
 
   def __call__(self, *args, **kwargs):
-    if compile_only(self.mesh):
+    if self._compile_only:
       raise MeshError(
           "partition: the mesh's devices are compile-only (a TPU topology from libtpu, "
           "automap.tpu_mesh): they compile a program but cannot run it. Plan and compile "
