@@ -166,8 +166,9 @@ def _stack(depth: int, width: int, remat: bool, scanned: bool):
 def test_random_stacks_price_alike_unrolled_and_scanned_and_as_compiled(seed):
   """For random remat'd layer stacks, FSDP over (data, fsdp) and the batch
   over them: the unrolled and scanned forms are priced within 15% of each
-  other on the tpu and gpu specs, each within 15% of its own compiled
-  allocation on the cpu spec."""
+  other on the gpu spec, each within 15% of its own compiled allocation on
+  the cpu spec. (XLA:TPU allocates the two forms apart, 0.97x to 1.57x of
+  each other here: the TPU tier holds them against its compile.)"""
   rng = np.random.default_rng(seed)
   depth, width = int(rng.integers(3, 9)), int(rng.choice([256, 512, 1024]))
   remat = True
@@ -175,13 +176,12 @@ def test_random_stacks_price_alike_unrolled_and_scanned_and_as_compiled(seed):
   peaks = {}
   for scanned in (False, True):
     step, args = _stack(depth, width, remat, scanned)
-    for hardware in ("tpu-v5p", "h100", "cpu"):
+    for hardware in ("h100", "cpu"):
       peaks[scanned, hardware] = priced(step, args, specs, hardware)[0]
     concrete = [jnp.ones(a.shape, a.dtype) / width for a in args]
     _, compiled, _ = compile_as_written(step, concrete, MESH, specs)
     assert peaks[scanned, "cpu"] == pytest.approx(compiled, rel=0.15)
-  for hardware in ("tpu-v5p", "h100"):
-    assert peaks[False, hardware] == pytest.approx(peaks[True, hardware], rel=0.15)
+  assert peaks[False, "h100"] == pytest.approx(peaks[True, "h100"], rel=0.15)
 
 
 def test_evaluate_prices_the_unrolled_stack_on_the_cpu_spec():

@@ -21,6 +21,28 @@ class Compiler:
     device's tile becomes a reduce-scatter (XLA:TPU and XLA:GPU form them,
     the latter in its ReduceScatterCreator pass; XLA:CPU does not, so the
     whole partial result is all-reduced, then sliced).
+  scatters_every_device: whether a reduce-scatter over every device of the
+    program is formed too. XLA:TPU forms its reduce-scatter (an all-reduce
+    and a dynamic-slice in one "all-reduce-scatter" fusion) over a group of
+    some of the devices only: over all of them it all-reduces the whole
+    partial result and each device slices its tile, as its compiled HLO
+    shows for an FSDP gradient over 8 of 8 and 16 of 16 v5p chips (one
+    all-reduce of the whole gradient, combined with the loss's), where
+    over 4 of 8, 8 of 16 or 64 of 256 it forms the fusion. XLA:GPU is
+    taken to form both (its `ReduceScatterCreator` matches any group).
+  scatters_first: whether a partial result summed over more axes than its
+    result is tiled on is reduce-scattered over the tiling axes first and
+    the tile then all-reduced over the rest (XLA:TPU's compiled HLO: a
+    gradient partial over (data, model) and tiled over data is a
+    reduce-scatter over data and an all-reduce of the quarter over
+    model); else the whole partial result is all-reduced over the rest,
+    then scattered, as the partitioner emits it.
+  narrows_dot_operands: whether a float32 dot at the default precision is
+    computed with bfloat16 operands, converted before any collective that
+    reshards them (XLA:TPU: the matrix units' one-pass bfloat16 is what
+    DEFAULT means there, and its compiled HLO converts an FSDP weight and
+    a gathered activation to bfloat16 before their all-gathers, which then
+    move and hold half the bytes). XLA:GPU and XLA:CPU keep float32.
   reduce_in_f32: whether 16-bit float all-reduces run in float32, moving
     twice their bytes (XLA:CPU does: its float normalization widens them).
   fuses_shared_producers: whether a reduction's fusion recomputes a fusible
@@ -98,6 +120,9 @@ class Compiler:
   reduce_scatter: bool
   reduce_in_f32: bool
   fuses_shared_producers: bool
+  scatters_every_device: bool = True
+  scatters_first: bool = False
+  narrows_dot_operands: bool = False
   combines: frozenset[int] = frozenset({ALL_REDUCE})
   combine_bytes: float = float("inf")
   combine_count: int = 256
@@ -118,7 +143,8 @@ _EXPENSIVE = frozenset({
 _GATHERS_AND_REDUCTIONS = frozenset({ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER})
 _GPU_COMBINE_BYTES = 30 * 2**20
 XLA_TPU = Compiler("xla:tpu", reduce_scatter=True, reduce_in_f32=False,
-                   fuses_shared_producers=True, combines=_GATHERS_AND_REDUCTIONS,
+                   fuses_shared_producers=True, scatters_every_device=False,
+                   scatters_first=True, narrows_dot_operands=True, combines=_GATHERS_AND_REDUCTIONS,
                    combine_bytes=_GPU_COMBINE_BYTES, async_collectives=True,
                    expensive=_EXPENSIVE, holds_combined=False)
 XLA_GPU = Compiler("xla:gpu", reduce_scatter=True, reduce_in_f32=False,

@@ -101,8 +101,17 @@ class _Op:
         # Its collectives carry their relaid buffers' bytes: XLA lays out
         # one resharded copy for all its readers (the tracker counts it so).
         fused = (bool(model.analysis.loop_made[v]), bool(model.analysis.loop_read[v]))
-        read = model.transition([] if model.free[v] else self.comms, have, want_row,
-                                model.local_bytes(state, v), p, g.shapes[v], fused)
+        sink = [] if model.free[v] else self.comms
+        emitted = len(sink)
+        read = model.transition(sink, have, want_row, model.local_bytes(state, v), p,
+                                g.shapes[v], fused)
+        if len(sink) > emitted and self._narrowed(p, v):
+          # Converted to bfloat16 before its reshard (`Compiler.
+          # narrows_dot_operands`): the collectives move, and the copy
+          # holds, half the bytes.
+          del sink[emitted:]
+          read = model.transition(sink, have, want_row, model.local_bytes(state, v) / 2, p,
+                                  g.shapes[v], fused)
         reads[p] = read
         if p == 0 and g.prims[o] in _SLICING:  # a fusion reads only the slice
           read = min(read, model.local_bytes(state, results[0]))
@@ -124,6 +133,14 @@ class _Op:
     else:
       self.traffic += once
     return reshards, reads
+
+  def _narrowed(self, p: int, v: int) -> bool:
+    """Whether operand p (value v) of the op is a float32 dot operand the
+    compiler computes in bfloat16 (`Compiler.narrows_dot_operands`)."""
+    model, o = self.model, self.o
+    g = model.graph
+    return (model.compiler.narrows_dot_operands and p < 2 and o in g.default_precision
+            and g.dtypes[v] == np.float32)
 
   def _read_scanned(self, p: int, v: int, want_row) -> float:
     """The reshard of a scanned operand p (value v) stored tiled on its
@@ -226,7 +243,13 @@ class _Op:
     made = natural_bytes  # the partial result the op makes
     widen = model.reduced_itemsize[v] / model.itemsize[v]
     grouped = False  # the dot partitioner grouped devices on the contraction
-    if scatter_mask and not model.compiler.reduce_scatter and g.prims[o] in _CONTRACTIONS:
+    compiler = model.compiler
+    # Whether the compiler forms a reduce-scatter over these axes
+    # (`Compiler.scatters_every_device`).
+    scatters = compiler.reduce_scatter and (
+        compiler.scatters_every_device
+        or scatter_mask & model.nontrivial != model.nontrivial)
+    if scatter_mask and not scatters and g.prims[o] in _CONTRACTIONS:
       # No reduce-scatter: XLA's dot partitioner all-reduces and slices
       # (`partial_sums.finish`: as XLA:CPU compiles it, `P('data',
       # 'model')` from a contraction over both is two whole all-reduces).
@@ -234,7 +257,7 @@ class _Op:
           model, self.comms, natural, state[v], scatter_mask, reduce_mask, natural_bytes,
           float(g.nbytes[v]), widen, self._batched())
       scatter_mask, grouped = 0, True
-    elif scatter_mask and not model.compiler.reduce_scatter:
+    elif scatter_mask and not scatters:
       # Other reductions all-reduce the whole partial result over every
       # axis at once, then keep this device's tile.
       reduce_mask |= scatter_mask
@@ -244,6 +267,7 @@ class _Op:
     # its result is scattered over, what the others hold partial is one
     # all-reduce over all of them (as XLA:CPU compiles it).
     by_factor: dict[int, int] = {}
+    scattered: list[int] = []  # masks all-reduced after the reduce-scatter
     for a in range(num_axes):
       if reduce_mask >> a & 1:
         f = -1 if grouped else factor_of_axis[a]
@@ -257,6 +281,9 @@ class _Op:
         model.emit(self.comms, ALL_GATHER, mask, gathered)
         model.emit(self.comms, ALL_GATHER, mask, values)
         made = max(made, gathered + values)
+      elif scatter_mask and compiler.scatters_first:
+        # Reduced over the rest once scattered: the tile's bytes, after.
+        scattered.append(mask)
       else:
         model.emit(self.comms, ALL_REDUCE, mask, natural_bytes * widen)
     if scatter_mask:
@@ -265,6 +292,8 @@ class _Op:
           natural[a] = state[v, a]
       natural_bytes /= model.group_size[scatter_mask]
       model.emit(self.comms, REDUCE_SCATTER, scatter_mask, natural_bytes)
+    for mask in scattered:
+      model.emit(self.comms, ALL_REDUCE, mask, natural_bytes * widen)
     return natural, natural_bytes, made
 
   def _batched(self) -> int:

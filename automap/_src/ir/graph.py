@@ -128,6 +128,9 @@ class Graph:
   constraints: the program's own layout constraints, in program order.
   checkpoint_names: op -> the name `jax.ad_checkpoint.checkpoint_name` gives
     its result, for its "name" ops (what remat and offload policies select).
+  default_precision: the dot_general ops at the default matmul precision
+    (no `precision=` above DEFAULT, none set by `jax.default_matmul_precision`),
+    which a backend may compute in a narrower type than their operands'.
   """
 
   shapes: tuple[tuple[int, ...], ...]
@@ -157,6 +160,7 @@ class Graph:
   touching: tuple[tuple[int, ...], ...]  # [V] ops that read or write it
   constraints: tuple[Constraint, ...] = ()
   checkpoint_names: dict[int, str] = dataclasses.field(default_factory=dict)
+  default_precision: frozenset[int] = frozenset()
 
   @property
   def num_values(self) -> int:
@@ -174,6 +178,17 @@ class Graph:
     return self.touching[v]
 
 
+def _default_precision(precision) -> bool:
+  """Whether a dot's `precision` param asks for no more than the default:
+  None (then `jax.default_matmul_precision` decides) or DEFAULT for both
+  operands; an algorithm preset or a higher precision asks for more."""
+  if precision is None:
+    return jax.config.jax_default_matmul_precision in (None, "default", "bfloat16", "fastest")
+  if isinstance(precision, tuple):
+    return all(p is None or p == jax.lax.Precision.DEFAULT for p in precision)
+  return precision == jax.lax.Precision.DEFAULT
+
+
 class _Builder:
   """Visitor that records values and ops while `Walk` linearises."""
 
@@ -181,6 +196,7 @@ class _Builder:
     self.shapes, self.dtypes, self.kind, self.producer = [], [], [], []
     self.sealed, self.names = [], []
     self.checkpoint_names: dict[int, str] = {}
+    self.default_precision: set[int] = set()
     self.prims, self.operands, self.operand_shapes = [], [], []
     self.results, self.rules, self.flops, self.scopes = [], [], [], []
     self.trips: list[int] = []
@@ -227,6 +243,8 @@ class _Builder:
     op = len(self.prims)
     if eqn.primitive.name == "name":
       self.checkpoint_names[op] = str(eqn.params["name"])
+    if eqn.primitive.name == "dot_general" and _default_precision(eqn.params.get("precision")):
+      self.default_precision.add(op)
     in_shapes = [x.shape if isinstance(x, Literal) else self.shapes[x]
                  for x in ins]
     out_shapes = [tuple(int(d) for d in v.aval.shape) for v in eqn.outvars]
@@ -376,5 +394,6 @@ def build(traced: Traced) -> Graph:
       fingerprint=traced.fingerprint(), unknown=tuple(sorted(b.unknown)),
       touching=tuple(tuple(sorted({o for o, _ in u} | ({p} if p >= 0 else set())))
                      for u, p in zip(uses, b.producer)),
-      constraints=tuple(b.constraints), checkpoint_names=dict(b.checkpoint_names))
+      constraints=tuple(b.constraints), checkpoint_names=dict(b.checkpoint_names),
+      default_precision=frozenset(b.default_precision))
 

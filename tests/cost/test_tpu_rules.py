@@ -1,0 +1,121 @@
+"""The cost model's XLA:TPU rules, each against XLA:TPU's own compile.
+
+Every rule `compiler.XLA_TPU` holds that XLA:GPU or XLA:CPU does otherwise
+is read off libtpu's compiled HLO for a compile-only v5p slice here, and
+priced as compiled: collective bytes per device by kind and mesh axes.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import automap
+from automap._src.cost import compiler as compiler_lib
+
+pytest.importorskip("libtpu", reason="XLA:TPU's compiler (libtpu) is not installed: "
+                    "pip install -e '.[tpu]'")
+pytestmark = pytest.mark.tpu
+S = jax.ShapeDtypeStruct
+_WIDTH, _HIDDEN, _BATCH = 1024, 4096, 4096
+
+
+def _mlp_step(params, x):
+  """One SGD step of a two-matrix MLP; the weights f32 at the default
+  matmul precision."""
+  def loss(params):
+    h = jax.nn.relu(x @ params["w1"])
+    return jnp.mean((h @ params["w2"]) ** 2)
+  value, grads = jax.value_and_grad(loss)(params)
+  return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), value
+
+
+def _checked(mesh, weights: P, batch: P, precision=None) -> automap.Check:
+  """`automap.check` of the MLP step, `w1` tiled on its hidden dim and
+  `w2` on its rows by `weights`' axes (FSDP), the batch by `batch`'s."""
+  step = _mlp_step
+  if precision is not None:
+    def step(params, x):
+      with jax.default_matmul_precision(precision):
+        return _mlp_step(params, x)
+  params = {"w1": S((_WIDTH, _HIDDEN), jnp.float32), "w2": S((_HIDDEN, _WIDTH), jnp.float32)}
+  x = S((_BATCH, _WIDTH), jnp.float32)
+  shardings = ({"w1": NamedSharding(mesh, P(None, weights[0])),
+                "w2": NamedSharding(mesh, P(weights[0], None))},
+               NamedSharding(mesh, batch))
+  return automap.check(step, params, x, mesh=mesh, hardware="tpu-v5p",
+                       in_shardings=shardings)
+
+
+def _bytes(check: automap.Check) -> tuple[dict, dict]:
+  """(predicted, compiled) collective bytes per device by (kind, axes), the
+  compiled collective-permutes of a few hundred KiB that lay XLA:TPU's
+  reduce-scatter tiles out aside."""
+  compiled = {k: v for k, v in check.report.compiled_comm_bytes.items()
+              if k[0] != "collective-permute"}
+  return dict(check.predicted.comm_bytes), compiled
+
+
+def _assert_priced_as_compiled(check: automap.Check, rel: float = 0.02) -> None:
+  predicted, compiled = _bytes(check)
+  assert set(predicted) == set(compiled), (predicted, compiled)
+  for key, nbytes in compiled.items():
+    # XLA:TPU pads a reduce-scatter's tile to its (8, 128) tiles: 1.6% here.
+    assert predicted[key] == pytest.approx(nbytes, rel=rel), key
+
+
+@pytest.mark.heavy
+def test_an_f32_dot_operand_is_gathered_as_bf16():
+  """At the default precision XLA:TPU converts an f32 weight to bf16
+  before its FSDP all-gather: half the bytes on the wire."""
+  mesh = automap.tpu_mesh("v5p-16", (4, 2), ("data", "model"))
+  check = _checked(mesh, P("data"), P("data"))
+  gathers = [c for c in check.report.collectives if c.kind == "all-gather"]
+  assert gathers and {c.dtype for c in gathers} == {"bf16"}
+  # The forward's two gathers, each weight's whole matrix in bf16.
+  assert check.report.compiled_comm_bytes["all-gather", ("data",)] == 2 * _WIDTH * _HIDDEN * 2
+  _assert_priced_as_compiled(check)
+  # At "highest" the dots run in f32, and so do their gathers.
+  exact = _checked(mesh, P("data"), P("data"), precision="highest")
+  assert exact.report.compiled_comm_bytes["all-gather", ("data",)] == 2 * _WIDTH * _HIDDEN * 4
+  _assert_priced_as_compiled(exact)
+
+
+@pytest.mark.heavy
+def test_no_reduce_scatter_over_every_device():
+  """An FSDP gradient tiled over all 8 chips is all-reduced whole and
+  sliced (one all-reduce, combined with the loss's); tiled over 4 of
+  them, XLA:TPU forms its all-reduce-scatter fusion."""
+  mesh = automap.tpu_mesh("v5p-16", (4, 2), ("data", "model"))
+  every = _checked(mesh, P(("data", "model")), P(("data", "model")))
+  assert {c.kind for c in every.report.collectives} == {"all-gather", "all-reduce"}
+  # Both f32 gradients whole, and the loss.
+  assert every.report.compiled_comm_bytes["all-reduce", ("data", "model")] == (
+      2 * _WIDTH * _HIDDEN * 4 + 4)
+  _assert_priced_as_compiled(every)
+  some = _checked(mesh, P("data"), P("data"))
+  scatters = [c for c in some.report.collectives if c.kind == "reduce-scatter"]
+  assert scatters and {c.form for c in scatters} == {"all-reduce-scatter fusion"}
+  _assert_priced_as_compiled(some)
+
+
+@pytest.mark.heavy
+def test_a_partial_sum_is_scattered_before_it_is_reduced_over_the_rest():
+  """The batch over (data, model), the weights over data: each gradient is
+  reduce-scattered over data, then its quarter all-reduced over model."""
+  mesh = automap.tpu_mesh("v5p-16", (4, 2), ("data", "model"))
+  check = _checked(mesh, P("data"), P(("data", "model")))
+  compiled = check.report.compiled_comm_bytes
+  assert compiled["all-reduce", ("model",)] == 2 * _WIDTH * _HIDDEN * 4 // 4
+  _assert_priced_as_compiled(check)
+
+
+def test_the_rules_are_xla_tpus_alone():
+  """XLA:GPU and XLA:CPU keep the forms the partitioner emits."""
+  tpu, gpu, cpu = compiler_lib.XLA_TPU, compiler_lib.XLA_GPU, compiler_lib.XLA_CPU
+  assert (tpu.narrows_dot_operands, tpu.scatters_every_device, tpu.scatters_first) == (
+      True, False, True)
+  for other in (gpu, cpu):
+    assert (other.narrows_dot_operands, other.scatters_every_device, other.scatters_first) == (
+        False, True, False)
