@@ -119,3 +119,26 @@ def test_the_rules_are_xla_tpus_alone():
   for other in (gpu, cpu):
     assert (other.narrows_dot_operands, other.scatters_every_device, other.scatters_first) == (
         False, True, False)
+
+
+@pytest.mark.heavy
+def test_on_chip_memory_is_what_the_hbm_allocation_leaves_out():
+  """Data parallel, a batch of 64: v5p keeps the two 16 MiB gradients in
+  HBM and allocates what is priced; v6e's memory-space assignment places
+  them on-chip (layouts `S(1)`), and its HBM allocation has no temporaries
+  at all. The price is XLA:TPU's before that assignment."""
+  allocations = {}
+  for topology, hardware in (("v5p-16", "tpu-v5p"), ("v6e-8", "tpu-v6e")):
+    mesh = automap.tpu_mesh(topology, (4, 2), ("data", "model"))
+    params = {"w1": S((_WIDTH, _HIDDEN), jnp.float32), "w2": S((_HIDDEN, _WIDTH), jnp.float32)}
+    shardings = ({"w1": NamedSharding(mesh, P()), "w2": NamedSharding(mesh, P())},
+                 NamedSharding(mesh, P(("data", "model"))))
+    check = automap.check(_mlp_step, params, S((64, _WIDTH), jnp.float32), mesh=mesh,
+                          hardware=hardware, in_shardings=shardings)
+    allocations[topology] = check.report.compiled_memory
+    predicted = check.predicted.peak_memory
+  weights = 2 * _WIDTH * _HIDDEN * 4
+  # Arguments and results: the weights in and out.
+  assert allocations["v6e-8"] == pytest.approx(2 * weights, rel=0.01)
+  assert allocations["v5p-16"] == pytest.approx(2 * weights + weights / 2, rel=0.02)
+  assert predicted == pytest.approx(allocations["v5p-16"], rel=0.02)
