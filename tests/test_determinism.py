@@ -50,7 +50,7 @@ def _plan_in_subprocess(path, seed: int, search: str, hash_seed: str) -> bytes:
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("search", ["mcts", "ilp"])
+@pytest.mark.parametrize("search", ["mcts", pytest.param("ilp", marks=pytest.mark.slow)])
 def test_same_seed_gives_byte_identical_plans_across_processes(tmp_path, search):
   plan_of(search, seed=3).save(tmp_path / "here.json")
   # String hashing differs between the two processes: no set or dict order

@@ -173,8 +173,9 @@ def test_decorator_with_auto_mesh():
 def test_search_accepts_shape_dtype_structs():
   step, args = gpt_step()
   specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
-  plan = automap.search(step, *specs, mesh=mesh((4, 2)), hardware="cpu")
-  concrete = automap.search(step, *args, mesh=mesh((4, 2)), hardware="cpu")
+  budget = automap.Budget(episodes=20)
+  plan = automap.search(step, *specs, mesh=mesh((4, 2)), hardware="cpu", budget=budget)
+  concrete = automap.search(step, *args, mesh=mesh((4, 2)), hardware="cpu", budget=budget)
   without_timing = lambda p: {k: v for k, v in p.to_json().items() if k != "stats"}  # noqa: E731
   assert without_timing(plan) == without_timing(concrete)
 

@@ -15,7 +15,8 @@ from automap._src.plan import build
 @pytest.mark.heavy
 def test_plan_round_trips_through_json(tmp_path):
   step, args = gpt_step()
-  plan = automap.search(step, *args, mesh=mesh((4, 2)), hardware="cpu")
+  plan = automap.search(step, *args, mesh=mesh((4, 2)), hardware="cpu",
+                        budget=automap.Budget(episodes=20))
   path = tmp_path / "plan.json"
   plan.save(path)
   loaded = automap.Plan.load(path)

@@ -253,7 +253,7 @@ def test_teachers_find_near_best_plans_within_one_percent(gpt_space):
   assert not any(mcts.better(p, top) for p in priced)  # no expert beats the teachers
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_a_few_training_steps_lower_the_loss(tmp_path):
   teachers = labels.Teachers(seeds=1, episodes=15, uniform_seeds=0, refine_tries=30)
   train.generate(str(tmp_path), 3, [0, 1], teachers, workers=1, log=lambda s: None)

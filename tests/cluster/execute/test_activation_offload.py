@@ -35,7 +35,7 @@ def priced(recompute, names=(), hardware=HOST):
                                hardware=hardware, budget=BUDGET)
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_offload_keeps_full_recomputes_device_memory_and_reruns_less():
   full, offload, none = priced("full"), priced("offload", PROJECTIONS), priced("none")
   for a, b in zip(offload.placement.stages, full.placement.stages):

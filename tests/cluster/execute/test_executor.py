@@ -131,7 +131,7 @@ def test_tied_gpt_over_stages_tensor_and_data_matches_the_jitted_step():
   assert step.timetable.schedule == "1f1b" and plan.schedule() == ("1f1b", 2, 4, 1)
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
 def test_huggingface_gpt2_runs_as_planned_without_rewriting_the_model():
   with jax.numpy_rank_promotion("allow"):  # library code broadcasts freely
@@ -346,7 +346,7 @@ def test_a_stage_holds_layers_apart_in_the_program_when_values_flow_forward():
   np.testing.assert_allclose(float(value), want[0], rtol=1e-6)
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_two_processes_of_four_devices_run_the_plan_as_one():
   with socket.socket() as s:
     s.bind(("localhost", 0))

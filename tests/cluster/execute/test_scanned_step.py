@@ -151,7 +151,7 @@ def test_plan_cluster_places_a_scanned_stack_by_its_layers():
 
 
 @pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_selective_recompute_leaves_a_layers_own_remat_in_charge():
   """The llama remats its own layers (`nn.remat`, nothing saved): under a
   stage's selective policy they keep what their own policy keeps, as the
