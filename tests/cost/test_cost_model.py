@@ -27,19 +27,24 @@ def test_megatron_dp_prediction_matches_the_formula_and_xla():
   c = automap.evaluate(step, *args, mesh=m, in_shardings=specs, hardware="tpu-v4")
   b, s, h, beta, d = 8, SMALL.seq, SMALL.hidden, 4, 4
   activation = b // d * s * h * beta
-  # Forward: one all-reduce after attention and one after the MLP per layer;
-  # backward: one after the MLP's first layer and one per q/k/v projection,
-  # which XLA's combiner merges into one (they are independent).
-  assert c.comm_count[("all-reduce", ("model",))] == SMALL.layers * (2 + 2)
-  assert c.comm_bytes[("all-reduce", ("model",))] == SMALL.layers * 6 * activation
-  # XLA, given only the argument layouts, partitions the same way.
+  # Megatron's four all-reduces per layer: after attention and after the MLP
+  # forward; after the MLP's first layer and after the q/k/v projections
+  # backward, whose three partial sums XLA:TPU adds before reducing them
+  # once (`AllReduceReassociate`).
+  assert c.comm_count[("all-reduce", ("model",))] == SMALL.layers * 4
+  assert c.comm_bytes[("all-reduce", ("model",))] == SMALL.layers * 4 * activation
+  # XLA:CPU reduces each projection's (its combiner merges the three into
+  # one tuple all-reduce, they being independent): as it compiles them.
+  on_cpu = automap.evaluate(step, *args, mesh=m, in_shardings=specs, hardware="cpu")
+  assert on_cpu.comm_count[("all-reduce", ("model",))] == SMALL.layers * 4
+  assert on_cpu.comm_bytes[("all-reduce", ("model",))] == SMALL.layers * 6 * activation
   shardings = jax.tree.map(lambda p: NamedSharding(m, p), specs,
                            is_leaf=lambda x: isinstance(x, P))
   compiled = jax.jit(step, in_shardings=shardings).lower(*args).compile()
   found = hlo.summarize(hlo.collectives(compiled.as_text(), m))
-  for key, predicted in c.comm_bytes.items():
+  for key, predicted in on_cpu.comm_bytes.items():
     assert found.get(key, 0) == pytest.approx(predicted, rel=0.05), key
-  assert set(found) == set(c.comm_bytes)
+  assert set(found) == set(on_cpu.comm_bytes)
   params = sum(x.size for x in jax.tree.leaves(args[0]))
   model_split = sum(
       x.size // 2 if spec != P() else x.size
@@ -362,12 +367,16 @@ def test_old_hardware_flags_still_price_with_a_deprecation_warning():
     return Tracker(prog.model, prog.state_from_specs(specs)).cost()
 
   tpu = automap.Hardware(**fields)
-  # Whether collectives run asynchronously, and the schedule, were never
-  # flags: they stay the platform's (tpu here), so only the exposed share of
-  # communication and the order buffers live in differ from XLA:CPU's.
+  # Whether collectives run asynchronously, the schedule, and the rules
+  # read off XLA:TPU's compile were never flags: they stay the platform's
+  # (tpu here), so only those differ from XLA:CPU's.
   in_place = lambda c: dataclasses.replace(  # noqa: E731
       c, exposed_comm_time=c.comm_time, step_time=c.serial_step_time)
-  in_order = dataclasses.replace(compiler.XLA_CPU, breadth_first=False)
+  tpu_rules = ("scatters_every_device", "scatters_first", "narrows_dot_operands",
+               "reassociates_all_reduces")
+  in_order = dataclasses.replace(
+      compiler.XLA_CPU, breadth_first=False,
+      **{rule: getattr(compiler.XLA_TPU, rule) for rule in tpu_rules})
   assert in_place(priced(old)) == priced(tpu, in_order)
   assert priced(old) != priced(tpu)
 

@@ -142,3 +142,26 @@ def test_on_chip_memory_is_what_the_hbm_allocation_leaves_out():
   assert allocations["v6e-8"] == pytest.approx(2 * weights, rel=0.01)
   assert allocations["v5p-16"] == pytest.approx(2 * weights + weights / 2, rel=0.02)
   assert predicted == pytest.approx(allocations["v5p-16"], rel=0.02)
+
+
+@pytest.mark.heavy
+def test_two_partial_sums_added_are_all_reduced_once():
+  """Two dots contracting over `model`, their partial results added: XLA:TPU
+  reassociates the two all-reduces into one of the sum (XLA's
+  `AllReduceReassociate`); XLA:CPU has no such pass and reduces both (in
+  one tuple all-reduce, twice the bytes)."""
+  def fn(x, w1, w2):
+    return x @ w1 + jnp.tanh(x) @ w2
+
+  mesh = automap.tpu_mesh("v5p-16", (4, 2), ("data", "model"))
+  args = (S((512, _WIDTH), jnp.float32), S((_WIDTH, _HIDDEN), jnp.float32),
+          S((_WIDTH, _HIDDEN), jnp.float32))
+  shardings = (NamedSharding(mesh, P("data", "model")), NamedSharding(mesh, P("model")),
+               NamedSharding(mesh, P("model")))
+  check = automap.check(fn, *args, mesh=mesh, hardware="tpu-v5p", in_shardings=shardings)
+  reduced = [c for c in check.report.collectives if c.kind == "all-reduce"]
+  assert len(reduced) == 1 and reduced[0].nbytes == 512 // 4 * _HIDDEN * 4
+  assert check.predicted.comm_count == {("all-reduce", ("model",)): 1}
+  _assert_priced_as_compiled(check)
+  on_cpu = automap.evaluate(fn, *args, mesh=mesh, hardware="cpu", in_shardings=shardings)
+  assert on_cpu.comm_bytes == {("all-reduce", ("model",)): 2 * reduced[0].nbytes}

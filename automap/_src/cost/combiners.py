@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from automap._src.cost.collectives import ALL_REDUCE
 from automap._src.cost.compiler import Compiler
 from automap._src.cost.model import CostModel
 
@@ -39,7 +40,8 @@ def windows(ready: dict[int, int], size: dict[int, float], compiler: Compiler
   return out
 
 
-def merged_away(model: CostModel, op_ids: np.ndarray) -> dict[tuple[int, int], int]:
+def merged_away(model: CostModel, op_ids: np.ndarray, reassociated: frozenset[int] = frozenset()
+                ) -> dict[tuple[int, int], int]:
   """{(kind, axes mask): how many collectives XLA's combiners merge away}.
 
   XLA's combiners (`CombineInstructionsByKey`) merge collectives of one
@@ -49,7 +51,9 @@ def merged_away(model: CostModel, op_ids: np.ndarray) -> dict[tuple[int, int], i
   collectives of the same key upstream, become one (dq, dk and dv's
   all-reduces; a step's gradient reductions). Collectives inside loops
   and branches are left apart (each computation combines its own).
-  `op_ids` are each op's memo entries in the layout priced."""
+  `op_ids` are each op's memo entries in the layout priced; the ops in
+  `reassociated` have their all-reduce folded into a later one's
+  (`reassociate.saved`) and are left out."""
   g = model.graph
   compiler = model.compiler
   emitted: dict[tuple[int, int], dict[int, float]] = {}  # key -> {op: bytes}
@@ -57,7 +61,8 @@ def merged_away(model: CostModel, op_ids: np.ndarray) -> dict[tuple[int, int], i
     if g.trips[o] > 1 or g.regions[o]:
       continue
     for kind, mask, nbytes, _, position, *_ in model.memo.entries[op_ids[o]].comms:
-      if position < 0 and kind in compiler.combines:
+      if position < 0 and kind in compiler.combines and not (
+          kind == ALL_REDUCE and o in reassociated):
         made = [v for v in g.results[o] if v >= 0]
         dtype = str(g.dtypes[made[0]]) if made else ""
         ops = emitted.setdefault((kind, mask, dtype), {})

@@ -60,6 +60,11 @@ class Compiler:
     DEFAULT means there, and its compiled HLO converts an FSDP weight and
     a gathered activation to bfloat16 before their all-gathers, which then
     move and hold half the bytes). XLA:GPU and XLA:CPU keep float32.
+  reassociates_all_reduces: whether a sum of two values all-reduced over
+    the same axes is one all-reduce of their sum (`AllReduceReassociate`,
+    `reassociate.py`): in XLA:GPU's collective optimizations
+    (`gpu_compiler.cc`) and in XLA:TPU's compiled HLO; not in XLA:CPU's
+    pipeline, which all-reduces each.
   reduce_in_f32: whether 16-bit float all-reduces run in float32, moving
     twice their bytes (XLA:CPU does: its float normalization widens them).
   fuses_shared_producers: whether a reduction's fusion recomputes a fusible
@@ -140,6 +145,7 @@ class Compiler:
   scatters_every_device: bool = True
   scatters_first: bool = False
   narrows_dot_operands: bool = False
+  reassociates_all_reduces: bool = False
   combines: frozenset[int] = frozenset({ALL_REDUCE})
   combine_bytes: float = float("inf")
   combine_count: int = 256
@@ -161,11 +167,13 @@ _GATHERS_AND_REDUCTIONS = frozenset({ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER})
 _GPU_COMBINE_BYTES = 30 * 2**20
 XLA_TPU = Compiler("xla:tpu", reduce_scatter=True, reduce_in_f32=False,
                    fuses_shared_producers=True, scatters_every_device=False,
-                   scatters_first=True, narrows_dot_operands=True, combines=_GATHERS_AND_REDUCTIONS,
+                   scatters_first=True, narrows_dot_operands=True,
+                   reassociates_all_reduces=True, combines=_GATHERS_AND_REDUCTIONS,
                    combine_bytes=_GPU_COMBINE_BYTES, async_collectives=True,
                    expensive=_EXPENSIVE, holds_combined=False)
 XLA_GPU = Compiler("xla:gpu", reduce_scatter=True, reduce_in_f32=False,
-                   fuses_shared_producers=True, combines=_GATHERS_AND_REDUCTIONS,
+                   fuses_shared_producers=True, reassociates_all_reduces=True,
+                   combines=_GATHERS_AND_REDUCTIONS,
                    combine_bytes=_GPU_COMBINE_BYTES, async_collectives=True,
                    expensive=_EXPENSIVE - {"exp", "exp2", "div", "sqrt", "rsqrt"},
                    major_collective_dims=True, tuple_all_to_all=True)

@@ -28,7 +28,7 @@ import math
 
 import numpy as np
 
-from automap._src.cost import halo, layouts, pricing, reshard
+from automap._src.cost import halo, layouts, pricing, reassociate, reshard
 from automap._src.cost.analysis import Analysis
 from automap._src.cost.collectives import (
   ALL_GATHER,
@@ -193,6 +193,9 @@ class CostModel:
     self.latency = np.array(
         [[self.comm_time(k, m, 0.0) for m in range(self.masks)] for k in range(len(KINDS))])
     self.memo = Memo(a.result_table.shape[1], a.member_table.shape[1] * n)
+    # The sums XLA may reassociate all-reduces across (`reassociate`).
+    self.reassociable = (reassociate.candidates(graph)
+                         if self.compiler.reassociates_all_reduces else ())
 
   # -- collectives ---------------------------------------------------------
 

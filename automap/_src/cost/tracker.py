@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from automap._src.cost import combiners, kernels, overlap
+from automap._src.cost import combiners, kernels, overlap, reassociate
 from automap._src.cost.collectives import ALL_GATHER, ALL_REDUCE, KINDS, REDUCE_SCATTER
 from automap._src.cost.memo import OpCost
 from automap._src.cost.model import Cost, CostModel
@@ -62,6 +62,7 @@ class Tracker:
     self._swap_collectives(ops, none, self.op_ids)
     self.timeline.set_footprints(ops, self.op_ids)
     self._exposed: float | None = None  # `exposed_comm_time`, until the next update
+    self._saved: tuple | None = None  # `reassociated`, until the next update
 
   @property
   def ops(self) -> list[OpCost]:
@@ -130,7 +131,7 @@ class Tracker:
                          np.int64).ravel()
     if not len(changed):
       return
-    self._exposed = None
+    self._exposed = self._saved = None
     ops = kernels.gather(changed, a.touch_ptr, a.touch_idx, self._scratch)
     ops, old, new, time, flops = kernels.swap_entries(
         ops, model.entry_ids(state, ops), self.op_ids, model.memo.time, model.memo.flops)
@@ -144,9 +145,18 @@ class Tracker:
     """[n] the ops whose current cost includes a collective or a reshard."""
     return np.flatnonzero(self.model.memo.has_comms[self.op_ids])
 
+  def reassociated(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, frozenset[int]]:
+    """([kinds, masks] bytes, count, seconds) of the all-reduces XLA's
+    reassociation removes from the tally, and the ops whose all-reduce
+    goes (`reassociate.saved`)."""
+    if self._saved is None:
+      self._saved = reassociate.saved(self.model, self.op_ids, self.model.reassociable)
+    return self._saved
+
   @property
   def comm_time(self) -> float:
-    return float(self.seconds.sum() + self.model.latency[self.combined > 0].sum())
+    return float(self.seconds.sum() - self.reassociated()[2].sum()
+                 + self.model.latency[self.combined > 0].sum())
 
   @property
   def serial_step_time(self) -> float:
@@ -166,7 +176,7 @@ class Tracker:
   def combined_away(self) -> dict[tuple[int, int], int]:
     """{(kind, axes mask): how many collectives XLA's combiners merge away}
     (`combiners.merged_away`)."""
-    return combiners.merged_away(self.model, self.op_ids)
+    return combiners.merged_away(self.model, self.op_ids, self.reassociated()[3])
 
   def comm_traffic(self) -> float:
     """HBM bytes the collectives read and write, per device: each reads its
@@ -176,7 +186,7 @@ class Tracker:
     operand = np.ones_like(self.bytes)
     operand[ALL_GATHER] = 1.0 / n
     operand[REDUCE_SCATTER] = n
-    return float((self.bytes * (1.0 + operand)).sum())
+    return float(((self.bytes - self.reassociated()[0]) * (1.0 + operand)).sum())
 
   def exposed_comm_time(self) -> float:
     """Of comm_time, what compute does not hide (`overlap`); all of it where
@@ -282,11 +292,13 @@ class Tracker:
     names = self.model.mesh.axis_names
     comm_bytes, comm_count, comm_seconds = {}, {}, {}
     away = self.combined_away()
-    for kind, mask in zip(*np.nonzero(self.count > 0)):
+    saved_bytes, saved_count, saved_seconds, _ = self.reassociated()
+    for kind, mask in zip(*np.nonzero(self.count - saved_count > 0)):
       key = (KINDS[kind], tuple(n for a, n in enumerate(names) if mask >> a & 1))
-      comm_bytes[key] = float(self.bytes[kind, mask])
-      comm_count[key] = int(self.count[kind, mask]) - away.get((int(kind), int(mask)), 0)
-      comm_seconds[key] = float(self.seconds[kind, mask] + (
+      comm_bytes[key] = float(self.bytes[kind, mask] - saved_bytes[kind, mask])
+      comm_count[key] = (int(self.count[kind, mask] - saved_count[kind, mask])
+                         - away.get((int(kind), int(mask)), 0))
+      comm_seconds[key] = float(self.seconds[kind, mask] - saved_seconds[kind, mask] + (
           self.model.latency[kind, mask] if self.combined[kind, mask] else 0.0))
     return Cost(
         step_time=self.step_time, compute_time=float(self.compute),
