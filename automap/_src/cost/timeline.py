@@ -57,6 +57,9 @@ class Timeline:
     self.reduced: dict[tuple[tuple[int, int], int], int] = {}
     self.pending_live: dict[tuple[int, int], np.ndarray] = {}
     self.dirty: set[tuple[int, int]] = set()
+    # {value: the earliest time it is made}, for the values that wait for a
+    # combined reduction (`waiting`), until the groups change.
+    self._waiting: dict[int, int] | None = None
     # A resharded copy (`CostModel.copy_key`) -> its readers.
     self.reshards: dict[tuple, list[int]] = {}
     self.passing: dict[tuple, list[int]] = {}  # readers a copy is a step on the way for
@@ -147,6 +150,7 @@ class Timeline:
       return
     group = self.pending.setdefault((kind, mask), {})
     self.dirty.add((kind, mask))
+    self._waiting = None
     if sign < 0:
       del group[o]
       self.chained.pop(((kind, mask), o), None)
@@ -334,15 +338,52 @@ class Timeline:
     fits = m - np.searchsorted(ascending, foot, side="left")  # classes a buffer fits
     temps = np.flatnonzero((foot > 0) & (fits > 0))
     made = a.results_made_at.copy()
-    taken = self.taken_by_reductions()
-    if taken:
+    waiting, taken = self.waiting(), self.taken_by_reductions()
+    if waiting or taken:
       at = {int(v): i for i, v in enumerate(a.results_made)}
+      for v, t in waiting.items():
+        if v in at:
+          made[at[v]] = max(made[at[v]], t)
       for v, op in taken.items():
         if v in at:
           made[at[v]] = min(made[at[v]], op)
       order = np.argsort(made, kind="stable")
       made, slot = made[order], slot[order]
     return start[temps], end[temps], foot[temps], fits[temps] - 1, made, slot
+
+  def waiting(self) -> dict[int, int]:
+    """{value: the earliest time it is made} for the values made from a
+    combined reduction's result: XLA's combined all-reduce is one
+    instruction whose results every reader of a reduced gradient reads, so
+    those readers (the optimizer's update) run after it, however early the
+    gradient itself is made. On XLA:CPU's breadth-first schedule the model's
+    places put the update at the gradient's own depth; the compiled GPT
+    step's data parallelism runs every `multiply_add_fusion` of its Adam
+    update after `all-reduce.30` and its `get-tuple-element`s, and its
+    buffer assignment hosts the unreduced partial sums in the update's
+    result allocations (`ynn_fusion.1` in `multiply_add_fusion.18`'s):
+    a result made after the collective hosts what dies there."""
+    if self._waiting is not None:
+      return self._waiting
+    g, a = self.model.graph, self.model.analysis
+    ready: dict[int, int] = {}
+    for key, group in self.pending.items():
+      if not group:
+        continue
+      windows = self.windows(key)
+      for o in group:
+        for v in g.results[o]:
+          if v >= 0:
+            ready[v] = max(ready.get(v, -1), windows[o] + 1)
+    if ready:
+      for o in np.flatnonzero(a.late & ~a.dead).tolist():
+        t = max((ready.get(u, -1) for u in g.operands[o] if u >= 0), default=-1)
+        if t >= 0:
+          for v in g.results[o]:
+            if v >= 0:
+              ready[v] = max(ready.get(v, -1), t)
+    self._waiting = ready
+    return ready
 
   def taken_by_reductions(self) -> dict[int, int]:
     """{result of the program: op from which its buffer is taken} for the
