@@ -237,7 +237,9 @@ def test_linear_overlap_model_is_checked_against_the_schedule(layouts):
   schedule (`StepTime.objective`): compute + blocking communication +
   what of the hideable communication compute cannot cover. On the expert
   layouts of a GPT step it lies within 30% of the schedule `Tracker`
-  prices, never above the serial sum; on XLA:CPU it is the serial sum."""
+  prices, never above the serial sum (counting the all-reduces XLA:TPU
+  reassociates away, which the linear model keeps); on XLA:CPU it is the
+  serial sum."""
   from automap._src.models.gpt import megatron_specs
   from automap._src.sharding.state import flat_specs
 
@@ -262,5 +264,8 @@ def test_linear_overlap_model_is_checked_against_the_schedule(layouts):
       assert linear == pytest.approx(tracker.step_time, rel=0.02)
       continue
     assert tracker.step_time < tracker.serial_step_time
-    assert linear <= tracker.serial_step_time * 1.02
+    # The linear model prices each all-reduce XLA's reassociation removes
+    # (`reassociate`): never above the serial sum with them.
+    serial = tracker.serial_step_time + float(tracker.reassociated()[2].sum())
+    assert linear <= serial * 1.02
     assert linear == pytest.approx(tracker.step_time, rel=0.3)

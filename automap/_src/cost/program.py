@@ -236,7 +236,14 @@ class Program:
       return 0.0
     live = [v for v in range(g.num_values)
             if g.producer[v] < first and any(o >= first for o, _ in g.uses[v])]
-    return float(g.nbytes[live].sum()) / self.mesh.num_devices
+    narrows = self.model.compiler.narrows_dot_operands
+    # A float32 value the backward reads only as a default-precision dot's
+    # operand may be held as the bfloat16 copy its reshard makes
+    # (`Compiler.narrows_dot_operands`): half its bytes.
+    held = [g.nbytes[v] / 2 if narrows and g.dtypes[v] == np.float32 and all(
+        o in g.default_precision and p < 2 for o, p in g.uses[v] if o >= first)
+        else g.nbytes[v] for v in live]
+    return float(sum(held)) / self.mesh.num_devices
 
 
 def _by_constraint(graph: Graph, v: int) -> str:
