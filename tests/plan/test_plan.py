@@ -63,7 +63,8 @@ def test_explain_lists_layouts_collectives_and_cost():
 @pytest.mark.parametrize("shape", [(4, 2), (1, 8)])
 def test_per_layer_time_and_memory_add_up_to_the_cost(shape):
   step, args = gpt_step()
-  plan = automap.search(step, *args, mesh=mesh(shape), hardware="cpu")
+  plan = automap.search(step, *args, mesh=mesh(shape), hardware="cpu",
+                        budget=automap.Budget(episodes=20))
   rows, c = plan.layers, plan.cost
   assert [r.name for r in rows][:4] == ["embed", "GPT", "block_0", "block_1"]
   assert sum(r.compute for r in rows) == pytest.approx(c.compute_time, rel=1e-9)
@@ -112,7 +113,8 @@ def test_explain_reports_memory_against_the_limit_and_plots(tmp_path):
 @pytest.mark.heavy
 def test_per_layer_collectives_add_up_to_the_cost():
   step, args = gpt_step()
-  plan = automap.search(step, *args, mesh=mesh((4, 2)), hardware="cpu")
+  plan = automap.search(step, *args, mesh=mesh((4, 2)), hardware="cpu",
+                        budget=automap.Budget(episodes=20))
   totals: dict = {}
   for _, kind, axes, nbytes, _ in plan.collectives:
     totals[(kind, axes)] = totals.get((kind, axes), 0.0) + nbytes

@@ -122,7 +122,7 @@ def test_unmeetable_memory_limit_names_the_least_peak():
     automap.search(mlp, *args, mesh=m, hardware=HW, search="ilp", memory_limit=limit)
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_train_step_plan_is_faithful_and_no_worse_than_its_warm_start():
   m = mesh((4, 2))
   step, args = gpt_step(SMALL)

@@ -56,7 +56,7 @@ def assert_sequence_split(step, context, tensor, data):
 
 
 @pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_the_sequence_split_over_two_of_four_stage_devices_matches_the_jitted_step():
   step, checks = run_and_check(context=2, tensor=2, data=2)
   assert_sequence_split(step, context=2, tensor=2, data=2)

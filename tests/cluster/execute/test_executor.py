@@ -119,7 +119,7 @@ def run_plan(model, steps=3, run=None, **config):
   return plan, step
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
 def test_tied_gpt_over_stages_tensor_and_data_matches_the_jitted_step():
   plan, step = run_plan(gpt_loss, tensor=2, pipeline=2, data=2, microbatch=2, zero=1)

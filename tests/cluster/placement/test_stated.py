@@ -145,7 +145,7 @@ def test_dtypes_are_checked_by_name(fields, match):
   assert cluster.ClusterConfig(weights=jnp.bfloat16).weights == "bfloat16"
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
 def test_sequence_parallelism_splits_the_activations_between_the_matmuls():
   """Stated, the per-width search keeps every activation handed between
