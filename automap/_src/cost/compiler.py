@@ -9,12 +9,11 @@ compile-only TPU slices, and what follows was read off its compiled HLO
 (`tests/cost/test_tpu_rules.py`, `tests/run/test_tpu_compiled.py`):
 `narrows_dot_operands`, `scatters_every_device` (False), `scatters_first`,
 `reassociates_all_reduces`, a reduce-scatter over some of the devices
-formed (its all-reduce-scatter
-fusion), the gradient all-reduces and the loss's combined into one tuple
-all-reduce, collectives in while loops run each trip, and async collective
-start / done pairs. Still taken from XLA:GPU's passes, and marked so where
-they are stated: which all-gathers and reduce-scatters its combiners
-merge and their byte limit, `holds_combined`, `expensive`, and the
+formed (its all-reduce-scatter fusion), the gradient all-reduces and the
+loss's combined into one tuple all-reduce, collectives in while loops run
+each trip, and async collective start / done pairs. Still taken from
+XLA:GPU's passes, and marked so where they are stated: which all-gathers
+and reduce-scatters its combiners merge and their byte limit, `holds_combined`, `expensive`, and the
 latency-hiding schedule's program order. Its memory-space assignment
 places buffers in on-chip memory that its HBM allocation then leaves out
 (the same data-parallel step allocates 17 MiB of HBM temporaries on v5p and

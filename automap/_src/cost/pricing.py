@@ -103,15 +103,15 @@ class _Op:
         fused = (bool(model.analysis.loop_made[v]), bool(model.analysis.loop_read[v]))
         sink = [] if model.free[v] else self.comms
         emitted = len(sink)
-        read = model.transition(sink, have, want_row, model.local_bytes(state, v), p,
+        # Converted to bfloat16 before its reshard (`Compiler.
+        # narrows_dot_operands`): the collectives move, and the copy holds,
+        # half the bytes; a slice with no collective reads the f32 tile.
+        narrowed = self._narrowed(p, v)
+        read = model.transition(sink, have, want_row,
+                                model.local_bytes(state, v) / (2 if narrowed else 1), p,
                                 g.shapes[v], fused)
-        if len(sink) > emitted and self._narrowed(p, v):
-          # Converted to bfloat16 before its reshard (`Compiler.
-          # narrows_dot_operands`): the collectives move, and the copy
-          # holds, half the bytes.
-          del sink[emitted:]
-          read = model.transition(sink, have, want_row, model.local_bytes(state, v) / 2, p,
-                                  g.shapes[v], fused)
+        if narrowed and len(sink) == emitted:
+          read *= 2
         reads[p] = read
         if p == 0 and g.prims[o] in _SLICING:  # a fusion reads only the slice
           read = min(read, model.local_bytes(state, results[0]))

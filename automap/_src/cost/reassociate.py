@@ -24,18 +24,17 @@ from automap._src.cost.collectives import ALL_REDUCE, KINDS
 from automap._src.ir.graph import Graph
 
 # Sums, and the ops an all-reduce's value is read through on the way to
-# one: reshapes and converts as the pass looks through them, and transposes,
-# which XLA folds into the dot that makes the value (compiled HLO).
+# one: reshapes and converts, as the pass looks through them (a transpose
+# it does not, though XLA:TPU's compile reassociates some: left out).
 _SUMS = frozenset({"add", "add_any"})
-_THROUGH = frozenset({"reshape", "squeeze", "expand_dims", "convert_element_type",
-                      })
+_THROUGH = frozenset({"reshape", "squeeze", "expand_dims", "convert_element_type"})
 
 
 def candidates(graph: Graph) -> tuple[tuple[int, int, int, int], ...]:
   """(sum op, its result, source value 0, source value 1) of every binary
   sum whose two operands are each read by it alone, traced back through
-  single-reader reshapes, converts and transposes to the value an op
-  makes; in program order (a chain's inner sums first)."""
+  single-reader reshapes and converts to the value an op makes; in
+  program order (a chain's inner sums first)."""
   g = graph
   outputs = frozenset(g.outputs)
   out = []
