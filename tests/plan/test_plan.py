@@ -50,7 +50,8 @@ def test_corrupt_plan_files_are_reported(tmp_path):
 @pytest.mark.heavy
 def test_explain_lists_layouts_collectives_and_cost():
   step, args = gpt_step()
-  plan = automap.search(step, *args, mesh=mesh((4, 2)), hardware="cpu")
+  plan = automap.search(step, *args, mesh=mesh((4, 2)), hardware="cpu",
+                        budget=automap.Budget(episodes=20))
   text = plan.explain()
   assert "step time" in text and "peak memory" in text
   achieved = plan.cost.flops / plan.cost.step_time
