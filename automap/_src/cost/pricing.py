@@ -106,7 +106,7 @@ class _Op:
         # Converted to bfloat16 before its reshard (`Compiler.
         # narrows_dot_operands`): the collectives move, and the copy holds,
         # half the bytes; a slice with no collective reads the f32 tile.
-        narrowed = self._narrowed(p, v)
+        narrowed = self._narrowed(p)
         read = model.transition(sink, have, want_row,
                                 model.local_bytes(state, v) / (2 if narrowed else 1), p,
                                 g.shapes[v], fused)
@@ -134,13 +134,10 @@ class _Op:
       self.traffic += once
     return reshards, reads
 
-  def _narrowed(self, p: int, v: int) -> bool:
-    """Whether operand p (value v) of the op is a float32 dot operand the
-    compiler computes in bfloat16 (`Compiler.narrows_dot_operands`)."""
-    model, o = self.model, self.o
-    g = model.graph
-    return (model.compiler.narrows_dot_operands and p < 2 and o in g.default_precision
-            and g.dtypes[v] == np.float32)
+  def _narrowed(self, p: int) -> bool:
+    """Whether operand p of the op is a float32 dot operand the compiler
+    computes in bfloat16 (`Compiler.narrows_dot_operands`)."""
+    return self.model.compiler.narrows_dot_operands and self.model.graph.narrowable(self.o, p)
 
   def _read_scanned(self, p: int, v: int, want_row) -> float:
     """The reshard of a scanned operand p (value v) stored tiled on its

@@ -240,8 +240,8 @@ class Program:
     # A float32 value the backward reads only as a default-precision dot's
     # operand may be held as the bfloat16 copy its reshard makes
     # (`Compiler.narrows_dot_operands`): half its bytes.
-    held = [g.nbytes[v] / 2 if narrows and g.dtypes[v] == np.float32 and all(
-        o in g.default_precision and p < 2 for o, p in g.uses[v] if o >= first)
+    held = [g.nbytes[v] / 2 if narrows and all(
+        g.narrowable(o, p) for o, p in g.uses[v] if o >= first)
         else g.nbytes[v] for v in live]
     return float(sum(held)) / self.mesh.num_devices
 

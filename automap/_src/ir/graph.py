@@ -177,6 +177,13 @@ class Graph:
     """The ops that read or write value v."""
     return self.touching[v]
 
+  def narrowable(self, o: int, p: int) -> bool:
+    """Whether operand p of op o is a float32 operand of a dot at the
+    default precision: one a backend may compute, and reshard, in bfloat16
+    (`Compiler.narrows_dot_operands`)."""
+    return (p < 2 and o in self.default_precision
+            and self.dtypes[self.operands[o][p]] == np.float32)
+
 
 def _default_precision(precision) -> bool:
   """Whether a dot's `precision` param asks for no more than the default:

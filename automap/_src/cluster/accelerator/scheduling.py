@@ -200,6 +200,10 @@ def _solve(one: list[int], every: list[int], preds: list[list[int]], cores: int,
   solver = cp_model.CpSolver()
   solver.parameters.max_time_in_seconds = left
   solver.parameters.random_seed = 0
+  # One worker: CP-SAT 9.15's parallel portfolio can abort the process
+  # mid-solve (google/or-tools#5025), and these models are small enough
+  # that one worker solves them within the budget.
+  solver.parameters.num_workers = 1
   code = solver.solve(m)
   if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
     return None
