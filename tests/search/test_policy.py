@@ -213,6 +213,13 @@ def test_searches_take_the_learned_filter_by_default():
     automap.search(step, *args, mesh=m, policy=3)
 
 
+def test_past_the_filters_size_the_search_runs_and_reports_uniform_priors(monkeypatch):
+  step, args = gpt_step(SMALL)
+  monkeypatch.setattr(learned, "MAX_VALUES", 10)  # this program has hundreds of values
+  plan = automap.search(step, *args, mesh=mesh((4, 2)), budget=automap.Budget(episodes=10))
+  assert plan.stats["policy"] == "uniform"
+
+
 def test_labels_are_the_share_of_near_best_plans_taking_each_decision(gpt_space):
   dec = decisions.describe(gpt_space)
   experts = expert_states(gpt_space.program, gpt_space)

@@ -71,6 +71,10 @@ def policy_for(request: SearchOptions, program: Program) -> mcts.Policy | None:
     return LookaheadPolicy(program, limit)
   from automap._src.search.policy import learned
 
+  if not 0 < program.graph.num_values <= learned.MAX_VALUES:
+    # Past its size the filter steps aside: uniform priors, and the plan's
+    # stats say "uniform", as the search that ran.
+    return None
   shipped = learned.cached(None if request.policy == "learned" else request.policy)
   return None if shipped is None else shipped.with_limit(limit)
 
