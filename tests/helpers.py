@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import re
 
@@ -196,3 +197,16 @@ def abstract_gpt_loss(config: GPTConfig, batch: int = 4):
 
   tokens = jax.ShapeDtypeStruct((batch, config.seq), jnp.int32)
   return loss, params, (tokens, tokens)
+
+
+@functools.cache
+def planned(shape, what="step"):
+  """The GPT train step (or its loss and gradients, `what="grads"`) on a
+  (data, model) mesh of `shape`, and its plan at the default budget: one
+  search per worker, shared by the tests that read it."""
+  import automap
+
+  step, args = gpt_step()
+  fn, fargs = (step, args) if what == "step" else loss_and_grads(args)
+  m = mesh(shape)
+  return fn, fargs, m, automap.search(fn, *fargs, mesh=m, hardware="cpu")

@@ -1,7 +1,6 @@
 """automap end to end on real train steps: plans, numerics, compiled HLO."""
 
 import dataclasses
-import functools
 
 import flax.linen as nn
 import jax
@@ -15,26 +14,17 @@ from helpers import (
     GPTConfig,
     assert_faithful,
     gpt_step,
-    loss_and_grads,
     make_train_step,
     megatron_specs,
     mesh,
     meshes_but,
+    planned,
 )
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import automap
 from automap._src.plan import build
-
-
-@functools.cache
-def planned(shape, what="step"):
-  step, args = gpt_step()
-  fn, fargs = (step, args) if what == "step" else loss_and_grads(args)
-  m = mesh(shape)
-  plan = automap.search(fn, *fargs, mesh=m, hardware="cpu")
-  return fn, fargs, m, plan
 
 
 # Each on one two-axis mesh by default, the wider model axis for gradients.

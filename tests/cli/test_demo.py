@@ -15,7 +15,7 @@ from automap._src.models.gpt import GPTConfig
 def test_demo_runs_and_checks_itself():
   out = io.StringIO()
   small = demo.DemoConfig(model=GPTConfig(vocab=128, seq=16, hidden=128, heads=4, layers=2),
-                          batch=8, hardware="cpu", seconds=20)
+                          batch=8, hardware="cpu", seconds=6)
   result = demo.run(small, Console(file=out, width=120))
   text = out.getvalue()
   assert result["ok"], text

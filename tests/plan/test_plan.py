@@ -5,7 +5,7 @@ import json
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import gpt_step, megatron_specs, mesh, mlp
+from helpers import gpt_step, megatron_specs, mesh, mlp, planned
 from jax.sharding import PartitionSpec as P
 
 import automap
@@ -82,9 +82,7 @@ def test_per_layer_time_and_memory_add_up_to_the_cost(shape):
 
 @pytest.mark.heavy
 def test_yardsticks_are_the_expert_strategies_under_the_same_model():
-  step, args = gpt_step()
-  m = mesh((4, 2))
-  plan = automap.search(step, *args, mesh=m, hardware="cpu")
+  step, args, m, plan = planned((4, 2))
   dp = automap.evaluate(step, *args, mesh=m, hardware="cpu", in_shardings=megatron_specs(
       args, data=("data", "model"), model=None))
   assert plan.yardsticks["data parallel"].cost == dp
