@@ -246,6 +246,21 @@ class _Op:
     scatters = compiler.reduce_scatter and (
         compiler.scatters_every_device
         or scatter_mask & model.nontrivial != model.nontrivial)
+    if scatters and scatter_mask and g.prims[o] in _CONTRACTIONS and self._operands_disagree(
+        r, v, scatter_mask | reduce_mask):
+      # XLA's dot partitioner slices the partial sum it all-reduces (a
+      # reduce-scatter once fused) only where the dot computes in its
+      # result's layout on every other axis (`PartitionBaseCase`,
+      # `GetDotGroupPartitionContractingOutputShardings` in
+      # spmd/dot_handler.cc). Where an operand comes tiled otherwise on
+      # another axis (a weight's gradient whose rows come tiled over
+      # `tensor` from the activations, wanted over `fsdp`), XLA:TPU
+      # all-reduces the whole partial result and reshards it after: no
+      # reduce-scatter matcher looks through that reshard
+      # (`MatchReduceScatter`: the slice must read the all-reduce).
+      # `test_a_gradient_whose_rows_come_tiled_over_tensor_is_all_reduced_whole`.
+      reduce_mask |= scatter_mask
+      scatter_mask = 0
     if scatter_mask and not scatters and g.prims[o] in _CONTRACTIONS:
       # No reduce-scatter: XLA's dot partitioner all-reduces and slices
       # (`partial_sums.finish`: as XLA:CPU compiles it, `P('data',
@@ -292,6 +307,27 @@ class _Op:
     for mask in scattered:
       model.emit(self.comms, ALL_REDUCE, mask, natural_bytes * widen)
     return natural, natural_bytes, made
+
+  def _operands_disagree(self, r: int, v: int, partial: int) -> bool:
+    """Whether, on some mesh axis outside the `partial` mask, the op's
+    operands do not come tiled as its result r (value v) is: an operand
+    tiles the axis on another factor, or none tiles the factor the result
+    tiles it on (XLA would slice it from a replicated result)."""
+    model, state, o = self.model, self.state, self.o
+    g = model.graph
+    rule = g.rules[o]
+    for a in range(len(model.mesh.axis_sizes)):
+      if partial >> a & 1:
+        continue
+      d = state[v, a]
+      want = rule.results[r][d] if d >= 0 else UNSHARDED
+      come = set()
+      for p, u in enumerate(g.operands[o]):
+        if u >= 0 and rule.operands[p] is not None and state[u, a] >= 0:
+          come.add(rule.operands[p][state[u, a]])
+      if not come <= {want} or (want >= 0 and want not in come):
+        return True
+    return False
 
   def _batched(self) -> int:
     """The axes that tile a batch factor of the op (one of every operand)
