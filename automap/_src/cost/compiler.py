@@ -9,7 +9,8 @@ compile-only TPU slices, and what follows was read off its compiled HLO
 (`tests/cost/test_tpu_rules.py`, `tests/run/test_tpu_compiled.py`):
 `narrows_dot_operands`, `scatters_every_device` (False), `scatters_first`,
 `reassociates_all_reduces`, a reduce-scatter over some of the devices
-formed (its all-reduce-scatter fusion), the gradient all-reduces and the
+formed (its all-reduce-scatter fusion) only where the dot's operands come
+tiled as its result on every other axis, the gradient all-reduces and the
 loss's combined into one tuple all-reduce, collectives in while loops run
 each trip, and async collective start / done pairs. Still taken from
 XLA:GPU's passes, and marked so where they are stated: which all-gathers
