@@ -94,7 +94,7 @@ def test_partitioned_function_behaves_like_jit():
   step, args = gpt_step()
   m = mesh((4, 2))  # Explicit axes: the default of jax.make_mesh
   assert all(t == AxisType.Explicit for t in m.axis_types)
-  f = automap.partition(step, mesh=m, hardware="cpu")
+  f = automap.partition(step, mesh=m, hardware="cpu", budget=automap.Budget(episodes=20))
   out = f(*args)
   plan = f.plan
   assert isinstance(plan, automap.Plan)
@@ -115,7 +115,8 @@ def test_partitioned_function_behaves_like_jit():
 @pytest.mark.heavy
 def test_a_partitioned_function_verifies_its_own_plan():
   step, args = gpt_step()
-  f = automap.partition(step, mesh=mesh((4, 2)), hardware="cpu")
+  f = automap.partition(step, mesh=mesh((4, 2)), hardware="cpu",
+                        budget=automap.Budget(episodes=20))
   report = f.verify(*args)  # plans first: no call needed
   assert f.plan is not None and report.predicted.step_time == pytest.approx(
       f.plan.cost.step_time, rel=1e-9)

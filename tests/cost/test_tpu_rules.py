@@ -33,6 +33,7 @@ def _mlp_step(params, x):
   return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), value
 
 
+@functools.cache
 def _checked(mesh, weights: P, batch: P, precision=None) -> automap.Check:
   """`automap.check` of the MLP step, `w1` tiled on its hidden dim and
   `w2` on its rows by `weights`' axes (FSDP), the batch by `batch`'s."""
