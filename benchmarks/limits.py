@@ -8,12 +8,11 @@ mixture-of-experts layer. Per row and seed, the final plan (`automap.search`
 at the default budget, 200 episodes or 60 s, with refinement) of:
 
 - `default`: what `automap.search` does with no `policy=`: where data
-  parallelism does not fit the limit (every row here), MCTS with the
-  learned filter, with the one-step lookahead and with uniform priors on a
-  third of the budget each, and refinement over all three searches' plans
-  (`search/driver.py`, `_partners`);
+  parallelism does not fit the limit (every row here), the learned
+  filter's MCTS on half the budget, the one-step lookahead's on the rest,
+  refinement over both (`search/driver.py`, `_partner`);
 - `learned`: the learned filter alone on the whole budget (the default
-  before it shared the budget);
+  before the lookahead shared it);
 - `lookahead`, `uniform`: `policy="lookahead"`, `policy="uniform"`.
 
 The target of a row is the fastest fitting plan any method's run found.
@@ -46,7 +45,7 @@ PROGRAMS = {
     "gpt-small": lambda: zoo.gpt_step(),
     "llama-2L": lambda: zoo.llama_train_step(zoo.LlamaConfig(layers=2)),
     "llama-4L": lambda: zoo.llama_train_step(zoo.LlamaConfig(layers=4)),
-    "vit-2L": lambda: zoo.vit(layers=2, width=192, batch=32),
+    "vit-2L": lambda: zoo.vit(layers=2, width=256, batch=32),
     "t5-1+1L": lambda: zoo.encoder_decoder(layers=1, width=256, seq=64),
     "moe": lambda: zoo.moe(experts=8, width=256, hidden=1024, tokens=1024),
 }
@@ -72,16 +71,16 @@ def data_parallel(step, args, mesh) -> automap.Cost:
 def final(step, args, mesh, method: str, seed: int, limit: float) -> dict:
   """One search's final plan, as the method runs it."""
   policy = None if method in ("default", "learned") else method
-  partners = driver._partners
-  if method == "learned":  # the filter alone: no other prior
-    driver._partners = lambda *a: []
+  partner = driver._partner
+  if method == "learned":  # the filter alone: no second prior
+    driver._partner = lambda *a: None
   try:
     t0 = time.perf_counter()
     plan = automap.search(step, *args, mesh=mesh, hardware=HARDWARE, memory_limit=limit,
                           seed=seed, budget=automap.Budget(progress=False),
                           **({} if policy is None else {"policy": policy}))
   finally:
-    driver._partners = partners
+    driver._partner = partner
   return {"step": plan.cost.step_time, "peak": plan.cost.peak_memory,
           "fits": plan.cost.peak_memory <= limit, "seconds": time.perf_counter() - t0}
 

@@ -106,23 +106,22 @@ def run(program: Program, request: SearchOptions, policy: mcts.Policy | None = N
     raise
 
 
-def _partners(program: Program, space: ActionSpace, request: SearchOptions,
-              policy) -> list[tuple[str, mcts.Policy | None]]:
-  """The other priors the learned filter shares the search's budget with,
-  by name (None: uniform priors): where the memory limit binds (data
-  parallelism's peak is over it), the one-step lookahead and uniform
-  priors (`benchmarks/limits.py` measures the three against each alone);
-  none otherwise."""
+def _partner(program: Program, space: ActionSpace, request: SearchOptions,
+             policy) -> mcts.Policy | None:
+  """The search's second prior, sharing its budget: the one-step lookahead
+  beside the learned filter where the memory limit binds (data
+  parallelism's peak is over it: `benchmarks/limits.py` measures the pair
+  against each prior alone there); none otherwise."""
   if request.memory_limit is None or policy is None or request.policy in (
       "uniform", "lookahead"):
-    return []
+    return None
   limit = bytes_per_device(request.memory_limit, program.hardware)
   data_parallel = expert_states(program, space)["data parallel"]
   if Tracker(program.model, data_parallel).peak_memory <= limit:
-    return []
+    return None
   from automap._src.search.policy.baselines import LookaheadPolicy
 
-  return [("lookahead", LookaheadPolicy(program, limit)), ("uniform", None)]
+  return LookaheadPolicy(program, limit)
 
 
 # Share of the seconds MCTS leaves to refining its best plans, and the
@@ -143,10 +142,10 @@ def run_mcts(program: Program, space: ActionSpace, request: SearchOptions,
                     settings=mcts.MCTSSettings(policy_depth=getattr(policy, "depth", None)))
   show = budget.progress if budget.progress is not None else sys.stderr.isatty()
   searching = seconds * (1 - _REFINE_SHARE)
-  partners = _partners(program, space, request, policy)
-  # With partners the first prior's search takes an equal share of the budget.
-  share = 1.0 / (1 + len(partners))
-  episodes = max(1, int(budget.episodes * share))
+  partner = _partner(program, space, request, policy)
+  # With a partner the learned prior's search takes half the budget.
+  episodes = budget.episodes if partner is None else max(1, budget.episodes // 2)
+  share = 1.0 if partner is None else 0.5
   if not show:
     result = run.run(episodes, searching * share)
   else:
@@ -166,20 +165,17 @@ def run_mcts(program: Program, space: ActionSpace, request: SearchOptions,
            "actions": [space.describe(a) for a in result.path],
            "groups": len(space.groups)}
   seen = [(n.state, n.score) for n in run.table.values()]
-  best = result.score
-  for k, (name, partner) in enumerate(partners, start=2):
-    # An equal share of the budget to each other prior, and refinement over
-    # every search's plans: under a binding memory limit no one prior ends
-    # near the best plan that fits on every program.
+  if partner is not None:
+    # The rest of the budget to the cost model's one-step lookahead, and
+    # refinement over both searches' plans: under a memory limit the
+    # learned filter alone can end far from the best plan that fits.
     other = mcts.Search(program, space, request.memory_limit, request.seed, policy=partner,
-                        settings=mcts.MCTSSettings(policy_depth=getattr(partner, "depth", None)))
-    other.run(max(1, int(budget.episodes * share * k)) - result.episodes - sum(
-                  stats.get("portfolio", {}).values()),
-              max(searching * share * k - (time.perf_counter() - t0), 0.0))
+                        settings=mcts.MCTSSettings(policy_depth=partner.depth))
+    other.run(budget.episodes - result.episodes,
+              max(searching - (time.perf_counter() - t0), 0.0))
     seen += [(n.state, n.score) for n in other.table.values()]
-    stats.setdefault("portfolio", {})[name] = other.episodes
-    if mcts.better(other.best.score, best):
-      best = other.best.score
+    stats["lookahead_episodes"] = other.episodes
+    if mcts.better(other.best.score, result.score):
       stats["actions"] = [space.describe(a) for a in other.best.path]
   start = time.perf_counter()
   state, score, moves = refine.refine_best(
