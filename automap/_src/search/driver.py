@@ -106,24 +106,6 @@ def run(program: Program, request: SearchOptions, policy: mcts.Policy | None = N
     raise
 
 
-def _partner(program: Program, space: ActionSpace, request: SearchOptions,
-             policy) -> mcts.Policy | None:
-  """The search's second prior, sharing its budget: the one-step lookahead
-  beside the learned filter where the memory limit binds (data
-  parallelism's peak is over it: `benchmarks/limits.py` measures the pair
-  against each prior alone there); none otherwise."""
-  if request.memory_limit is None or policy is None or request.policy in (
-      "uniform", "lookahead"):
-    return None
-  limit = bytes_per_device(request.memory_limit, program.hardware)
-  data_parallel = expert_states(program, space)["data parallel"]
-  if Tracker(program.model, data_parallel).peak_memory <= limit:
-    return None
-  from automap._src.search.policy.baselines import LookaheadPolicy
-
-  return LookaheadPolicy(program, limit)
-
-
 # Share of the seconds MCTS leaves to refining its best plans, and the
 # moves refinement may try per episode of the budget: bounded by tries, not
 # by the clock, a search is reproducible. It ends sooner when no move helps.
@@ -142,19 +124,15 @@ def run_mcts(program: Program, space: ActionSpace, request: SearchOptions,
                     settings=mcts.MCTSSettings(policy_depth=getattr(policy, "depth", None)))
   show = budget.progress if budget.progress is not None else sys.stderr.isatty()
   searching = seconds * (1 - _REFINE_SHARE)
-  partner = _partner(program, space, request, policy)
-  # With a partner the learned prior's search takes half the budget.
-  episodes = budget.episodes if partner is None else max(1, budget.episodes // 2)
-  share = 1.0 if partner is None else 0.5
   if not show:
-    result = run.run(episodes, searching * share)
+    result = run.run(budget.episodes, searching)
   else:
     with progress_lib.Progress(
         *progress_lib.Progress.get_default_columns(),
         progress_lib.TextColumn("{task.fields[best]}"), transient=True) as bar:
       task = bar.add_task(f"automap: searching {program.mesh}",
-                          total=episodes, best="")
-      result = run.run(episodes, searching * share, lambda s: bar.update(
+                          total=budget.episodes, best="")
+      result = run.run(budget.episodes, searching, lambda s: bar.update(
           task, completed=s.episodes,
           best=f"best {s.best.score[1] * 1e3:.3f} ms, {s.best.score[0]:,.0f} B over"))
   stats = {"strategy": "mcts", "policy": "uniform" if policy is None else getattr(
@@ -164,20 +142,8 @@ def run_mcts(program: Program, space: ActionSpace, request: SearchOptions,
            "evaluations": result.evaluations, "states": result.nodes,
            "actions": [space.describe(a) for a in result.path],
            "groups": len(space.groups)}
-  seen = [(n.state, n.score) for n in run.table.values()]
-  if partner is not None:
-    # The rest of the budget to the cost model's one-step lookahead, and
-    # refinement over both searches' plans: under a memory limit the
-    # learned filter alone can end far from the best plan that fits.
-    other = mcts.Search(program, space, request.memory_limit, request.seed, policy=partner,
-                        settings=mcts.MCTSSettings(policy_depth=partner.depth))
-    other.run(budget.episodes - result.episodes,
-              max(searching - (time.perf_counter() - t0), 0.0))
-    seen += [(n.state, n.score) for n in other.table.values()]
-    stats["lookahead_episodes"] = other.episodes
-    if mcts.better(other.best.score, result.score):
-      stats["actions"] = [space.describe(a) for a in other.best.path]
   start = time.perf_counter()
+  seen = [(n.state, n.score) for n in run.table.values()]
   state, score, moves = refine.refine_best(
       program, space.colour, seen, request.memory_limit, seconds - (start - t0),
       _REFINE_TRIES * budget.episodes)
