@@ -98,16 +98,18 @@ f(*args)
 @pytest.mark.heavy
 def test_ctrl_c_during_a_search_raises_cleanly_and_caches_nothing(tmp_path):
   cache = tmp_path / "cache"
-  proc = subprocess.Popen(
+  # As a context, the pipes are closed whatever happens: none is left to
+  # the next test's garbage collection.
+  with subprocess.Popen(
       [sys.executable, "-c", INTERRUPT_SCRIPT.format(tests=TESTS), str(cache)],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-  try:
-    assert proc.stdout.readline().strip() == "searching"
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-  finally:
-    proc.kill()
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()) as proc:
+    try:
+      assert proc.stdout.readline().strip() == "searching"
+      time.sleep(1.0)
+      proc.send_signal(signal.SIGINT)
+      _, err = proc.communicate(timeout=120)
+    finally:
+      proc.kill()
   assert proc.returncode != 0
   assert err.rstrip().endswith("KeyboardInterrupt"), err[-2000:]
   assert not cache.exists() or not any(cache.iterdir())
