@@ -14,8 +14,9 @@ tiled as its result on every other axis, the gradient all-reduces and the
 loss's combined into one tuple all-reduce, collectives in while loops run
 each trip, and async collective start / done pairs. Still taken from
 XLA:GPU's passes, and marked so where they are stated: which all-gathers
-and reduce-scatters its combiners merge and their byte limit, `holds_combined`, `expensive`, and the
-latency-hiding schedule's program order. Its memory-space assignment
+and reduce-scatters its combiners merge and their byte limit,
+`holds_combined`, `expensive`, and the latency-hiding schedule's program
+order. Its memory-space assignment
 places buffers in on-chip memory that its HBM allocation then leaves out
 (the same data-parallel step allocates 17 MiB of HBM temporaries on v5p and
 none on v6e, its gradients annotated `S(1)`): no field prices that, so on

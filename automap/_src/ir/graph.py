@@ -181,8 +181,10 @@ class Graph:
     """Whether operand p of op o is a float32 operand of a dot at the
     default precision: one a backend may compute, and reshard, in bfloat16
     (`Compiler.narrows_dot_operands`)."""
-    return (p < 2 and o in self.default_precision
-            and self.dtypes[self.operands[o][p]] == np.float32)
+    if p >= 2 or o not in self.default_precision:
+      return False
+    u = self.operands[o][p]
+    return u >= 0 and self.dtypes[u] == np.float32  # -1: a literal, never resharded
 
 
 def _default_precision(precision) -> bool:
