@@ -191,7 +191,8 @@ def make_train_step(
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  return train_step, jax.eval_shape(init) if abstract else init()
+  # One compile of the whole init, not one per op dispatched eagerly.
+  return train_step, jax.eval_shape(init) if abstract else jax.jit(init)()
 
 
 def megatron_specs(args: Any, data: str | tuple[str, ...] | None = "data",

@@ -49,4 +49,4 @@ def make_train_step(nodes: int, edges: int, width: int, learning_rate: float = 1
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value
 
-  return train_step, jax.eval_shape(init) if abstract else init()
+  return train_step, jax.eval_shape(init) if abstract else jax.jit(init)()

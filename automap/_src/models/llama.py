@@ -321,7 +321,7 @@ def train_step(config: LlamaConfig, seed: int = 0, constrained: bool = True,
   else:
     tokens = jax.random.randint(k_data, (config.batch, config.seq + 1), 0, config.vocab)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    params = nn.meta.unbox(model.init(k_init, batch["inputs"])["params"])
+    params = nn.meta.unbox(jax.jit(model.init)(k_init, batch["inputs"])["params"])
 
   def loss_fn(params, batch):
     logits = model.apply({"params": params}, batch["inputs"])

@@ -172,7 +172,7 @@ def encoder_decoder_loss(layers: int = 4, width: int = 128, vocab: int = 256, se
   model = EncoderDecoder()
   src = jax.random.randint(jax.random.key(1), (batch, seq), 0, vocab)
   tgt = jax.random.randint(jax.random.key(2), (batch, seq), 0, vocab)
-  params = model.init(jax.random.key(0), src, tgt)
+  params = jax.jit(model.init)(jax.random.key(0), src, tgt)
 
   def loss(params, src, tgt):
     logits = model.apply(params, src, tgt)
