@@ -172,7 +172,7 @@ def fix(row: dict, opts) -> dict:
     if best is None or mcts.better(result.score, best.score):
       best = result
   found = {"mcts": (best.state, best.score)}
-  state, score, _ = refine.refine_best(program, space.colour, candidates, limit, float("inf"),
+  state, score, _ = refine.refine_best(program, space, candidates, limit, float("inf"),
                                        10 * opts.long_episodes)
   found["refined"] = (state, score)
   if opts.ilp_seconds > 0:

@@ -1,6 +1,6 @@
 """Refinement: single-layout moves after MCTS reach plans no tiling sequence
 expresses, never make a plan worse, and keep a step's carried state in the
-layout it came in."""
+layout it came in; climbing adds the tilings untiling cannot."""
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +14,7 @@ from automap._src.cost.tracker import Tracker
 from automap._src.ir import trace
 from automap._src.search import ilp, mcts
 from automap._src.search.actions import ActionSpace
-from automap._src.search.refine import Refiner, refine_best
+from automap._src.search.refine import Refiner, climb, refine_best
 from automap._src.sharding.mesh import MeshSpec
 
 EXPERTS, WIDTH, HIDDEN, TOKENS, CAPACITY = 8, 64, 256, 256, 64
@@ -116,6 +116,36 @@ def test_refinement_without_time_returns_the_best_candidate_unchanged():
   run = mcts.Search(program, space, None)
   run.run(20, 60)
   candidates = [(n.state, n.score) for n in run.table.values()]
-  state, score, moves = refine_best(program, space.colour, candidates, None, 0.0)
+  state, score, moves = refine_best(program, space, candidates, None, 0.0)
   assert moves == 0 and score == run.best.score
   np.testing.assert_array_equal(state, run.best.state)
+
+
+def test_climbing_takes_the_best_action_while_it_helps_and_reaches_the_limit():
+  """Replicated, the GPT step is over a limit at FSDP's peak; untiling
+  cannot help it, each climb's round takes the action of best score (the
+  limit's excess first), and the climb ends at a plan within the limit
+  that no single action improves."""
+  step, args = gpt_step(SMALL)
+  program = program_of(step, args, (4, 2), ("data", "model"))
+  space = ActionSpace(program)
+  fsdp = program.initial_state()
+  space.experts.fsdp(fsdp, 0)
+  space.experts.fsdp(fsdp, 1)
+  limit = Tracker(program.model, fsdp).peak_memory * 1.001
+  start = program.initial_state()
+  assert mcts.score_of(Tracker(program.model, start), limit)[0] > 0
+  untiled, _, moves = Refiner(program, space.colour, limit).run(start, 30)
+  assert moves == 0
+  climbed, score, priced = climb(program, space, start, limit, float("inf"))
+  assert score[0] == 0.0 and Tracker(program.model, climbed).peak_memory <= limit
+  assert score == pytest.approx(mcts.score_of(Tracker(program.model, climbed), limit))
+  # A local optimum: no legal action from it beats it.
+  for action in space.legal(climbed):
+    after = climbed.copy()
+    space.apply(after, action)
+    assert not mcts.better(mcts.score_of(Tracker(program.model, after), limit), score)
+  assert priced >= len(space.legal(start))
+  # Bounded by tries: one round prices every legal action, then it stops.
+  _, _, once = climb(program, space, start, limit, 1)
+  assert once == len(space.legal(start))

@@ -145,7 +145,7 @@ def run_mcts(program: Program, space: ActionSpace, request: SearchOptions,
   start = time.perf_counter()
   seen = [(n.state, n.score) for n in run.table.values()]
   state, score, moves = refine.refine_best(
-      program, space.colour, seen, request.memory_limit, seconds - (start - t0),
+      program, space, seen, request.memory_limit, seconds - (start - t0),
       _REFINE_TRIES * budget.episodes)
   if policy is not None and score[0] > 0:
     # Every plan the prior led to is over the memory limit: the same budget
@@ -155,7 +155,7 @@ def run_mcts(program: Program, space: ActionSpace, request: SearchOptions,
     again = mcts.Search(program, space, request.memory_limit, request.seed)
     again.run(budget.episodes, max(left, 0.0) * (1 - _REFINE_SHARE))
     seen += [(n.state, n.score) for n in again.table.values()]
-    retried = refine.refine_best(program, space.colour, seen, request.memory_limit,
+    retried = refine.refine_best(program, space, seen, request.memory_limit,
                                  seconds - (time.perf_counter() - t0),
                                  _REFINE_TRIES * budget.episodes)
     stats["uniform_after"] = again.episodes
@@ -177,7 +177,7 @@ def from_user_layout(program: Program, space: ActionSpace, request: SearchOption
   start = program.user_layout()
   score = mcts.score_of(Tracker(program.model, start), request.memory_limit)
   state, score, moves = refine.refine_best(
-      program, space.colour, [(start, score)], request.memory_limit,
+      program, space, [(start, score)], request.memory_limit,
       request.budget.seconds * _REFINE_SHARE, _REFINE_TRIES * request.budget.episodes)
   seen = found.candidates + [(found.state, found.score), (state, score)]
   if not mcts.better(score, found.score):

@@ -15,6 +15,15 @@ time; a move is kept when the plan's score improves, and refinement sweeps
 until no move helps or its time is up. Moves only take tilings away:
 layouts propagation never makes stay out of the plans, as do values by
 sealed calls and scanned bodies, whose layouts XLA or the loop decides.
+
+Untiling alone cannot add a tiling: a plan one search action short of a
+better one (a layout MCTS's budget did not reach from it, often the memory
+a tight limit needs) stays short. So the best few plans are also climbed:
+every legal search action is priced one step ahead and the best taken while
+it improves the plan's score, alternating with untiling until neither
+helps. Under memory limits (the only place it runs) this is what turns a
+plan over the limit, or one that fits by a slower layout, into the fitting
+fast one (`benchmarks/limits.py`).
 """
 
 from __future__ import annotations
@@ -26,7 +35,9 @@ import numpy as np
 
 from automap._src.cost.program import Program
 from automap._src.cost.tracker import Tracker
+from automap._src.search.actions import ActionSpace
 from automap._src.search.mcts import Score, better, score_of
+from automap._src.search.tactics import expert_states
 from automap._src.sharding.state import UNSHARDED, State
 
 # A region left whole at once has at most this many values per class member.
@@ -160,35 +171,111 @@ class Refiner:
     return state, score, moves
 
 
-def refine_best(program: Program, colour: np.ndarray, candidates: list[tuple[State, Score]],
+def climb(program: Program, space: ActionSpace, state: State, memory_limit: float | None,
+          tries: float) -> tuple[State, Score, int]:
+  """Steepest descent over the search's own actions from `state`: each
+  round prices every legal action one step ahead and takes the one of best
+  score while it beats the plan's. Returns the climbed copy, its score and
+  the actions priced (at most `tries`, rounded up to a whole round)."""
+  work = state.copy()
+  tracker = Tracker(program.model, work)
+  score = score_of(tracker, memory_limit)
+  priced = 0
+  while priced < tries:
+    here = work.copy()
+    best, best_action = score, None
+    for action in space.legal(here):
+      tracker.update(space.apply(work, action))
+      priced += 1
+      new = score_of(tracker, memory_limit)
+      if better(new, best):
+        best, best_action = new, action
+      back = np.flatnonzero((work != here).any(axis=1))
+      work[back] = here[back]
+      tracker.update(back)
+    if best_action is None:
+      break
+    tracker.update(space.apply(work, best_action))
+    score = best
+  return work, score, priced
+
+
+# Plans refinement climbs (the best distinct ones), and the rounds of
+# climbing and untiling each alternates at most.
+_CLIMBED = 4
+_ROUNDS = 6
+
+
+def refine_best(program: Program, space: ActionSpace, candidates: list[tuple[State, Score]],
                 memory_limit: float | None, seconds: float, tries: int | None = None,
                 count: int = 16) -> tuple[State, Score, int]:
   """Refines the best of `candidates` (state, score) of up to `count`
   distinct scores, sharing `tries` moves tried (None: unbounded) and
-  `seconds` between them, and returns the best plan found, its score and
-  the moves that made it. Runners-up matter: the search's best may sit in
-  another basin (tensor-parallel experts) than the one refinement improves
-  most (expert parallel). Bounded by tries, the result does not depend on
-  the machine's speed."""
+  `seconds` between them, then, under a memory limit, climbs the best
+  `_CLIMBED` plans so far and the expert layouts (`climb`, alternating with
+  untiling; as many tries again), and returns the best plan found, its score and the moves that
+  made it. Runners-up matter: the search's best may sit in another basin
+  (tensor-parallel experts) than the one refinement improves most (expert
+  parallel). Bounded by tries, the result does not depend on the
+  machine's speed."""
   deadline = time.perf_counter() + seconds
+  ranked = _distinct(candidates, count)
+  best_state, best_score = ranked[0]
+  best_moves = 0
+  left_tries = np.inf if tries is None else tries
+  refiner = Refiner(program, space.colour, memory_limit)
+  refined = []
+  for i, (state, score) in enumerate(ranked):
+    left = deadline - time.perf_counter()
+    if left <= 0 or left_tries <= 0:
+      refined.append((state, score))
+      continue
+    share = len(ranked) - i
+    new_state, new_score, moves = refiner.run(
+        state, left / share, None if tries is None else math.ceil(left_tries / share))
+    left_tries -= refiner.tried
+    refined.append((new_state, new_score) if better(new_score, score) else (state, score))
+    if better(new_score, best_score):
+      best_state, best_score, best_moves = new_state, new_score, moves
+  if memory_limit is None:
+    # Climbing is measured where it pays, under a memory limit
+    # (`benchmarks/limits.py`); without one it would cost seconds per
+    # search for gains not measured.
+    return best_state, best_score, best_moves
+  # The hand-written layouts climb too: a tight limit's best plan is often
+  # an expert's with a few tilings added, a basin the search's prior may
+  # never have led it to.
+  starts = _distinct(refined, _CLIMBED) + [
+      (state, score_of(Tracker(program.model, state), memory_limit))
+      for state in expert_states(program, space).values()]
+  climbing = np.inf if tries is None else tries
+  for i, (state, score) in enumerate(starts):
+    moves = 0
+    for _ in range(_ROUNDS):
+      left = deadline - time.perf_counter()
+      if left <= 0 or climbing <= 0:
+        break
+      share = len(starts) - i
+      climbed, climbed_score, priced = climb(program, space, state, memory_limit,
+                                             climbing / share)
+      climbing -= priced
+      if not better(climbed_score, score):
+        break
+      state, score, untiled = refiner.run(climbed, left / share,
+                                          None if tries is None else math.ceil(climbing / share))
+      climbing -= refiner.tried
+      moves += 1 + untiled
+    if better(score, best_score):
+      best_state, best_score, best_moves = state, score, moves
+  return best_state, best_score, best_moves
+
+
+def _distinct(candidates: list[tuple[State, Score]], count: int) -> list[tuple[State, Score]]:
+  """The best `count` of `candidates` of distinct scores, best first."""
   ranked: list[tuple[State, Score]] = []
   for state, score in sorted(candidates, key=lambda c: c[1]):
     if not ranked or better(score, ranked[-1][1]) or better(ranked[-1][1], score):
       ranked.append((state, score))
       if len(ranked) == count:
         break
-  best_state, best_score = ranked[0]
-  best_moves = 0
-  left_tries = np.inf if tries is None else tries
-  refiner = Refiner(program, colour, memory_limit)
-  for i, (state, _) in enumerate(ranked):
-    left = deadline - time.perf_counter()
-    if left <= 0 or left_tries <= 0:
-      break
-    share = len(ranked) - i
-    new_state, new_score, moves = refiner.run(
-        state, left / share, None if tries is None else math.ceil(left_tries / share))
-    left_tries -= refiner.tried
-    if better(new_score, best_score):
-      best_state, best_score, best_moves = new_state, new_score, moves
-  return best_state, best_score, best_moves
+  return ranked

@@ -113,6 +113,6 @@ def run(program: Program, space: ActionSpace, policy: mcts.Policy | None, seed: 
 def _refined(program, space, search: mcts.Search, memory_limit,
              episodes: int) -> tuple[np.ndarray, mcts.Score]:
   seen = [(n.state, n.score) for n in search.table.values()]
-  state, score, _ = refine.refine_best(program, space.colour, seen, memory_limit,
+  state, score, _ = refine.refine_best(program, space, seen, memory_limit,
                                        float("inf"), _REFINE_TRIES * episodes)
   return state, score

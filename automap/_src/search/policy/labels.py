@@ -61,7 +61,7 @@ def plans(program: Program, space: ActionSpace, memory_limit: float | None,
       add(node.state, node.score)
   for state in expert_states(program, space).values():
     add(state, mcts.score_of(Tracker(program.model, state), memory_limit))
-  state, score, _ = refine.refine_best(program, space.colour, list(seen.values()),
+  state, score, _ = refine.refine_best(program, space, list(seen.values()),
                                        memory_limit, float("inf"), teachers.refine_tries)
   add(state, score)
   return sorted(seen.values(), key=lambda c: c[1])
