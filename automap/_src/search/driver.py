@@ -143,28 +143,43 @@ def run_mcts(program: Program, space: ActionSpace, request: SearchOptions,
            "actions": [space.describe(a) for a in result.path],
            "groups": len(space.groups)}
   start = time.perf_counter()
-  seen = [(n.state, n.score) for n in run.table.values()]
-  state, score, moves = refine.refine_best(
-      program, space, seen, request.memory_limit, seconds - (start - t0),
-      _REFINE_TRIES * budget.episodes)
-  if policy is not None and score[0] > 0:
-    # Every plan the prior led to is over the memory limit: the same budget
-    # again with uniform priors, whose order tries the tactics first, and
-    # refinement over both searches' plans.
-    left = seconds - (time.perf_counter() - t0)
-    again = mcts.Search(program, space, request.memory_limit, request.seed)
-    again.run(budget.episodes, max(left, 0.0) * (1 - _REFINE_SHARE))
+  state, score, finished, seen = finish(program, space, run, request.memory_limit,
+                                        budget.episodes, seconds - (start - t0), request.seed,
+                                        retry=policy is not None)
+  stats.update(finished)
+  return Found(state, score, stats,
+               {"search": time.perf_counter() - t0, "to_best": result.seconds_to_best,
+               "refine": time.perf_counter() - start}, seen)
+
+
+def finish(program: Program, space: ActionSpace, search: mcts.Search,
+           memory_limit: float | None, episodes: int, seconds: float, seed: int = 0,
+           retry: bool = False) -> tuple[State, mcts.Score, dict, list]:
+  """A search's final plan: refinement of the plans it saw
+  (`refine.refine_best`, `_REFINE_TRIES` moves per episode of `episodes`)
+  within `seconds`, and with `retry` (a prior led it), where every plan
+  is over the memory limit, the same episodes again with uniform priors,
+  whose order tries the tactics first, and refinement over both
+  searches' plans. Returns (state, score, stats, every plan seen). The
+  user's search and the policy benchmark (`policy/compare.py`) both end
+  here, so what is measured is what ships."""
+  deadline = time.perf_counter() + seconds
+  seen = [(n.state, n.score) for n in search.table.values()]
+  state, score, moves = refine.refine_best(program, space, seen, memory_limit, seconds,
+                                           _REFINE_TRIES * episodes)
+  stats = {}
+  if retry and score[0] > 0:
+    left = deadline - time.perf_counter()
+    again = mcts.Search(program, space, memory_limit, seed)
+    again.run(episodes, max(left, 0.0) * (1 - _REFINE_SHARE))
     seen += [(n.state, n.score) for n in again.table.values()]
-    retried = refine.refine_best(program, space, seen, request.memory_limit,
-                                 seconds - (time.perf_counter() - t0),
-                                 _REFINE_TRIES * budget.episodes)
+    retried = refine.refine_best(program, space, seen, memory_limit,
+                                 deadline - time.perf_counter(), _REFINE_TRIES * episodes)
     stats["uniform_after"] = again.episodes
     if mcts.better(retried[1], score):
       state, score, moves = retried
   stats["refine_moves"] = moves
-  return Found(state, score, stats,
-               {"search": time.perf_counter() - t0, "to_best": result.seconds_to_best,
-               "refine": time.perf_counter() - start}, seen)
+  return state, score, stats, seen
 
 
 def from_user_layout(program: Program, space: ActionSpace, request: SearchOptions,
@@ -331,5 +346,5 @@ def mesh_shapes(devices: int, hardware: Hardware | None = None) -> list[tuple[in
   return sorted(set(out), key=lambda s: (len(s), s))
 
 
-__all__ = ["Found", "against_experts", "as_compiled", "check_memory_limit", "mesh_shapes", "run",
-           "run_ilp", "run_mcts"]
+__all__ = ["Found", "against_experts", "as_compiled", "check_memory_limit", "finish",
+           "mesh_shapes", "run", "run_ilp", "run_mcts"]

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from automap._src.cost.program import Program
-from automap._src.search import mcts, refine
+from automap._src.search import driver, mcts
 from automap._src.search.actions import ActionSpace
 
 TOLERANCE = 0.01  # a plan within this of a target has reached it
@@ -65,10 +65,6 @@ class Run:
                (float(d[2][0]), float(d[2][1])), capped)
 
 
-# Refinement of a final plan tries at most this many moves per episode run.
-_REFINE_TRIES = 10
-
-
 def run(program: Program, space: ActionSpace, policy: mcts.Policy | None, seed: int,
         target: mcts.Score, memory_limit: float | None, *, cap: int = 1000,
         final_episodes: int | None = 200,
@@ -94,7 +90,8 @@ def run(program: Program, space: ActionSpace, policy: mcts.Policy | None, seed: 
   while search.episodes < max(cap, final_episodes):
     if search.episodes == final_episodes:
       start = time.perf_counter()
-      final = _refined(program, space, search, memory_limit, final_episodes)
+      final = _refined(program, space, search, memory_limit, final_episodes, seed,
+                     policy is not None)
       refining = time.perf_counter() - start  # not the search's own seconds
       if np.isfinite(hit[0]):
         break
@@ -106,13 +103,15 @@ def run(program: Program, space: ActionSpace, policy: mcts.Policy | None, seed: 
   if not np.isfinite(hit[0]):
     capped = time.perf_counter() - search.t0 - refining
   if final is None:
-    final = _refined(program, space, search, memory_limit, final_episodes)
+    final = _refined(program, space, search, memory_limit, final_episodes, seed,
+                     policy is not None)
   return Run(hit[0], hit[1], final[1], capped, final[0])
 
 
-def _refined(program, space, search: mcts.Search, memory_limit,
-             episodes: int) -> tuple[np.ndarray, mcts.Score]:
-  seen = [(n.state, n.score) for n in search.table.values()]
-  state, score, _ = refine.refine_best(program, space, seen, memory_limit,
-                                       float("inf"), _REFINE_TRIES * episodes)
+def _refined(program, space, search: mcts.Search, memory_limit, episodes: int,
+             seed: int, retry: bool) -> tuple[np.ndarray, mcts.Score]:
+  """The final plan as `automap.search` ends a search (`driver.finish`),
+  unbounded in time (bounded by tries)."""
+  state, score, _, _ = driver.finish(program, space, search, memory_limit, episodes,
+                                     float("inf"), seed, retry=retry)
   return state, score
