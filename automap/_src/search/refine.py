@@ -21,9 +21,9 @@ better one (a layout MCTS's budget did not reach from it, often the memory
 a tight limit needs) stays short. So the best few plans are also climbed:
 every legal search action is priced one step ahead and the best taken while
 it improves the plan's score, alternating with untiling until neither
-helps. Under memory limits (the only place it runs) this is what turns a
-plan over the limit, or one that fits by a slower layout, into the fitting
-fast one (`benchmarks/limits.py`).
+helps. It runs where the memory limit binds (data parallelism is over it),
+and there it is what turns a plan over the limit, or one that fits by a
+slower layout, into the fitting fast one (`benchmarks/limits.py`).
 """
 
 from __future__ import annotations
@@ -211,13 +211,13 @@ def refine_best(program: Program, space: ActionSpace, candidates: list[tuple[Sta
                 count: int = 16) -> tuple[State, Score, int]:
   """Refines the best of `candidates` (state, score) of up to `count`
   distinct scores, sharing `tries` moves tried (None: unbounded) and
-  `seconds` between them, then, under a memory limit, climbs the best
-  `_CLIMBED` plans so far and the expert layouts (`climb`, alternating with
-  untiling; as many tries again), and returns the best plan found, its score and the moves that
-  made it. Runners-up matter: the search's best may sit in another basin
-  (tensor-parallel experts) than the one refinement improves most (expert
-  parallel). Bounded by tries, the result does not depend on the
-  machine's speed."""
+  `seconds` between them, then, under a memory limit data parallelism does
+  not meet, climbs the best `_CLIMBED` plans so far and the expert layouts
+  (`climb`, alternating with untiling; as many tries again), and returns
+  the best plan found, its score and the moves that made it. Runners-up
+  matter: the search's best may sit in another basin (tensor-parallel
+  experts) than the one refinement improves most (expert parallel).
+  Bounded by tries, the result does not depend on the machine's speed."""
   deadline = time.perf_counter() + seconds
   ranked = _distinct(candidates, count)
   best_state, best_score = ranked[0]
@@ -237,17 +237,20 @@ def refine_best(program: Program, space: ActionSpace, candidates: list[tuple[Sta
     refined.append((new_state, new_score) if better(new_score, score) else (state, score))
     if better(new_score, best_score):
       best_state, best_score, best_moves = new_state, new_score, moves
-  if memory_limit is None:
-    # Climbing is measured where it pays, under a memory limit
-    # (`benchmarks/limits.py`); without one it would cost seconds per
-    # search for gains not measured.
+  experts = {} if memory_limit is None else {
+      name: (state, score_of(Tracker(program.model, state), memory_limit))
+      for name, state in expert_states(program, space).items()}
+  dp = experts.get("data parallel")
+  if not experts or (dp is not None and dp[1][0] == 0):
+    # Climbing runs where the limit binds, data parallelism (the layout a
+    # user writes first) over it: measured there (`benchmarks/limits.py`),
+    # and under a device's capacity that most steps meet with room it
+    # would cost seconds per search for gains not measured.
     return best_state, best_score, best_moves
   # The hand-written layouts climb too: a tight limit's best plan is often
   # an expert's with a few tilings added, a basin the search's prior may
   # never have led it to.
-  starts = _distinct(refined, _CLIMBED) + [
-      (state, score_of(Tracker(program.model, state), memory_limit))
-      for state in expert_states(program, space).values()]
+  starts = _distinct(refined, _CLIMBED) + list(experts.values())
   climbing = np.inf if tries is None else tries
   for i, (state, score) in enumerate(starts):
     moves = 0
