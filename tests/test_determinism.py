@@ -71,7 +71,7 @@ def test_other_seeds_may_differ_but_keep_the_memory_limit():
   free = automap.search(step, *args, mesh=m, hardware="tpu-v4",
                         budget=automap.Budget(episodes=60))
   limit = 0.7 * free.cost.peak_memory
-  for seed in (1, 2, 5):
+  for seed in (1, 2):
     plan = automap.search(step, *args, mesh=m, hardware="tpu-v4", memory_limit=limit,
                           seed=seed, budget=automap.Budget(episodes=60))
     assert plan.cost.peak_memory <= limit
