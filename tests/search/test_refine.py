@@ -97,14 +97,20 @@ def test_refinement_never_worsens_a_plan_and_keeps_carried_state_in_place(tactic
       assert (refined[v] == refined[u]).all()
 
 
-def test_refinement_stays_within_the_memory_limit():
+def _at_fsdp_peak():
+  """The small GPT step on (4, 2), its FSDP layout (every argument over
+  both axes) and a memory limit just above that layout's peak."""
   step, args = gpt_step(SMALL)
   program = program_of(step, args, (4, 2), ("data", "model"))
   space = ActionSpace(program)
-  state = program.initial_state()
-  space.experts.fsdp(state, 0)
-  space.experts.fsdp(state, 1)
-  limit = Tracker(program.model, state).peak_memory * 1.001
+  fsdp = program.initial_state()
+  space.experts.fsdp(fsdp, 0)
+  space.experts.fsdp(fsdp, 1)
+  return program, space, fsdp, Tracker(program.model, fsdp).peak_memory * 1.001
+
+
+def test_refinement_stays_within_the_memory_limit():
+  program, space, state, limit = _at_fsdp_peak()
   refined, score, _ = Refiner(program, space.colour, limit).run(state, 30)
   assert score[0] == 0.0
   assert Tracker(program.model, refined).peak_memory <= limit
@@ -126,13 +132,7 @@ def test_climbing_takes_the_best_action_while_it_helps_and_reaches_the_limit():
   cannot help it, each climb's round takes the action of best score (the
   limit's excess first), and the climb ends at a plan within the limit
   that no single action improves."""
-  step, args = gpt_step(SMALL)
-  program = program_of(step, args, (4, 2), ("data", "model"))
-  space = ActionSpace(program)
-  fsdp = program.initial_state()
-  space.experts.fsdp(fsdp, 0)
-  space.experts.fsdp(fsdp, 1)
-  limit = Tracker(program.model, fsdp).peak_memory * 1.001
+  program, space, _, limit = _at_fsdp_peak()
   start = program.initial_state()
   assert mcts.score_of(Tracker(program.model, start), limit)[0] > 0
   untiled, _, moves = Refiner(program, space.colour, limit).run(start, 30)

@@ -124,6 +124,15 @@ class Tracker:
           first = (kind, mask)
       self.seconds[kind, mask] += sign * seconds
 
+  def move_to(self, target: State) -> None:
+    """Sets `self.state` to `target` in place and re-costs the values that
+    differ: how a search walks one working state between the states it
+    prices."""
+    diff = np.flatnonzero((self.state != target).any(axis=1))
+    if len(diff):
+      self.state[diff] = target[diff]
+      self.update(diff)
+
   def update(self, changed: Iterable[int]) -> None:
     """Re-costs the ops around `changed` values of `self.state`."""
     model, state, a = self.model, self.state, self.model.analysis

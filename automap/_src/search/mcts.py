@@ -144,13 +144,6 @@ class Search:
       return -over / (self.memory_limit or 1.0)
     return self.reference / max(seconds, 1e-30)
 
-  def _move_to(self, target: State) -> None:
-    """Moves the working state (and its running cost) to `target`."""
-    diff = np.flatnonzero((self.state != target).any(axis=1))
-    if len(diff):
-      self.state[diff] = target[diff]
-      self.tracker.update(diff)
-
   def _expand(self, node: Node) -> None:
     actions = self.space.legal(node.state)
     depth = self.settings.policy_depth
@@ -196,7 +189,7 @@ class Search:
     """Applies the edge's action to the parent's state; the node reached
     (None when the action changes nothing)."""
     action = parent.actions[edge]
-    self._move_to(parent.state)
+    self.tracker.move_to(parent.state)
     changed = self.space.apply(self.state, action)
     self.tracker.update(changed)
     self.evaluations += 1

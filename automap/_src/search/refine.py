@@ -190,9 +190,7 @@ def climb(program: Program, space: ActionSpace, state: State, memory_limit: floa
       new = score_of(tracker, memory_limit)
       if better(new, best):
         best, best_action = new, action
-      back = np.flatnonzero((work != here).any(axis=1))
-      work[back] = here[back]
-      tracker.update(back)
+      tracker.move_to(here)
     if best_action is None:
       break
     tracker.update(space.apply(work, best_action))
@@ -237,11 +235,10 @@ def refine_best(program: Program, space: ActionSpace, candidates: list[tuple[Sta
     refined.append((new_state, new_score) if better(new_score, score) else (state, score))
     if better(new_score, best_score):
       best_state, best_score, best_moves = new_state, new_score, moves
-  experts = {} if memory_limit is None else {
-      name: (state, score_of(Tracker(program.model, state), memory_limit))
-      for name, state in expert_states(program, space).items()}
+  experts = {} if memory_limit is None else expert_states(program, space)
   dp = experts.get("data parallel")
-  if not experts or (dp is not None and dp[1][0] == 0):
+  if not experts or (dp is not None
+                     and score_of(Tracker(program.model, dp), memory_limit)[0] == 0):
     # Climbing runs where the limit binds, data parallelism (the layout a
     # user writes first) over it: measured there (`benchmarks/limits.py`),
     # and under a device's capacity that most steps meet with room it
@@ -250,7 +247,9 @@ def refine_best(program: Program, space: ActionSpace, candidates: list[tuple[Sta
   # The hand-written layouts climb too: a tight limit's best plan is often
   # an expert's with a few tilings added, a basin the search's prior may
   # never have led it to.
-  starts = _distinct(refined, _CLIMBED) + list(experts.values())
+  starts = _distinct(refined, _CLIMBED) + [
+      (state, score_of(Tracker(program.model, state), memory_limit))
+      for state in experts.values()]
   climbing = np.inf if tries is None else tries
   for i, (state, score) in enumerate(starts):
     moves = 0

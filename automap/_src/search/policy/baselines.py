@@ -69,12 +69,6 @@ class LookaheadPolicy:
       cost += max(0.0, float(np.log(self.tracker.peak_memory / self.memory_limit)))
     return cost
 
-  def _move_to(self, target: State) -> None:
-    diff = np.flatnonzero((self.state != target).any(axis=1))
-    if len(diff):
-      self.state[diff] = target[diff]
-      self.tracker.update(diff)
-
   def changes(self, space: ActionSpace, state: State,
               actions: Sequence[Action]) -> np.ndarray:
     """[len(actions) + 1] the change in cost each action makes ("stop": 0)."""
@@ -82,14 +76,14 @@ class LookaheadPolicy:
     hit = self.cache.get(key)
     if hit is not None and len(hit) == len(actions) + 1:
       return hit
-    self._move_to(state)
+    self.tracker.move_to(state)
     base = self._cost()
     out = np.zeros(len(actions) + 1)
     for i, action in enumerate(actions):
       changed = space.apply(self.state, action)
       self.tracker.update(changed)
       out[i] = self._cost() - base
-      self._move_to(state)
+      self.tracker.move_to(state)
     self.priced += len(actions)
     self.cache[key] = out
     return out

@@ -213,17 +213,11 @@ class Featurizer:
       feats[i, 6 + len(_CATEGORIES)] = math.log2(count) / 16
     self.edges, self.senders, self.receivers = feats, send, recv
 
-  def _move_to(self, target: State) -> None:
-    diff = np.flatnonzero((self.state != target).any(axis=1))
-    if len(diff):
-      self.state[diff] = target[diff]
-      self.tracker.update(diff)
-
   def shares(self, state: State) -> tuple[np.ndarray, np.ndarray, float, float]:
     """Per value, the share of the serial step its producing op spends
     computing and communicating ([V] each), and the step's compute and
     communication shares, under `state`."""
-    self._move_to(state)
+    self.tracker.move_to(state)
     compute, before, after = self.tracker.op_seconds_split()
     total = max(float(compute.sum() + before.sum() + after.sum()), 1e-30)
     n = self.graph.num_values
