@@ -81,16 +81,18 @@ def policy_for(request: SearchOptions, program: Program) -> mcts.Policy | None:
 
 def run(program: Program, request: SearchOptions, policy: mcts.Policy | None = None) -> Found:
   """The best state the requested backend finds for `program`. `policy`
-  guides MCTS (default: the one `request.policy` names, `policy_for`)."""
+  guides MCTS (default: the one `request.policy` names, `policy_for`).
+  The request's memory limit is resolved against the program's hardware
+  here, once: every step below reads the resolved one."""
   request = request.resolved(program.hardware)
   check_memory_limit(program, request.memory_limit)
   policy = policy if policy is not None else policy_for(request, program)
   space = ActionSpace(program, request.hints.groups)
   try:
     if request.search == "ilp":
-      found = run_ilp(program, space, request, policy)
+      found = _ilp(program, space, request, policy)
     else:
-      found = run_mcts(program, space, request, request.budget.seconds, policy)
+      found = _mcts(program, space, request, request.budget.seconds, policy)
     if ((program.constraints == constraints_lib.HINTS and program.has_constraints)
         or (request.start == "your layout" and program.has_user_layout)):
       found = from_user_layout(program, space, request, found)
@@ -117,8 +119,13 @@ def run_mcts(program: Program, space: ActionSpace, request: SearchOptions,
              seconds: float, policy: mcts.Policy | None = None) -> Found:
   """MCTS (uniform priors where `policy` is None), then refinement of its
   best plans (`search/refine.py`)."""
+  return _mcts(program, space, request.resolved(program.hardware), seconds, policy)
+
+
+def _mcts(program: Program, space: ActionSpace, request: SearchOptions,
+          seconds: float, policy: mcts.Policy | None) -> Found:
+  """`run_mcts` for a request whose memory limit is resolved."""
   t0 = time.perf_counter()
-  request = request.resolved(program.hardware)
   budget = request.budget
   run = mcts.Search(program, space, request.memory_limit, request.seed, policy=policy,
                     settings=mcts.MCTSSettings(policy_depth=getattr(policy, "depth", None)))
@@ -273,10 +280,15 @@ def run_ilp(program: Program, space: ActionSpace, request: SearchOptions,
   """Solves the ILP from MCTS's best plan (a warm start within a quarter of
   the budget's seconds) and keeps the better of the two; on a timeout
   without a solution, the warm start, with a warning."""
+  return _ilp(program, space, request.resolved(program.hardware), policy)
+
+
+def _ilp(program: Program, space: ActionSpace, request: SearchOptions,
+         policy: mcts.Policy | None) -> Found:
+  """`run_ilp` for a request whose memory limit is resolved."""
   t0 = time.perf_counter()
-  request = request.resolved(program.hardware)
   limit, budget = request.memory_limit, request.budget
-  warm = run_mcts(program, space, request, budget.seconds * _WARM_SHARE, policy)
+  warm = _mcts(program, space, request, budget.seconds * _WARM_SHARE, policy)
   result = ilp.solve(program, ilp.SolverSettings(
       seconds=budget.seconds - (time.perf_counter() - t0), memory_limit=limit,
       seed=request.seed), hint=warm.state)
