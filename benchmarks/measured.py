@@ -105,7 +105,7 @@ DATA = pathlib.Path(__file__).with_name("measured_runs.json")
 # fused softmax). Where a source is silent (Llama 3), both are tried and the
 # fastest that fits stands, as for any setting a source leaves out.
 FUSED_ATTENTION = ("maxtext_v5e", "maxtext_v5p", "mcore_h100_2024")
-UNFUSED_ATTENTION = ("narayanan21", "mtnlg", "bloom")
+UNFUSED_ATTENTION = ("narayanan21", "mtnlg", "bloom", "korthikanti22")
 # Sources whose runs overlapped tensor-parallel collectives with the matmuls,
 # and say so: the Megatron-LM README @f2e5db40 (`--tp-comm-overlap`);
 # MaxText's run scripts (configs/v5p/*.sh @76bd53b0, largest_job/*.sh
@@ -142,6 +142,12 @@ EMBED_SHARDED = ("maxtext_v5e", "maxtext_v5p")
 # (Llama 3), both are tried and the fastest that fits stands.
 SEQUENCE_PARALLEL = ("mcore_h100_2024",)
 WHOLE_SEQUENCE = ("narayanan21", "mtnlg", "bloom", "palm")
+# Sources whose runs' norms and GELU keep only their inputs for the backward,
+# as Korthikanti et al. 2022 count a layer's activations (Section 4: the
+# GeLU "requires its input", the layer norm "stores its input"): Megatron-LM
+# with Apex's fused layer norm and its fused bias-GELU. JAX's own GELU and
+# norm keep their tanh, products and float32 centred input besides.
+FUSED_KERNELS = ("korthikanti22",)
 # Sources whose blocks run attention and the MLP side by side on one norm's
 # output and add both to the input: MaxText's DecoderLayer (layers/models.py
 # @76bd53b0; layers.py @9bc243c9), as PaLM's.
@@ -157,7 +163,8 @@ NVIDIA_FLOPS = ("dgxc_maxtext", "dgxc_paxml", "jaxtoolbox", "gpu_recipes")
 # priced with them and their stack's factor (median predicted / measured
 # over its training rows) is stated, never folded into a constant.
 STACK = {"narayanan21": "megatron", "mcore_h100_2024": "megatron", "mtnlg": "megatron",
-         "bloom": "megatron", "llama3": "pytorch"}  # every other source: "jax"
+         "bloom": "megatron", "korthikanti22": "megatron",
+         "llama3": "pytorch"}  # every other source: "jax"
 
 
 def stack(row: dict) -> str:
@@ -202,6 +209,7 @@ def model_config(row: dict, layers: int = 2) -> GPTConfig:
                    gated=bool(m.get("gated_mlp")),
                    kv_heads=m.get("kv_heads") or 0, head_size=m.get("head_dim") or 0,
                    parallel=row["source"] in PARALLEL_BLOCKS, dtype=jnp.bfloat16,
+                   fused_kernels=row["source"] in FUSED_KERNELS,
                    tied=m.get("tied", row["source"] not in ("llama3", "mcore_h100_2024")))
 
 
@@ -265,7 +273,7 @@ def source_flops(row: dict) -> float:
   source = row["source"]
   if source in ("narayanan21", "mtnlg"):  # eq. (3), recompute's forward included
     return 96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
-  if source == "mcore_h100_2024":  # Megatron-LM's model FLOPs (training.py), no recompute
+  if source in ("mcore_h100_2024", "korthikanti22"):  # Megatron-LM's model FLOPs, no recompute
     return 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
   if source == "bloom":  # math/README.md: model size x 4 x 2 x seq x batch
     return m["params"] * 8 * s * B
@@ -465,7 +473,11 @@ def attention(row: dict) -> tuple[bool, ...]:
 def sequence_parallel(row: dict) -> tuple[bool, ...]:
   """Whether activations are split along the sequence (`SEQUENCE_PARALLEL`),
   as the source states it; both where it is silent. MaxText's split along
-  the embedding (`EMBED_SHARDED`) stands in its place there."""
+  the embedding (`EMBED_SHARDED`) stands in its place there. A row that
+  states it (Korthikanti et al.'s pairs, one with and one without) is
+  priced as it states."""
+  if row["parallel"].get("sequence_parallel") is not None:
+    return (bool(row["parallel"]["sequence_parallel"]),)
   if row["source"] in SEQUENCE_PARALLEL:
     return (True,)
   if row["source"] in WHOLE_SEQUENCE + EMBED_SHARDED or row["parallel"]["tensor"] == 1:

@@ -39,6 +39,14 @@ class GPTConfig:
     tied: the output head reads the embedding table.
     head_size: D; 0: hidden // heads (heads * D need not be hidden).
     parallel: attention and MLP read one norm, summed (GPT-J, PaLM).
+    fused_kernels: each layer norm and the GELU keep only their inputs for
+      the backward, which recomputes the rest, as Megatron-LM's fused
+      kernels do (Apex's fused layer norm saves its input and row
+      statistics, the fused bias-GELU its input, the fused causal softmax
+      applies its mask inside the kernel): `jax.checkpoint` around the norms
+      and the GELU, the mask added to the scores. Without it JAX keeps the
+      GELU's tanh and products, the norm's float32 centred input and the
+      mask broadcast to the scores' shape as residuals too.
   """
 
   vocab: int = 256
@@ -55,6 +63,7 @@ class GPTConfig:
   tied: bool = True
   head_size: int = 0
   parallel: bool = False
+  fused_kernels: bool = False
 
   @property
   def head_dim(self) -> int:
@@ -82,7 +91,11 @@ class Attention(nn.Module):
       k, v = (jnp.repeat(a, c.heads // kv, axis=2) for a in (k, v))
     logits = jnp.einsum("bqnd,bknd->bnqk", q, k) / jnp.sqrt(c.head_dim)
     causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), dtype=bool))
-    logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
+    if c.fused_kernels:  # the mask added inside the softmax's kernel: nothing kept
+      mask = jnp.where(causal, 0, jnp.finfo(logits.dtype).min).astype(logits.dtype)
+      logits = logits + mask[None, None]
+    else:
+      logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bnqk,bknd->bqnd", probs, v)  # [B, S, N, D]
     return nn.DenseGeneral(c.hidden, axis=(-2, -1), use_bias=False,
@@ -99,7 +112,13 @@ class MLP(nn.Module):
     if c.gated:
       gate = nn.Dense(c.mlp_width, use_bias=False, dtype=c.dtype, name="wg")(x)
       return nn.Dense(c.hidden, dtype=c.dtype, name="wo")(nn.silu(gate) * h)
-    return nn.Dense(c.hidden, dtype=c.dtype, name="wo")(nn.gelu(h))
+    gelu = jax.checkpoint(nn.gelu) if c.fused_kernels else nn.gelu
+    return nn.Dense(c.hidden, dtype=c.dtype, name="wo")(gelu(h))
+
+
+def _norm(config: GPTConfig, name: str) -> nn.Module:
+  """A layer norm, rematerialised where `config.fused_kernels`."""
+  return (nn.remat(nn.LayerNorm) if config.fused_kernels else nn.LayerNorm)(name=name)
 
 
 class Block(nn.Module):
@@ -107,11 +126,12 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    if self.config.parallel:
-      y = nn.LayerNorm(name="ln1")(x)
-      return x + Attention(self.config, name="attn")(y) + MLP(self.config, name="mlp")(y)
-    x = x + Attention(self.config, name="attn")(nn.LayerNorm(name="ln1")(x))
-    return x + MLP(self.config, name="mlp")(nn.LayerNorm(name="ln2")(x))
+    c = self.config
+    if c.parallel:
+      y = _norm(c, "ln1")(x)
+      return x + Attention(c, name="attn")(y) + MLP(c, name="mlp")(y)
+    x = x + Attention(c, name="attn")(_norm(c, "ln1")(x))
+    return x + MLP(c, name="mlp")(_norm(c, "ln2")(x))
 
 
 class _ScannedBlock(nn.Module):
@@ -147,7 +167,7 @@ class GPT(nn.Module):
     else:
       for i in range(c.layers):
         x = Block(c, name=f"block_{i}")(x)
-    x = nn.LayerNorm(name="ln_f")(x)
+    x = _norm(c, "ln_f")(x)
     if c.tied:
       return embed.attend(x)
     return nn.Dense(c.vocab, use_bias=False, dtype=c.dtype, name="head")(x)

@@ -1,6 +1,7 @@
 """Schedules as practised: overlap, interleaved 1F1B, recompute modes, stated splits."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -378,6 +379,49 @@ def test_fused_attention_stashes_no_scores_and_prices_their_flops():
       blocks_seen += 1
       assert cb.forward < ca.forward
   assert blocks_seen == 2
+
+
+@pytest.mark.heavy
+def test_with_megatrons_fused_kernels_selective_recompute_keeps_32_sbh_a_layer():
+  """Korthikanti et al. 2022, Table 2: selective recompute keeps 34sbh bytes
+  of a layer's activations (bf16), two of them dropout's masks, which this
+  GPT does not draw. With its norms and GELU saving only their inputs and
+  the causal mask added inside the softmax, as Megatron-LM's fused kernels
+  do (`GPTConfig.fused_kernels`), a block stashes exactly that beside the
+  scores: each norm's input and output, q, k, v, attention's output, the
+  MLP's hidden layer before and after the GELU. JAX's own GELU and norm
+  keep their tanh, products and float32 centred input besides."""
+  s, b, h = 64, 4, 64
+  kept = {}
+  for fused in (False, True):
+    config = GPTConfig(vocab=256, seq=s, hidden=h, heads=4, layers=2, dtype=jnp.bfloat16,
+                       fused_kernels=fused)
+    loss, params, batch = abstract_gpt_loss(config, b)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)
+    profile = layers_lib.measure(loss, params, batch, widths=[1],
+                                 hardware=automap.HARDWARE["a100"], search=planner.searcher(None))
+    costs = {layer.name: layer.widths[1] for layer in profile.at(b).layers}
+    kept[fused] = [costs[f"block_{i}"].activations - costs[f"block_{i}"].selective
+                   for i in range(2)]
+  assert kept[True] == pytest.approx([32 * s * b * h] * 2, rel=0.01)
+  assert all(k > 1.5 * 32 * s * b * h for k in kept[False])
+
+
+@pytest.mark.heavy
+def test_fused_kernels_change_what_is_kept_not_what_is_computed():
+  from automap._src.models.gpt import GPT
+  tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
+  config = GPTConfig(vocab=64, seq=16, hidden=32, heads=2, layers=2)
+  params = GPT(config).init(jax.random.key(0), tokens)["params"]
+
+  def loss(fused, p):
+    logits = GPT(dataclasses.replace(config, fused_kernels=fused)).apply({"params": p}, tokens)
+    return jnp.mean(jax.nn.logsumexp(logits, -1))
+
+  plain, fused = (jax.value_and_grad(functools.partial(loss, f))(params) for f in (False, True))
+  assert float(fused[0]) == pytest.approx(float(plain[0]), rel=1e-6)
+  for a, b in zip(jax.tree.leaves(fused[1]), jax.tree.leaves(plain[1])):
+    assert jnp.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_fused_attention_ops_are_the_score_chain_both_ways():
