@@ -64,7 +64,7 @@ def test_same_seed_gives_byte_identical_plans_across_processes(tmp_path, search)
   assert a == b == (tmp_path / "here.json").read_bytes()
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_other_seeds_may_differ_but_keep_the_memory_limit():
   step, args = gpt_step()
   m = mesh((4, 2))

@@ -79,7 +79,12 @@ def test_an_f32_dot_operand_is_gathered_as_bf16():
   # The forward's two gathers, each weight's whole matrix in bf16.
   assert check.report.compiled_comm_bytes["all-gather", ("data",)] == 2 * _WIDTH * _HIDDEN * 2
   _assert_priced_as_compiled(check)
-  # At "highest" the dots run in f32, and so do their gathers.
+
+
+@pytest.mark.slow
+def test_at_highest_precision_an_f32_dot_operand_is_gathered_as_f32():
+  """At "highest" the dots run in f32, and so do their gathers."""
+  mesh = automap.tpu_mesh("v5p-16", (4, 2), ("data", "model"))
   exact = _checked(mesh, P("data"), P("data"), precision="highest")
   assert exact.report.compiled_comm_bytes["all-gather", ("data",)] == 2 * _WIDTH * _HIDDEN * 4
   _assert_priced_as_compiled(exact)

@@ -222,7 +222,7 @@ def mixtral_plan():
   return config, mesh, automap.verify(plan, step, *args, mesh=mesh)
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_a_mixtral_decoder_lays_its_experts_out_by_maxtexts_rules_and_by_search():
   # MaxText's rules put the experts over `expert`, the batch over every
   # axis; the search's plan of the same step runs with the same numerics.

@@ -57,7 +57,7 @@ def test_offload_is_refused_where_it_cannot_be_priced_or_names_nothing():
 
 
 @pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_offloaded_activations_run_in_pinned_host_memory_and_train_as_jitted():
   loss, params, batch = zoo.llama_loss(LLAMA)
   plan = priced("offload", PROJECTIONS)

@@ -96,7 +96,7 @@ def test_a_registered_schedule_is_priced_holding_what_its_order_holds(reversed_g
   assert cluster.Placement.from_json(plan.to_json()) == plan
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_a_registered_schedule_runs_as_the_unpipelined_step(reversed_gpipe):
   config = gpt.GPTConfig(vocab=64, seq=8, hidden=32, heads=2, layers=2)
   loss, params, batch = zoo.gpt_loss(config, 16)
