@@ -14,7 +14,7 @@ estimate (compute plus communication, nothing overlapped), the same for
 every layout. Prints Markdown tables and a summary.
 
   pip install -c held.txt -e '.[outside]'   # see README
-  python benchmarks/outside.py [--quick] [--episodes N] [--only NAME,...]
+  python benchmarks/outside.py [--quick] [--episodes N] [--only NAME,...] [--size SIZE]
 """
 
 from __future__ import annotations
@@ -41,6 +41,11 @@ from automap import referee as referee_lib  # noqa: E402
 
 MESHES = {(4, 2): ("data", "model"), (2, 2, 2): ("data", "fsdp", "model")}
 EXPERTS = ("data parallel", "Megatron + DP", "FSDP")
+# The steps' sizes (2 layers each): the benchmark's own, and smaller ones on
+# which a plan may weigh memory otherwise.
+SIZES = {"bench": outside_steps.BENCH, "tiny": outside_steps.TINY,
+         "small": outside_steps.Size(batch=16, seq=32, width=128, heads=4, ff=512, vocab=512),
+         "mid": outside_steps.Size(batch=32, seq=64, width=128, heads=4, ff=512, vocab=1024)}
 HARDWARE = "tpu-v4"
 
 
@@ -159,7 +164,9 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="the (4, 2) mesh only, 30 episodes")
   parser.add_argument("--episodes", type=int, default=100)
-  parser.add_argument("--only", default="", help="comma-separated step names")
+  parser.add_argument("--only", default="", help="comma-separated step names (hf-t5,...)")
+  parser.add_argument("--size", default="bench", choices=sorted(SIZES),
+                      help="the steps' size (bench: 2 layers, width 256, batch 32 x 64)")
   args = parser.parse_args()
   episodes = 30 if args.quick else args.episodes
   meshes = {(4, 2): MESHES[(4, 2)]} if args.quick else MESHES
@@ -167,9 +174,9 @@ def main():
   rows = []
   start = time.perf_counter()
   for build in outside_steps.BUILDERS:
-    step = build()
-    if only and step.name not in only:
+    if only and build.__name__.replace("_", "-") not in only:
       continue
+    step = build(SIZES[args.size])
     for shape, names in meshes.items():
       t0 = time.perf_counter()
       rows.append(measure(step, shape, names, episodes))

@@ -6,7 +6,7 @@ Each builder returns a `Step`: an AdamW train step `(params, opt_state,
 batch) -> (params, opt_state, loss)` as that library's users write it, and
 concrete arguments of a `Size`: `BENCH` (2 layers, width 256, sequence
 64, batch 32: enough work that layouts differ) or `TINY` for tests. The model code is the
-library's: HuggingFace Flax BERT, GPT-2, BART, Gemma and ViT; equinox, haiku,
+library's: HuggingFace Flax BERT, GPT-2, BART, T5, Gemma and ViT; equinox, haiku,
 keras 3, flax linen (an LSTM among them) and nnx layers; penzai's named-axis
 transformer; diffrax's neural ODE. Needs the `outside` extra; keras runs
 on JAX (`KERAS_BACKEND`, set before keras is first imported).
@@ -123,7 +123,6 @@ def hf_gpt2(z: Size = BENCH) -> Step:
 
 
 def hf_bart(z: Size = BENCH) -> Step:
-  # (HF's Flax T5 calls jnp.clip(a_max=), which JAX 0.10 removed.)
   from transformers import BartConfig, FlaxBartForConditionalGeneration
 
   model = FlaxBartForConditionalGeneration(BartConfig(
@@ -139,6 +138,38 @@ def hf_bart(z: Size = BENCH) -> Step:
   return _train(loss, model.params,
                 {"inputs": _tokens(z, 1), "targets": _tokens(z, 2, 1)},
                 "hf-bart", "transformers", "encoder-decoder")
+
+
+class _ClipByOldNames:
+  """jax.numpy as HF's Flax T5 calls it: `jnp.clip(x, a_max=)`, a keyword
+  JAX 0.10 removed (now `max=`); every other name is jax.numpy's."""
+
+  def __getattr__(self, name):
+    return getattr(jnp, name)
+
+  @staticmethod
+  def clip(x, a_min=None, a_max=None, **kwargs):
+    return jnp.clip(x, kwargs.pop("min", a_min), kwargs.pop("max", a_max), **kwargs)
+
+
+def hf_t5(z: Size = BENCH) -> Step:
+  from transformers import FlaxT5ForConditionalGeneration, T5Config
+  from transformers.models.t5 import modeling_flax_t5
+
+  modeling_flax_t5.jnp = _ClipByOldNames()  # its relative-position buckets
+  model = FlaxT5ForConditionalGeneration(T5Config(
+      vocab_size=z.vocab, d_model=z.width, d_kv=z.width // z.heads, d_ff=z.ff,
+      num_layers=z.layers, num_decoder_layers=z.layers, num_heads=z.heads,
+      decoder_start_token_id=0), seed=0)
+
+  def loss(params, batch):
+    logits = model(batch["inputs"], decoder_input_ids=batch["targets"][:, :-1],
+                   params=params, train=False).logits
+    return _xent(logits, batch["targets"][:, 1:])
+
+  return _train(loss, model.params,
+                {"inputs": _tokens(z, 1), "targets": _tokens(z, 2, 1)},
+                "hf-t5", "transformers", "encoder-decoder")
 
 
 def hf_gemma(z: Size = BENCH) -> Step:
@@ -598,7 +629,8 @@ def penzai_trainer(z: Size = BENCH) -> Step:
               (jax.random.key(0), state, stateless, params, {"batch": _tokens(z, 1, 1)}))
 
 
-BUILDERS = (hf_bert, hf_bert_dropout, hf_gpt2, hf_bart, hf_gemma, hf_vit, eqx_transformer, eqx_mlp,
+BUILDERS = (hf_bert, hf_bert_dropout, hf_gpt2, hf_bart, hf_t5, hf_gemma, hf_vit, eqx_transformer,
+            eqx_mlp,
             diffrax_node, hk_transformer, hk_mlp, keras_transformer, keras_mlp, linen_encoder,
             linen_encoder_remat, linen_lstm, nnx_decoder, nnx_trainer, penzai_transformer,
             penzai_trainer)

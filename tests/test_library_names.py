@@ -160,3 +160,31 @@ def test_penzai_parameters_are_named_by_their_labels():
   query = "transformer/block_0/attention/query.weights/value/data_array"
   assert f"0/{query}" in paths and f"1/0/mu/{query}" in paths
   assert not any(p.startswith("0/0/") for p in paths)
+
+
+def test_state_a_step_returns_unwrapped_is_its_state_not_its_data():
+  """penzai's trainer takes each parameter (and each Adam moment) as a
+  `Parameter` holding a `NamedArray` (`.../value/data_array`) and returns
+  the new array under the parameter's own path: those arguments are the
+  model's state, and data parallelism leaves them whole; the batch and the
+  random key are the data."""
+  pytest.importorskip("penzai")
+  import outside_steps
+
+  from automap._src.plan import planner
+  from automap._src.search.actions import ActionSpace
+  from automap._src.search.tactics import expert_states, state_arguments
+
+  step = outside_steps.penzai_trainer(outside_steps.TINY)
+  m = mesh((4, 2))
+  traced = planner.trace(step.fn, step.args, m, names=step.names)
+  state = state_arguments(traced)
+  arrays = [(p, s) for p, a, s in zip(traced.in_paths, traced.in_avals, state) if a.shape]
+  assert [p for p, s in arrays if not s] == ["4/batch"]
+  assert sum(p.endswith("value/data_array") for p, s in arrays if s) == 3 * 21
+  program = planner.build_program(step.fn, step.args, m, automap.HARDWARE["cpu"],
+                                  names=step.names)
+  dp = expert_states(program, ActionSpace(program))["data parallel"]
+  g = program.graph
+  split = [p for p, v in zip(traced.in_paths, g.inputs) if (dp[v] >= 0).any()]
+  assert split == ["4/batch"]

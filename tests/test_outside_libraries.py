@@ -39,9 +39,10 @@ M = mesh((4, 2))
 # (with a tied head), equinox's whole-model argument with static leaves, and
 # keras' lists named by `names=`. Haiku, linen and nnx steps are in the benchmark.
 # Equinox's convention runs on its MLP by default; HF's GPT-2 (whose tracing
-# the dots-policy test below checks), equinox's transformer and keras' whole
+# the dots-policy test below checks) and T5, equinox's transformer and keras' whole
 # step (whose names test_library_names.py checks) with `pytest -m slow`.
-BUILDERS = [pytest.param(outside_steps.hf_gpt2, marks=pytest.mark.slow), outside_steps.eqx_mlp,
+BUILDERS = [pytest.param(outside_steps.hf_gpt2, marks=pytest.mark.slow),
+            pytest.param(outside_steps.hf_t5, marks=pytest.mark.slow), outside_steps.eqx_mlp,
             pytest.param(outside_steps.eqx_transformer, marks=pytest.mark.slow),
             pytest.param(outside_steps.keras_transformer, marks=pytest.mark.slow)]
 

@@ -29,22 +29,43 @@ def carried_arguments(traced: Traced) -> np.ndarray:
                    for p, a in zip(traced.in_paths, traced.in_avals)], bool)
 
 
+def _tail(path: str) -> str:
+  """A flat path below its top-level position: "0/w/kernel" -> "w/kernel"."""
+  return path.split("/", 1)[1] if "/" in path else ""
+
+
+def _mirror(path: str, aval, outs: dict):
+  """The entry of `outs` ((path, shape, dtype) -> result) an argument at
+  `path` comes back as: the same path, or a prefix of it, where the
+  argument sits inside a container the step unwraps before it returns the
+  array (penzai's `Parameter` holds its `NamedArray` as `value/data_array`;
+  the trainer returns the new array under the parameter's own path). None
+  for none."""
+  key = (tuple(aval.shape), str(aval.dtype))
+  while path:
+    found = outs.get((path, *key))
+    if found is not None:
+      return found
+    path = path.rsplit("/", 1)[0] if "/" in path else ""
+  return None
+
+
 def state_arguments(traced: Traced) -> np.ndarray:
   """[num args] bool: the model's state rather than its data.
 
   Carried arguments, and arguments mirrored by a result of the same type
-  under the same path below its top-level position: the parameters of a
-  (loss, grads) function, whose gradients come back as `1/<path>` for
-  `0/<path>`, or those of a step returning its new parameters alone as
-  `<path>`. The rest (the batch) is data.
+  under the same path below its top-level position (`_mirror`, a
+  container's fields below it allowed): the parameters of a (loss, grads)
+  function, whose gradients come back as `1/<path>` for `0/<path>`, or
+  those of a step returning its new parameters alone as `<path>`. The rest
+  (the batch) is data.
   """
-  tail = lambda p: p.split("/", 1)[1] if "/" in p else ""  # noqa: E731
-  outs = {(tail(p), tuple(a.shape), str(a.dtype))
-          for p, a in zip(traced.out_paths, traced.out_avals) if tail(p)}
+  outs = {(_tail(p), tuple(a.shape), str(a.dtype)): True
+          for p, a in zip(traced.out_paths, traced.out_avals) if _tail(p)}
   # A step returning its new params alone (not in a tuple) gives `<path>`.
-  outs |= {(p, tuple(a.shape), str(a.dtype))
+  outs |= {(p, tuple(a.shape), str(a.dtype)): True
            for p, a in zip(traced.out_paths, traced.out_avals) if p}
-  mirrored = np.array([(tail(p), tuple(a.shape), str(a.dtype)) in outs
+  mirrored = np.array([_mirror(_tail(p), a, outs) is not None
                        for p, a in zip(traced.in_paths, traced.in_avals)], bool)
   return carried_arguments(traced) | mirrored
 
@@ -181,13 +202,12 @@ class Tactics:
     optimizer's update, reading both elementwise, lays them out in a
     training step."""
     g, traced = self.graph, self.traced
-    tail = lambda p: p.split("/", 1)[1] if "/" in p else ""  # noqa: E731
-    results = {(tail(p), tuple(a.shape), str(a.dtype)): v
+    results = {(_tail(p), tuple(a.shape), str(a.dtype)): v
                for p, a, v in zip(traced.out_paths, traced.out_avals, g.outputs)
-               if v >= 0 and tail(p)}
+               if v >= 0 and _tail(p)}
     changed = []
     for p, a, w in zip(traced.in_paths, traced.in_avals, g.inputs):
-      u = results.get((tail(p), tuple(a.shape), str(a.dtype)))
+      u = _mirror(_tail(p), a, results)
       if u is None or u == w or state[w, axis] < 0 or state[u, axis] >= 0:
         continue
       if self.prop.can_tile(state, u, int(state[w, axis]), axis):
