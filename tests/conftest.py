@@ -1,7 +1,9 @@
 """8 simulated CPU devices for every test; strict numerics; a plan cache of
 the test session's own, so no test reads a plan an earlier run left."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ["XLA_FLAGS"] = (
@@ -11,11 +13,27 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ["AUTOMAP_CACHE_DIR"] = tempfile.mkdtemp(prefix="automap-test-cache-")
+# XLA's executables shared by the session's tests and its workers (they
+# inherit the folder the first process made, which removes it at exit): the
+# same small steps, compiled by many tests, compile once.
+if "AUTOMAP_TEST_XLA_CACHE" not in os.environ:
+  os.environ["AUTOMAP_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="automap-test-xla-")
+  atexit.register(shutil.rmtree, os.environ["AUTOMAP_TEST_XLA_CACHE"], ignore_errors=True)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_compilation_cache_dir", os.environ["AUTOMAP_TEST_XLA_CACHE"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def pytest_configure(config):
+  # An executable the cache cannot hold (compiled for compile-only TPU
+  # devices) is compiled as before; jax says so with a warning.
+  config.addinivalue_line(
+      "filterwarnings", "ignore:Error (reading|writing) persistent compilation cache")
 
 
 @pytest.fixture(scope="session")

@@ -412,13 +412,14 @@ def test_fused_kernels_change_what_is_kept_not_what_is_computed():
   from automap._src.models.gpt import GPT
   tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
   config = GPTConfig(vocab=64, seq=16, hidden=32, heads=2, layers=2)
-  params = GPT(config).init(jax.random.key(0), tokens)["params"]
+  params = jax.jit(GPT(config).init)(jax.random.key(0), tokens)["params"]
 
   def loss(fused, p):
     logits = GPT(dataclasses.replace(config, fused_kernels=fused)).apply({"params": p}, tokens)
     return jnp.mean(jax.nn.logsumexp(logits, -1))
 
-  plain, fused = (jax.value_and_grad(functools.partial(loss, f))(params) for f in (False, True))
+  plain, fused = (jax.jit(jax.value_and_grad(functools.partial(loss, f)))(params)
+                  for f in (False, True))
   assert float(fused[0]) == pytest.approx(float(plain[0]), rel=1e-6)
   for a, b in zip(jax.tree.leaves(fused[1]), jax.tree.leaves(plain[1])):
     assert jnp.allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,112 @@
+"""automap's own time: a step's first call beside `jax.jit`'s, in one process.
+
+Rows (8 simulated CPU devices, a cold plan cache, the default budget):
+
+- unpipelined: a MaxText-style llama decoder (width 256, the layers
+  unrolled as HuggingFace writes them, or one `nn.scan`) as its AdamW train
+  step, `automap.partition(step, mesh=(4, 2))`'s first call (trace, search,
+  compile, run) beside `jax.jit(step)`'s first call on the same arguments;
+  then a second `partition` of the same step over a warm plan cache (its
+  first call: trace, the plan read back, compile, run), which should add
+  under a second to `jax.jit`'s.
+- pipelined: the scanned llama (width 128) as a loss, `price_cluster` with
+  2 stages x 4 replicas and the plan's first `train_step` call beside the
+  unpipelined `jax.jit` step's first call.
+
+Each row prints seconds and the ratio automap / jax.jit, with automap's own
+split (`Plan.timings`: trace and plan, search, refine) where it has one.
+
+  python benchmarks/first_step.py [--layers 8,32,64,128] [--kinds unrolled,scanned,pipelined]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import optax  # noqa: E402
+
+import automap  # noqa: E402
+from automap import cluster  # noqa: E402
+from automap._src.models import llama, zoo  # noqa: E402
+
+TX = optax.adam(1e-3)
+
+
+def _timed(fn, *args):
+  t = time.perf_counter()
+  out = fn(*args)
+  jax.block_until_ready(out)
+  return time.perf_counter() - t
+
+
+def unpipelined(layers: int, scanned: bool) -> dict:
+  """A llama train step's first call, partitioned and jitted; and
+  partitioned over a warm plan cache."""
+  config = llama.LlamaConfig(embed=256, mlp=512, layers=layers, unrolled=not scanned)
+  step, args = llama.train_step(config, constrained=False)
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  jitted = _timed(jax.jit(step), *args)
+  planned = automap.partition(step, mesh=mesh, cache=False)
+  first = _timed(planned, *args)
+  with tempfile.TemporaryDirectory() as cache:
+    automap.partition(step, mesh=mesh, cache=cache)(*args)  # fills the cache
+    hit = _timed(automap.partition(step, mesh=mesh, cache=cache), *args)
+  return {"jit": jitted, "first": first, "hit": hit, "timings": dict(planned.plan.timings)}
+
+
+def pipelined(layers: int) -> dict:
+  """`price_cluster` and the first `train_step` call of a 2-stage plan of a
+  scanned llama, beside the unpipelined jitted step's first call."""
+  loss, params, batch = zoo.llama_loss(llama.LlamaConfig(
+      vocab=256, embed=128, mlp=256, heads=4, kv_heads=2, head_dim=32, layers=layers, seq=32,
+      batch=16))
+
+  def step(params, opt_state, *batch):
+    value, grads = jax.value_and_grad(loss)(params, *batch)
+    updates, opt_state = TX.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  opt_state = TX.init(params)
+  jitted = _timed(jax.jit(step), params, opt_state, *batch)
+  t = time.perf_counter()
+  plan = cluster.price_cluster(loss, params, *batch, config=cluster.ClusterConfig(
+      pipeline=2, data=4, microbatch=2), global_batch=16, hardware="cpu")
+  priced = time.perf_counter() - t
+  run = plan.train_step(loss, TX, params, *batch)
+  _, value = run(run.init(params), *batch)
+  jax.block_until_ready(value)
+  return {"jit": jitted, "first": time.perf_counter() - t, "priced": priced,
+          "programs": len(run.programs)}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--layers", default="8,32,64,128")
+  parser.add_argument("--kinds", default="unrolled,scanned,pipelined")
+  args = parser.parse_args()
+  print("| step | layers | jax.jit first call s | automap first call s | automap / jax.jit | "
+        "cache hit s | hit - jax.jit s | automap's split |")
+  print("|---|---|---|---|---|---|---|---|")
+  for kind in args.kinds.split(","):
+    for layers in map(int, args.layers.split(",")):
+      if kind == "pipelined":
+        r = pipelined(layers)
+        hit = "-", "-"
+        split = f"price_cluster {r['priced']:.1f} s, {r['programs']} programs"
+      else:
+        r = unpipelined(layers, kind == "scanned")
+        hit = f"{r['hit']:.1f}", f"{r['hit'] - r['jit']:+.1f}"
+        t = r["timings"]
+        split = ", ".join(f"{k} {t[k]:.1f} s" for k in ("plan", "search", "refine") if k in t)
+      print(f"| {kind} | {layers} | {r['jit']:.1f} | {r['first']:.1f} | "
+            f"{r['first'] / r['jit']:.1f}x | {hit[0]} | {hit[1]} | {split} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
