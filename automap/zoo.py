@@ -55,6 +55,7 @@ __all__ = (
     "gpt_step",
     "gpt_train_step",
     "graph_network",
+    "llama_loss",
     "llama_param_specs",
     "llama_train_step",
     "loss_and_grads",

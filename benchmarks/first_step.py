@@ -32,8 +32,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 import automap  # noqa: E402
-from automap import cluster  # noqa: E402
-from automap._src.models import llama, zoo  # noqa: E402
+from automap import cluster, zoo  # noqa: E402
 
 TX = optax.adam(1e-3)
 
@@ -48,8 +47,8 @@ def _timed(fn, *args):
 def unpipelined(layers: int, scanned: bool) -> dict:
   """A llama train step's first call, partitioned and jitted; and
   partitioned over a warm plan cache."""
-  config = llama.LlamaConfig(embed=256, mlp=512, layers=layers, unrolled=not scanned)
-  step, args = llama.train_step(config, constrained=False)
+  config = zoo.LlamaConfig(embed=256, mlp=512, layers=layers, unrolled=not scanned)
+  step, args = zoo.llama_train_step(config, constrained=False)
   mesh = jax.make_mesh((4, 2), ("data", "model"))
   jitted = _timed(jax.jit(step), *args)
   planned = automap.partition(step, mesh=mesh, cache=False)
@@ -63,7 +62,7 @@ def unpipelined(layers: int, scanned: bool) -> dict:
 def pipelined(layers: int) -> dict:
   """`price_cluster` and the first `train_step` call of a 2-stage plan of a
   scanned llama, beside the unpipelined jitted step's first call."""
-  loss, params, batch = zoo.llama_loss(llama.LlamaConfig(
+  loss, params, batch = zoo.llama_loss(zoo.LlamaConfig(
       vocab=256, embed=128, mlp=256, heads=4, kv_heads=2, head_dim=32, layers=layers, seq=32,
       batch=16))
 

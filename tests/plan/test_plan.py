@@ -80,7 +80,7 @@ def test_per_layer_time_and_memory_add_up_to_the_cost(shape):
   assert b0.resident >= 3 * params / 8  # params, mu, nu; at most 8-way split
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_yardsticks_are_the_expert_strategies_under_the_same_model():
   step, args, m, plan = planned((4, 2))
   dp = automap.evaluate(step, *args, mesh=m, hardware="cpu", in_shardings=megatron_specs(

@@ -236,6 +236,7 @@ def test_a_mixtral_decoder_lays_its_experts_out_by_maxtexts_rules_and_by_search(
   assert report.memory_error < 0.15
 
 
+@pytest.mark.slow
 def test_a_mixtral_decoders_plan_compiles_to_the_collectives_priced():
   # Its rematerialised layers priced as XLA lays them out, the plan kept.
   _, _, report = mixtral_plan()

@@ -141,7 +141,7 @@ def test_train_step_plan_is_faithful_and_no_worse_than_its_warm_start():
 
 @pytest.mark.parametrize("shape,names", [
     ((4, 2), ("data", "model")), pytest.param((2,), ("data",), marks=pytest.mark.slow)])
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_solver_objective_is_the_cost_models_price_of_its_solution(shape, names):
   # Feasible solutions included: attention's dots read operands tiled on
   # different contracting dims in some of them unless the model forbids it.

@@ -172,7 +172,7 @@ def test_gpt_plans_match_the_jitted_step(config):
   assert step.executed == step.timetable.in_order()
 
 
-@pytest.mark.heavy
+@pytest.mark.slow
 def test_encoder_decoder_with_gpipe_matches_the_jitted_step():
   plan, step = run_plan(encoder_decoder_loss, pipeline=2, data=2, microbatch=2, zero=3,
                         schedule="gpipe")

@@ -193,6 +193,7 @@ def wider_step():
                                      dtype=jnp.bfloat16))
 
 
+@pytest.mark.slow
 def test_a_plan_leaving_the_stated_tensor_group_whole_is_flagged():
   """With memory to spare the search prices a 2-wide group that keeps every
   weight whole (the sequence split instead): that is not the tensor
