@@ -13,6 +13,7 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ["AUTOMAP_CACHE_DIR"] = tempfile.mkdtemp(prefix="automap-test-cache-")
+atexit.register(shutil.rmtree, os.environ["AUTOMAP_CACHE_DIR"], ignore_errors=True)
 # XLA's executables shared by the session's tests and its workers (they
 # inherit the folder the first process made, which removes it at exit): the
 # same small steps, compiled by many tests, compile once.
