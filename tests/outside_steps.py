@@ -122,13 +122,9 @@ def hf_gpt2(z: Size = BENCH) -> Step:
                 "transformers", "decoder")
 
 
-def hf_bart(z: Size = BENCH) -> Step:
-  from transformers import BartConfig, FlaxBartForConditionalGeneration
-
-  model = FlaxBartForConditionalGeneration(BartConfig(
-      vocab_size=z.vocab, d_model=z.width, encoder_layers=z.layers, decoder_layers=z.layers,
-      encoder_attention_heads=z.heads, decoder_attention_heads=z.heads, encoder_ffn_dim=z.ff,
-      decoder_ffn_dim=z.ff, max_position_embeddings=z.seq * 2), seed=0)
+def _hf_seq2seq(model, z: Size, name: str) -> Step:
+  """A HuggingFace Flax encoder-decoder's train step: the inputs encoded, the
+  targets decoded with teacher forcing, each next token's cross-entropy."""
 
   def loss(params, batch):
     logits = model(batch["inputs"], decoder_input_ids=batch["targets"][:, :-1],
@@ -137,7 +133,17 @@ def hf_bart(z: Size = BENCH) -> Step:
 
   return _train(loss, model.params,
                 {"inputs": _tokens(z, 1), "targets": _tokens(z, 2, 1)},
-                "hf-bart", "transformers", "encoder-decoder")
+                name, "transformers", "encoder-decoder")
+
+
+def hf_bart(z: Size = BENCH) -> Step:
+  from transformers import BartConfig, FlaxBartForConditionalGeneration
+
+  model = FlaxBartForConditionalGeneration(BartConfig(
+      vocab_size=z.vocab, d_model=z.width, encoder_layers=z.layers, decoder_layers=z.layers,
+      encoder_attention_heads=z.heads, decoder_attention_heads=z.heads, encoder_ffn_dim=z.ff,
+      decoder_ffn_dim=z.ff, max_position_embeddings=z.seq * 2), seed=0)
+  return _hf_seq2seq(model, z, "hf-bart")
 
 
 class _ClipByOldNames:
@@ -161,15 +167,7 @@ def hf_t5(z: Size = BENCH) -> Step:
       vocab_size=z.vocab, d_model=z.width, d_kv=z.width // z.heads, d_ff=z.ff,
       num_layers=z.layers, num_decoder_layers=z.layers, num_heads=z.heads,
       decoder_start_token_id=0), seed=0)
-
-  def loss(params, batch):
-    logits = model(batch["inputs"], decoder_input_ids=batch["targets"][:, :-1],
-                   params=params, train=False).logits
-    return _xent(logits, batch["targets"][:, 1:])
-
-  return _train(loss, model.params,
-                {"inputs": _tokens(z, 1), "targets": _tokens(z, 2, 1)},
-                "hf-t5", "transformers", "encoder-decoder")
+  return _hf_seq2seq(model, z, "hf-t5")
 
 
 def hf_gemma(z: Size = BENCH) -> Step:
