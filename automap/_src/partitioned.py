@@ -130,6 +130,11 @@ class Partitioned:
     key, dynamic = self._key(args, fn)
     entry = self._entries.get(key)
     if entry is None:
+      # Checked before the search, so a wrong index costs no plan.
+      if self.donate_argnums and max(self.donate_argnums) >= len(args):
+        raise ValueError(
+            f"donate_argnums={self.donate_argnums} names argument "
+            f"{max(self.donate_argnums)}, but the call passes {len(args)} arguments.")
       t0 = time.perf_counter()
       # Once a trace needed numbers static, they are static for every call,
       # so a key and the program it finds agree on what the numbers are.
@@ -145,10 +150,6 @@ class Partitioned:
                           stated, self.layout is not None and self.layout is not False,
                           compile_plan_for(traced, self.mesh, args))
       plan.timings["plan"] = time.perf_counter() - t0
-      if self.donate_argnums and max(self.donate_argnums) >= len(args):
-        raise ValueError(
-            f"donate_argnums={self.donate_argnums} names argument "
-            f"{max(self.donate_argnums)}, but the call passes {len(args)} arguments.")
       jitted = apply_lib.jit_with_plan(traced, self.mesh, plan, self.donate_argnums)
       outs = jax.tree.unflatten(traced.out_tree, [
           NamedSharding(self.mesh, s) for s in plan.out_specs])

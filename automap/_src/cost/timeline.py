@@ -232,12 +232,14 @@ class Timeline:
     if not group:
       return {}
     at, compiler = self.model.analysis.at, self.model.compiler
-    ready = {}
+    ready, earlier = {}, {}
     for o in group:
       ready[o] = int(at[o])
       after = self.chained.get((key, o))
       if after is not None and depth < 4:
-        ready[o] = max(ready[o], self.windows(after, depth + 1).get(o, -1))
+        if after not in earlier:  # one group's windows serve all its chained ops
+          earlier[after] = self.windows(after, depth + 1)
+        ready[o] = max(ready[o], earlier[after].get(o, -1))
     if not compiler.holds_combined:
       return ready
     return combiners.windows(ready, {o: group[o][4] for o in group}, compiler)

@@ -89,6 +89,7 @@ class Refiner:
     for i, members in enumerate(self.classes):
       self.class_of[members] = i
     self.axes = [a for a, s in enumerate(program.mesh.axis_sizes) if s > 1]
+    self._neighbours: dict[int, list[int]] = {}
 
   def _classes_by_collectives(self, tracker: Tracker) -> np.ndarray:
     """The classes of the movable values next to an op with collectives."""
@@ -105,21 +106,29 @@ class Refiner:
     None when it outgrows `_REGION` values per member (no small side)."""
     g = self.program.graph
     limit, most = g.nbytes[members[0]], _REGION * len(members)
+    # Which values the region may take, decided for all at once.
+    open_ = (state[:, a] >= 0) & self.movable & (g.nbytes <= limit)
     seen = set(members.tolist())
     todo = [v for v in seen if state[v, a] >= 0]
     while todo:
-      v = todo.pop()
-      near = [u for o in g.ops_of(v) for u in g.operands[o] + g.results[o]]
-      if v in self.partner:
-        near.append(self.partner[v])
-      for u in near:
-        if (u >= 0 and u not in seen and state[u, a] >= 0 and self.movable[u]
-            and g.nbytes[u] <= limit):
+      for u in self._near(todo.pop()):
+        if u not in seen and open_[u]:
           seen.add(u)
           todo.append(u)
       if len(seen) > most:
         return None
     return np.array(sorted(seen), np.int64)
+
+  def _near(self, v: int) -> list[int]:
+    """The values an op shares with v, and v's carried partner (cached)."""
+    near = self._neighbours.get(v)
+    if near is None:
+      g = self.program.graph
+      near = [u for o in g.ops_of(v) for u in g.operands[o] + g.results[o] if u >= 0]
+      if v in self.partner:
+        near.append(self.partner[v])
+      self._neighbours[v] = near
+    return near
 
   def _moves(self, state: State, members: np.ndarray, a: int):
     """Value sets to leave whole on axis a: the class, and its small region."""
