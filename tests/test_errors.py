@@ -58,6 +58,8 @@ def test_memory_limit_below_the_lower_bound_states_it():
 
 
 @pytest.mark.heavy
+# A limit met and checked compiled: test_tight_memory_limit_finds_a_plan_that_fits_when_compiled.
+@pytest.mark.slow
 def test_a_reachable_memory_limit_is_met():
   step, args = gpt_step()
   m = mesh((4, 2))
@@ -99,6 +101,9 @@ def test_budget_and_hints_validation():
     automap.Budget(episodes=0)
   with pytest.raises(ValueError, match="seconds"):
     automap.Budget(seconds=-1.0)
+  for patience in (0, 2.5, True):
+    with pytest.raises(ValueError, match="Budget.patience must be a positive integer"):
+      automap.Budget(patience=patience)
   with pytest.raises(TypeError, match="PartitionSpec"):
     automap.Hints(fixed={"w": "model"})
   with pytest.raises(TypeError, match="automap.Budget"):

@@ -156,8 +156,8 @@ def plan_on_devices(traced: trace_lib.Traced, args: tuple, devices: int,
   request = request.resolved(hardware)
   shapes = driver.mesh_shapes(int(devices), hardware)
   b = request.budget
-  share = dataclasses.replace(request, budget=Budget(
-      max(1, b.episodes // len(shapes)), b.seconds / len(shapes), b.progress))
+  share = dataclasses.replace(request, budget=dataclasses.replace(
+      b, episodes=max(1, b.episodes // len(shapes)), seconds=b.seconds / len(shapes)))
   best = None
   for shape in shapes:
     on = MeshSpec(AXIS_NAMES[:len(shape)], shape)

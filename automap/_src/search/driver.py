@@ -132,7 +132,7 @@ def _mcts(program: Program, space: ActionSpace, request: SearchOptions,
   show = budget.progress if budget.progress is not None else sys.stderr.isatty()
   searching = seconds * (1 - _REFINE_SHARE)
   if not show:
-    result = run.run(budget.episodes, searching)
+    result = run.run(budget.episodes, searching, patience=budget.patience)
   else:
     with progress_lib.Progress(
         *progress_lib.Progress.get_default_columns(),
@@ -141,18 +141,20 @@ def _mcts(program: Program, space: ActionSpace, request: SearchOptions,
                           total=budget.episodes, best="")
       result = run.run(budget.episodes, searching, lambda s: bar.update(
           task, completed=s.episodes,
-          best=f"best {s.best.score[1] * 1e3:.3f} ms, {s.best.score[0]:,.0f} B over"))
+          best=f"best {s.best.score[1] * 1e3:.3f} ms, {s.best.score[0]:,.0f} B over"),
+          patience=budget.patience)
   stats = {"strategy": "mcts", "policy": "uniform" if policy is None else getattr(
                policy, "name", "learned"),
            "episodes": result.episodes,
            "episode_of_best": result.episode_of_best,
+           "improved_at": list(run.improved_at),
            "evaluations": result.evaluations, "states": result.nodes,
            "actions": [space.describe(a) for a in result.path],
            "groups": len(space.groups)}
   start = time.perf_counter()
   state, score, finished, seen = finish(program, space, run, request.memory_limit,
                                         budget.episodes, seconds - (start - t0), request.seed,
-                                        retry=policy is not None)
+                                        retry=policy is not None, patience=budget.patience)
   stats.update(finished)
   return Found(state, score, stats,
                {"search": time.perf_counter() - t0, "to_best": result.seconds_to_best,
@@ -161,12 +163,13 @@ def _mcts(program: Program, space: ActionSpace, request: SearchOptions,
 
 def finish(program: Program, space: ActionSpace, search: mcts.Search,
            memory_limit: float | None, episodes: int, seconds: float, seed: int = 0,
-           retry: bool = False) -> tuple[State, mcts.Score, dict, list]:
+           retry: bool = False, patience: int | None = None
+           ) -> tuple[State, mcts.Score, dict, list]:
   """A search's final plan: refinement of the plans it saw
   (`refine.refine_best`, `_REFINE_TRIES` moves per episode of `episodes`)
   within `seconds`, and with `retry` (a prior led it), where every plan
-  is over the memory limit, the same episodes again with uniform priors,
-  whose order tries the tactics first, and refinement over both
+  is over the memory limit, the same episodes (and `patience`) again with
+  uniform priors, whose order tries the tactics first, and refinement over both
   searches' plans. Returns (state, score, stats, every plan seen). The
   user's search and the policy benchmark (`policy/compare.py`) both end
   here, so what is measured is what ships."""
@@ -178,7 +181,7 @@ def finish(program: Program, space: ActionSpace, search: mcts.Search,
   if retry and score[0] > 0:
     left = deadline - time.perf_counter()
     again = mcts.Search(program, space, memory_limit, seed)
-    again.run(episodes, max(left, 0.0) * (1 - _REFINE_SHARE))
+    again.run(episodes, max(left, 0.0) * (1 - _REFINE_SHARE), patience=patience)
     seen += [(n.state, n.score) for n in again.table.values()]
     retried = refine.refine_best(program, space, seen, memory_limit,
                                  deadline - time.perf_counter(), _REFINE_TRIES * episodes)

@@ -135,6 +135,7 @@ class Search:
     self.low = self.high = self.root.value  # the range of rewards seen
     self.best = self.root
     self.episodes = self.evaluations = self.episode_of_best = 0
+    self.improved_at: list[int] = []  # the episodes that found a better plan
     self.t0 = time.perf_counter()
     self.seconds_to_best = 0.0
 
@@ -206,6 +207,7 @@ class Search:
     self.table[key] = node
     if better(node.score, self.best.score):
       self.best, self.episode_of_best = node, self.episodes + 1
+      self.improved_at.append(self.episode_of_best)
       self.seconds_to_best = time.perf_counter() - self.t0
     return node
 
@@ -240,11 +242,15 @@ class Search:
     self.episodes += 1
 
   def run(self, episodes: int, seconds: float,
-          progress: Callable[[Search], None] | None = None) -> MCTSResult:
-    """Runs episodes until `episodes` in all or `seconds` since the search
-    was made; `progress` is called after each."""
+          progress: Callable[[Search], None] | None = None,
+          patience: int | None = None) -> MCTSResult:
+    """Runs episodes until `episodes` in all, `seconds` since the search
+    was made, or `patience` episodes in a row without a better plan;
+    `progress` is called after each."""
     deadline = self.t0 + seconds
     while self.episodes < episodes and time.perf_counter() < deadline:
+      if patience is not None and self.episodes - self.episode_of_best >= patience:
+        break
       self.episode()
       if progress is not None:
         progress(self)

@@ -54,18 +54,21 @@ class Hints:
 @dataclasses.dataclass(frozen=True)
 class Budget:
   """How much search to spend: MCTS episodes and wall seconds, whichever
-  runs out first.
+  runs out first, or sooner once the search has converged.
 
   Attributes:
     episodes: MCTS episodes at most.
     seconds: wall seconds at most.
     progress: show a live display of the best plan so far (None: only when
       stderr is a terminal).
+    patience: MCTS ends once this many episodes in a row found no better
+      plan (None: it runs the whole budget). Refinement follows either way.
   """
 
   episodes: int = 200
   seconds: float = 60.0
   progress: bool | None = None
+  patience: int | None = None
 
   def __post_init__(self):
     if (not isinstance(self.episodes, (int, np.integer)) or isinstance(self.episodes, bool)
@@ -78,6 +81,12 @@ class Budget:
           f"Budget.seconds must be a positive number, got {self.seconds!r}.")
     if self.progress not in (None, True, False):
       raise ValueError(f"Budget.progress must be True, False or None, got {self.progress!r}.")
+    if self.patience is not None and (
+        not isinstance(self.patience, (int, np.integer)) or isinstance(self.patience, bool)
+        or self.patience <= 0):
+      raise ValueError(
+          f"Budget.patience must be a positive integer of episodes or None (run the "
+          f"whole budget), got {self.patience!r}.")
 
 
 SEARCHES = ("mcts", "ilp")
