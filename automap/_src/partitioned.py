@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -26,6 +27,9 @@ from automap._src.search.request import SearchOptions, with_keywords
 from automap._src.sharding.mesh import MeshError, MeshSpec
 from automap._src.sharding.topology import compile_only
 
+# INFO: each partitioned function's first call per signature, profiled.
+_log = logging.getLogger("automap")
+
 
 @dataclasses.dataclass
 class _Entry:
@@ -34,6 +38,7 @@ class _Entry:
   jitted: Any  # takes and returns the dynamic (array) leaves
   in_shardings: Any  # NamedShardings on the Auto view of the mesh
   out_shardings: Any  # NamedShardings on the user's mesh
+  called: bool = False  # its first call (compile and first run) is done
 
 
 class Partitioned:
@@ -140,6 +145,7 @@ class Partitioned:
       # so a key and the program it finds agree on what the numbers are.
       traced = planner.trace(fn, args, self.mesh, numbers=None if self._numbers else False,
                                names=self.names)
+      tracing = time.perf_counter() - t0
       if not traced.numbers_traced:  # The program reads its numbers concretely.
         self._numbers = False
         key, dynamic = self._key(args, fn)
@@ -150,6 +156,7 @@ class Partitioned:
                           stated, self.layout is not None and self.layout is not False,
                           compile_plan_for(traced, self.mesh, args))
       plan.timings["plan"] = time.perf_counter() - t0
+      plan.timings["trace"] = tracing
       jitted = apply_lib.jit_with_plan(traced, self.mesh, plan, self.donate_argnums)
       outs = jax.tree.unflatten(traced.out_tree, [
           NamedSharding(self.mesh, s) for s in plan.out_specs])
@@ -169,8 +176,16 @@ class Partitioned:
           "check_numerics=False); run on a mesh of this machine's devices.")
     args, fn = self._positional(args, kwargs)
     entry, dynamic = self._entry(args, fn)
+    t0 = time.perf_counter()
     with jax.set_mesh(self._auto):
       out = entry.jitted(*jax.device_put(dynamic, entry.in_shardings))
+    if not entry.called:
+      entry.called = True
+      if _log.isEnabledFor(logging.INFO):
+        # Waits for the first run only where the profile is asked for.
+        jax.block_until_ready(out)
+        entry.plan.timings["first_call"] = time.perf_counter() - t0
+        _log.info("%s", first_call_profile(_name(self.fn), self.mesh, entry.plan))
     if self._auto is not self.mesh:
       out = jax.device_put(out, entry.out_shardings)  # Same devices: no copy.
     return entry.traced.results(out, dynamic)
@@ -195,6 +210,30 @@ class Partitioned:
   def plan(self) -> Plan | None:
     """The plan of the most recent call's signature."""
     return None if self._last is None else self._last.plan
+
+
+def first_call_profile(name: str, mesh, plan: Plan) -> str:
+  """One line of where a partitioned function's first call spent its
+  seconds (`plan.timings`): tracing, the search (its refinement apart) or
+  the plan cache, the rest of planning (the program's graph and prices,
+  the checks), and the compile with the first run."""
+  timings = plan.timings
+  planning, trace = timings.get("plan", 0.0), timings.get("trace", 0.0)
+  search = timings.get("search", 0.0)
+  parts = [f"trace {trace:.2f} s"]
+  if plan.stats.get("cached"):
+    parts.append(f"plan read from the cache {planning - trace:.2f} s")
+  else:
+    parts += [f"search {search:.2f} s (refinement {timings.get('refine', 0.0):.2f} s)",
+              f"the rest of planning {planning - trace - search:.2f} s"]
+  if "first_call" in timings:
+    parts.append(f"compile and first run {timings['first_call']:.2f} s")
+  shape = "x".join(str(n) for n in dict(mesh.shape).values())
+  return f"automap: {name} on a {shape} mesh, first call: " + ", ".join(parts)
+
+
+def _name(fn: Callable) -> str:
+  return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
 def _argnums(donate_argnums) -> tuple[int, ...]:

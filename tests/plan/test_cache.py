@@ -1,6 +1,7 @@
 """The plan cache: hits, misses, corruption, concurrency, opting out."""
 
 import json
+import logging
 import os
 import threading
 
@@ -23,6 +24,23 @@ def _program():
 def _partition(folder, **kw):
   return automap.partition(mlp, mesh=mesh((4, 2)), hardware="cpu", cache=folder,
                            budget=automap.Budget(episodes=30), **kw)
+
+
+def test_each_first_call_logs_where_its_seconds_went(tmp_path, caplog):
+  fn, args = _program()
+  caplog.set_level(logging.INFO, logger="automap")
+  cold = _partition(tmp_path)
+  cold(*args)
+  cold(*args)  # a signature's second call logs nothing
+  _partition(tmp_path)(*args)  # a plan-cache hit
+  cold, hit = [r.getMessage() for r in caplog.records if r.name == "automap"]
+  assert cold.startswith("automap: mlp on a 4x2 mesh, first call: trace ")
+  assert "search " in cold and "compile and first run " in cold and "cache" not in cold
+  assert "plan read from the cache" in hit and "search" not in hit
+  caplog.clear()
+  caplog.set_level(logging.WARNING, logger="automap")
+  _partition(tmp_path)(*args)
+  assert not caplog.records  # not asked for: no profile, and no wait for the run
 
 
 def test_a_second_run_loads_the_plan_instead_of_searching(tmp_path):
