@@ -53,8 +53,10 @@ def _plans_in_subprocesses(paths, seed: int, search: str, hash_seeds) -> list[by
   return [path.read_bytes() for path in paths]
 
 
-@pytest.mark.heavy
-@pytest.mark.parametrize("search", ["mcts", pytest.param("ilp", marks=pytest.mark.slow)])
+# Minutes of fresh processes: the slow tier's. A seed's plan is checked
+# byte for byte within a process by test_search_is_deterministic_for_a_seed.
+@pytest.mark.slow
+@pytest.mark.parametrize("search", ["mcts", "ilp"])
 def test_same_seed_gives_byte_identical_plans_across_processes(tmp_path, search):
   plan_of(search, seed=3).save(tmp_path / "here.json")
   # String hashing differs between the two processes: no set or dict order

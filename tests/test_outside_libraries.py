@@ -73,6 +73,7 @@ def test_outside_train_step_runs_first_try_and_prices_the_experts_as_compiled(bu
       assert predicted.peak_memory == pytest.approx(peak, rel=0.15), name
 
 
+@pytest.mark.heavy
 def test_dots_policy_keeps_what_jax_saves_of_huggingface_gpt2():
   """HuggingFace's Flax GPT-2 (two blocks, named transformer/h/<i>): the
   bytes the "dots" recompute mode keeps are the dot_general outputs JAX

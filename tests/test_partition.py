@@ -58,8 +58,10 @@ def test_plan_of_a_train_step_is_faithful(shape):
   assert report.traffic_error < 0.15, report.table()  # XLA's bytes accessed
 
 
+# The search's guard against the experts is also checked, compiled, by
+# test_a_search_is_never_worse_than_the_experts_with_remat_layers_as_compiled.
 @pytest.mark.heavy
-@pytest.mark.parametrize("shape", meshes_but((4, 2)))
+@pytest.mark.parametrize("shape", meshes_but())
 def test_plan_is_never_worse_than_data_parallelism(shape):
   step, args = gpt_step()
   m = mesh(shape)

@@ -148,7 +148,7 @@ def _sgd_step(model, x):
   return step, (params, tx.init(params), x)
 
 
-@pytest.mark.heavy
+@pytest.mark.slow  # the same blocks as the GPT's, over patches: minutes of compile
 def test_vision_transformer_train_step():
   import flax.linen as nn
 

@@ -111,6 +111,7 @@ def test_a_loop_is_one_instruction_of_the_schedule():
     assert (np.diff(at[body]) == 1).all()
 
 
+@pytest.mark.heavy
 def test_gradients_are_reduced_in_windows_of_the_combiners_limit():
   """On XLA:GPU each gradient's reduction joins a window of at most 30 MiB
   of results, held until the window's last gradient is made; on XLA:CPU

@@ -15,7 +15,9 @@ from automap._src.plan import build, planner
 from automap._src.search.actions import ActionSpace
 
 
-@pytest.mark.parametrize("shape,names", [((8,), ("context",)), ((2, 4), ("data", "context"))])
+@pytest.mark.heavy
+@pytest.mark.parametrize("shape,names", [pytest.param((8,), ("context",), marks=pytest.mark.slow),
+                                         ((2, 4), ("data", "context"))])
 def test_a_sequence_split_over_an_axis_compiles_to_the_collectives_priced(shape, names):
   step, args = gpt_step()
   mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
@@ -37,6 +39,7 @@ def test_a_sequence_split_over_an_axis_compiles_to_the_collectives_priced(shape,
   assert report.comm_error < 0.01, report.table()
 
 
+@pytest.mark.heavy
 def test_inside_a_rematerialised_layer_attention_is_laid_out_as_xla_propagates():
   # A remat'd layer's insides are XLA's to lay out from what the plan pins
   # around them; where queries and keys both arrive split on the sequence,

@@ -32,6 +32,7 @@ def auto_mesh(shape, names):
 MESH = auto_mesh((2, 4), ("data", "expert"))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("slots", [2, 24])
 def test_both_dispatches_compute_the_layer_token_by_token(slots):
   # Each token's output is its chosen experts' MLPs, weighted by the gate,
@@ -141,6 +142,7 @@ def test_expert_parallelism_composes_with_the_other_tactics(name):
     assert report.compiled_comm_bytes[key] == pytest.approx(nbytes, rel=0.05), key
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("dispatch", sorted(moe.DISPATCH))
 def test_a_search_lays_the_experts_over_one_axis_and_the_batch_over_the_other(dispatch):
   # Enough tokens that splitting them pays: the search's plan is expert
@@ -192,7 +194,9 @@ def test_expert_parallel_compiles_to_the_collectives_priced(dispatch, shape, nam
   assert report.compiled_memory == pytest.approx(plan.cost.peak_memory, rel=0.15)
 
 
-@pytest.mark.parametrize("dispatch", sorted(moe.DISPATCH))
+@pytest.mark.heavy
+@pytest.mark.parametrize("dispatch", [pytest.param(d, marks=pytest.mark.slow) if d == "sorted"
+                                      else d for d in sorted(moe.DISPATCH)])
 def test_a_search_is_never_beaten_by_expert_parallelism_on_time_and_memory(dispatch):
   # Judged on the compiled programs alone: XLA's FLOPs and bytes at the
   # hardware's peaks plus a ring per compiled collective, and the compiled

@@ -231,7 +231,9 @@ def test_a_reductions_strategy_is_its_operands_layout_as_priced():
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("layouts", ["data parallel", "megatron", "fsdp"])
+@pytest.mark.parametrize("layouts", [
+    "data parallel", pytest.param("megatron", marks=pytest.mark.slow),
+    pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_linear_overlap_model_is_checked_against_the_schedule(layouts):
   """On tpu-v4 the solver minimises a linear model of the overlapped
   schedule (`StepTime.objective`): compute + blocking communication +

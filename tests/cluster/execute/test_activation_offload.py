@@ -45,6 +45,7 @@ def test_offload_keeps_full_recomputes_device_memory_and_reruns_less():
   assert none.time <= offload.time < full.time
 
 
+@pytest.mark.heavy
 def test_offload_is_refused_where_it_cannot_be_priced_or_names_nothing():
   with pytest.raises(cluster.PlacementError, match="state both or neither"):
     cluster.ClusterConfig(**SPLIT, offload_activations=PROJECTIONS)

@@ -77,6 +77,7 @@ def test_context_parallel_plans_match_the_jitted_step_and_their_price(config, te
   assert_as_priced(checks)
 
 
+@pytest.mark.heavy
 @pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
 def test_the_stage_mesh_puts_the_tensor_group_minor():
   # As the planner's stage mesh lays a stage's width devices: (context,

@@ -71,6 +71,7 @@ def test_a_split_the_blocks_cannot_carry_is_refused_before_any_search(monkeypatc
     cluster.price_cluster(loss, params, *batch, config=config, global_batch=32, hardware="cpu")
 
 
+@pytest.mark.heavy
 def test_a_split_into_as_many_chunks_as_blocks_prices():
   loss, params, batch = gpt_step(4)
   config = cluster.ClusterConfig(pipeline=2, virtual_stages=2, schedule="interleaved")
@@ -215,6 +216,7 @@ def test_a_plan_leaving_the_stated_tensor_group_whole_is_flagged():
   assert "model" in held.shardings[2]["0/block_0/mlp/wi/kernel"]
 
 
+@pytest.mark.heavy
 def test_stated_sequence_parallelism_prices_megatrons_layout_where_it_is_faster():
   """A transformer whose matmuls outweigh its weights' traffic: under
   sequence-parallel pins the search at the stated width leaves most weights
@@ -257,6 +259,7 @@ def test_stated_sequence_parallelism_prices_megatrons_layout_where_it_is_faster(
   assert plan.time <= searched.time
 
 
+@pytest.mark.heavy
 def test_stated_tensor_parallelism_never_prices_over_memory_where_megatron_fits():
   """A small transformer whose search at the stated width, with memory to
   spare, keeps every weight whole: held to a limit only Megatron-LM's
