@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 from collections.abc import Mapping
 
 import numpy as np
@@ -142,7 +143,14 @@ class Program:
     return Propagator(self.graph, self.mesh, self.fixed)
 
   def initial_state(self) -> State:
-    """The pinned layouts, propagated."""
+    """The pinned layouts, propagated: a copy of the one state every
+    search, tactic and featurizer of this program starts from."""
+    return self._initial.copy()
+
+  @functools.cached_property
+  def _initial(self) -> State:
+    # Propagated once per program (a whole sweep of the graph); a program
+    # with other pins is another Program (`dataclasses.replace`).
     state = self.pinned.copy()
     self.propagator().seed_all(state)
     return state
