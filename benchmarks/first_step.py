@@ -19,6 +19,7 @@ cores, running the partitioned step takes seconds of its own), and
 automap's split (`Plan.timings`: trace and plan, search, refine).
 
   python benchmarks/first_step.py [--layers 8,32,64,128] [--kinds unrolled,scanned,pipelined]
+  python benchmarks/first_step.py --hit-parts --kinds scanned --layers 8,32
 """
 
 from __future__ import annotations
@@ -65,6 +66,36 @@ def unpipelined(layers: int, scanned: bool) -> dict:
           "timings": dict(planned.plan.timings)}
 
 
+def hit_parts(layers: int, scanned: bool) -> dict:
+  """A plan-cache hit taken apart, each part timed alone: the trace, plan
+  read and lowering (`Partitioned.lower`), the arguments' placement on the
+  compiled program's input shardings (first and again), the compile, and
+  two runs of the compiled step; `jax.jit(step)`'s first and second calls
+  beside it."""
+  config = zoo.LlamaConfig(embed=256, mlp=512, layers=layers, unrolled=not scanned)
+  step, args = zoo.llama_train_step(config, constrained=False)
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  out = {}
+  with tempfile.TemporaryDirectory() as cache:
+    automap.search(step, *args, mesh=mesh, cache=cache)  # fills the cache
+    planned = automap.partition(step, mesh=mesh, cache=cache)
+    t = time.perf_counter()
+    lowered = planned.lower(*args)
+    out["lower"] = time.perf_counter() - t
+  t = time.perf_counter()
+  compiled = lowered.compile()
+  out["compile"] = time.perf_counter() - t
+  shardings = compiled.input_shardings[0]
+  out["place"] = _timed(jax.device_put, args, shardings)
+  out["place_again"] = _timed(jax.device_put, args, shardings)
+  placed = jax.device_put(args, shardings)
+  out["run"] = _timed(compiled, *placed)
+  out["run_again"] = _timed(compiled, *placed)
+  jit = jax.jit(step)
+  out["jit"], out["jit_run"] = _timed(jit, *args), _timed(jit, *args)
+  return out
+
+
 def pipelined(layers: int) -> dict:
   """`price_cluster` and the first `train_step` call of a 2-stage plan of a
   scanned llama, beside the unpipelined jitted step's first call."""
@@ -94,7 +125,21 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--layers", default="8,32,64,128")
   parser.add_argument("--kinds", default="unrolled,scanned,pipelined")
+  parser.add_argument("--hit-parts", action="store_true",
+                      help="take a plan-cache hit apart instead (scanned and unrolled kinds)")
   args = parser.parse_args()
+  if args.hit_parts:
+    print("| step | layers | trace, plan read, lower s | first placement s (again) | compile s "
+          "| partitioned run s: first, second | jax.jit: first call, second s |")
+    print("|---|---|---|---|---|---|---|")
+    for kind in args.kinds.split(","):
+      for layers in map(int, args.layers.split(",")):
+        if kind != "pipelined":
+          r = hit_parts(layers, kind == "scanned")
+          print(f"| {kind} | {layers} | {r['lower']:.2f} | {r['place']:.2f} "
+                f"({r['place_again']:.2f}) | {r['compile']:.2f} | {r['run']:.2f}, "
+                f"{r['run_again']:.2f} | {r['jit']:.2f}, {r['jit_run']:.2f} |", flush=True)
+    return
   print("| step | layers | jax.jit first call s | automap first call s | automap / jax.jit | "
         "less a step's run: jax.jit, automap, ratio | cache hit s | hit's wait over jax.jit's s "
         "| automap's split |")
