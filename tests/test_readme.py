@@ -55,7 +55,8 @@ def test_readme_links_to_files_that_exist():
   assert not missing, f"README.md links to missing files: {missing}"
 
 
-@pytest.mark.heavy
+# CI builds the site strictly as a step of its own (.ci/run), before the tests.
+@pytest.mark.slow
 def test_docs_build_strict(tmp_path):
   needed = ("mkdocs", "material", "mkdocstrings", "mkdocs_jupyter")
   absent = [name for name in needed if importlib.util.find_spec(name) is None]

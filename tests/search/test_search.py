@@ -230,7 +230,8 @@ def test_under_a_memory_limit_the_default_ends_no_worse_than_the_other_priors():
   assert finals["learned"] <= 1.01 * min(finals["uniform"], finals["lookahead"]), finals
 
 
-@pytest.mark.heavy
+# devices= at scale, over the shapes large runs use, stays in the default tier.
+@pytest.mark.slow
 def test_devices_tries_every_mesh_shape_and_keeps_the_best():
   assert mesh_shapes(8) == [(8,), (2, 4), (4, 2), (2, 2, 2)]
   assert mesh_shapes(1) == [(1,)] and mesh_shapes(6) == [(6,), (2, 3), (3, 2)]
