@@ -8,6 +8,12 @@ import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+# LLVM's optimisation of XLA:CPU's kernels is most of a test's compile, and
+# nothing a test reads: the compiled HLO's collectives, `memory_analysis()`
+# and `cost_analysis()` come from XLA's passes before it (the same bytes at
+# either level), and numerics are compared with jax.jit's, compiled alike.
+if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 # XLA:TPU's compiler (libtpu, the `tpu` extra) compiles for TPU topologies
 # here; the tests run on CPU devices, and two workers may hold libtpu at once.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

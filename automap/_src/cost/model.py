@@ -189,6 +189,12 @@ class CostModel:
     # The analysis's arrays the search and the reports read off the model.
     self.start, self.end, self.resident, self.temporary = a.start, a.end, a.resident, a.temporary
     self.dead, self.late, self.free, self.op_class = a.dead, a.late, a.free, a.op_class
+    # Per op, as Python values: read once per collective in the search's
+    # inner loop (`combined`, `copy_key`), where a numpy scalar read costs
+    # more than the lookup itself.
+    self._late = [bool(x) for x in a.late]
+    self._copy_where = [(o if p == "scan_slice" else -1, int(r), int(b)) for o, (p, r, b)
+                        in enumerate(zip(graph.prims, graph.regions, graph.barriers))]
     # [kinds, masks] seconds of latency of one collective.
     self.latency = np.array(
         [[self.comm_time(k, m, 0.0) for m in range(self.masks)] for k in range(len(KINDS))])
@@ -219,10 +225,9 @@ class CostModel:
     branch and while body its own), each loop its own of what it scans, and
     a recomputation behind an optimization barrier its own: remat gathers
     FSDP's weights again for the backward."""
-    g = self.graph
-    loop = o if g.prims[o] == "scan_slice" else -1
-    return (g.operands[o][position], kind, mask, target, nbytes, loop, int(g.regions[o]),
-            int(g.barriers[o]))
+    loop, region, barrier = self._copy_where[o]
+    return (self.graph.operands[o][position], kind, mask, target, nbytes, loop, region,
+            barrier)
 
   def comm_time(self, kind: int, mask: int, nbytes: float) -> float:
     """Seconds of a collective of `kind` over the axes in `mask`, `nbytes`
@@ -250,7 +255,7 @@ class CostModel:
     """Whether op o's plain collective of `kind` joins the one its kind's
     late collectives are combined into (`analysis.late_ops`), paying one
     latency for all: late, and a kind the compiler combines."""
-    return bool(self.late[o]) and kind in self.compiler.combines
+    return self._late[o] and kind in self.compiler.combines
 
   def send_time(self, mask: int, nbytes: float) -> float:
     """Seconds for each device to send `nbytes` to another over the axes in
