@@ -81,7 +81,9 @@ def test_a_module_with_static_fields_runs_as_written():
   want_new, want_loss = _step(layer, X, 2.0)  # eagerly: jax.jit takes no functions
   # Static leaves come back as they went in; arrays as the program computes them.
   assert new.activation is jax.nn.gelu and new.name == "dense" and new.heads == 4
-  np.testing.assert_allclose(new.weight, want_new.weight, rtol=1e-5, atol=1e-6)
+  # Eager ops against one compiled program: float32 rounding of the batch's
+  # gradient sum, a few 1e-6 on weights of order one.
+  np.testing.assert_allclose(new.weight, want_new.weight, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   # The head count shaped the program, so the numbers are static: one plan each.
   assert step.plan.in_paths == ("0/weight", "1")
