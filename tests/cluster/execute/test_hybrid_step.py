@@ -5,6 +5,8 @@ bytes against the plan's price."""
 
 from __future__ import annotations
 
+import logging
+
 import optax
 import pytest
 from helpers import stated_run
@@ -55,8 +57,15 @@ def assert_zero_within_groups(step, groups, group):
 
 @pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
 @pytest.mark.heavy
-def test_zero1_within_two_groups_of_four_replicas_matches_the_jitted_step():
+def test_zero1_within_two_groups_of_four_replicas_matches_the_jitted_step(caplog):
+  caplog.set_level(logging.INFO, logger="automap")
   plan, step, checks = run_and_check(data=8, zero=1, shard_group=4)
+  # With the automap logger at INFO, each program's first call is profiled, once.
+  profiled = [r.getMessage() for r in caplog.records
+              if "pipeline program" in r.getMessage()]
+  assert len(profiled) == len(step.programs) > 0
+  assert any(m.startswith("automap: pipeline program update of stage 0, first call")
+             for m in profiled)
   assert plan.placement.shard_group == 4 and plan.placement.data_parallel == 8
   assert_zero_within_groups(step, groups=2, group=4)
   assert_as_priced(checks)

@@ -35,6 +35,7 @@ devices, a pipeline replica living in one process (`stage_layouts.place`).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -58,6 +59,9 @@ from automap._src.cluster.schedule import timetable as pipeline_schedule
 from automap._src.cost.hardware import Hardware
 from automap._src.ir import stacks
 from automap._src.ir.trace import path_str
+
+# INFO: each pipeline program's first call (its compile and first run).
+_log = logging.getLogger("automap")
 
 DATA = stage_layouts.DATA
 _ATTENTION = "automap.attention_scores"  # what selective recompute drops
@@ -313,6 +317,14 @@ class PipelineStep:
     if key not in self.programs:
       self.programs[key] = (program, jax.tree.map(
           lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), args))
+      if _log.isEnabledFor(logging.INFO):
+        # Each program's first call compiles it: timed (its run waited for)
+        # only while the profile is asked for.
+        began = time.perf_counter()
+        out = jax.block_until_ready(program(*args))
+        _log.info("automap: pipeline program %s, first call (compile and run): %.2f s",
+                  _describe(key, self.cut.chunks), time.perf_counter() - began)
+        return out
     return program(*args)
 
   def compile_stages(self, hardware: str | Hardware | None = None) -> list[StageCompile]:
@@ -348,4 +360,14 @@ class PipelineStep:
             + self.timetable.render())
 
 
+def _describe(key: tuple, chunks) -> str:
+  """A program's key in words: ("backward", 3, True) -> "backward of chunk 3
+  (stage 1, the stage's last)"."""
+  if key[0] == "update":
+    return f"update of stage {key[1]}"
+  where = f"{key[0]} of chunk {key[1]} (stage {chunks[key[1]].stage}"
+  return where + (", the stage's last)" if key[0] == "backward" and key[2] else ")")
+
+
 __all__ = ["PipelineState", "PipelineStep"]
+
