@@ -32,30 +32,23 @@ import os
 import re
 import statistics
 import time
-import types
 import warnings
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
+from limits import HARDWARE, data_parallel  # noqa: E402  (the same yardstick)
 
 import automap  # noqa: E402
-from automap import referee, zoo  # noqa: E402
+from automap import zoo  # noqa: E402
 
 MESHES = ((4, 2), (2, 2, 2))
 PRIORS = ("learned", "uniform")
-HARDWARE = "tpu-v4"
 FIT = ("MLP", "GPT")  # families the learned filter trained on: they choose
 
 
 def split_of(name: str) -> str:
   return "fit" if name.startswith(FIT) else "validation"
-
-
-def half_of_data_parallel(step, args, mesh) -> float:
-  program = types.SimpleNamespace(fn=step, args=args, names=None)
-  experts, _ = referee.expert_specs(program, mesh, automap.HARDWARE[HARDWARE])
-  return 0.5 * experts["data parallel"][2].peak_memory
 
 
 def search(step, args, mesh, limit, prior: str, patience: int | None) -> dict:
@@ -138,7 +131,7 @@ def main():
   for key, name, build, shape, which in rows(opts.rows):
     step, args = build()
     mesh = jax.sharding.AbstractMesh(shape, ("data", "model", "seq")[:len(shape)])
-    limit = "device" if which == "device" else half_of_data_parallel(step, args, mesh)
+    limit = "device" if which == "device" else 0.5 * data_parallel(step, args, mesh).peak_memory
     for prior in PRIORS:
       if (key, prior) in seen:
         continue

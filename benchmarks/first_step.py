@@ -47,12 +47,18 @@ def _timed(fn, *args):
   return time.perf_counter() - t
 
 
+def _llama_step(layers: int, scanned: bool):
+  """The unpipelined rows' llama train step (width 256), its arguments and
+  the (4, 2) mesh."""
+  config = zoo.LlamaConfig(embed=256, mlp=512, layers=layers, unrolled=not scanned)
+  step, args = zoo.llama_train_step(config, constrained=False)
+  return step, args, jax.make_mesh((4, 2), ("data", "model"))
+
+
 def unpipelined(layers: int, scanned: bool) -> dict:
   """A llama train step's first call, partitioned and jitted; and
   partitioned over a warm plan cache."""
-  config = zoo.LlamaConfig(embed=256, mlp=512, layers=layers, unrolled=not scanned)
-  step, args = zoo.llama_train_step(config, constrained=False)
-  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  step, args, mesh = _llama_step(layers, scanned)
   jit = jax.jit(step)
   jitted = _timed(jit, *args)
   jit_run = _timed(jit, *args)
@@ -72,9 +78,7 @@ def hit_parts(layers: int, scanned: bool) -> dict:
   compiled program's input shardings (first and again), the compile, and
   two runs of the compiled step; `jax.jit(step)`'s first and second calls
   beside it."""
-  config = zoo.LlamaConfig(embed=256, mlp=512, layers=layers, unrolled=not scanned)
-  step, args = zoo.llama_train_step(config, constrained=False)
-  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  step, args, mesh = _llama_step(layers, scanned)
   out = {}
   with tempfile.TemporaryDirectory() as cache:
     automap.search(step, *args, mesh=mesh, cache=cache)  # fills the cache

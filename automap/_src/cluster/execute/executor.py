@@ -370,4 +370,3 @@ def _describe(key: tuple, chunks) -> str:
 
 
 __all__ = ["PipelineState", "PipelineStep"]
-
