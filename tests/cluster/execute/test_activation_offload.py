@@ -81,7 +81,9 @@ def test_offloaded_activations_run_in_pinned_host_memory_and_train_as_jitted():
     outs = zip(jax.tree.leaves(compiled.output_shardings), jax.tree.leaves(compiled.out_info))
     host = [info for sharding, info in outs if sharding.memory_kind == "pinned_host"]
     layers = sum(name.startswith("layers_") for name in stage.layers)
-    assert len(host) == 4 * layers
+    # The four named projections, each stacked over the stage's layers (the
+    # layers run as one scan), replicas first.
+    assert len(host) == 4 and {info.shape[1] for info in host} == {layers}
     nbytes = sum(np.prod(i.shape) * i.dtype.itemsize for i in host) / SPLIT["data"]
     assert nbytes == layers * per_layer
     assert "S(5)" in compiled.as_text()

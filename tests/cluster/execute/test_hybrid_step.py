@@ -51,7 +51,7 @@ def assert_zero_within_groups(step, groups, group):
   layout = step.layout
   (i, k) = next((i, k) for i, k in layout.zdim[0].items() if k is not None)
   sharding = layout.grad_sharding(0, i)
-  shape = layout.param_avals[i].shape
+  shape = layout.slot_avals[i].shape
   assert sharding.shard_shape(shape)[k] == shape[k] // group
 
 

@@ -6,6 +6,8 @@ bytes against the plan's price."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -58,12 +60,36 @@ def test_scanned_llama_runs_as_its_layers_at_pipeline2_tensor2_data2():
   plan, step = run_and_check(loss, params, batch, **MEGATRON)
   assert stage_layers(plan) == [("token_embedder", "layers_0", "layers_1"),
                                 ("layers_2", "layers_3", "decoder_norm", "logits_dense")]
-  # Each stage holds its own layers' slices of each stacked weight, no more.
+  # Each stage holds its own layers' slices of each stacked weight, no more,
+  # each weight's slice as one stacked leaf that its scan reads whole.
+  layout = step.layout
   paths = [jax.tree_util.keystr(k) for k, _ in
            jax.tree_util.tree_flatten_with_path(step.stacks.split(params))[0]]
-  held = [{paths[i][-3:] for i in step.stage_params[s] if paths[i].startswith("['layers']")}
+  held = [{paths[i][-3:] for slot in step.stage_params[s]
+           for i in layout.members.get(slot, (slot,)) if paths[i].startswith("['layers']")}
           for s in (0, 1)]
   assert held == [{"[0]", "[1]"}, {"[2]", "[3]"}]
+  for s in (0, 1):
+    layers = [i for i in step.stage_params[s] if paths[i].startswith("['layers']")]
+    assert layers and all(len(layout.members[i]) == 2 for i in layers)
+    assert all(layout.slot_avals[i].shape[0] == 2 for i in layers)
+
+
+@pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
+def test_a_stages_programs_take_as_many_arguments_at_any_depth():
+  """A stage's scanned layers reach its programs as one stacked argument
+  per weight: four times the layers, the same programs' arguments (what
+  keeps a stage's compile from growing with its depth)."""
+  def arguments(layers):
+    loss, params, batch = zoo.llama_loss(dataclasses.replace(LLAMA, layers=layers))
+    plan = cluster.price_cluster(loss, params, *batch, config=cluster.ClusterConfig(
+        pipeline=2, data=4, microbatch=2), global_batch=BATCH, hardware="cpu", budget=BUDGET)
+    step = plan.train_step(loss, TX, params, *batch)
+    assert [s.recompute_mode for s in plan.placement.stages] == ["none", "none"]
+    return [len(slots) for slots in step.chunk_programs.slots], [
+        len(held) for held in step.stage_params]
+
+  assert arguments(4) == arguments(16)
 
 
 @pytest.mark.filterwarnings("ignore::automap.cluster.ReplicatedWeightsWarning")
@@ -75,7 +101,6 @@ def test_scanned_llama_runs_as_its_layers_at_pipeline2_tensor2_data2():
     (True, dict(MEGATRON, schedule="interleaved", virtual_stages=2, microbatch=2)),
 ], ids=["tied-full-recompute", "full-every-2nd", "interleaved", "tied-interleaved"])
 def test_scanned_llama_tied_and_interleaved_match_the_jitted_step(tied, config):
-  import dataclasses
   loss, params, batch = zoo.llama_loss(dataclasses.replace(LLAMA, tied=tied))
   plan, _ = run_and_check(loss, params, batch, **config)
   stages = stage_layers(plan)

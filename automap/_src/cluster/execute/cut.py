@@ -136,7 +136,9 @@ class Cut:
       segment, after = c.segments[k], needed_after[k]
       if k in rolled:
         run, n = rolled[k], len(rolled[k].stacked)
-        self._scan(c, run, env, tag, wrap, None if stacks is None else stacks[used:used + n])
+        own = own_remat and self._remats(segment)
+        self._scan(c, run, env, tag, None if own else wrap,
+                   None if stacks is None else stacks[used:used + n])
         k, used = k + run.count, used + n
         continue
       if wrap is None or k % every or (own_remat and self._remats(segment)):
@@ -186,6 +188,34 @@ class Cut:
     c = self.chunks[index]
     at = {self.param_ids[i]: k for k, i in enumerate(c.params)}
     return tuple(tuple(at[i] for i in ids) for r in self.rolled[index] for ids in r.stacked)
+
+  def held_stacked(self, index: int) -> tuple[tuple[int, ...], ...]:
+    """Chunk `index`'s stacks (`stacked`, in its order) that nothing outside
+    their run reads, as the flat parameter indices of their layers' leaves:
+    what a step's state may hold as one stacked leaf, the run's scan reading
+    it whole and its gradient coming back stacked."""
+    c = self.chunks[index]
+    out = []
+    for r in self.rolled[index]:
+      inside = {o for segment in c.segments[r.first:r.first + r.count] for o in segment}
+      for ids in r.stacked:
+        if all(self._param_readers[i] <= inside for i in ids):
+          out.append(tuple(self._param_leaf[i] for i in ids))
+    return tuple(out)
+
+  @functools.cached_property
+  def _param_leaf(self) -> dict[int, int]:
+    return {v: k for k, v in enumerate(self.param_ids)}
+
+  @functools.cached_property
+  def _param_readers(self) -> dict[int, set[int]]:
+    """Parameter value id -> the ops reading it."""
+    readers: dict[int, set[int]] = {i: set() for i in self.param_ids}
+    for o, op in enumerate(self.ops):
+      for i in op.ins:
+        if i in readers:
+          readers[i].add(o)
+    return readers
 
   def _scan(self, chunk: Chunk, run: rolled_lib.Run, env: dict, tag: Callable,
             wrap: Callable | None, stacks: Sequence | None) -> None:

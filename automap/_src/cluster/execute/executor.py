@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding
 from automap._src.cluster.errors import PlacementError
 from automap._src.cluster.execute import cut as cut_lib
 from automap._src.cluster.execute import stage_compile, stage_layouts
-from automap._src.cluster.execute.programs import ChunkPrograms
+from automap._src.cluster.execute.programs import ChunkPrograms, rolls
 from automap._src.cluster.execute.stage_compile import StageCompile
 from automap._src.cluster.execute.step_state import PipelineState, StateLayout
 from automap._src.cluster.placement import slices
@@ -152,11 +152,14 @@ class PipelineStep:
       params = abstract
     self.cut = cut_lib.cut(loss_fn, abstract, local, p)
     chunks = self.cut.chunks
-    self.layout = StateLayout(plan, optimizer, params, chunks, self.meshes)
+    modes = [stage.recompute_mode for stage in p.stages]
+    # A rolled run's layers are held stacked where its stage runs it as a scan.
+    stacked = [group for c in chunks if rolls(p.zero, p.recompute_every)
+               for group in self.cut.held_stacked(c.index)]
+    self.layout = StateLayout(plan, optimizer, params, chunks, self.meshes, stacked)
     self.stage_params, self.owner = self.layout.stage_params, self.layout.owner
     self.param_avals = self.layout.param_avals
-    self.chunk_programs = ChunkPrograms(self.cut, self.layout,
-                                        [s.recompute_mode for s in p.stages], self.M, self.meshes,
+    self.chunk_programs = ChunkPrograms(self.cut, self.layout, modes, self.M, self.meshes,
                                         p.offload_activations, p.recompute_every)
     widths = [stage.width for stage in p.stages]
     batch_paths = [path_str(k) for k, _ in jax.tree_util.tree_flatten_with_path(
@@ -260,7 +263,7 @@ class PipelineStep:
       chunk = chunks[c]
       s = chunk.stage
       mesh = self.meshes[s]
-      params = [state.params[s][i] for i in chunk.params]
+      params = [state.params[s][i] for i in self.chunk_programs.slots[c]]
       if work.phase == "forward":
         batch_in = [stage_layouts.place(micro[m][i], stage_layouts.rows(
             mesh, self.plan.microbatch * self.d, self.split_batch[s], micro[m][i].shape))
@@ -287,12 +290,14 @@ class PipelineStep:
         cots = [stage_layouts.sum_on(p, self._arrival(s, (self.d, *aval.shape)), aval)
                 for p, aval in zip(parts, self.chunk_programs.send_avals(c))]
         final = work == self.last_work[s]
-        ids = self.stage_params[s] if final else list(chunk.params)
+        ids = self.stage_params[s] if final else self.chunk_programs.slots[c]
         grads, back = made = self._call(("backward", c, final), self.backward(c, final),
                                         params, batch_in, received, rest, cots,
                                         [acc[s][i] for i in ids])
         if final:
-          reduced[s] = dict(zip(ids, grads))
+          # The accumulators die here: a donated one XLA did not reuse for
+          # an output would otherwise stay alive beside the reduced grads.
+          reduced[s], acc[s] = dict(zip(ids, grads)), {}
         else:
           acc[s].update(zip(ids, grads))
         inexact = [i for i, r in zip(chunk.receives, self.chunk_programs.receive_avals(c))

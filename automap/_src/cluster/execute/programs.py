@@ -24,6 +24,11 @@ attention's scores and softmax (`cut.Cut.attention_scores`), "offload" sends
 the values named by the plan's `offload_activations` to pinned host memory
 and rebuilds the rest (`save_and_offload_only_these_names`). Every program is
 compiled once and reused for every microbatch.
+
+A program takes the parameters as the state holds them (`StateLayout`'s
+slots): a rolled run's layers held stacked are one argument, its scan's
+input as it is, and their gradient comes back stacked; any other run's layers
+are stacked inside the program.
 """
 
 from __future__ import annotations
@@ -66,6 +71,19 @@ class ChunkPrograms:
     self.M, self.d, self.zero = microbatches, layout.d, layout.zero
     self.meshes, self.stage_params, self.zdim = list(meshes), layout.stage_params, layout.zdim
     self.attention = cut.attention_scores()
+    # Per chunk, the slots it reads (in the order of its parameters' first
+    # leaves), and per stack its rolled runs read, the slot holding it or
+    # None (stacked in the program from its leaves).
+    self.slots: list[list[int]] = []
+    self._stack_slots: list[list[int | None]] = []
+    for c, chunk in enumerate(cut.chunks):
+      self.slots.append(list(dict.fromkeys(layout.slot_of[i][0] for i in chunk.params)))
+      held = []
+      for positions in self._stacked(c):
+        head = layout.slot_of[chunk.params[positions[0]]][0]
+        members = tuple(chunk.params[k] for k in positions)
+        held.append(head if layout.members.get(head) == members else None)
+      self._stack_slots.append(held)
     self._fwd: dict[int, Callable] = {}
     self._bwd: dict[tuple[int, bool], Callable] = {}
     self._residuals: dict[int, tuple] = {}
@@ -96,7 +114,7 @@ class ChunkPrograms:
     rows, its batch leaves bound: what is differentiated."""
     chunk = self.cut.chunks[c]
     s = chunk.stage
-    zdims = [self.zdim[s][i] for i in chunk.params]
+    zdims = [self.zdim[s][i] for i in self.slots[c]]
     zaxis = stage_layouts.zero_axis(self.meshes[s])
     tag_attention = self.modes[s] == "selective"
 
@@ -113,40 +131,65 @@ class ChunkPrograms:
     wrap = functools.partial(jax.checkpoint, policy=policy) if per_layer else None
 
     def make(batch):
-      def f(params, received, stacks):
+      def f(slots, received, made):
         if self.zero >= 3:
-          params = [p if k is None else jax.lax.all_gather(p, zaxis, axis=k, tiled=True)
-                    for p, k in zip(params, zdims)]
+          slots = [p if k is None else jax.lax.all_gather(p, zaxis, axis=k, tiled=True)
+                   for p, k in zip(slots, zdims)]
+        params, stacks = self._expand(c, slots, made)
         return self.cut.run(c, params, batch, received, tag, wrap=wrap, every=self.every,
-                            stacks=stacks, roll=self._rolls(s),
+                            stacks=stacks, roll=rolls(self.zero, self.every),
                             own_remat=self.modes[s] == "selective")
 
       return f if policy is None or per_layer else jax.checkpoint(f, policy=policy)
 
     return make
 
-  def _rolls(self, s: int) -> bool:
-    """Whether stage s runs its runs of identical layers as scans
-    (`cut.Cut.rolled`): where each layer keeps everything or only its
-    input ("none", "full"), so that a scan keeps what the layers unrolled
-    keep. Under "selective", "dots" and "offload", whose policies save values
-    inside a layer, and under ZeRO 3 or recompute every k-th layer, its
-    layers run unrolled."""
-    return self.modes[s] in ("none", "full") and self.zero < 3 and self.every == 1
-
   def _stacked(self, c: int) -> tuple[tuple[int, ...], ...]:
-    """Chunk c's parameters its rolled runs read stacked (`cut.Cut.stacked`),
-    stacked by each program from the layers' own leaves so that the stack
-    is never a residual kept per microbatch."""
-    return self.cut.stacked(c) if self._rolls(self.cut.chunks[c].stage) else ()
+    """Chunk c's parameters its rolled runs read stacked (`cut.Cut.stacked`)."""
+    return self.cut.stacked(c) if rolls(self.zero, self.every) else ()
 
-  def _stacks(self, c: int, params: Sequence) -> list:
-    return [jnp.stack([params[k] for k in positions]) for positions in self._stacked(c)]
+  def _made(self, c: int, slots: Sequence) -> list:
+    """The stacks chunk c's rolled runs read that no slot holds, stacked
+    from their layers' leaves outside what is differentiated, so that a
+    stack is an input of the vjp, never a residual kept per microbatch."""
+    value = dict(zip(self.slots[c], slots))
+    params = self.cut.chunks[c].params
+    return [jnp.stack([value[params[k]] for k in positions])
+            for positions, head in zip(self._stacked(c), self._stack_slots[c]) if head is None]
+
+  def _expand(self, c: int, slots: Sequence, made: Sequence) -> tuple[list, list | None]:
+    """(chunk c's parameters in `Chunk.params` order; the stacks its rolled
+    runs read, or None where it runs unrolled) from its slots' values and
+    the stacks `_made`: a stacked slot's layers are read only through its
+    run's scan (None here) where the chunk rolls, else as its slices."""
+    value = dict(zip(self.slots[c], slots))
+    rolled = rolls(self.zero, self.every)
+    params = []
+    for i in self.cut.chunks[c].params:
+      slot, j = self.layout.slot_of[i]
+      params.append(value[i] if j is None else None if rolled else value[slot][j])
+    if not rolled:
+      return params, None
+    it = iter(made)
+    return params, [value[head] if head is not None else next(it)
+                    for head in self._stack_slots[c]]
+
+  def _slot_grads(self, c: int, grads: Sequence, d_made: Sequence) -> list:
+    """Chunk c's gradients per slot (`slots[c]`): each slot's own, plus its
+    share of the stacks made in the program."""
+    grads, at = list(grads), {i: k for k, i in enumerate(self.slots[c])}
+    params = self.cut.chunks[c].params
+    unheld = [positions for positions, head in zip(self._stacked(c), self._stack_slots[c])
+              if head is None]
+    for positions, d in zip(unheld, d_made):
+      for j, k in enumerate(positions):
+        grads[at[params[k]]] = grads[at[params[k]]] + d[j]
+    return grads
 
   def _param_in_specs(self, c: int) -> list[P]:
     chunk = self.cut.chunks[c]
     return [self._manual(self.layout.spec(chunk.stage, i, sharded=self.zero >= 3))
-            for i in chunk.params]
+            for i in self.slots[c]]
 
   @staticmethod
   def _manual(spec: P) -> P:
@@ -177,13 +220,13 @@ class ChunkPrograms:
 
     def local(params, batch, received):
       received = [r[0] for r in received]
-      stacks = self._stacks(c, params)
-      outs, vjp = jax.vjp(make(batch), params, received, stacks)
+      made = self._made(c, params)
+      outs, vjp = jax.vjp(make(batch), params, received, made)
       leaves, tree = jax.tree.flatten(vjp)
       inputs = [("p", k, x) for k, x in enumerate(params)] + [
           ("r", k, x) for k, x in enumerate(received)] + [
           ("b", k, x) for k, x in enumerate(batch)] + [
-          ("s", k, x) for k, x in enumerate(stacks)]
+          ("s", k, x) for k, x in enumerate(made)]
       where = [next(((kind, k) for kind, k, x in inputs if x is leaf), None) for leaf in leaves]
       self._residuals[c] = (tree, where)
       rest = [x[None] for x, w in zip(leaves, where) if w is None]
@@ -209,13 +252,14 @@ class ChunkPrograms:
     chunk = self.cut.chunks[c]
     s = chunk.stage
     last = c == len(self.cut.chunks) - 1
-    acc_ids = self.stage_params[s] if final else list(chunk.params)
+    acc_ids = self.stage_params[s] if final else list(self.slots[c])
+    mine = set(self.slots[c])
     seed = 1.0 / (self.M * self.d)
 
     def local(params, batch, received, rest, cots, acc):
       tree, where = self._residuals[c]
       received = [r[0] for r in received]
-      pools = {"p": params, "r": received, "b": batch, "s": self._stacks(c, params)}
+      pools = {"p": params, "r": received, "b": batch, "s": self._made(c, params)}
       it = iter(rest)
       leaves = [next(it)[0] if w is None else pools[w[0]][w[1]] for w in where]
       vjp = jax.tree.unflatten(tree, leaves)
@@ -225,16 +269,12 @@ class ChunkPrograms:
       else:
         cots = [x[0] for x in cots]
       cots = [stage_layouts.cotangent(x, aval) for x, aval in zip(cots, self.send_avals(c))]
-      grads, d_received, d_stacks = vjp(cots)
-      grads = list(grads)
-      for positions, d in zip(self._stacked(c), d_stacks):
-        for j, k in enumerate(positions):
-          grads[k] = grads[k] + d[j]
+      grads, d_received, d_made = vjp(cots)
+      grads = dict(zip(self.slots[c], self._slot_grads(c, grads, d_made)))
       acc = list(acc)
       for k, i in enumerate(acc_ids):
-        if i in chunk.params:
-          g = grads[chunk.params.index(i)]
-          acc[k] = acc[k] + self._accumulate(s, i, g)
+        if i in mine:
+          acc[k] = acc[k] + self._accumulate(s, i, grads[i])
         if final:
           acc[k] = self._reduce(s, i, acc[k])
       back = [x[None] for x, r in zip(d_received, self.receive_avals(c))
@@ -307,7 +347,7 @@ class ChunkPrograms:
     its parameters (`StateLayout.stage_params`)."""
     out = []
     for i in self.stage_params[s]:
-      aval = self.layout.param_avals[i]
+      aval = self.layout.slot_avals[i]
       if self._accumulated_local(s, i):
         shape = (self.d, *aval.shape)
         spec = P(stage_layouts.replicas(self.meshes[s]), *self.layout.tp[s][i])
@@ -329,4 +369,16 @@ class ChunkPrograms:
     return [self.cut.avals[i] for i in ids]
 
 
-__all__ = ["ChunkPrograms"]
+def rolls(zero: int, every: int) -> bool:
+  """Whether the stages run their runs of identical layers as scans
+  (`cut.Cut.rolled`), each layer under its stage's recompute policy as
+  unrolled, so that a scan keeps, stacked, what the layers kept one by one.
+  Two setups run their layers unrolled: recompute of every k-th layer alone
+  (k > 1), whose layers differ in what they keep; and ZeRO 3, whose chunk
+  gathers its parameters inside what it rebuilds, where XLA:CPU's scan over
+  the gathered stack doubled the programs' temporaries (the 4-layer GPT on
+  two stages: 165 KB to 298 KB per device, over the plan's price)."""
+  return every == 1 and zero < 3
+
+
+__all__ = ["ChunkPrograms", "rolls"]

@@ -4,7 +4,9 @@ A scanned stack reaches the cut unrolled (`ir/stacks.py`), so each stage
 would compile its layers one by one. Consecutive layers of a chunk that
 compute alike, each from the one before, are rolled back into one scan over
 their parameters stacked: the stage compiles one layer's program however many
-it holds.
+it holds. A step's state holds such a run's parameters stacked where nothing
+else reads them (`step_state.StateLayout`), so the stage's programs take one
+argument per weight of the layer.
 
 Layers roll together when their equations match one by one (primitive,
 parameters, literal operands, operand and result types) and their inputs

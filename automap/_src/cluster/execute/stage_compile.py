@@ -189,7 +189,7 @@ def compile_stages(step, hardware: str | Hardware | None = None) -> list[StageCo
   hw = (get_hardware(hardware) if hardware is not None
         else hardware_for_devices(step.meshes[0]) or get_hardware(plan.hardware))
   calls = run_check.program_calls(step, step.timetable.in_order())
-  params = [{i: _typed(layout.param_avals[i].shape, layout.param_avals[i].dtype,
+  params = [{i: _typed(layout.slot_avals[i].shape, layout.slot_avals[i].dtype,
                        layout.param_sharding(s, i)) for i in step.stage_params[s]}
             for s in range(step.S)]
   accs = [dict(zip(step.stage_params[s], step.chunk_programs.acc_avals(s)))
@@ -199,7 +199,7 @@ def compile_stages(step, hardware: str | Hardware | None = None) -> list[StageCo
   reduced: dict[tuple[int, int], jax.ShapeDtypeStruct] = {}  # (stage, param) -> gradient
   for c, chunk in enumerate(chunks):
     s = chunk.stage
-    own = [params[s][i] for i in chunk.params]
+    own = [params[s][i] for i in step.chunk_programs.slots[c]]
     batch = [_microbatch(step, s, step.batch_avals[i]) for i in chunk.batch]
     received = [_arriving(step, s, step.cut.avals[i]) for i in chunk.receives]
     compiled[("forward", c)] = forward = step.forward(c).lower(own, batch, received).compile()
@@ -214,7 +214,7 @@ def compile_stages(step, hardware: str | Hardware | None = None) -> list[StageCo
       key = ("backward", c, final)
       if not calls[key]:
         continue
-      ids = step.stage_params[s] if final else list(chunk.params)
+      ids = step.stage_params[s] if final else step.chunk_programs.slots[c]
       compiled[key] = backward = step.backward(c, final).lower(
           own, batch, received, rest, cots, [accs[s][i] for i in ids]).compile()
       if final:

@@ -14,6 +14,15 @@ A plan offloading the optimizer state keeps it in host memory
 update brings it to the stage's devices and returns it to the host, the
 two crossings of the host link the plan prices.
 
+The layers of a rolled run (`cut.Cut.rolled`: a scanned stack's slice, or
+identical layers written one by one, that a stage runs as one scan) are held
+as one stacked leaf, a slot, when nothing outside the run reads them: the
+stage's programs, gradient accumulators and optimizer update then take one
+array per weight of the layer, not one per layer, so their compile does not
+grow with the stage's depth. A slot keeps each layer's own layout (the
+stacked dimension whole, ZeRO's dimension one further in), so it holds and
+moves exactly what its layers did.
+
 `StateLayout` places the user's parameters there and initialises the
 optimizer per stage (`init`), gathers them back into the user's pytree
 (`params`), and runs each stage's optimizer step on the gradients the
@@ -43,9 +52,11 @@ class PipelineState:
   """Parameters and optimizer state, per stage.
 
   Attributes:
-    params: per stage, flat parameter index -> array on the stage's mesh,
-      for the parameters the stage owns and the copies it holds of others'.
-    opt_state: per stage, the optimizer state of the parameters it owns.
+    params: per stage, slot -> array on the stage's mesh, for the
+      parameters the stage owns and the copies it holds of others' (a slot
+      is a flat parameter index, or its first leaf's for layers held stacked:
+      `StateLayout.members`).
+    opt_state: per stage, the optimizer state of the slots it owns.
     step: optimizer steps taken.
   """
 
@@ -65,22 +76,28 @@ class StateLayout:
     chunks: the cut's chunks (`cut.Cut.chunks`): which parameters each
       stage's chunks read.
     meshes: per stage, its mesh (`stage_layouts.meshes`).
+    stacked: candidate groups of flat parameter indices to hold stacked, one
+      per weight of a rolled run (`cut.Cut.held_stacked`); a group is held
+      stacked where its leaves agree in type and tensor layout.
 
   Attributes:
     treedef: the parameters' pytree structure.
     param_avals: per flat parameter index, its shape and dtype.
-    stage_params: per stage, the sorted flat indices of the parameters it
-      holds (owned and copied).
-    owner: flat parameter index -> the stage that updates it.
-    owned: per stage, the indices of the parameters it owns.
-    tp: per stage, parameter index -> its tensor-parallel layout (one entry
-      per dimension: "tensor" or None).
-    zdim: per stage, parameter index -> the dimension ZeRO shards over
-      its axis (None: kept whole).
+    members: slot -> the flat indices it holds stacked, in order (only
+      stacked slots); `slot_of`: flat index -> (slot, position in it or None).
+    slot_avals: slot -> its shape and dtype (stacked: [layers, ...]).
+    stage_params: per stage, the sorted slots it holds (owned and copied).
+    owner: flat parameter index (and slot) -> the stage that updates it.
+    owned: per stage, the slots it owns.
+    tp: per stage, slot -> its tensor-parallel layout (one entry per
+      dimension: "tensor" or None).
+    zdim: per stage, slot -> the dimension ZeRO shards over its axis (None:
+      kept whole).
   """
 
   def __init__(self, plan, optimizer: optax.GradientTransformation, params: Any,
-               chunks: Sequence[Any], meshes: Sequence[Mesh]):
+               chunks: Sequence[Any], meshes: Sequence[Mesh],
+               stacked: Sequence[tuple[int, ...]] = ()):
     p = plan.placement
     self.optimizer, self.meshes = optimizer, list(meshes)
     self.S, self.d, self.zero = len(p.stages), p.data_parallel, p.zero
@@ -109,7 +126,43 @@ class StateLayout:
                 for i in self.stage_params[s]} for s in range(self.S)]
     self.zdim = [{i: self._zero_dim(self.tp[s][i], self.param_avals[i])
                   for i in self.stage_params[s]} for s in range(self.S)]
+    self.slot_avals = dict(enumerate(self.param_avals))
+    self.slot_of: list[tuple[int, int | None]] = [(i, None) for i in self.slot_avals]
+    self.members: dict[int, tuple[int, ...]] = {}
+    for group in stacked:
+      self._stack(group)
     self._updates: dict[int, Callable] = {}
+
+  def _stack(self, group: tuple[int, ...]) -> None:
+    """Holds `group`'s leaves as one slot, where they agree (one stage, one
+    type, one layout) and none is held already."""
+    head, s = group[0], self.owner[group[0]]
+    avals = {(self.param_avals[i].shape, self.param_avals[i].dtype) for i in group}
+    held_elsewhere = {i for t, stage in enumerate(self.stage_params) if t != s for i in stage}
+    if (len(group) < 2 or len(avals) != 1
+        or any(self.owner[i] != s or i in held_elsewhere for i in group)
+        or any(self.slot_of[i][0] != i or i in self.members for i in group)
+        or len({self.tp[s][i] for i in group}) != 1
+        or len({self.zdim[s][i] for i in group}) != 1):
+      return
+    aval, k = self.param_avals[head], self.zdim[s][head]
+    self.members[head] = tuple(group)
+    for j, i in enumerate(group):
+      self.slot_of[i] = (head, j)
+    self.slot_avals[head] = jax.ShapeDtypeStruct((len(group), *aval.shape), aval.dtype)
+    self.tp[s][head] = (None, *self.tp[s][head])
+    # ZeRO shards a stack over its layers where the replicas divide them: the
+    # same bytes per replica as sharding each layer, on the major dimension,
+    # which XLA:TPU reduce-scatters (a minor one it may all-reduce whole and
+    # slice, as it did here for layer norms stacked [2, 256]).
+    if k is not None and len(group) % self.group == 0:
+      k = -1
+    self.zdim[s][head] = None if k is None else k + 1
+    rest = set(group[1:])
+    for i in rest:
+      del self.tp[s][i], self.zdim[s][i]
+    self.stage_params[s] = [i for i in self.stage_params[s] if i not in rest]
+    self.owned[s] = [i for i in self.owned[s] if i not in rest]
 
   def _zero_dim(self, spec: tuple, aval) -> int | None:
     """The dimension ZeRO shards a parameter on (None: kept whole)."""
@@ -142,14 +195,28 @@ class StateLayout:
     leaves = self.leaves(params)
     # Copies: the step donates its parameters, never the caller's arrays (a
     # replicated `device_put` may share the caller's buffer).
-    placed = [{i: stage_layouts.place(stage_layouts.copy(leaves[i]), self.param_sharding(s, i))
+    placed = [{i: stage_layouts.place(stage_layouts.copy(self._slot(leaves, i)),
+                                      self.param_sharding(s, i))
                for i in self.stage_params[s]} for s in range(self.S)]
     opt = []
     for s in range(self.S):
-      owned = [stage_layouts.place(leaves[i], self.grad_sharding(s, i)) for i in self.owned[s]]
+      owned = [stage_layouts.place(self._slot(leaves, i), self.grad_sharding(s, i))
+               for i in self.owned[s]]
       opt.append(jax.jit(self.optimizer.init, out_shardings=self._state_layouts(s, owned))(
           owned))
     return PipelineState(placed, opt)
+
+  def _slot(self, leaves: Sequence, i: int):
+    """Slot i's value from the flat leaves: its leaves stacked, if it
+    stacks them."""
+    if i not in self.members:
+      return leaves[i]
+    return jnp.stack([jnp.asarray(leaves[k]) for k in self.members[i]])
+
+  def _leaf(self, held: dict[int, Any], i: int):
+    """Flat parameter i's value from a stage's slots."""
+    slot, j = self.slot_of[i]
+    return held[slot] if j is None else held[slot][j]
 
   def _state_layouts(self, s: int, owned: list):
     """The optimizer state's layouts: a moment laid out as its parameter's
@@ -168,7 +235,7 @@ class StateLayout:
   def opt_state_avals(self, s: int) -> Any:
     """Stage s's optimizer state as `init` lays it out, in
     `jax.ShapeDtypeStruct`s: what its update compiles for without arrays."""
-    owned = [jax.ShapeDtypeStruct(self.param_avals[i].shape, self.param_avals[i].dtype,
+    owned = [jax.ShapeDtypeStruct(self.slot_avals[i].shape, self.slot_avals[i].dtype,
                                   sharding=self.grad_sharding(s, i)) for i in self.owned[s]]
     return jax.tree.map(lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
                         jax.eval_shape(self.optimizer.init, owned),
@@ -176,7 +243,7 @@ class StateLayout:
 
   def params(self, state: PipelineState) -> Any:
     """The parameters as the user's pytree (each leaf from the stage owning it)."""
-    leaves = [state.params[self.owner[i]][i] for i in range(len(self.param_avals))]
+    leaves = [self._leaf(state.params[self.owner[i]], i) for i in range(len(self.param_avals))]
     return jax.tree.unflatten(self.treedef, leaves)
 
   def opt_state(self, state: PipelineState, join: Callable[[Any], Any] = lambda x: x) -> Any:
@@ -189,14 +256,15 @@ class StateLayout:
     leaves, n = jax.tree.leaves(want), len(self.param_avals)
     held = [jax.tree.leaves(state.opt_state[s]) for s in range(self.S)]
     starts = [stage_layouts.param_like_subtrees(
-        jax.eval_shape(self.optimizer.init, [self.param_avals[i] for i in self.owned[s]]),
+        jax.eval_shape(self.optimizer.init, [self.slot_avals[i] for i in self.owned[s]]),
         jax.tree.structure([0] * len(self.owned[s]))) for s in range(self.S)]
     position = {i: k for owned in self.owned for k, i in enumerate(owned)}
     mine = set()
     for j, start in enumerate(stage_layouts.param_like_subtrees(want, self.treedef)):
       for i in range(n):
-        s = self.owner[i]
-        leaves[start + i] = held[s][starts[s][j] + position[i]]
+        s, (slot, at) = self.owner[i], self.slot_of[i]
+        leaf = held[s][starts[s][j] + position[slot]]
+        leaves[start + i] = leaf if at is None else leaf[at]
       mine.update(range(start, start + n))
     others = iter(k for k in range(len(held[0])) if not any(
         b <= k < b + len(self.owned[0]) for b in starts[0]))
