@@ -60,12 +60,17 @@ def assert_zero_within_groups(step, groups, group):
 def test_zero1_within_two_groups_of_four_replicas_matches_the_jitted_step(caplog):
   caplog.set_level(logging.INFO, logger="automap")
   plan, step, checks = run_and_check(data=8, zero=1, shard_group=4)
-  # With the automap logger at INFO, each program's first call is profiled, once.
-  profiled = [r.getMessage() for r in caplog.records
-              if "pipeline program" in r.getMessage()]
-  assert len(profiled) == len(step.programs) > 0
-  assert any(m.startswith("automap: pipeline program update of stage 0, first call")
-             for m in profiled)
+  # With the automap logger at INFO, each program's compile (all compiled
+  # before the first call) and its first run are logged, once each.
+  messages = [r.getMessage() for r in caplog.records]
+  compiles = [m for m in messages if m.startswith("automap: pipeline program ")
+              and ", compiled in " in m]
+  runs = [m for m in messages if ", first run: " in m]
+  assert len(compiles) == len(runs) == len(step.programs) == len(step.compiled) > 0
+  assert any(m.startswith("automap: pipeline program update of stage 0, first run")
+             for m in runs)
+  assert sum(m.startswith(f"automap: {len(step.compiled)} pipeline programs compiled in")
+             for m in messages) == 1
   assert plan.placement.shard_group == 4 and plan.placement.data_parallel == 8
   assert_zero_within_groups(step, groups=2, group=4)
   assert_as_priced(checks)

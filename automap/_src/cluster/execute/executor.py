@@ -106,6 +106,9 @@ class PipelineStep:
     executed: the work the last call ran, in order: the timetable's.
     chunk_programs: each chunk's forward and backward program (`ChunkPrograms`).
     programs: the programs run so far, with their argument types.
+    compiled: every program the step runs, compiled before its first call
+      (`stage_compile.Compiled`: executable, argument types, compile
+      seconds), by the keys of `programs`.
     compile_only: whether the devices only compile (`compile_stages`).
 
   Raises:
@@ -174,6 +177,7 @@ class PipelineStep:
     self.last_work = {s: max(self.timetable.work[s]) for s in range(self.S)}
     # ("forward", c) / ("backward", c, final) / ("update", s) -> (program, argument types)
     self.programs: dict[tuple, tuple[Callable, Any]] = {}
+    self.compiled: dict[tuple, stage_compile.Compiled] = {}  # by the same keys
     self.executed: list[pipeline_schedule.Work] = []
 
   # State (`step_state.StateLayout`).
@@ -244,6 +248,8 @@ class PipelineStep:
       raise PlacementError(
           "batch: expected the structure, shapes and dtypes the step was built with: "
           f"{[f'{w.dtype}{list(w.shape)}' for w in self.batch_avals]}.")
+    if not self.compiled:
+      self._compile()
     M = self.M
     # Microbatch m: rows m, m + M, ... (every replica's share of it strided alike).
     micro = [[np.asarray(a).reshape(a.shape[0] // M, M, *a.shape[1:])[:, m] for a in leaves]
@@ -316,21 +322,43 @@ class PipelineStep:
     loss = sum(jnp.mean(x) for x in losses) / M
     return state, loss
 
+  def _compile(self) -> None:
+    """Every program the step runs, compiled before its first call, side by
+    side (`stage_compile.compile_programs`); with the `automap` logger at
+    INFO, each program's compile seconds and the wall time of all."""
+    began = time.perf_counter()
+    self.compiled = stage_compile.compile_programs(self)
+    if _log.isEnabledFor(logging.INFO):
+      for key, compiled in self.compiled.items():
+        _log.info("automap: pipeline program %s, compiled in %.2f s",
+                  _describe(key, self.cut.chunks), compiled.seconds)
+      _log.info("automap: %d pipeline programs compiled in %.2f s (%.2f s of compiles, side "
+                "by side)", len(self.compiled), time.perf_counter() - began,
+                sum(c.seconds for c in self.compiled.values()))
+
   def _call(self, key: tuple, program: Callable, *args):
-    """`program(*args)`, its arguments' types kept (by `key`) to compile it
-    again for inspection (`run_check`)."""
+    """`program(*args)` by its executable compiled ahead, its arguments'
+    types kept (by `key`) to compile it again for inspection (`run_check`).
+    Arguments laid out otherwise than compiled for (a gradient accumulator
+    in the layout the partitioner chose for a backward's result over the
+    tensor axis) run through `program`, which compiles for them."""
+    run = self.compiled[key].executable
+    # An argument the program does not read has no sharding (None) to match.
+    wanted = jax.tree.leaves(run.input_shardings[0], is_leaf=lambda x: x is None)
+    if any(w is not None and not a.sharding.is_equivalent_to(w, a.ndim)
+           for a, w in zip(jax.tree.leaves(args), wanted, strict=True)):
+      run = program
     if key not in self.programs:
       self.programs[key] = (program, jax.tree.map(
           lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), args))
       if _log.isEnabledFor(logging.INFO):
-        # Each program's first call compiles it: timed (its run waited for)
-        # only while the profile is asked for.
+        # Timed (its run waited for) only while the profile is asked for.
         began = time.perf_counter()
-        out = jax.block_until_ready(program(*args))
-        _log.info("automap: pipeline program %s, first call (compile and run): %.2f s",
+        out = jax.block_until_ready(run(*args))
+        _log.info("automap: pipeline program %s, first run: %.2f s",
                   _describe(key, self.cut.chunks), time.perf_counter() - began)
         return out
-    return program(*args)
+    return run(*args)
 
   def compile_stages(self, hardware: str | Hardware | None = None) -> list[StageCompile]:
     """Every program of the step compiled for its stages' devices, nothing

@@ -86,9 +86,9 @@ def check(step, state, *batch) -> tuple[list[StageCheck], object]:
   state, _ = step.run(state, *batch, observe=observe)
   calls = program_calls(step, step.executed)
   tensor, data, temp = [0.0] * step.S, [0.0] * step.S, [0.0] * step.S
-  for key, (program, args) in step.programs.items():
+  for key in step.programs:
     s = program_stage(step, key)
-    compiled = program.lower(*args).compile()
+    compiled = step.compiled[key].executable
     stats = compiled.memory_analysis()
     if stats is not None:
       temp[s] = max(temp[s], float(stats.temp_size_in_bytes))

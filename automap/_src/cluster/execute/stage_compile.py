@@ -29,8 +29,11 @@ Per stage, per global batch and device, read as `run_check` reads a run:
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
+import os
+import time
 from collections import Counter
 from typing import Any
 
@@ -185,26 +188,67 @@ def compile_stages(step, hardware: str | Hardware | None = None) -> list[StageCo
   Returns:
     One `StageCompile` per stage.
   """
-  plan, layout, chunks = step.plan, step.layout, step.cut.chunks
+  plan, layout = step.plan, step.layout
   hw = (get_hardware(hardware) if hardware is not None
         else hardware_for_devices(step.meshes[0]) or get_hardware(plan.hardware))
   calls = run_check.program_calls(step, step.timetable.in_order())
-  params = [{i: _typed(layout.slot_avals[i].shape, layout.slot_avals[i].dtype,
-                       layout.param_sharding(s, i)) for i in step.stage_params[s]}
-            for s in range(step.S)]
+  programs = compile_programs(step)
+  compiled = {key: c.executable for key, c in programs.items()}
+  stash: dict[int, float] = {}  # chunk -> bytes per device one microbatch keeps
+  for c in range(len(step.cut.chunks)):
+    _, batch, received = programs[("forward", c)].args
+    stash[c] = _total((batch, received, _outputs(compiled[("forward", c)])[1]))
+  state = [_total(([_param(step, s, i) for i in step.stage_params[s]],
+                   step.chunk_programs.acc_avals(s), layout.opt_state_avals(s)))
+           for s in range(step.S)]
+  return [_stage(step, s, hw, {k: v for k, v in compiled.items()
+                               if run_check.program_stage(step, k) == s},
+                 calls, state[s] + _most_stashed(step, s, stash))
+          for s in range(step.S)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+  """One program compiled ahead of its first call: the executable, the
+  argument types it was compiled for, and the seconds its compile took."""
+
+  executable: Any  # jax.stages.Compiled
+  args: tuple
+  seconds: float
+
+
+def compile_programs(step, workers: int | None = None) -> dict[tuple, Compiled]:
+  """Every program one global batch of `step` runs, compiled for its
+  stages' devices from argument types and layouts alone, by the keys of
+  `PipelineStep.programs`.
+
+  Three waves: the forwards; the backwards, which take the residuals a
+  forward's compile says it returns (in host memory, where a policy
+  offloads them); the updates, which take what a stage's last backward
+  returns. Each wave's programs are lowered in turn and compiled side by
+  side on `workers` threads (default: one per core), XLA compiling with
+  Python's lock released: the stages' programs are independent, so a
+  pipelined step's first call waits for its largest compiles, not their sum.
+  """
+  layout, chunks = step.layout, step.cut.chunks
+  calls = run_check.program_calls(step, step.timetable.in_order())
   accs = [dict(zip(step.stage_params[s], step.chunk_programs.acc_avals(s)))
           for s in range(step.S)]
-  compiled: dict[tuple, Any] = {}
-  stash: dict[int, float] = {}  # chunk -> bytes per device one microbatch keeps
-  reduced: dict[tuple[int, int], jax.ShapeDtypeStruct] = {}  # (stage, param) -> gradient
+  workers = workers or os.cpu_count() or 1
+  out: dict[tuple, Compiled] = {}
+  forwards = {}
   for c, chunk in enumerate(chunks):
     s = chunk.stage
-    own = [params[s][i] for i in step.chunk_programs.slots[c]]
+    own = [_param(step, s, i) for i in step.chunk_programs.slots[c]]
     batch = [_microbatch(step, s, step.batch_avals[i]) for i in chunk.batch]
     received = [_arriving(step, s, step.cut.avals[i]) for i in chunk.receives]
-    compiled[("forward", c)] = forward = step.forward(c).lower(own, batch, received).compile()
-    _, rest = _outputs(forward)
-    stash[c] = _total((batch, received, rest))
+    forwards[("forward", c)] = (step.forward(c), (own, batch, received))
+  out.update(_compile(forwards, workers))
+  backwards = {}
+  for c, chunk in enumerate(chunks):
+    s = chunk.stage
+    own, batch, received = out[("forward", c)].args
+    _, rest = _outputs(out[("forward", c)].executable)
     cots = []
     if c != len(chunks) - 1:
       # An integer value's cotangent arrives as float32 zeros (`sum_on`).
@@ -212,24 +256,47 @@ def compile_stages(step, hardware: str | Hardware | None = None) -> list[StageCo
               for aval in step.chunk_programs.send_avals(c)]
     for final in (False, True):
       key = ("backward", c, final)
-      if not calls[key]:
-        continue
-      ids = step.stage_params[s] if final else step.chunk_programs.slots[c]
-      compiled[key] = backward = step.backward(c, final).lower(
-          own, batch, received, rest, cots, [accs[s][i] for i in ids]).compile()
-      if final:
-        grads, _ = _outputs(backward)
-        reduced.update({(s, i): g for i, g in zip(ids, grads)})
+      if calls[key]:
+        ids = step.stage_params[s] if final else step.chunk_programs.slots[c]
+        backwards[key] = (step.backward(c, final),
+                          (own, batch, received, rest, cots, [accs[s][i] for i in ids]))
+  out.update(_compile(backwards, workers))
+  reduced: dict[tuple[int, int], jax.ShapeDtypeStruct] = {}  # (stage, slot) -> gradient
+  for (kind, c, *final), compiled in out.items():
+    if kind == "backward" and final[0]:
+      s = chunks[c].stage
+      grads, _ = _outputs(compiled.executable)
+      reduced.update({(s, i): g for i, g in zip(step.stage_params[s], grads)})
+  updates = {}
   for s in range(step.S):
-    owned = layout.owned[s]
-    state = layout.opt_state_avals(s)
-    compiled[("update", s)] = layout.update(s, state).lower(
-        [params[s][i] for i in owned], [reduced[(s, i)] for i in owned], state).compile()
-  state = [_total((params[s], accs[s], layout.opt_state_avals(s))) for s in range(step.S)]
-  return [_stage(step, s, hw, {k: v for k, v in compiled.items()
-                               if run_check.program_stage(step, k) == s},
-                 calls, state[s] + _most_stashed(step, s, stash))
-          for s in range(step.S)]
+    owned, state = layout.owned[s], layout.opt_state_avals(s)
+    updates[("update", s)] = (layout.update(s, state), (
+        [_param(step, s, i) for i in owned], [reduced[(s, i)] for i in owned], state))
+  out.update(_compile(updates, workers))
+  return out
+
+
+def _compile(programs: dict[tuple, tuple[Any, tuple]], workers: int) -> dict[tuple, Compiled]:
+  """Each (jitted program, argument types) lowered here, then compiled on a
+  pool of `workers` threads."""
+  lowered = {key: (program.lower(*args), args) for key, (program, args) in programs.items()}
+
+  def compile_one(item):
+    key, (low, args) = item
+    began = time.perf_counter()
+    executable = low.compile()
+    return key, Compiled(executable, args, time.perf_counter() - began)
+
+  if workers == 1 or len(lowered) == 1:
+    return dict(map(compile_one, lowered.items()))
+  with concurrent.futures.ThreadPoolExecutor(min(workers, len(lowered))) as pool:
+    return dict(pool.map(compile_one, lowered.items()))
+
+
+def _param(step, s: int, i: int) -> jax.ShapeDtypeStruct:
+  """Slot i as stage s holds it."""
+  aval = step.layout.slot_avals[i]
+  return _typed(aval.shape, aval.dtype, step.layout.param_sharding(s, i))
 
 
 def _most_stashed(step, s: int, stash: dict[int, float]) -> float:
