@@ -195,23 +195,26 @@ class StateLayout:
     leaves = self.leaves(params)
     # Copies: the step donates its parameters, never the caller's arrays (a
     # replicated `device_put` may share the caller's buffer).
-    placed = [{i: stage_layouts.place(stage_layouts.copy(self._slot(leaves, i)),
-                                      self.param_sharding(s, i))
+    placed = [{i: self._placed(leaves, s, i, self.param_sharding(s, i), copy=True)
                for i in self.stage_params[s]} for s in range(self.S)]
     opt = []
     for s in range(self.S):
-      owned = [stage_layouts.place(self._slot(leaves, i), self.grad_sharding(s, i))
-               for i in self.owned[s]]
+      owned = [self._placed(leaves, s, i, self.grad_sharding(s, i)) for i in self.owned[s]]
       opt.append(jax.jit(self.optimizer.init, out_shardings=self._state_layouts(s, owned))(
           owned))
     return PipelineState(placed, opt)
 
-  def _slot(self, leaves: Sequence, i: int):
-    """Slot i's value from the flat leaves: its leaves stacked, if it
-    stacks them."""
+  def _placed(self, leaves: Sequence, s: int, i: int, sharding: NamedSharding,
+              copy: bool = False) -> jax.Array:
+    """Slot i laid out by `sharding` on stage s, from the flat leaves (a
+    copy with `copy`): a stacked slot's layers each placed in their own
+    layout, then stacked where they lie, never whole on one device."""
     if i not in self.members:
-      return leaves[i]
-    return jnp.stack([jnp.asarray(leaves[k]) for k in self.members[i]])
+      leaf = stage_layouts.copy(leaves[i]) if copy else leaves[i]
+      return stage_layouts.place(leaf, sharding)
+    layer = NamedSharding(sharding.mesh, P(*self.tp[s][i][1:]))
+    layers = [stage_layouts.place(leaves[k], layer) for k in self.members[i]]
+    return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*layers)
 
   def _leaf(self, held: dict[int, Any], i: int):
     """Flat parameter i's value from a stage's slots."""
