@@ -157,8 +157,8 @@ class PipelineStep:
     chunks = self.cut.chunks
     modes = [stage.recompute_mode for stage in p.stages]
     # A rolled run's layers are held stacked where its stage runs it as a scan.
-    stacked = [group for c in chunks if rolls(p.zero, p.recompute_every)
-               for group in self.cut.held_stacked(c.index)]
+    stacked = [group for c in chunks for group in self.cut.held_stacked(c.index)
+               ] if rolls(p.zero, p.recompute_every) else []
     self.layout = StateLayout(plan, optimizer, params, chunks, self.meshes, stacked)
     self.stage_params, self.owner = self.layout.stage_params, self.layout.owner
     self.param_avals = self.layout.param_avals
@@ -342,11 +342,10 @@ class PipelineStep:
     Arguments laid out otherwise than compiled for (a gradient accumulator
     in the layout the partitioner chose for a backward's result over the
     tensor axis) run through `program`, which compiles for them."""
-    run = self.compiled[key].executable
-    # An argument the program does not read has no sharding (None) to match.
-    wanted = jax.tree.leaves(run.input_shardings[0], is_leaf=lambda x: x is None)
+    compiled = self.compiled[key]
+    run = compiled.executable
     if any(w is not None and not a.sharding.is_equivalent_to(w, a.ndim)
-           for a, w in zip(jax.tree.leaves(args), wanted, strict=True)):
+           for a, w in zip(jax.tree.leaves(args), compiled.input_shardings, strict=True)):
       run = program
     if key not in self.programs:
       self.programs[key] = (program, jax.tree.map(

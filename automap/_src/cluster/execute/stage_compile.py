@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -216,6 +217,12 @@ class Compiled:
   args: tuple
   seconds: float
 
+  @functools.cached_property
+  def input_shardings(self) -> list:
+    """The executable's argument layouts, flat in the arguments' order; None
+    for an argument the program does not read."""
+    return jax.tree.leaves(self.executable.input_shardings[0], is_leaf=lambda x: x is None)
+
 
 def compile_programs(step, workers: int | None = None) -> dict[tuple, Compiled]:
   """Every program one global batch of `step` runs, compiled for its
@@ -262,10 +269,10 @@ def compile_programs(step, workers: int | None = None) -> dict[tuple, Compiled]:
                           (own, batch, received, rest, cots, [accs[s][i] for i in ids]))
   out.update(_compile(backwards, workers))
   reduced: dict[tuple[int, int], jax.ShapeDtypeStruct] = {}  # (stage, slot) -> gradient
-  for (kind, c, *final), compiled in out.items():
-    if kind == "backward" and final[0]:
+  for _, c, final in backwards:
+    if final:
       s = chunks[c].stage
-      grads, _ = _outputs(compiled.executable)
+      grads, _ = _outputs(out[("backward", c, final)].executable)
       reduced.update({(s, i): g for i, g in zip(step.stage_params[s], grads)})
   updates = {}
   for s in range(step.S):

@@ -19,9 +19,10 @@ identical layers written one by one, that a stage runs as one scan) are held
 as one stacked leaf, a slot, when nothing outside the run reads them: the
 stage's programs, gradient accumulators and optimizer update then take one
 array per weight of the layer, not one per layer, so their compile does not
-grow with the stage's depth. A slot keeps each layer's own layout (the
-stacked dimension whole, ZeRO's dimension one further in), so it holds and
-moves exactly what its layers did.
+grow with the stage's depth. A slot keeps each layer's tensor layout (the
+stacked dimension whole over "tensor"), and ZeRO shards it over its layers
+where the replicas divide them, else on its layers' own dimension: the same
+bytes per replica as its layers held and moved.
 
 `StateLayout` places the user's parameters there and initialises the
 optimizer per stage (`init`), gathers them back into the user's pytree
