@@ -31,6 +31,7 @@ from automap._src.cluster.placement.dp import place_any
 from automap._src.cluster.placement.options import ClusterOptions, memory_limit
 from automap._src.cluster.placement.placed import Placement
 from automap._src.cluster.profile import layers as layers_lib
+from automap._src.cluster.profile.twin import Twin
 from automap._src.cluster.schedule import schedules
 from automap._src.cluster.schedule.timetable import timetable
 from automap._src.cost.hardware import Hardware
@@ -360,10 +361,11 @@ def plan_cluster(loss_fn: Callable, params: Any, *batch: Any, devices: slices.Cl
     raise PlacementError(
         f"microbatches must be sizes that divide global_batch={global_batch}, "
         f"got {microbatches!r}.")
-  loss_fn, params = layers_of(loss_fn, params, batch)
+  loss_fn, params, twin = layers_of(loss_fn, params, batch)
   profile = layers_lib.measure(loss_fn, params, batch, widths=widths, hardware=hw,
                                search=planner.searcher(options.budget, options.seed),
-                               sizes=microbatches, fused_attention=options.fused_attention)
+                               sizes=microbatches, fused_attention=options.fused_attention,
+                               twin=twin)
   t1 = time.perf_counter()
   placement, i = place_any(
       [(profile.at(b), global_batch // b) for b in microbatches], devices=devices,
@@ -376,15 +378,19 @@ def plan_cluster(loss_fn: Callable, params: Any, *batch: Any, devices: slices.Cl
                      peak_flops=hw.flops, memory_limit=memory_limit(options, hw))
 
 
-def layers_of(loss_fn: Callable, params: Any, batch: Sequence[Any]) -> tuple[Callable, Any]:
+def layers_of(loss_fn: Callable, params: Any,
+              batch: Sequence[Any]) -> tuple[Callable, Any, Twin | None]:
   """The loss and (abstract) parameters the planner reads: a stack of layers
   scanned over stacked parameters as its layers (`stacks.unstack`), as
-  `train_step` runs it."""
+  `train_step` runs it; and the stack's shallow twin (`twin.Twin`), which
+  `layers.measure` profiles in its stead where it can."""
   layers_lib.batch_size(batch)  # checked before anything traces
   params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
                         params)
   found = stacks.unstack(loss_fn, params, batch)
-  return (loss_fn, params) if found is None else (found.loss_fn, found.split(params))
+  if found is None:
+    return loss_fn, params, None
+  return found.loss_fn, found.split(params), Twin.of(found, params)
 
 
 def held_itemsize(params) -> int | None:
@@ -462,7 +468,7 @@ def price_cluster(loss_fn: Callable, params: Any, *batch: Any, config: ClusterCo
   if config.weights:
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, config.weights)
                           if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-  loss_fn, params = layers_of(loss_fn, params, batch)
+  loss_fn, params, twin = layers_of(loss_fn, params, batch)
   # The traced step is the whole model at the tensor width, where a device
   # of the split holds 1/pipeline of its layers and, under ZeRO 3, a shard
   # of their parameters and gradients: the search has the memory for that.
@@ -470,7 +476,8 @@ def price_cluster(loss_fn: Callable, params: Any, *batch: Any, config: ClusterCo
   share = config.pipeline * ((config.shard_group or config.data) if config.zero == 3 else 1)
   search = planner.searcher(options.budget, options.seed,
                             None if math.isinf(limit) else limit * share)
-  profiles = stated_profiles(loss_fn, params, batch, config, hw, search, options.fused_attention)
+  profiles = stated_profiles(loss_fn, params, batch, config, hw, search, options.fused_attention,
+                             twin)
   t1 = time.perf_counter()
   width = config.width
   priced = {name: configured.price(profile.at(config.microbatch), config,
@@ -498,8 +505,8 @@ def price_cluster(loss_fn: Callable, params: Any, *batch: Any, config: ClusterCo
 
 
 def stated_profiles(loss_fn: Callable, params: Any, batch: tuple, config: ClusterConfig,
-                    hardware: Hardware, search: Callable,
-                    fused_attention: bool = False) -> dict[str, layers_lib.Profile]:
+                    hardware: Hardware, search: Callable, fused_attention: bool = False,
+                    twin: Twin | None = None) -> dict[str, layers_lib.Profile]:
   """The layer costs `price_cluster` prices a stated split over, by layout:
   "searched", the sharding search's plan at the split's width (`search`,
   with its sequence or context pins), and where the split has a tensor
@@ -518,6 +525,7 @@ def stated_profiles(loss_fn: Callable, params: Any, batch: tuple, config: Cluste
     hardware: the `Hardware`.
     search: the sharding search (`planner.searcher`).
     fused_attention: as in `ClusterOptions`.
+    twin: the loss's stack profiled through its shallow twin (`layers_of`).
 
   Returns:
     Layout name -> `Profile` at the config's width and microbatch.
@@ -529,7 +537,7 @@ def stated_profiles(loss_fn: Callable, params: Any, batch: tuple, config: Cluste
                               check=lambda graph: configured.chunked(graph, config),
                               sequence_parallel=config.sequence_parallel,
                               context=config.context,
-                              offload_names=config.offload_activations)
+                              offload_names=config.offload_activations, twin=twin)
 
   profiles = {"searched": measured(search)}
   # Megatron's layout is a candidate where the search may have missed it:

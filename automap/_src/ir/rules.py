@@ -265,6 +265,17 @@ def _stack(ins, outs, params) -> Rule:
   return b.rule([factors if s is not None else None for s in ins], [made])
 
 
+def _unstack(ins, outs, params) -> Rule:
+  """An operand cut into its slices along one dim (`stack`'s transpose,
+  lowered to a slice and a reshape of each): that dim whole, the others
+  shared with every slice."""
+  b = Builder()
+  factors = [b.new(n) for n in outs[0]]
+  operand = list(factors)
+  operand.insert(params["axis"] % len(ins[0]), UNSHARDABLE)
+  return b.rule([operand], [factors] * len(outs))
+
+
 def _matrices(core: int):
   """Linear algebra on the trailing `core` dims of its first operand (a
   batch of matrices: lu, cholesky, qr, eigh, svd, triangular_solve):
@@ -536,6 +547,7 @@ _RULES: dict[str, Callable[[Any, Any, dict], Rule]] = {
                                        "schur", "hessenberg")},
     "lu_pivots_to_permutation": _matrices(1),
     "stack": _stack,
+    "unstack": _unstack,
 }
 
 

@@ -17,6 +17,14 @@ arithmetic is the scan's, one layer at a time; what the body checkpoints
 A stacked leaf that something other than a stack's scan also reads is
 rebuilt whole there (`jnp.stack` of its layers), so the split loss is the
 user's loss for any program; a pipeline stage doing so holds every layer of it.
+
+`Stacks.shallow(kept)` is the same loss with each stack running only the
+layers `kept` names (its first few and its last, each under its own name),
+the carry handed from one kept layer to the next: what a deep stack's
+pricing needs of it, since its layers are one body. It is refused
+(`Untwinnable`) wherever something needs the stack whole: a stacked leaf read
+outside its scan, a scan whose per-layer outputs are stacked, a stack of
+another length.
 """
 
 from __future__ import annotations
@@ -39,11 +47,22 @@ from automap._src.ir.walk import INLINE
 _CASTS = ("convert_element_type", "copy", "copy_p")
 
 
+class Untwinnable(Exception):
+  """A loss that needs a stack whole, which a shallow twin does not hold."""
+
+
 class _Layers(tuple):
   """A stacked value held as its layers' slices (a split parameter)."""
 
   def whole(self) -> jax.Array:
     return jnp.stack(list(self))
+
+
+class _Kept(_Layers):
+  """Some of a stack's layers (`Stacks.shallow`): never whole."""
+
+  def whole(self) -> jax.Array:
+    raise Untwinnable("a stacked leaf is read whole outside its scan")
 
 
 def _whole(x):
@@ -59,11 +78,13 @@ class Stacks:
     lengths: per flat parameter leaf, its stack's layer count (None: not
       a stack's parameter).
     fn: the user's `loss_fn(params, *batch)`.
+    kept: the layers each stack runs (`shallow`); None: all of them.
   """
 
   treedef: Any
   lengths: tuple[int | None, ...]
   fn: Callable
+  kept: tuple[int, ...] | None = None
 
   @property
   def layers(self) -> int:
@@ -72,11 +93,22 @@ class Stacks:
 
   def split(self, params: Any) -> Any:
     """The user's parameters with each stacked leaf a tuple of its layers
-    (arrays sliced, `jax.ShapeDtypeStruct`s without their leading dim)."""
+    (arrays sliced, `jax.ShapeDtypeStruct`s without their leading dim); of
+    the `kept` layers only where some are."""
     leaves = self.treedef.flatten_up_to(params)
     return jax.tree.unflatten(self.treedef, [
-        tuple(_layer(x, i) for i in range(n)) if n else x
+        tuple(_layer(x, i) for i in (self.kept or range(n))) if n else x
         for x, n in zip(leaves, self.lengths)])
+
+  def shallow(self, kept: Sequence[int]) -> Stacks:
+    """The stacks running only the layers `kept` (ascending, within every
+    stack's length): `loss_fn` takes `split` parameters holding those
+    layers, and raises `Untwinnable` where the loss needs a stack whole."""
+    kept = tuple(kept)
+    if list(kept) != sorted(set(kept)) or not kept or kept[0] < 0 or any(
+        n and kept[-1] >= n for n in self.lengths):
+      raise ValueError(f"kept must be ascending layers of every stack, got {kept}")
+    return dataclasses.replace(self, kept=kept)
 
   def join(self, split: Any) -> Any:
     """`split`'s inverse: each tuple of layers stacked again, on the devices
@@ -95,8 +127,9 @@ class Stacks:
                    for x in jax.tree.leaves(batch)]
     closed, out_tree = _traced(self.fn, self.treedef, jax.tree.structure(batch),
                                tuple(avals), tuple(batch_avals))
-    args = [_Layers(x) if n else x for x, n in zip(parts, self.lengths)]
-    outs = _eval(closed, [*args, *jax.tree.leaves(batch)])
+    held = _Layers if self.kept is None else _Kept
+    args = [held(x) if n else x for x, n in zip(parts, self.lengths)]
+    outs = _eval(closed, [*args, *jax.tree.leaves(batch)], self.kept)
     return jax.tree.unflatten(out_tree, [_whole(x) for x in outs])
 
 
@@ -148,8 +181,9 @@ def _traced(fn: Callable, treedef, batch_treedef, avals: tuple, batch_avals: tup
   return closed, jax.tree.structure(shape)
 
 
-def _eval(closed, args: Sequence) -> list:
-  """`closed` on `args`, stacks unrolled, every other equation as it is."""
+def _eval(closed, args: Sequence, kept: tuple[int, ...] | None = None) -> list:
+  """`closed` on `args`, stacks unrolled (to their `kept` layers where
+  given), every other equation as it is."""
   jaxpr = closed.jaxpr if isinstance(closed, jex.ClosedJaxpr) else closed
   env = dict(zip(jaxpr.constvars, closed.consts if isinstance(closed, jex.ClosedJaxpr) else ()))
   env.update(zip(jaxpr.invars, args))
@@ -163,35 +197,41 @@ def _eval(closed, args: Sequence) -> list:
     split = any(isinstance(x, _Layers) for x in ins)
     if split and name in INLINE:
       with _scope(eqn):
-        outs = _eval(eqn.params[INLINE[name]], ins)
-    elif split and name == "scan" and _scans_layers(eqn, ins):
+        outs = _eval(eqn.params[INLINE[name]], ins, kept)
+    elif split and name == "scan" and _scans_layers(eqn, ins, kept):
       with _scope(eqn):
-        outs = _unrolled(eqn, ins)
+        outs = _unrolled(eqn, ins, kept)
     elif split and name in _CASTS and isinstance(ins[0], _Layers):
-      outs = [_Layers(_cast(eqn, x) for x in ins[0])]
+      outs = [type(ins[0])(_cast(eqn, x) for x in ins[0])]
     else:
       outs = _bind(eqn, [_whole(x) for x in ins])
     env.update((v, x) for v, x in zip(eqn.outvars, outs) if not isinstance(v, jex.DropVar))
   return [read(a) for a in jaxpr.outvars]
 
 
-def _scans_layers(eqn, ins: Sequence) -> bool:
+def _scans_layers(eqn, ins: Sequence, kept: tuple[int, ...] | None) -> bool:
   n, first = eqn.params["length"], eqn.params["num_consts"] + eqn.params["num_carry"]
-  return any(isinstance(x, _Layers) and len(x) == n for x in ins[first:])
+  held = n if kept is None else len(kept)
+  return any(isinstance(x, _Layers) and len(x) == held for x in ins[first:])
 
 
-def _unrolled(eqn, ins: Sequence) -> list:
-  """A scan as `length` calls of its body, call i under the name scope
+def _unrolled(eqn, ins: Sequence, kept: tuple[int, ...] | None = None) -> list:
+  """A scan as `length` calls of its body (of its `kept` layers only, the
+  carry handed from each to the next), call i under the name scope
   `<stem>_i`."""
   p = eqn.params
   stem = _stem(p["jaxpr"].jaxpr)
   nc, nk, n = p["num_consts"], p["num_carry"], p["length"]
+  if kept is not None and (kept[-1] >= n or len(p["jaxpr"].out_avals) > nk):
+    raise Untwinnable(f"a stack of {n} layers, or one whose layers' outputs are stacked")
   consts = [_whole(x) for x in ins[:nc]]
   carry = [_whole(x) for x in ins[nc:nc + nk]]
   xs = ins[nc + nk:]
   ys: list[list] = [None] * n
-  for i in (reversed(range(n)) if p["reverse"] else range(n)):
-    x_i = [x[i] if isinstance(x, _Layers) else jax.lax.index_in_dim(x, i, keepdims=False)
+  # Position k of a split leaf holds layer order[k].
+  order = range(n) if kept is None else kept
+  for k, i in (reversed(list(enumerate(order))) if p["reverse"] else enumerate(order)):
+    x_i = [x[k] if isinstance(x, _Layers) else jax.lax.index_in_dim(x, i, keepdims=False)
            for x in xs]
     with jax.named_scope(f"{stem}_{i}"):
       outs = [_whole(y) for y in _eval(p["jaxpr"], [*consts, *carry, *x_i])]
@@ -262,4 +302,4 @@ def _stacked(layers: Sequence):
   return jnp.stack(layers)
 
 
-__all__ = ["Stacks", "unstack"]
+__all__ = ["Stacks", "Untwinnable", "unstack"]

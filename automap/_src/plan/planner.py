@@ -25,7 +25,7 @@ from automap._src.plan import build, guard
 from automap._src.plan import cache as cache_lib
 from automap._src.plan.plan import Plan
 from automap._src.search import driver, tactics
-from automap._src.search.request import Budget, Hints, SearchOptions
+from automap._src.search.request import Budget, Hints, SearchOptions, bytes_per_device
 from automap._src.sharding import annotations
 from automap._src.sharding.annotations import Layout, LayoutWarning
 from automap._src.sharding.mesh import MeshError, MeshSpec
@@ -203,7 +203,14 @@ def searcher(budget: Budget | None, seed: int = 0,
       return program.initial_state()
     return run(program, request).state
 
+  def scaled(share: float, hardware: Hardware) -> Callable[[Program], np.ndarray]:
+    """The same search for a part of the step holding `share` of its
+    bytes: its memory limit (on `hardware`) scaled by `share`."""
+    limit = bytes_per_device(memory_limit, hardware)
+    return searcher(budget, seed, None if limit is None else limit * share)
+
   search.key = (budget, seed, memory_limit)
+  search.scaled = scaled
   return search
 
 

@@ -34,10 +34,12 @@ from automap._src.cluster.errors import PlacementError
 from automap._src.cluster.profile import context as context_lib
 from automap._src.cluster.profile.layer_graph import Layer, LayerCost, LayerGraph, Shared
 from automap._src.cluster.profile.policies import offloaded, policy_rerun, weight_matmuls
+from automap._src.cluster.profile.twin import Twin
 from automap._src.cost.hardware import Hardware
 from automap._src.cost.program import Program
 from automap._src.ir import graph as graph_lib
 from automap._src.ir.naming import UNSCOPED, containers, is_backward, layer_of, layer_runs
+from automap._src.ir.stacks import Untwinnable
 from automap._src.plan import planner, report
 
 
@@ -471,7 +473,7 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
             sizes: Sequence[int] = (), fused_attention: bool = False,
             check: Callable[[LayerGraph], None] | None = None,
             sequence_parallel: bool = False, context: int = 1,
-            offload_names: tuple[str, ...] = ()) -> Profile:
+            offload_names: tuple[str, ...] = (), twin: Twin | None = None) -> Profile:
   """Profiles `jax.value_and_grad(loss_fn)(params, *batch)` at each width, for
   the example batch and for each of `sizes` (the batch's leading dimension
   changed).
@@ -487,7 +489,43 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
   context: of each width's devices, how many split the batch's sequence
     (a ("context", "model") mesh; `_searched`).
   offload_names: as in `layer_graphs`.
+  twin: the loss's scanned stack profiled through its shallow twin
+    (`twin.Twin`: `loss_fn` and `params` are then only the fallback, for a
+    loss the twin cannot run); the profile's graphs and specs are the whole
+    step's, its programs the twin's. `search` is scaled to the twin's share
+    of the parameters' bytes where it can be (`planner.searcher`'s).
   """
+  options = dict(widths=widths, hardware=hardware, sizes=sizes, fused_attention=fused_attention,
+                 check=check, sequence_parallel=sequence_parallel, context=context,
+                 offload_names=offload_names)
+  if twin is not None:
+    scaled = getattr(search, "scaled", None)
+    try:
+      return _measure(twin.stacks.loss_fn, twin.params, batch, twin=twin,
+                      search=search if scaled is None else scaled(twin.share(), hardware),
+                      **options)
+    except (Untwinnable, _Unwritten):
+      pass  # profiled in full
+  return _measure(loss_fn, params, batch, search=search, **options)
+
+
+class _Unwritten(Exception):
+  """A twin's layer graph that `Twin.graph` does not write out."""
+
+
+def _measure(loss_fn, params, batch, *, widths, hardware, search, sizes, fused_attention,
+             check, sequence_parallel, context, offload_names, twin=None) -> Profile:
+  """`measure`, of `twin`'s loss where given (its graphs and specs written
+  out to the whole stack)."""
+
+  def whole(graph: LayerGraph) -> LayerGraph:
+    if twin is None:
+      return graph
+    written = twin.graph(graph)
+    if written is None:
+      raise _Unwritten
+    return written
+
   example = batch_size(batch)
   params_count = len(jax.tree.leaves(params))
   grad = jax.value_and_grad(loss_fn)
@@ -500,7 +538,7 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
         f"traced loss_fn; its checkpoint_names are {sorted(named) or 'none'}. Name the "
         "activations to offload with jax.ad_checkpoint.checkpoint_name(x, name).")
   if check is not None:
-    check(outline(g, params_count, widths))
+    check(whole(outline(g, params_count, widths)))
   searched: dict[int, np.ndarray] = {}
   specs = {}
   graphs: dict[int, dict[int, LayerGraph]] = {}
@@ -519,7 +557,10 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
         searched[t] = state
         plan = planner.plan_of_state(program, state)
         specs[t] = dict(zip(plan.in_paths, plan.in_specs))
+        if twin is not None:
+          specs[t] = twin.specs(specs[t])
       programs[(size, t)] = (program, state)
-    graphs[size] = layer_graphs({t: programs[(size, t)] for t in widths}, params_count,
-                                fused_attention, offload_names)
+    graphs[size] = {t: whole(graph) for t, graph in layer_graphs(
+        {t: programs[(size, t)] for t in widths}, params_count, fused_attention,
+        offload_names).items()}
   return Profile(graphs, specs, programs)
