@@ -65,6 +65,34 @@ class _Kept(_Layers):
     raise Untwinnable("a stacked leaf is read whole outside its scan")
 
 
+class SplitLeaves(Sequence):
+  """The flat leaves of a split pytree (`Stacks.leaves`): leaf k is a
+  parameter leaf or one layer of a stacked leaf, sliced when read; `rows`
+  reads consecutive layers of one stacked leaf as one slice."""
+
+  def __init__(self, stacked: Sequence, lengths: Sequence[int | None]):
+    self.stacked = list(stacked)
+    self.where = []  # split leaf -> (stacked leaf, layer or None)
+    for u, n in enumerate(lengths):
+      self.where += [(u, j) for j in range(n)] if n else [(u, None)]
+
+  def __len__(self) -> int:
+    return len(self.where)
+
+  def __getitem__(self, k: int):
+    u, j = self.where[k]
+    return self.stacked[u] if j is None else _layer(self.stacked[u], j)
+
+  def rows(self, flat: Sequence[int]):
+    """Leaves `flat` as one slice of their stacked leaf where they are its
+    consecutive layers, else None."""
+    at = [self.where[k] for k in flat]
+    u, first = at[0]
+    if first is None or at != [(u, first + k) for k in range(len(at))]:
+      return None
+    return self.stacked[u][first:first + len(at)]
+
+
 def _whole(x):
   return x.whole() if isinstance(x, _Layers) else x
 
@@ -99,6 +127,10 @@ class Stacks:
     return jax.tree.unflatten(self.treedef, [
         tuple(_layer(x, i) for i in (self.kept or range(n))) if n else x
         for x, n in zip(leaves, self.lengths)])
+
+  def leaves(self, params: Any) -> SplitLeaves:
+    """`split(params)`'s flat leaves, each layer sliced only when read."""
+    return SplitLeaves(self.treedef.flatten_up_to(params), self.lengths)
 
   def shallow(self, kept: Sequence[int]) -> Stacks:
     """The stacks running only the layers `kept` (ascending, within every
@@ -302,4 +334,4 @@ def _stacked(layers: Sequence):
   return jnp.stack(layers)
 
 
-__all__ = ["Stacks", "Untwinnable", "unstack"]
+__all__ = ["SplitLeaves", "Stacks", "Untwinnable", "unstack"]

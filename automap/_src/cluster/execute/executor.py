@@ -169,7 +169,10 @@ class PipelineStep:
         (params, *batch))[0]][len(self.param_avals):]
     self.split_batch = [stage_layouts.splits_batch(plan.shardings.get(widths[s], {}),
                                                    batch_paths) for s in range(self.S)]
-    stage_layouts.check_elementwise(optimizer, abstract)
+    # On the user's stacked leaves where a stack is split: fewer leaves to
+    # trace, and a stacked leaf's update reads another's all the same.
+    stage_layouts.check_elementwise(
+        optimizer, abstract if self.stacks is None else self.stacks.join(abstract))
     self.readers = defaultdict(int)  # value id -> chunks receiving it
     for c in chunks:
       for i in c.receives:
@@ -185,9 +188,11 @@ class PipelineStep:
   def init(self, params: Any) -> PipelineState:
     """The parameters placed on their stages and the optimizer initialised."""
     self._runnable()
-    if self.stacks is not None:
-      params = self.stacks.split(params)
-    return self.layout.init(params)
+    if self.stacks is None:
+      return self.layout.init(params)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                            params)
+    return self.layout.init(self.stacks.split(abstract), self.stacks.leaves(params))
 
   def params(self, state: PipelineState) -> Any:
     """The parameters as the user's pytree (each leaf from the stage owning

@@ -191,28 +191,41 @@ class StateLayout:
     """Reduced gradients: whole under ZeRO 0, sharded from ZeRO 1 on."""
     return NamedSharding(self.meshes[s], self.spec(s, i, sharded=self.zero >= 1))
 
-  def init(self, params: Any) -> PipelineState:
-    """The parameters placed on their stages and the optimizer initialised."""
-    leaves = self.leaves(params)
+  def init(self, params: Any, leaves: Sequence | None = None) -> PipelineState:
+    """The parameters placed on their stages and the optimizer initialised.
+    `leaves`: where given, `params`' flat values (`params` then only checked,
+    abstract as it may be); with `rows(flat)` (`stacks.SplitLeaves`), a
+    stacked slot's layers in one array, placed as they are rather than
+    layer by layer."""
+    checked = self.leaves(params)
+    leaves = checked if leaves is None else leaves
+    rows = getattr(leaves, "rows", None)
     # Copies: the step donates its parameters, never the caller's arrays (a
     # replicated `device_put` may share the caller's buffer).
-    placed = [{i: self._placed(leaves, s, i, self.param_sharding(s, i), copy=True)
+    placed = [{i: self._placed(leaves, s, i, self.param_sharding(s, i), copy=True, rows=rows)
                for i in self.stage_params[s]} for s in range(self.S)]
     opt = []
     for s in range(self.S):
-      owned = [self._placed(leaves, s, i, self.grad_sharding(s, i)) for i in self.owned[s]]
+      owned = [self._placed(leaves, s, i, self.grad_sharding(s, i), rows=rows)
+               for i in self.owned[s]]
       opt.append(jax.jit(self.optimizer.init, out_shardings=self._state_layouts(s, owned))(
           owned))
     return PipelineState(placed, opt)
 
   def _placed(self, leaves: Sequence, s: int, i: int, sharding: NamedSharding,
-              copy: bool = False) -> jax.Array:
+              copy: bool = False, rows: Callable[[Sequence[int]], Any] | None = None
+              ) -> jax.Array:
     """Slot i laid out by `sharding` on stage s, from the flat leaves (a
-    copy with `copy`): a stacked slot's layers each placed in their own
-    layout, then stacked where they lie, never whole on one device."""
+    copy with `copy`): a stacked slot's layers as one slice of the user's
+    stacked leaf where `rows` gives it (in one process), else each placed
+    in its own layout, then stacked where they lie, never whole on one
+    device."""
     if i not in self.members:
       leaf = stage_layouts.copy(leaves[i]) if copy else leaves[i]
       return stage_layouts.place(leaf, sharding)
+    sliced = rows(self.members[i]) if rows is not None and jax.process_count() == 1 else None
+    if sliced is not None:  # (a slice of a whole stack may be the caller's own array)
+      return stage_layouts.place(stage_layouts.copy(sliced) if copy else sliced, sharding)
     layer = NamedSharding(sharding.mesh, P(*self.tp[s][i][1:]))
     layers = [stage_layouts.place(leaves[k], layer) for k in self.members[i]]
     return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*layers)
