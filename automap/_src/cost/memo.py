@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from automap._src.cost import kernels
+from automap._src.cost.collectives import ALL_REDUCE
 from automap._src.sharding.state import State
 
 
@@ -53,6 +54,8 @@ class Memo:
   time, flops, traffic: [E] its compute seconds, FLOPs and HBM bytes per device.
   footprint: [E, R] bytes its results' buffers hold (`OpCost.footprint`).
   has_comms: [E] whether it has any collective.
+  lone_all_reduce: [E] whether exactly one of them is an all-reduce of its
+    result (what `reassociate` may fold into a sum's).
   has_reshard: [E] whether one of them reshards an operand (a copy all the
     operand's readers in that layout share).
   comm_start, comm_end: [E] its collectives are rows comm_start to comm_end
@@ -68,6 +71,7 @@ class Memo:
     self.traffic = np.zeros(256)
     self.footprint = np.zeros((256, result_slots))
     self.has_comms = np.zeros(256, bool)
+    self.lone_all_reduce = np.zeros(256, bool)
     self.has_reshard = np.zeros(256, bool)
     self.comm_start = np.zeros(256, np.int64)
     self.comm_end = np.zeros(256, np.int64)
@@ -107,7 +111,7 @@ class Memo:
     k = len(self.entries)
     if k == len(self.time):  # grow geometrically
       self._grow(("time", "flops", "traffic", "footprint", "has_comms", "_class", "_rows", "_hash",
-                  "has_reshard", "comm_start", "comm_end"), 2 * k)
+                  "has_reshard", "comm_start", "comm_end", "lone_all_reduce"), 2 * k)
     rows_at = int(self.comm_end[k - 1]) if k else 0
     while rows_at + len(c.comms) > len(self.comm_kind):
       self._grow(("comm_kind", "comm_mask", "comm_bytes", "comm_seconds", "comm_after"),
@@ -118,6 +122,8 @@ class Memo:
       self.comm_after[r] = position < 0
     self.comm_start[k], self.comm_end[k] = rows_at, rows_at + len(c.comms)
     self.has_reshard[k] = any(position >= 0 for *_, position, _, _ in c.comms)
+    self.lone_all_reduce[k] = [kind == ALL_REDUCE and position < 0
+                               for kind, _, _, _, position, *_ in c.comms].count(True) == 1
     self.entries.append(c)
     self.time[k], self.flops[k], self.has_comms[k] = c.time, c.flops, bool(c.comms)
     self.traffic[k] = c.traffic

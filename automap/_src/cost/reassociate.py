@@ -18,6 +18,8 @@ is all-reduced once, not once per contribution.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from automap._src.cost.collectives import ALL_REDUCE, KINDS
@@ -30,11 +32,30 @@ _SUMS = frozenset({"add", "add_any"})
 _THROUGH = frozenset({"reshape", "squeeze", "expand_dims", "convert_element_type"})
 
 
-def candidates(graph: Graph) -> tuple[tuple[int, int, int, int], ...]:
-  """(sum op, its result, source value 0, source value 1) of every binary
-  sum whose two operands are each read by it alone, traced back through
-  single-reader reshapes and converts to the value an op makes; in
-  program order (a chain's inner sums first)."""
+@dataclasses.dataclass(frozen=True)
+class Sums:
+  """The sums a program's all-reduces may be reassociated across.
+
+  Attributes:
+    found: (sum op, its result, source value 0, source value 1) each.
+    makers: [N, 2] the op making each source value where it makes it alone
+      (-1: a value with no maker, or one of several results).
+    chained: [N, 2] whether each source value is an earlier sum's result
+      (reduced once that sum is reassociated).
+  """
+
+  found: tuple[tuple[int, int, int, int], ...]
+  makers: np.ndarray
+  chained: np.ndarray
+
+  def __len__(self) -> int:
+    return len(self.found)
+
+
+def candidates(graph: Graph) -> Sums:
+  """Every binary sum whose two operands are each read by it alone, traced
+  back through single-reader reshapes and converts to the value an op
+  makes; in program order (a chain's inner sums first)."""
   g = graph
   outputs = frozenset(g.outputs)
   out = []
@@ -44,7 +65,16 @@ def candidates(graph: Graph) -> tuple[tuple[int, int, int, int], ...]:
     sources = [_source(g, v, outputs) for v in g.operands[o]]
     if all(s >= 0 for s in sources) and sources[0] != sources[1] and g.results[o][0] >= 0:
       out.append((o, g.results[o][0], sources[0], sources[1]))
-  return tuple(out)
+  results = {r for _, r, _, _ in out}
+  sources = np.array([(s0, s1) for *_, s0, s1 in out], np.int64).reshape(-1, 2)
+  makers = np.array([[_maker(g, v) for v in pair] for pair in sources], np.int64).reshape(-1, 2)
+  chained = np.isin(sources, list(results)).reshape(-1, 2)
+  return Sums(tuple(out), makers, chained)
+
+
+def _maker(g: Graph, v: int) -> int:
+  p = int(g.producer[v])
+  return p if p >= 0 and len(g.results[p]) == 1 else -1
 
 
 def _source(g: Graph, v: int, outputs: frozenset[int]) -> int:
@@ -58,19 +88,24 @@ def _source(g: Graph, v: int, outputs: frozenset[int]) -> int:
   return -1
 
 
-def saved(model, op_ids: np.ndarray, found: tuple[tuple[int, int, int, int], ...]
+def saved(model, op_ids: np.ndarray, sums: Sums | tuple = ()
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, frozenset[int]]:
   """([kinds, masks] bytes, count, seconds) of the all-reduces XLA's
   reassociation removes, with `op_ids` each op's memo entry: at each sum of
   two values all-reduced over the same axes in the same bytes (made so by
   their ops, or by a sum reassociated before), one of the two; and the ops
-  whose all-reduce is the one removed (for the combiners' count)."""
+  whose all-reduce is the one removed (for the combiners' count). Only the
+  sums whose two sources may be reduced are walked (each made by an op
+  with one all-reduce of its result, or by an earlier sum): a search
+  re-prices this after every action."""
   shape = (len(KINDS), model.masks)
   nbytes, count, seconds = np.zeros(shape), np.zeros(shape, np.int64), np.zeros(shape)
   removed: set[int] = set()
-  if not found:
+  if not sums:
     return nbytes, count, seconds, frozenset()
   g, memo = model.graph, model.memo
+  lone = memo.lone_all_reduce[op_ids[np.maximum(sums.makers, 0)]] & (sums.makers >= 0)
+  may = (lone | sums.chained).all(axis=1)
   reduced: dict[int, tuple[int, float, float]] = {}  # value -> (mask, bytes, seconds)
 
   def made_reduced(v: int) -> tuple[int, float, float] | None:
@@ -88,7 +123,8 @@ def saved(model, op_ids: np.ndarray, found: tuple[tuple[int, int, int, int], ...
       s -= model.latency[ALL_REDUCE, mask]
     return mask, b, s
 
-  for _, result, s0, s1 in found:
+  for i in np.flatnonzero(may):
+    _, result, s0, s1 = sums.found[i]
     left, right = made_reduced(s0), made_reduced(s1)
     if left is None or right is None or left[0] != right[0] or left[1] != right[1]:
       continue
