@@ -240,16 +240,47 @@ def hosted_at(t, start, end, footprint, fits_class, made, slot_class):
 @numba.njit(cache=True, nogil=True)
 def peak_after_hosting(live, start, end, footprint, fits_class, made, slot_class):
   """(bytes, op) of the peak of `live` less what result buffers hold
-  (`hosted_at`). Points are tried from the most live down, and the search
-  stops once no untried point can beat the best found."""
-  best, at = -np.inf, 0
-  for t in np.argsort(-live, kind="mergesort"):
-    if live[t] < best:
+  (`hosted_at`); the earliest op where several tie.
+
+  What is hosted at an op depends only on the temporaries alive there (a
+  buffer a temporary may take is made after the temporary dies, so after
+  the op), and that set changes only where a temporary starts or ends: the
+  ops are cut into runs between those points, each run's peak is its most
+  live op, and the runs are tried from the most live down, until no
+  untried run can beat the best found. A training step's live memory stays
+  near its peak over much of its backward pass, where trying each op
+  priced the hosting thousands of times."""
+  n = len(live)
+  if n == 0:
+    return -np.inf, 0
+  cut = np.zeros(n, np.bool_)
+  cut[0] = True
+  for i in range(len(start)):
+    if start[i] <= end[i]:
+      if 0 <= start[i] < n:
+        cut[start[i]] = True
+      if 0 <= end[i] + 1 < n:
+        cut[end[i] + 1] = True
+  firsts = np.flatnonzero(cut)
+  runs = len(firsts)
+  peak = np.empty(runs)
+  at = np.empty(runs, np.int64)
+  for k in range(runs):
+    stop = firsts[k + 1] if k + 1 < runs else n
+    t = firsts[k]
+    for u in range(firsts[k] + 1, stop):
+      if live[u] > live[t]:
+        t = u
+    peak[k], at[k] = live[t], t
+  best, where = -np.inf, 0
+  for k in np.argsort(-peak, kind="mergesort"):
+    if peak[k] < best:
       break
-    net = live[t] - hosted_at(t, start, end, footprint, fits_class, made, slot_class)
-    if net > best or (net == best and t < at):
-      best, at = net, t
-  return best, at
+    t = at[k]
+    net = peak[k] - hosted_at(t, start, end, footprint, fits_class, made, slot_class)
+    if net > best or (net == best and t < where):
+      best, where = net, t
+  return best, where
 
 
 @numba.njit(cache=True, nogil=True)
