@@ -487,8 +487,7 @@ def price_cluster(loss_fn: Callable, params: Any, *batch: Any, config: ClusterCo
             for name, profile in profiles.items()}
   name = kept(priced, limit)
   placement, profile = priced[name], profiles[name]
-  whole = layers_lib.replicated_share(*profile.programs[(config.microbatch, width)],
-                                      len(jax.tree.leaves(params)))
+  whole = profile.replicated_share(config.microbatch, width)
   if config.tensor > 1 and whole > REPLICATED:
     warnings.warn(
         f"price_cluster: the plan priced at tensor={config.tensor} leaves {whole:.0%} of "
@@ -543,8 +542,7 @@ def stated_profiles(loss_fn: Callable, params: Any, batch: tuple, config: Cluste
   # Megatron's layout is a candidate where the search may have missed it:
   # under sequence-parallel pins, or where it left the weights whole; a
   # search that split them found a tensor-parallel layout of its own.
-  program, state = profiles["searched"].programs[(config.microbatch, config.width)]
-  whole = layers_lib.replicated_share(program, state, len(jax.tree.leaves(params)))
+  whole = profiles["searched"].replicated_share(config.microbatch, config.width)
   if config.tensor > 1 and (config.sequence_parallel or whole > REPLICATED):
     profiles["Megatron"] = measured(planner.megatron)
   return profiles

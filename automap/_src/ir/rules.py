@@ -256,24 +256,18 @@ def _slice(ins, outs, params) -> Rule:
 
 def _stack(ins, outs, params) -> Rule:
   """Operands of one shape stacked along a new dim (`lax.stack`, lowered to
-  a concatenation of each broadcast to a unit dim): the new dim whole, the
-  others shared."""
+  a concatenation of each broadcast to a unit dim), and its transpose
+  `unstack` (a slice and a reshape of each piece): the stacked dim whole,
+  the others shared by every piece."""
   b = Builder()
-  factors = [b.new(n) for n in ins[0]]
-  made = list(factors)
-  made.insert(params["axis"] % len(outs[0]), UNSHARDABLE)
-  return b.rule([factors if s is not None else None for s in ins], [made])
-
-
-def _unstack(ins, outs, params) -> Rule:
-  """An operand cut into its slices along one dim (`stack`'s transpose,
-  lowered to a slice and a reshape of each): that dim whole, the others
-  shared with every slice."""
-  b = Builder()
-  factors = [b.new(n) for n in outs[0]]
-  operand = list(factors)
-  operand.insert(params["axis"] % len(ins[0]), UNSHARDABLE)
-  return b.rule([operand], [factors] * len(outs))
+  unstacking = len(outs[0]) < len(ins[0])
+  piece = outs[0] if unstacking else ins[0]
+  factors = [b.new(n) for n in piece]
+  whole = list(factors)
+  whole.insert(params["axis"] % (len(piece) + 1), UNSHARDABLE)
+  if unstacking:
+    return b.rule([whole], [factors] * len(outs))
+  return b.rule([factors if s is not None else None for s in ins], [whole])
 
 
 def _matrices(core: int):
@@ -547,7 +541,7 @@ _RULES: dict[str, Callable[[Any, Any, dict], Rule]] = {
                                        "schur", "hessenberg")},
     "lu_pivots_to_permutation": _matrices(1),
     "stack": _stack,
-    "unstack": _unstack,
+    "unstack": _stack,
 }
 
 

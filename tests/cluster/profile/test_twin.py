@@ -104,6 +104,10 @@ def test_the_twins_profile_written_out_is_the_whole_stacks(width):
   assert len(a.shared[0].layers) == LAYERS
   assert twin.specs == full.specs
   assert f"0/blocks/kernel/{LAYERS - 2}" in twin.specs[width]
+  # The share of the weights left whole is the whole step's, not the twin's.
+  assert twin.params_count == 4 + 6 and full.params_count == 4 + LAYERS
+  assert twin.replicated_share(BATCH, width) == pytest.approx(
+      full.replicated_share(BATCH, width), rel=1e-12)
 
 
 @pytest.mark.parametrize("why", ["reads_whole", "stacks_outputs"])

@@ -51,13 +51,24 @@ class Profile:
     at every width).
   specs: width -> argument path (parameters "0/...", batch "1/..." on) ->
     its PartitionSpec in the searched plan.
-  programs: (batch size, width) -> (program, state) the costs were read from.
+  programs: (batch size, width) -> (program, state) the costs were read from
+    (a shallow twin's, `twin.Twin`, where the stack was profiled through one).
+  params_count: how many leading arguments of those programs are parameters.
+  weights: per parameter argument, the parameters of the whole step it
+    stands for (a twin's deep layer stands for many); None: one each.
   """
 
   graphs: dict[int, dict[int, LayerGraph]]
   specs: dict[int, dict[str, PartitionSpec]]
   programs: dict[tuple[int, int], tuple[Program, np.ndarray]] = dataclasses.field(
       repr=False, compare=False)
+  params_count: int = dataclasses.field(default=0, compare=False)
+  weights: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
+
+  def replicated_share(self, size: int, width: int) -> float:
+    """`replicated_share` of the whole step, from the program profiled at
+    (size, width)."""
+    return replicated_share(*self.programs[(size, width)], self.params_count, self.weights)
 
   def at(self, batch: int) -> LayerGraph:
     """The layer graph with every width's costs for microbatches of `batch`
@@ -193,12 +204,15 @@ def attention_scores(g, forward: np.ndarray, params_count: int) -> np.ndarray:
   return after
 
 
-def replicated_share(program: Program, state: np.ndarray, params_count: int) -> float:
-  """Share of the parameters' bytes a plan leaves whole on every device."""
+def replicated_share(program: Program, state: np.ndarray, params_count: int,
+                     weights: np.ndarray | None = None) -> float:
+  """Share of the parameters' bytes a plan leaves whole on every device;
+  each parameter's bytes times its `weights` entry where given."""
   g = program.graph
-  params = list(g.inputs[:params_count])
-  total = float(sum(g.nbytes[v] for v in params))
-  whole = float(sum(g.nbytes[v] for v in params if (state[v] < 0).all()))
+  params = np.asarray(g.inputs[:params_count], np.int64)
+  nbytes = np.asarray(g.nbytes, float)[params] * (1.0 if weights is None else weights)
+  total = float(nbytes.sum())
+  whole = float(nbytes[(state[params] < 0).all(axis=1)].sum()) if len(params) else 0.0
   return whole / total if total else 0.0
 
 
@@ -563,4 +577,5 @@ def _measure(loss_fn, params, batch, *, widths, hardware, search, sizes, fused_a
     graphs[size] = {t: whole(graph) for t, graph in layer_graphs(
         {t: programs[(size, t)] for t in widths}, params_count, fused_attention,
         offload_names).items()}
-  return Profile(graphs, specs, programs)
+  return Profile(graphs, specs, programs, params_count,
+                 None if twin is None else twin.multiplicity())

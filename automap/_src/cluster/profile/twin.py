@@ -98,6 +98,15 @@ class Twin:
       return self.kept[self.kept.index(j + 1) - 1], j + 1
     return DEEP, DEEP + 1
 
+  def multiplicity(self) -> np.ndarray:
+    """Per flat leaf of `params`, the layers of the whole stack it stands
+    for (1 for a leaf outside the stack)."""
+    counts = {i: 0 for i in self.kept}
+    for j in range(self.length):
+      counts[self.stands_for(j)] += 1
+    return np.array([c for n in self.stacks.lengths
+                     for c in ([counts[i] for i in self.kept] if n else [1])], float)
+
   def share(self) -> float:
     """The twin's share of the parameters' bytes: what a memory limit for
     the whole step leaves the twin."""
