@@ -22,11 +22,13 @@ LAYERS = 9
 WIDTH, BATCH = 32, 8
 
 
-def stack_loss(*, reads_whole: bool = False, stacks_outputs: bool = False):
+def stack_loss(*, reads_whole: bool = False, stacks_outputs: bool = False,
+               two_stacks: bool = False):
   """A pure-JAX stack over stacked `blocks`: a gate shared by every block,
   a bias computed before the stack and read by every block, and what
   makes a twin impossible where asked: the stacked weights read whole
-  outside the scan (weight decay), or each block's output stacked."""
+  outside the scan (weight decay), each block's output stacked, or a
+  second stack of as many blocks under the same name."""
 
   def loss(params, x, y):
     with jax.named_scope("embed"):
@@ -40,6 +42,8 @@ def stack_loss(*, reads_whole: bool = False, stacks_outputs: bool = False):
         return h, (jnp.mean(h) if stacks_outputs else None)
 
     h, means = jax.lax.scan(body, h, params["blocks"])
+    if two_stacks:
+      h, _ = jax.lax.scan(body, h, params["more"])
     with jax.named_scope("head"):
       out = jnp.mean((h @ params["head"] - y) ** 2)
     if stacks_outputs:
@@ -54,6 +58,8 @@ def stack_loss(*, reads_whole: bool = False, stacks_outputs: bool = False):
             "gate": jnp.ones((WIDTH,)),
             "blocks": {"kernel": jax.random.normal(k[2], (LAYERS, WIDTH, WIDTH)) / 8},
             "head": jax.random.normal(k[3], (WIDTH, WIDTH)) / 8}
+  if two_stacks:
+    params["more"] = {"kernel": jax.random.normal(k[4], (LAYERS, WIDTH, WIDTH)) / 8}
   x = jax.random.normal(k[4], (BATCH, WIDTH))
   return loss, params, (x, x)
 
@@ -110,11 +116,12 @@ def test_the_twins_profile_written_out_is_the_whole_stacks(width):
       full.replicated_share(BATCH, width), rel=1e-12)
 
 
-@pytest.mark.parametrize("why", ["reads_whole", "stacks_outputs"])
+@pytest.mark.parametrize("why", ["reads_whole", "stacks_outputs", "two_stacks"])
 def test_a_loss_needing_its_stack_whole_is_profiled_in_full(why):
   loss, params, batch = stack_loss(**{why: True})
   twin, full = profiles(loss, params, batch, 1)
-  assert len(layer_names(twin, 1)) == len(layer_names(full, 1)) == LAYERS + 3
+  blocks = 2 * LAYERS if why == "two_stacks" else LAYERS
+  assert len(layer_names(twin, 1)) == len(layer_names(full, 1)) == blocks + 3
   assert_same_graph(twin.graphs[BATCH][1], full.graphs[BATCH][1])
 
 

@@ -169,10 +169,9 @@ class PipelineStep:
         (params, *batch))[0]][len(self.param_avals):]
     self.split_batch = [stage_layouts.splits_batch(plan.shardings.get(widths[s], {}),
                                                    batch_paths) for s in range(self.S)]
-    # On the user's stacked leaves where a stack is split: fewer leaves to
-    # trace, and a stacked leaf's update reads another's all the same.
-    stage_layouts.check_elementwise(
-        optimizer, abstract if self.stacks is None else self.stacks.join(abstract))
+    # On the split leaves: a stage updates its own layers of a stack, so an
+    # update reading other layers of one stacked leaf is refused too.
+    stage_layouts.check_elementwise(optimizer, abstract)
     self.readers = defaultdict(int)  # value id -> chunks receiving it
     for c in chunks:
       for i in c.receives:

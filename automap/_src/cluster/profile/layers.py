@@ -41,6 +41,7 @@ from automap._src.ir import graph as graph_lib
 from automap._src.ir.naming import UNSCOPED, containers, is_backward, layer_of, layer_runs
 from automap._src.ir.stacks import Untwinnable
 from automap._src.plan import planner, report
+from automap._src.search.request import MemoryLimitError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -518,8 +519,10 @@ def measure(loss_fn: Callable, params, batch: Sequence, *, widths: Sequence[int]
       return _measure(twin.stacks.loss_fn, twin.params, batch, twin=twin,
                       search=search if scaled is None else scaled(twin.share(), hardware),
                       **options)
-    except (Untwinnable, _Unwritten):
-      pass  # profiled in full
+    except (Untwinnable, _Unwritten, MemoryLimitError):
+      # Profiled in full (a limit scaled by the weights' share can be out of
+      # the twin's reach where its batch or logits dominate).
+      pass
   return _measure(loss_fn, params, batch, search=search, **options)
 
 

@@ -25,6 +25,12 @@ that profile out to the whole stack (`graph`, `specs`):
 - what a layer outside the stack hands each layer of it (a bias, a mask)
   or reads from each, and parameters it shares with them, is the twin's
   for the layer standing for it.
+
+A loss that needs the stack whole (a stacked leaf read outside its scan, a
+scan stacking per-layer outputs), stacks of several lengths or two stacks
+under one name, a twin whose search cannot meet the scaled memory limit,
+or a layer graph these rules do not write out (a reversed scan hands its
+carry from the last layer down) is profiled in full.
 """
 
 from __future__ import annotations
@@ -134,6 +140,8 @@ class Twin:
       return None
     stem = stems[0]
     stack = {name: i for name, (s, i) in stack.items() if s == stem}
+    if any(re.match(rf"{re.escape(stem)}\d+#", layer.name) for layer in twin.layers):
+      return None  # a second stack under the same name: its layers would be lost
 
     def name(j: int) -> str:
       return f"{stem}{j}"
