@@ -199,30 +199,28 @@ class StateLayout:
     layer by layer."""
     checked = self.leaves(params)
     leaves = checked if leaves is None else leaves
-    rows = getattr(leaves, "rows", None)
     # Copies: the step donates its parameters, never the caller's arrays (a
     # replicated `device_put` may share the caller's buffer).
-    placed = [{i: self._placed(leaves, s, i, self.param_sharding(s, i), copy=True, rows=rows)
+    placed = [{i: self._placed(leaves, s, i, self.param_sharding(s, i), copy=True)
                for i in self.stage_params[s]} for s in range(self.S)]
     opt = []
     for s in range(self.S):
-      owned = [self._placed(leaves, s, i, self.grad_sharding(s, i), rows=rows)
-               for i in self.owned[s]]
+      owned = [self._placed(leaves, s, i, self.grad_sharding(s, i)) for i in self.owned[s]]
       opt.append(jax.jit(self.optimizer.init, out_shardings=self._state_layouts(s, owned))(
           owned))
     return PipelineState(placed, opt)
 
   def _placed(self, leaves: Sequence, s: int, i: int, sharding: NamedSharding,
-              copy: bool = False, rows: Callable[[Sequence[int]], Any] | None = None
-              ) -> jax.Array:
+              copy: bool = False) -> jax.Array:
     """Slot i laid out by `sharding` on stage s, from the flat leaves (a
     copy with `copy`): a stacked slot's layers as one slice of the user's
-    stacked leaf where `rows` gives it (in one process), else each placed
-    in its own layout, then stacked where they lie, never whole on one
-    device."""
+    stacked leaf where the leaves give it (`stacks.SplitLeaves.rows`, in
+    one process), else each placed in its own layout, then stacked where
+    they lie, never whole on one device."""
     if i not in self.members:
       leaf = stage_layouts.copy(leaves[i]) if copy else leaves[i]
       return stage_layouts.place(leaf, sharding)
+    rows = getattr(leaves, "rows", None)
     sliced = rows(self.members[i]) if rows is not None and jax.process_count() == 1 else None
     if sliced is not None:  # (a slice of a whole stack may be the caller's own array)
       return stage_layouts.place(stage_layouts.copy(sliced) if copy else sliced, sharding)
